@@ -1,0 +1,26 @@
+"""The one module that reads process environment variables.
+
+Every other module receives an ``environ`` mapping (defaulting to :func:`environ`) so that
+tests can pass a plain dict and nothing reads ``os.environ`` behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+#: Cluster secret for message authentication (hex or any string; at least 16 characters).
+SECRET_VAR = "TENSORFLEET_SECRET"
+#: Path to a file holding the cluster secret (alternative to ``TENSORFLEET_SECRET``).
+SECRET_FILE_VAR = "TENSORFLEET_SECRET_FILE"
+#: TensorFlow's cluster/task description, as Kubeflow's TFJob and our launcher set it.
+TF_CONFIG_VAR = "TF_CONFIG"
+#: Set by the launcher: how many ps tasks a Slurm allocation reserves (first ranks).
+SLURM_NUM_PS_VAR = "TENSORFLEET_SLURM_NUM_PS"
+#: Set by the launcher so children know they run under it (for the progress view).
+LAUNCHER_VAR = "TENSORFLEET_LAUNCHER"
+
+
+def environ() -> Mapping[str, str]:
+    """The current process environment, read-only by convention."""
+    return os.environ
