@@ -17,8 +17,15 @@ SECRET_FILE_VAR = "TENSORFLEET_SECRET_FILE"
 TF_CONFIG_VAR = "TF_CONFIG"
 #: Set by the launcher: how many ps tasks a Slurm allocation reserves (first ranks).
 SLURM_NUM_PS_VAR = "TENSORFLEET_SLURM_NUM_PS"
+#: Port of the first task on each node of a Slurm job; the task of local rank r listens on
+#: this port + r (default 2222).
+SLURM_BASE_PORT_VAR = "TENSORFLEET_SLURM_BASE_PORT"
 #: Set by the launcher so children know they run under it (for the progress view).
 LAUNCHER_VAR = "TENSORFLEET_LAUNCHER"
+#: Root of the dataset cache (``<root>/<dataset>``); default ``~/.cache/tensorfleet/datasets``.
+DATA_DIR_VAR = "TENSORFLEET_DATA_DIR"
+#: The user's home directory, under which the default dataset cache lives.
+HOME_VAR = "HOME"
 
 
 def environ() -> Mapping[str, str]:

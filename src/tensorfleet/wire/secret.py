@@ -48,7 +48,10 @@ def load_secret(
         value, source = env[environment.SECRET_VAR], f"${environment.SECRET_VAR}"
     if value is None and env.get(environment.SECRET_FILE_VAR):
         path = Path(env[environment.SECRET_FILE_VAR])
-        value, source = _read_secret_file(path), f"secret file {path} (${environment.SECRET_FILE_VAR})"
+        value, source = (
+            _read_secret_file(path),
+            f"secret file {path} (${environment.SECRET_FILE_VAR})",
+        )
     if value is None:
         raise AuthenticationError(
             "no cluster secret: every tensorfleet task needs the same secret to authenticate its "

@@ -1,0 +1,191 @@
+"""The classic distributed CNN example, on tensorfleet.
+
+One script for every task. On one machine:
+
+    tensorfleet launch --ps 1 --workers 3 -- python examples/mnist_cnn.py --steps 3000
+
+On several machines, run it on each with the cluster and the task's identity (and the same
+``TENSORFLEET_SECRET`` everywhere):
+
+    python examples/mnist_cnn.py --cluster '{"ps": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}' \\
+        --job_name worker --task_index 0
+
+or with ``TF_CONFIG`` set (Kubeflow's TFJob does that), or under Slurm. Without any of these it
+trains in this one process. Data: MNIST-format idx files (Fashion-MNIST by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorfleet as tfl
+from tensorfleet.datasets import BatchStream, load_mnist, normalize
+
+
+class ClassicCNN(nn.Module):
+    """conv 5x5x32, max-pool, conv 5x5x64, max-pool, fc 500, fc 10."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=5, padding=2)
+        self.fc1 = nn.Linear(7 * 7 * 64, 500)
+        self.fc2 = nn.Linear(500, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=3000, help="global steps to train (default 3000)")
+    p.add_argument("--batch", type=int, default=50, help="batch size per worker step (default 50)")
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default 1e-4)")
+    p.add_argument("--dataset", choices=("fashion-mnist", "mnist"), default="fashion-mnist")
+    p.add_argument("--data-dir", default=None, help="directory with the four idx(.gz) files")
+    p.add_argument(
+        "--train-limit", type=int, default=None, help="use only the first N training examples"
+    )
+    p.add_argument(
+        "--test-limit", type=int, default=None, help="evaluate on the first N test examples"
+    )
+    p.add_argument(
+        "--log-every", type=int, default=100, help="print a progress line every N global steps"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: 2 alone, 1 in a cluster)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--placement", choices=("greedy", "round_robin"), default="greedy")
+    p.add_argument("--log-placement", action="store_true", help="print where each variable lives")
+    p.add_argument(
+        "--metrics-json", type=Path, default=None, help="the chief writes its final figures here"
+    )
+    # The classic flags; tfl.resolve_task reads them from this list.
+    p.add_argument("--job_name", default=None)
+    p.add_argument("--task_index", default=None)
+    p.add_argument("--cluster", default=None, help="cluster spec: JSON text or a JSON file")
+    return p.parse_args(argv)
+
+
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Accuracy of ``model`` on a whole dataset, in batches of 1000."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(labels), 1000):
+            logits = model(images[start : start + 1000])
+            correct += int((logits.argmax(1) == labels[start : start + 1000]).sum())
+    model.train()
+    return correct / len(labels)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    classic = [
+        f"--{k}={v}"
+        for k, v in (
+            ("job_name", args.job_name),
+            ("task_index", args.task_index),
+            ("cluster", args.cluster),
+        )
+        if v is not None
+    ]
+    task = tfl.resolve_task(argv=classic, allow_none=True)
+
+    if task is not None and task.job == "ps":
+        torch.set_num_threads(args.threads or 1)
+        tfl.Server(task.cluster, task.job, task.index).join()
+        return 0
+
+    torch.set_num_threads(args.threads or (2 if task is None else 1))
+    server = tfl.Server(task.cluster, task.job, task.index) if task is not None else None
+    worker_index = task.index if task is not None else 0
+    num_workers = task.num_workers if task is not None else 1
+
+    images, labels = load_mnist(args.dataset, args.data_dir, "train")
+    if args.train_limit:
+        images, labels = images[: args.train_limit], labels[: args.train_limit]
+    batches = BatchStream(
+        normalize(images),
+        labels,
+        args.batch,
+        shard_index=worker_index,
+        num_shards=num_workers,
+        seed=args.seed,
+    )
+
+    torch.manual_seed(args.seed)
+    model = ClassicCNN()
+
+    def progress_line(sess: tfl.TrainingSession, result: tfl.StepResult) -> str:
+        return f"Worker: {worker_index}, Step: {result.global_step}, Accuracy (batch): {result.aux:.2f}"
+
+    hooks = [
+        tfl.StopAtStep(last_step=args.steps),
+        tfl.LoggingHook(args.log_every, progress_line, print_fn=lambda s: print(s, flush=True)),
+    ]
+    started = time.perf_counter()
+    local_steps = 0
+    with tfl.TrainingSession(
+        server,
+        model,
+        optimizer=tfl.optim.Adam(lr=args.lr),
+        hooks=hooks,
+        placement=args.placement,
+        log_placement=args.log_placement,
+    ) as sess:
+        first_step = sess.global_step
+        while not sess.should_stop():
+            x, y = next(batches)
+
+            def loss_and_accuracy(
+                x: torch.Tensor = x, y: torch.Tensor = y
+            ) -> tuple[torch.Tensor, float]:
+                logits = model(x)
+                return F.cross_entropy(logits, y), float((logits.argmax(1) == y).float().mean())
+
+            sess.step(loss_and_accuracy)
+            local_steps += 1
+        elapsed = time.perf_counter() - started
+        if sess.is_chief:
+            final_step = sess.pull()
+            test_images, test_labels = load_mnist(args.dataset, args.data_dir, "test")
+            if args.test_limit:
+                test_images, test_labels = (
+                    test_images[: args.test_limit],
+                    test_labels[: args.test_limit],
+                )
+            accuracy = evaluate(model, normalize(test_images), test_labels)
+            print(
+                f"Test accuracy: {accuracy:.4f} (global step {final_step}, {elapsed:.1f} s)",
+                flush=True,
+            )
+            if args.metrics_json:
+                figures = {
+                    "global_steps": final_step - first_step,
+                    "seconds": elapsed,
+                    "global_steps_per_s": (final_step - first_step) / elapsed,
+                    "chief_local_steps": local_steps,
+                    "test_accuracy": accuracy,
+                    "workers": num_workers,
+                }
+                args.metrics_json.write_text(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

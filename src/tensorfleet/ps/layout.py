@@ -1,0 +1,111 @@
+"""The fused layout of one shard: its variables packed into one flat buffer per dtype.
+
+One message per shard per step carries all of that shard's gradients (or values) as one
+buffer per dtype — never one per tensor. Worker and ps derive the same layout from the same
+ordered list of stored variables, so offsets never travel on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tensorfleet.errors import ProtocolError
+from tensorfleet.wire.tensors import DTYPES, parse_shape
+
+#: Dtypes a trainable variable may have (gradients need floating point).
+TRAINABLE_DTYPES = ("float32", "float64", "float16", "bfloat16")
+MAX_NAME_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class StoredVariable:
+    """A variable as one shard stores it: its stored name, shape and dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_wire(cls, data: object) -> StoredVariable:
+        """Parse and validate a variable description received from a peer."""
+        if not isinstance(data, dict):
+            raise ProtocolError(f"a variable is a map, got {type(data).__name__}")
+        name, dtype = data.get("name"), data.get("dtype")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
+            raise ProtocolError(
+                f"variable name must be a string of 1..{MAX_NAME_LENGTH} characters, got {name!r}"
+            )
+        if dtype not in TRAINABLE_DTYPES:
+            raise ProtocolError(
+                f"variable {name!r} has dtype {dtype!r}; trainable dtypes: {TRAINABLE_DTYPES}"
+            )
+        return cls(name, parse_shape(data.get("shape")), dtype)
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """One flat buffer: its dtype and, for each member variable, its (offset, numel)."""
+
+    dtype: str
+    members: tuple[tuple[StoredVariable, int], ...]
+    numel: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """How a shard's variables are packed: one group per dtype, in order of first use."""
+
+    variables: tuple[StoredVariable, ...]
+    groups: tuple[FusedGroup, ...]
+
+    @classmethod
+    def of(cls, variables: list[StoredVariable] | tuple[StoredVariable, ...]) -> FusedLayout:
+        names = [v.name for v in variables]
+        if len(set(names)) != len(names):
+            raise ProtocolError(
+                f"duplicate variable names: {sorted(n for n in set(names) if names.count(n) > 1)}"
+            )
+        order: list[str] = []
+        for var in variables:
+            if var.dtype not in order:
+                order.append(var.dtype)
+        groups = []
+        for dtype in order:
+            offset, members = 0, []
+            for var in variables:
+                if var.dtype == dtype:
+                    members.append((var, offset))
+                    offset += var.numel
+            groups.append(FusedGroup(dtype, tuple(members), offset))
+        return cls(tuple(variables), tuple(groups))
+
+    def group_bytes(self) -> list[int]:
+        return [g.numel * g.itemsize for g in self.groups]
+
+    def describe_difference(self, other: FusedLayout) -> str | None:
+        """None when both layouts are the same, else one sentence naming the first difference."""
+        mine = {v.name: v for v in self.variables}
+        theirs = {v.name: v for v in other.variables}
+        for name in mine.keys() - theirs.keys():
+            return f"variable {name!r} is not on this shard"
+        for name in theirs.keys() - mine.keys():
+            return f"this shard holds {name!r}, which the model does not have here"
+        for name, var in mine.items():
+            if theirs[name] != var:
+                return f"variable {name!r} is {list(theirs[name].shape)} {theirs[name].dtype} on the ps, {list(var.shape)} {var.dtype} in the model"
+        if self.variables != other.variables:
+            return "the variables are in a different order (different placement settings?)"
+        return None

@@ -1,0 +1,304 @@
+"""The parameter-server service: one shard's request loop.
+
+Operations (request body -> reply body [+ buffers]):
+
+=============  ==========================================================================
+``hello``      protocol and tensorfleet versions -> shard index, whether initialized
+``create``     the chief's variables, update rule and initial values (idempotent)
+``wait_ready`` the worker's expected variables -> held until the chief has created them
+``pull``       -> current values (one buffer per dtype group), version, global step
+``push``       gradients (one buffer per group) -> applied at once (async); the reply carries
+               the global step and, when asked, the new values (a push+pull in one trip)
+``done``       a worker has finished
+``end``        the chief declares training over; pushes are answered with ``stop``
+``stats``      -> counters
+=============  ==========================================================================
+
+The loop is single-threaded: requests are applied one after another, so every push sees a
+consistent shard, and nothing needs a lock. It ends when every worker has said ``done``, or
+``end_grace_s`` after the chief said ``end``, or when no worker has been heard from for
+``idle_timeout_s`` (so a ps never outlives its cluster by more than that).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from tensorfleet.errors import ProtocolError
+from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.version import __version__
+from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
+from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
+from tensorfleet.wire.transport import Request, ServiceSocket
+
+log = logging.getLogger("tensorfleet.ps")
+
+MAX_VARIABLES_PER_SHARD = 100_000
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Settings of one parameter-server shard."""
+
+    shard_index: int
+    """This shard's index in the ps job."""
+    worker_tasks: tuple[str, ...]
+    """Names of the worker tasks (``worker:0`` ...) that must say ``done`` before the ps ends."""
+    idle_timeout_s: float = 1800.0
+    """End (with an error) when no valid request arrived for this long."""
+    end_grace_s: float = 60.0
+    """After the chief's ``end``, how long to wait for the other workers' ``done``."""
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if self.idle_timeout_s <= 0 or self.end_grace_s < 0:
+            raise ValueError(
+                f"idle_timeout_s must be > 0 and end_grace_s >= 0, got {self.idle_timeout_s}, {self.end_grace_s}"
+            )
+
+
+@dataclass(frozen=True)
+class ServiceOutcome:
+    """Why the service loop ended."""
+
+    reason: str
+    """``finished`` (all workers done), ``ended`` (chief's end plus grace), ``idle``, ``stopped``."""
+    global_step: int
+
+    @property
+    def clean(self) -> bool:
+        return self.reason in ("finished", "ended", "stopped")
+
+
+class ParameterService:
+    """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
+
+    def __init__(self, socket: ServiceSocket, config: ServiceConfig) -> None:
+        self.socket = socket
+        self.config = config
+        self.store = VariableStore()
+        self.global_step = 0
+        self.owns_global_step = False
+        self.done_workers: set[str] = set()
+        self.end_declared_at: float | None = None
+        self.stats: Counter[str] = Counter()
+        self._waiting_for_init: list[Request] = []
+        self._handlers = {
+            "hello": self._hello,
+            "create": self._create,
+            "wait_ready": self._wait_ready,
+            "pull": self._pull,
+            "push": self._push,
+            "done": self._done,
+            "end": self._end,
+            "stats": self._stats,
+        }
+
+    def serve(self, stop: threading.Event | None = None) -> ServiceOutcome:
+        """Run the request loop until training is over (or ``stop`` is set)."""
+        while True:
+            reason = self._finished_reason(stop)
+            if reason is not None:
+                return ServiceOutcome(reason, self.global_step)
+            if self.socket.poll(0.2):
+                request = self.socket.receive()
+                if request is not None:
+                    self._handle(request)
+            self._expire_waiting()
+
+    def _finished_reason(self, stop: threading.Event | None) -> str | None:
+        now = time.monotonic()
+        if stop is not None and stop.is_set():
+            return "stopped"
+        if self.config.worker_tasks and self.done_workers >= set(self.config.worker_tasks):
+            return "finished"
+        if (
+            self.end_declared_at is not None
+            and now - self.end_declared_at >= self.config.end_grace_s
+        ):
+            missing = sorted(set(self.config.worker_tasks) - self.done_workers)
+            log.warning(
+                "ps:%d: ending %.0f s after the chief's end without 'done' from %s",
+                self.config.shard_index,
+                self.config.end_grace_s,
+                ", ".join(missing),
+            )
+            return "ended"
+        if now - self.socket.last_valid_request_time > self.config.idle_timeout_s:
+            log.error(
+                "ps:%d: no valid request from any worker for %.0f s; ending. Workers may have died, "
+                "or they use another cluster secret (rejected messages: %s)",
+                self.config.shard_index,
+                self.config.idle_timeout_s,
+                dict(self.socket.rejected) or "none",
+            )
+            return "idle"
+        return None
+
+    def _handle(self, request: Request) -> None:
+        handler = self._handlers.get(request.op)
+        if handler is None:
+            self.stats["unknown_op"] += 1
+            self.socket.fail(
+                request,
+                "ProtocolError",
+                f"unknown operation {request.op!r}; known: {sorted(self._handlers)}",
+            )
+            return
+        try:
+            handler(request)
+        except (ProtocolError, ValueError) as exc:
+            self.stats["refused"] += 1
+            self.socket.fail(request, type(exc).__name__, str(exc))
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def _hello(self, request: Request) -> None:
+        protocol, version = request.body.get("protocol"), request.body.get("version")
+        if protocol != PROTOCOL_VERSION or version != __version__:
+            raise ProtocolError(
+                f"version mismatch: {request.body.get('task', 'the client')} runs tensorfleet {version} "
+                f"(protocol {protocol}), ps:{self.config.shard_index} runs {__version__} "
+                f"(protocol {PROTOCOL_VERSION}); install the same tensorfleet version on every task"
+            )
+        self.socket.reply(
+            request,
+            {
+                "shard": self.config.shard_index,
+                "version": __version__,
+                "initialized": self.store.initialized,
+            },
+        )
+
+    def _create(self, request: Request) -> None:
+        layout = _layout_from(request.body.get("variables"))
+        if self.store.initialized:
+            difference = layout.describe_difference(self.store.layout)
+            if difference is not None:
+                raise ValueError(f"variables already created with another layout: {difference}")
+            self.socket.reply(request, {"created": False, "global_step": self.global_step})
+            return
+        rule = UpdateRule.from_wire(request.body.get("rule"))
+        values = _group_tensors(layout, request.buffers, "initial values")
+        self.store.create(layout, rule, values)
+        self.owns_global_step = request.body.get("owns_global_step") is True
+        log.info(
+            "ps:%d: %d variables created (%s bytes), rule %s",
+            self.config.shard_index,
+            len(layout.variables),
+            sum(layout.group_bytes()),
+            rule.name,
+        )
+        self.socket.reply(request, {"created": True, "global_step": self.global_step})
+        waiting, self._waiting_for_init = self._waiting_for_init, []
+        for waiter in waiting:
+            self._handle(waiter)
+
+    def _wait_ready(self, request: Request) -> None:
+        expected = _layout_from(request.body.get("variables"))
+        if not self.store.initialized:
+            self._waiting_for_init.append(request)
+            return
+        difference = expected.describe_difference(self.store.layout)
+        if difference is not None:
+            raise ValueError(
+                f"the model of {request.body.get('task', 'this worker')} does not match the chief's: {difference}"
+            )
+        self.socket.reply(request, {"global_step": self.global_step})
+
+    def _pull(self, request: Request) -> None:
+        self._require_initialized()
+        snapshot = self.store.snapshot()
+        self.socket.reply(request, self._progress(), [as_buffer(t) for t in snapshot])
+
+    def _push(self, request: Request) -> None:
+        self._require_initialized()
+        gradients = _group_tensors(self.store.layout, request.buffers, "gradients")
+        self.store.apply(gradients)
+        if self.owns_global_step and request.body.get("count_step") is True:
+            self.global_step += 1
+        self.stats["pushes"] += 1
+        if request.body.get("want_values") is True:
+            self.socket.reply(
+                request, self._progress(), [as_buffer(t) for t in self.store.snapshot()]
+            )
+        else:
+            self.socket.reply(request, self._progress())
+
+    def _done(self, request: Request) -> None:
+        task = request.body.get("task")
+        if not isinstance(task, str) or task not in self.config.worker_tasks:
+            raise ValueError(
+                f"'done' from unknown task {task!r}; workers are {list(self.config.worker_tasks)}"
+            )
+        self.done_workers.add(task)
+        self.socket.reply(request, {})
+
+    def _end(self, request: Request) -> None:
+        if self.end_declared_at is None:
+            self.end_declared_at = time.monotonic()
+            log.info(
+                "ps:%d: the chief declared training over at global step %d",
+                self.config.shard_index,
+                self.global_step,
+            )
+        self.socket.reply(request, {})
+
+    def _stats(self, request: Request) -> None:
+        self.socket.reply(
+            request,
+            {
+                **self._progress(),
+                "pushes": self.stats["pushes"],
+                "refused": self.stats["refused"],
+                "rejected": dict(self.socket.rejected),
+                "done_workers": sorted(self.done_workers),
+            },
+        )
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _progress(self) -> dict[str, object]:
+        return {
+            "global_step": self.global_step,
+            "version": self.store.version,
+            "stop": self.end_declared_at is not None,
+        }
+
+    def _require_initialized(self) -> None:
+        if not self.store.initialized:
+            raise ValueError(
+                f"ps:{self.config.shard_index} has no variables yet: the chief has not created them"
+            )
+
+    def _expire_waiting(self) -> None:
+        if self._waiting_for_init:
+            now = time.monotonic()
+            self._waiting_for_init = [r for r in self._waiting_for_init if r.deadline > now]
+
+
+def _layout_from(variables: object) -> FusedLayout:
+    if not isinstance(variables, list) or not 0 < len(variables) <= MAX_VARIABLES_PER_SHARD:
+        raise ProtocolError(f"'variables' must be a list of 1..{MAX_VARIABLES_PER_SHARD} variables")
+    return FusedLayout.of([StoredVariable.from_wire(v) for v in variables])
+
+
+def _group_tensors(layout: FusedLayout, buffers: list, what: str) -> list[torch.Tensor]:
+    if len(buffers) != len(layout.groups):
+        raise ProtocolError(f"{what}: {len(buffers)} buffers for {len(layout.groups)} dtype groups")
+    tensors = []
+    for group, buffer in zip(layout.groups, buffers, strict=True):
+        if memoryview(buffer).nbytes != group.numel * group.itemsize:
+            raise ProtocolError(
+                f"{what}: the {group.dtype} buffer has {memoryview(buffer).nbytes} bytes, the shard's variables need {group.numel * group.itemsize}"
+            )
+        tensors.append(from_buffer(buffer, DTYPES[group.dtype]))
+    return tensors

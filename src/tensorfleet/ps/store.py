@@ -1,0 +1,69 @@
+"""The variables of one parameter-server shard, their optimizer state, and updates to them."""
+
+from __future__ import annotations
+
+import torch
+
+from tensorfleet.ps.layout import FusedLayout
+from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.wire.tensors import DTYPES
+
+
+class VariableStore:
+    """A shard's variables, kept as one flat tensor per dtype (the fused layout), with a
+    ``torch.optim`` optimizer over per-variable views of those tensors.
+
+    Keeping the storage flat makes a pull one contiguous copy and a push one buffer per
+    dtype; giving the optimizer per-variable views keeps per-variable rules correct.
+    """
+
+    def __init__(self) -> None:
+        self.layout: FusedLayout | None = None
+        self.rule: UpdateRule | None = None
+        self.version = 0
+        """How many updates have been applied since the variables were created."""
+        self._flats: list[torch.Tensor] = []
+        self._views: list[list[torch.Tensor]] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def initialized(self) -> bool:
+        return self.layout is not None
+
+    def create(self, layout: FusedLayout, rule: UpdateRule, values: list[torch.Tensor]) -> None:
+        """Take ownership of the initial values (one flat tensor per group, copied)."""
+        if self.initialized:
+            raise RuntimeError("variables already created")
+        if len(values) != len(layout.groups):
+            raise ValueError(f"{len(values)} value buffers for {len(layout.groups)} dtype groups")
+        flats = []
+        for group, value in zip(layout.groups, values, strict=True):
+            if value.dtype != DTYPES[group.dtype] or value.numel() != group.numel:
+                raise ValueError(
+                    f"initial values for the {group.dtype} group have {value.numel()} {value.dtype} elements, expected {group.numel}"
+                )
+            flats.append(value.detach().clone().reshape(-1))
+        views = [
+            [flat[offset : offset + var.numel].view(var.shape) for var, offset in group.members]
+            for flat, group in zip(flats, layout.groups, strict=True)
+        ]
+        self._optimizer = rule.build([v for group_views in views for v in group_views])
+        self.layout, self.rule, self._flats, self._views = layout, rule, flats, views
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of the current values, one flat tensor per group (safe to send while the
+        store keeps changing)."""
+        return [flat.clone() for flat in self._flats]
+
+    def apply(self, gradients: list[torch.Tensor]) -> None:
+        """Apply one update from flat gradients (one per group, already validated in size)."""
+        if self._optimizer is None:
+            raise RuntimeError("variables not created yet")
+        for group, views, grad in zip(self.layout.groups, self._views, gradients, strict=True):
+            for (var, offset), view in zip(group.members, views, strict=True):
+                view.grad = grad[offset : offset + var.numel].view(var.shape)
+        self._optimizer.step()
+        for views in self._views:
+            for view in views:
+                view.grad = None
+        self.version += 1

@@ -1,0 +1,176 @@
+"""Update rules: how a parameter server turns received gradients into new parameter values.
+
+A rule is named data (:class:`UpdateRule`: a name and hyperparameters), never code: the
+chief sends it to every shard in msgpack, and each shard builds the matching ``torch.optim``
+optimizer over its own variables, so the semantics are exactly PyTorch's. The built-in rules
+are SGD (with optional momentum / Nesterov), Adam and Adagrad; more can be registered with
+:func:`register_update_rule` in a ps process that runs user code.
+
+All built-in rules are elementwise, which is why partitioning a variable across shards and
+fusing many variables into one buffer give the same result as one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+OptimizerFactory = Callable[[Sequence[torch.Tensor], dict[str, Any]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """An update rule by name, with its hyperparameters (plain numbers and booleans)."""
+
+    name: str
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        spec = _RULES.get(self.name)
+        if spec is None:
+            raise ValueError(f"unknown update rule {self.name!r}; known: {sorted(_RULES)}")
+        spec.validate(self.hyperparameters)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack form sent to the parameter servers."""
+        return {"name": self.name, "hyperparameters": dict(self.hyperparameters)}
+
+    @classmethod
+    def from_wire(cls, data: object) -> UpdateRule:
+        """Parse a rule received from the network (ValueError if anything is off)."""
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("name"), str)
+            or not isinstance(data.get("hyperparameters"), dict)
+        ):
+            raise ValueError(f"an update rule is {{name: str, hyperparameters: map}}, got {data!r}")
+        hyper = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data["hyperparameters"].items()
+        }
+        return cls(data["name"], hyper)
+
+    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """The torch optimizer applying this rule to ``params`` (tensors updated in place)."""
+        return _RULES[self.name].factory(params, dict(self.hyperparameters))
+
+
+@dataclass(frozen=True)
+class _RuleSpec:
+    factory: OptimizerFactory
+    allowed: dict[str, tuple[type, ...]]
+
+    def validate(self, hyper: dict[str, Any]) -> None:
+        for key, value in hyper.items():
+            types = self.allowed.get(key)
+            if types is None:
+                raise ValueError(f"unknown hyperparameter {key!r}; allowed: {sorted(self.allowed)}")
+            if isinstance(value, bool) and bool not in types:
+                raise ValueError(f"hyperparameter {key}={value!r} must be a number")
+            if isinstance(value, tuple):
+                if tuple not in types or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+                ):
+                    raise ValueError(f"hyperparameter {key}={value!r} has the wrong type")
+            elif not isinstance(value, types):
+                raise ValueError(
+                    f"hyperparameter {key}={value!r} has the wrong type ({type(value).__name__})"
+                )
+
+
+_RULES: dict[str, _RuleSpec] = {}
+_NUMBER = (int, float)
+
+
+def register_update_rule(
+    name: str, factory: OptimizerFactory, allowed: dict[str, tuple[type, ...]]
+) -> None:
+    """Make a rule available by ``name``. ``allowed`` maps each hyperparameter to its types.
+
+    The rule must exist in every ps process that may receive it (ps tasks that run only
+    ``tensorfleet server`` know the built-in rules)."""
+    _RULES[name] = _RuleSpec(factory, allowed)
+
+
+def _torch_factory(
+    cls: type[torch.optim.Optimizer], defaults: dict[str, Any] | None = None
+) -> OptimizerFactory:
+    def factory(params: Sequence[torch.Tensor], hyper: dict[str, Any]) -> torch.optim.Optimizer:
+        return cls(list(params), **{**(defaults or {}), **hyper})
+
+    return factory
+
+
+register_update_rule(
+    "sgd",
+    _torch_factory(torch.optim.SGD),
+    {
+        "lr": _NUMBER,
+        "momentum": _NUMBER,
+        "dampening": _NUMBER,
+        "weight_decay": _NUMBER,
+        "nesterov": (bool,),
+        "foreach": (bool,),
+    },
+)
+register_update_rule(
+    "adam",
+    _torch_factory(torch.optim.Adam),
+    {
+        "lr": _NUMBER,
+        "betas": (tuple,),
+        "eps": _NUMBER,
+        "weight_decay": _NUMBER,
+        "amsgrad": (bool,),
+        "foreach": (bool,),
+    },
+)
+register_update_rule(
+    "adagrad",
+    _torch_factory(torch.optim.Adagrad),
+    {
+        "lr": _NUMBER,
+        "lr_decay": _NUMBER,
+        "weight_decay": _NUMBER,
+        "initial_accumulator_value": _NUMBER,
+        "eps": _NUMBER,
+        "foreach": (bool,),
+    },
+)
+
+
+def SGD(
+    lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+) -> UpdateRule:
+    """Plain SGD (``torch.optim.SGD``); with ``momentum`` > 0 it is momentum SGD."""
+    return UpdateRule(
+        "sgd", {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov}
+    )
+
+
+def Momentum(lr: float = 0.01, momentum: float = 0.9, nesterov: bool = False) -> UpdateRule:
+    """SGD with momentum (TensorFlow's MomentumOptimizer), ``torch.optim.SGD`` semantics."""
+    return SGD(lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+def Adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> UpdateRule:
+    """Adam (``torch.optim.Adam``)."""
+    return UpdateRule(
+        "adam", {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+    )
+
+
+def Adagrad(
+    lr: float = 0.01, initial_accumulator_value: float = 0.0, eps: float = 1e-10
+) -> UpdateRule:
+    """Adagrad (``torch.optim.Adagrad``)."""
+    return UpdateRule(
+        "adagrad", {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}
+    )

@@ -1,0 +1,153 @@
+"""``Server``: the service of one task, as in TensorFlow's ``tf.distribute.Server``.
+
+For a ps task it starts the parameter service at once (listening on the task's address from
+the cluster spec) and :meth:`Server.join` returns when training is over. For a worker task it
+holds the task's identity and the cluster secret for the :class:`TrainingSession`; its
+``join()`` returns at once (a worker's work is its training loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskId
+from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
+from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.wire.message import Limits
+from tensorfleet.wire.secret import load_secret
+from tensorfleet.wire.transport import ServiceSocket
+
+log = logging.getLogger("tensorfleet.server")
+
+PS_JOB = "ps"
+WORKER_JOB = "worker"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of a task's server."""
+
+    idle_timeout_s: float = 1800.0
+    """A ps ends when no worker has sent a valid request for this long."""
+    end_grace_s: float = 60.0
+    """After the chief declares training over, how long a ps waits for the other workers."""
+    limits: Limits = Limits()
+    """Message size and count limits the ps enforces."""
+
+
+class Server:
+    """The server of task ``(job_name, task_index)`` of ``cluster``.
+
+    ``secret`` defaults to ``TENSORFLEET_SECRET`` / ``TENSORFLEET_SECRET_FILE`` (the launcher
+    sets one). Raises :class:`ClusterConfigError` for a task not in the cluster and
+    ``OSError`` when a ps cannot listen on its address (the message says why).
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec | Mapping,
+        job_name: str,
+        task_index: int,
+        *,
+        secret: str | bytes | None = None,
+        config: ServerConfig | None = None,
+    ) -> None:
+        self.cluster = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec(cluster)
+        self.task = TaskId(job_name, task_index)
+        self.address = self.cluster.task_address(job_name, task_index)  # validates job and index
+        self.secret = load_secret(secret)
+        self.config = config or ServerConfig()
+        self.outcome: ServiceOutcome | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        if job_name == PS_JOB:
+            self._start_parameter_service()
+        elif job_name not in (WORKER_JOB, "chief"):
+            raise ClusterConfigError(
+                f"job {job_name!r} has no server role; tensorfleet runs 'ps' and 'worker' tasks"
+            )
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task is the chief (worker 0, or chief 0 when the cluster has that job)."""
+        if "chief" in self.cluster.jobs:
+            return self.task == TaskId("chief", 0)
+        return self.task == TaskId(WORKER_JOB, 0)
+
+    @property
+    def ps_addresses(self) -> list[str]:
+        """Addresses of the ps tasks, by index."""
+        if PS_JOB not in self.cluster.jobs:
+            return []
+        return [self.cluster.task_address(PS_JOB, i) for i in self.cluster.task_indices(PS_JOB)]
+
+    @property
+    def worker_tasks(self) -> list[TaskId]:
+        """Every task that trains: the chief job's (if any) and the workers."""
+        tasks = []
+        for job in ("chief", WORKER_JOB):
+            if job in self.cluster.jobs:
+                tasks.extend(TaskId(job, i) for i in self.cluster.task_indices(job))
+        return tasks
+
+    def _start_parameter_service(self) -> None:
+        started = threading.Event()
+        config = ServiceConfig(
+            shard_index=self.task.index,
+            worker_tasks=tuple(str(t) for t in self.worker_tasks),
+            idle_timeout_s=self.config.idle_timeout_s,
+            end_grace_s=self.config.end_grace_s,
+            limits=self.config.limits,
+        )
+
+        def run() -> None:
+            try:
+                socket = ServiceSocket(self.address, self.secret, self.config.limits)
+            except BaseException as exc:  # reported to the constructor below
+                self._failure = exc
+                started.set()
+                return
+            started.set()
+            try:
+                self.outcome = ParameterService(socket, config).serve(self._stop)
+                log.info(
+                    "%s: parameter service ended (%s) at global step %d",
+                    self.task,
+                    self.outcome.reason,
+                    self.outcome.global_step,
+                )
+            except BaseException as exc:  # surfaced by join()
+                self._failure = exc
+            finally:
+                socket.close(linger_s=2.0)
+
+        self._thread = threading.Thread(target=run, name=f"tensorfleet-{self.task}", daemon=True)
+        self._thread.start()
+        if not started.wait(30.0):
+            raise DeadlineExceeded(f"{self.task}: the parameter service did not start within 30 s")
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    def join(self, timeout_s: float | None = None) -> ServiceOutcome | None:
+        """Wait until this task's service has ended: for a ps, until training is over (every
+        worker finished, or the chief's end plus a grace period, or the idle timeout). Returns
+        at once for a worker. Raises :class:`DeadlineExceeded` after ``timeout_s``."""
+        if self._thread is None:
+            return None
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise DeadlineExceeded(f"{self.task}: still serving after {timeout_s} s")
+        if self._failure is not None:
+            raise TensorfleetError(
+                f"{self.task}: the parameter service failed: {self._failure!r}"
+            ) from self._failure
+        return self.outcome
+
+    def stop(self) -> None:
+        """Ask the service to end now (used by tests and signal handlers)."""
+        self._stop.set()

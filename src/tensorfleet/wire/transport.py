@@ -1,0 +1,328 @@
+"""Request/reply over ZeroMQ: a :class:`ServiceSocket` that serves many peers, and a
+:class:`Channel` from one client to one service.
+
+Every request has an id and a deadline, every reply names the request it answers, and
+every message is authenticated (see :mod:`tensorfleet.wire.message`). A service never
+crashes on bad input: it drops and counts what it cannot accept, and tells a peer that
+cannot authenticate (once) so that the peer fails with a clear error instead of a timeout.
+
+Why ROUTER/DEALER: the service can hold a request and answer it later (a worker waiting for
+the chief to initialize the variables waits on the server, not in a polling loop), several
+requests can be in flight on one channel, and ZeroMQ reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tensorfleet.errors import AuthenticationError, DeadlineExceeded, ProtocolError, RemoteError
+from tensorfleet.wire import message as wire
+from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, Buffer, MessageSigner, MessageVerifier
+
+#: Messages a peer may have queued at a service before ZeroMQ stops reading from it.
+RECEIVE_QUEUE_MESSAGES = 64
+
+
+def tcp_endpoint(address: str, bind: bool = False) -> str:
+    """``host:port`` as a ZeroMQ TCP endpoint. IPv6 hosts come bracketed (``[::1]:2222``)."""
+    host, _, port = address.rpartition(":")
+    if bind and host in ("localhost",):
+        host = "127.0.0.1"
+    return f"tcp://{host}:{port}"
+
+
+@dataclass
+class Request:
+    """A request received by a service, with what is needed to answer it."""
+
+    peer: bytes
+    op: str
+    request_id: int
+    body: dict[str, Any]
+    buffers: list[Buffer]
+    deadline: float
+    """``time.monotonic()`` after which the requester no longer waits for the answer."""
+    session_id: bytes
+
+
+@dataclass
+class Reply:
+    """A verified reply: its body and buffers."""
+
+    body: dict[str, Any]
+    buffers: list[Buffer] = field(default_factory=list)
+
+
+class ServiceSocket:
+    """The server end: binds, receives authenticated requests, sends signed replies.
+
+    Single-threaded by design (a ZeroMQ socket belongs to one thread): the owner calls
+    :meth:`receive` in its loop and :meth:`reply` with what it decided.
+    """
+
+    def __init__(self, address: str, secret: bytes, limits: wire.Limits | None = None) -> None:
+        self.limits = limits or wire.Limits()
+        self.address = address
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        endpoint = tcp_endpoint(address, bind=True)
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            hint = (
+                "another process is using that port: stop it, or pick another port in the cluster spec"
+                if exc.errno == zmq.EADDRINUSE
+                else "check that the host in the cluster spec is an address of this machine"
+            )
+            raise OSError(
+                exc.errno, f"cannot listen on {address} ({endpoint}): {exc.strerror}; {hint}"
+            ) from None
+        self._signer = MessageSigner(secret, REPLY_ROLE)
+        self._verifier = MessageVerifier(secret, REQUEST_ROLE)
+        self._noticed: OrderedDict[bytes, None] = OrderedDict()
+        self.rejected: Counter[str] = Counter()
+        """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``)."""
+        self.last_valid_request_time = time.monotonic()
+
+    @property
+    def session_id(self) -> bytes:
+        """This service's session: clients address their requests to it."""
+        return self._signer.session_id
+
+    def poll(self, timeout_s: float) -> bool:
+        """Whether a message is waiting, after waiting up to ``timeout_s``."""
+        return bool(self._socket.poll(max(0, int(timeout_s * 1000))))
+
+    def receive(self) -> Request | None:
+        """One request, or None when the waiting message was not acceptable (it is counted in
+        :attr:`rejected`). Call after :meth:`poll` said a message waits."""
+        frames = self._socket.recv_multipart(copy=False)
+        peer = frames[0].bytes
+        payload = [f.buffer for f in frames[1:]]
+        try:
+            msg = wire.decode(payload, wire.KIND_REQUEST, self._verifier, self.limits)
+            request = self._request_from(peer, msg)
+        except AuthenticationError as exc:
+            self.rejected["auth"] += 1
+            self._notice_once(peer, "auth", f"{exc} [service {self.address}]")
+            return None
+        except ProtocolError as exc:
+            reason = (
+                "protocol"
+                if wire.peek_protocol(payload) not in (None, wire.PROTOCOL_VERSION)
+                else "malformed"
+            )
+            self.rejected[reason] += 1
+            if reason == "protocol":
+                self._notice_once(peer, "protocol", str(exc))
+            return None
+        self.last_valid_request_time = time.monotonic()
+        return request
+
+    def _request_from(self, peer: bytes, msg: wire.Message) -> Request:
+        header = msg.header
+        op, request_id, body = header.get("op"), header.get("id"), header.get("body")
+        timeout_ms, addressed_to = header.get("timeout_ms"), header.get("srv")
+        if not isinstance(op, str) or not isinstance(request_id, int) or not isinstance(body, dict):
+            raise ProtocolError("request header needs op (str), id (int) and body (map)")
+        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= 7 * 24 * 3600 * 1000:
+            raise ProtocolError(
+                f"request timeout_ms must be a non-negative int, got {timeout_ms!r}"
+            )
+        if op != "hello" and addressed_to != self.session_id:
+            # Addressed to an earlier incarnation of this service (or a replay from one).
+            raise ProtocolError("request addressed to another service session")
+        return Request(
+            peer=peer,
+            op=op,
+            request_id=request_id,
+            body=body,
+            buffers=msg.buffers,
+            deadline=time.monotonic() + timeout_ms / 1000,
+            session_id=msg.session_id,
+        )
+
+    def reply(
+        self, request: Request, body: dict[str, Any], buffers: list[Buffer] | None = None
+    ) -> None:
+        """Answer ``request`` successfully. Buffers are sent without a copy and must stay
+        unchanged afterwards."""
+        self._send(
+            request,
+            {"re": request.request_id, "to": request.session_id, "ok": True, "body": body},
+            buffers or [],
+        )
+
+    def fail(self, request: Request, error_type: str, text: str) -> None:
+        """Answer ``request`` with an error the client raises as :class:`RemoteError`."""
+        self._send(
+            request,
+            {
+                "re": request.request_id,
+                "to": request.session_id,
+                "ok": False,
+                "body": {},
+                "error_type": error_type,
+                "error": text,
+            },
+            [],
+        )
+
+    def _send(self, request: Request, header: dict[str, Any], buffers: list[Buffer]) -> None:
+        frames = wire.encode(wire.KIND_REPLY, header, buffers, self._signer)
+        try:
+            self._socket.send_multipart([request.peer, *frames], copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.rejected["unsent_reply"] += 1
+
+    def _notice_once(self, peer: bytes, reason: str, text: str) -> None:
+        if peer in self._noticed:
+            return
+        self._noticed[peer] = None
+        if len(self._noticed) > 1024:
+            self._noticed.popitem(last=False)
+        try:
+            self._socket.send_multipart(
+                [peer, *wire.encode_notice(reason, text)], flags=zmq.NOBLOCK
+            )
+        except zmq.ZMQError:
+            pass  # the peer is gone or not reading; the notice was a courtesy
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket and its context, first giving queued replies up to ``linger_s``
+        to leave (the last ``done`` must reach the last worker)."""
+        self._socket.close(linger=int(linger_s * 1000))
+        self._context.term()
+
+
+class Channel:
+    """The client end towards one service: requests with ids and deadlines, verified replies.
+
+    Several requests may be in flight; :meth:`wait` returns the reply to one of them and
+    keeps the others' replies for later. Not thread-safe (one ZeroMQ socket).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        peer_name: str,
+        limits: wire.Limits | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.address = address
+        self.peer_name = peer_name
+        self.limits = limits or wire.Limits()
+        self._own_context = context is None
+        self._context = context or zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        self._socket.connect(tcp_endpoint(address))
+        self._signer = MessageSigner(secret, REQUEST_ROLE)
+        self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
+        self._next_id = 0
+        self._pending: dict[int, str] = {}
+        self._arrived: dict[int, Reply | RemoteError] = {}
+        self.server_session: bytes | None = None
+        self.dropped: Counter[str] = Counter()
+        """Replies dropped, by reason (late replies to abandoned requests, bad messages)."""
+
+    def send(
+        self,
+        op: str,
+        body: dict[str, Any],
+        buffers: list[Buffer] | None = None,
+        timeout_s: float = 60.0,
+    ) -> int:
+        """Send a request; return its id for :meth:`wait`. Buffers are not copied and must
+        stay unchanged until the reply has arrived."""
+        self._next_id += 1
+        request_id = self._next_id
+        header = {
+            "op": op,
+            "id": request_id,
+            "srv": self.server_session,
+            "timeout_ms": int(timeout_s * 1000),
+            "body": body,
+        }
+        frames = wire.encode(wire.KIND_REQUEST, header, buffers or [], self._signer)
+        self._socket.send_multipart(frames, copy=False)
+        self._pending[request_id] = op
+        return request_id
+
+    def wait(self, request_id: int, timeout_s: float) -> Reply:
+        """The reply to ``request_id``, or :class:`DeadlineExceeded` after ``timeout_s``.
+        An error answer is raised as :class:`RemoteError`."""
+        if request_id not in self._pending and request_id not in self._arrived:
+            raise ValueError(
+                f"request {request_id} was not sent on this channel or was already awaited"
+            )
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self._arrived:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._socket.poll(max(1, int(remaining * 1000))):
+                op = self._pending.pop(request_id, "?")
+                raise DeadlineExceeded(
+                    f"no answer from {self.peer_name} at {self.address} to '{op}' within {timeout_s:.1f} s: "
+                    f"check that the {self.peer_name} task is running and reachable at that address"
+                )
+            self._receive_one()
+        self._pending.pop(request_id, None)
+        outcome = self._arrived.pop(request_id)
+        if isinstance(outcome, RemoteError):
+            raise outcome
+        return outcome
+
+    def call(
+        self,
+        op: str,
+        body: dict[str, Any],
+        buffers: list[Buffer] | None = None,
+        timeout_s: float = 60.0,
+    ) -> Reply:
+        """Send a request and wait for its reply."""
+        return self.wait(self.send(op, body, buffers, timeout_s), timeout_s)
+
+    def _receive_one(self) -> None:
+        frames = [f.buffer for f in self._socket.recv_multipart(copy=False)]
+        notice = wire.decode_notice(frames)
+        if notice is not None:
+            if self.server_session is None:  # before the handshake, a notice explains a refusal
+                raise wire.notice_error(notice, f"{self.peer_name} at {self.address}")
+            self.dropped["notice"] += 1
+            return
+        try:
+            msg = wire.decode(frames, wire.KIND_REPLY, self._verifier, self.limits)
+        except (AuthenticationError, ProtocolError):
+            self.dropped["invalid"] += 1
+            return
+        header = msg.header
+        re, to = header.get("re"), header.get("to")
+        if to != self._signer.session_id or re not in self._pending:
+            self.dropped["unexpected"] += 1
+            return
+        if header.get("ok") is True and isinstance(header.get("body"), dict):
+            if self._pending[re] == "hello":
+                self.server_session = msg.session_id
+            self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
+        else:
+            self._arrived[re] = RemoteError(
+                f"{self.peer_name} at {self.address} refused '{self._pending[re]}': "
+                f"{header.get('error_type', 'Error')}: {header.get('error', 'no explanation given')}"
+            )
+
+    def close(self) -> None:
+        """Close the socket (and the context if this channel made it)."""
+        self._socket.close(linger=0)
+        if self._own_context:
+            self._context.term()
