@@ -4,53 +4,80 @@ A cluster of tasks grouped in jobs (``ps``, ``worker``); one :class:`Server` per
 variables on parameter-server shards; workers that train replicas of the model through a
 :class:`TrainingSession`; a chief (worker 0) that initializes the variables and decides when
 training is over. This module is the public API; everything else may change.
+
+Names are imported on first use, so that ``tensorfleet launch`` and ``tensorfleet server``
+start without loading every layer.
 """
 
-from tensorfleet import optim
-from tensorfleet.cluster.device import DeviceSpec
-from tensorfleet.cluster.resolver import ResolvedTask, resolve_task
-from tensorfleet.cluster.spec import ClusterSpec, TaskId
-from tensorfleet.errors import (
-    AuthenticationError,
-    ClusterConfigError,
-    DatasetError,
-    DeadlineExceeded,
-    LaunchError,
-    ProtocolError,
-    RemoteError,
-    TensorfleetError,
-)
-from tensorfleet.ps.placement import PlacementPlan, plan_placement
-from tensorfleet.session.hooks import Hook, LoggingHook, StepResult, StopAtStep
-from tensorfleet.session.server import Server, ServerConfig
-from tensorfleet.session.training_session import TrainingSession
-from tensorfleet.version import __version__
-from tensorfleet.worker.client import ClientTimeouts
+from __future__ import annotations
 
-__all__ = [
-    "AuthenticationError",
-    "ClientTimeouts",
-    "ClusterConfigError",
-    "ClusterSpec",
-    "DatasetError",
-    "DeadlineExceeded",
-    "DeviceSpec",
-    "Hook",
-    "LaunchError",
-    "LoggingHook",
-    "PlacementPlan",
-    "ProtocolError",
-    "RemoteError",
-    "ResolvedTask",
-    "Server",
-    "ServerConfig",
-    "StepResult",
-    "StopAtStep",
-    "TaskId",
-    "TensorfleetError",
-    "TrainingSession",
-    "__version__",
-    "optim",
-    "plan_placement",
-    "resolve_task",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tensorfleet.version import __version__
+
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "ClusterSpec": "tensorfleet.cluster.spec",
+    "TaskId": "tensorfleet.cluster.spec",
+    "DeviceSpec": "tensorfleet.cluster.device",
+    "ResolvedTask": "tensorfleet.cluster.resolver",
+    "resolve_task": "tensorfleet.cluster.resolver",
+    "AuthenticationError": "tensorfleet.errors",
+    "ClusterConfigError": "tensorfleet.errors",
+    "DatasetError": "tensorfleet.errors",
+    "DeadlineExceeded": "tensorfleet.errors",
+    "LaunchError": "tensorfleet.errors",
+    "ProtocolError": "tensorfleet.errors",
+    "RemoteError": "tensorfleet.errors",
+    "TensorfleetError": "tensorfleet.errors",
+    "PlacementPlan": "tensorfleet.ps.placement",
+    "plan_placement": "tensorfleet.ps.placement",
+    "Hook": "tensorfleet.session.hooks",
+    "LoggingHook": "tensorfleet.session.hooks",
+    "StepResult": "tensorfleet.session.hooks",
+    "StopAtStep": "tensorfleet.session.hooks",
+    "Server": "tensorfleet.session.server",
+    "ServerConfig": "tensorfleet.session.server",
+    "TrainingSession": "tensorfleet.session.training_session",
+    "ClientTimeouts": "tensorfleet.worker.client",
+}
+_SUBMODULES = {"optim"}
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
+
+if TYPE_CHECKING:
+    from tensorfleet import optim
+    from tensorfleet.cluster.device import DeviceSpec
+    from tensorfleet.cluster.resolver import ResolvedTask, resolve_task
+    from tensorfleet.cluster.spec import ClusterSpec, TaskId
+    from tensorfleet.errors import (
+        AuthenticationError,
+        ClusterConfigError,
+        DatasetError,
+        DeadlineExceeded,
+        LaunchError,
+        ProtocolError,
+        RemoteError,
+        TensorfleetError,
+    )
+    from tensorfleet.ps.placement import PlacementPlan, plan_placement
+    from tensorfleet.session.hooks import Hook, LoggingHook, StepResult, StopAtStep
+    from tensorfleet.session.server import Server, ServerConfig
+    from tensorfleet.session.training_session import TrainingSession
+    from tensorfleet.worker.client import ClientTimeouts
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tensorfleet.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorfleet' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -12,6 +12,7 @@ with exit status 2 and no traceback; anything else is a bug and keeps its traceb
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import signal
 import sys
@@ -21,7 +22,6 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from tensorfleet import __version__
 from tensorfleet.errors import LaunchError, TensorfleetError
 from tensorfleet.launch.local_cluster import (
     DEFAULT_GRACE_PERIOD,
@@ -29,6 +29,7 @@ from tensorfleet.launch.local_cluster import (
     LocalCluster,
 )
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
+from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
 USAGE_ERROR = 2
@@ -138,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding the cluster secret (default: $TENSORFLEET_SECRET or "
         "$TENSORFLEET_SECRET_FILE)",
     )
+    server.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch threads for applying updates (default: 1; the workers need the cores)",
+    )
     server.set_defaults(handler=_server)
     return parser
 
@@ -211,10 +219,14 @@ def _launch(args: argparse.Namespace) -> int:
 def _server(args: argparse.Namespace) -> int:
     """``tensorfleet server``: run one ps task until training is over."""
     # Imported here so that the CLI (and `launch`) work without the server's dependencies.
+    import torch
+
     from tensorfleet.cluster.resolver import resolve_task
     from tensorfleet.session.server import Server
     from tensorfleet.wire.secret import load_secret
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
     task = resolve_task(cluster=args.cluster, job_name=args.job, task_index=args.task, argv=[])
     try:
         server = Server(
@@ -223,7 +235,15 @@ def _server(args: argparse.Namespace) -> int:
     except OSError as exc:  # cannot listen on the task's address; the message says why
         print(f"tensorfleet: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    server.join()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
+    outcome = server.join()
+    if outcome is not None and not outcome.clean:
+        print(
+            f"tensorfleet: {task.task_id} ended without a clean finish ({outcome.reason})",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -85,7 +85,7 @@ class TrainingSession:
             self.plan = plan_placement(
                 specs, len(server.ps_addresses), placement, partition_threshold_bytes
             )
-            if log_placement:
+            if log_placement and self.is_chief:
                 print(self.plan.report(), flush=True)
             self._updater: ParameterClient | LocalUpdater = ParameterClient(
                 server.ps_addresses, server.secret, self.task_name, timeouts

@@ -1,0 +1,52 @@
+# tensorfleet: `make demo` trains the CNN on a local 1 ps + 3 worker cluster; `make test` runs
+# the tests. Both set everything up first (a .venv with torch==2.13.0 installed before anything
+# else, and Debian's Fashion-MNIST package when apt can be used).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+DATA_DIR := /usr/share/datasets/fashion-mnist
+DEMO_STEPS ?= 3000
+
+.PHONY: setup data demo test test-fast lint bench clean
+
+setup: $(VENV)/.installed
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build. pyproject keeps
+# torch>=2.4 for users; the pin lives here.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+data:
+	@if [ -f $(DATA_DIR)/train-images-idx3-ubyte.gz ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian's dataset-fashion-mnist"; \
+	  apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
+	else \
+	  echo "note: Fashion-MNIST is not in $(DATA_DIR) and apt cannot be used here;"; \
+	  echo "      the example will download it to ~/.cache/tensorfleet (or pass --data-dir)."; \
+	fi
+
+demo: setup data
+	$(VENV)/bin/tensorfleet launch --ps 1 --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS)
+
+test: setup data
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+lint: setup
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
+
+bench: setup data
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/wire.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
