@@ -29,6 +29,9 @@ from torch import nn
 import tensorfleet as tfl
 from tensorfleet.datasets import BatchStream, load_mnist, normalize
 
+#: Local steps after which the chief starts its steady-state throughput clock.
+WARMUP_STEPS = 20
+
 
 class ClassicCNN(nn.Module):
     """conv 5x5x32, max-pool, conv 5x5x64, max-pool, fc 500, fc 10."""
@@ -140,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     started = time.perf_counter()
     local_steps = 0
+    steady_from: tuple[float, int] | None = None  # (time, global step) after the warm-up steps
     with tfl.TrainingSession(
         server,
         model,
@@ -158,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                 logits = model(x)
                 return F.cross_entropy(logits, y), float((logits.argmax(1) == y).float().mean())
 
-            sess.step(loss_and_accuracy)
+            result = sess.step(loss_and_accuracy)
             local_steps += 1
+            if local_steps == WARMUP_STEPS:
+                steady_from = (time.perf_counter(), result.global_step)
         elapsed = time.perf_counter() - started
         if sess.is_chief:
             final_step = sess.pull()
@@ -175,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             if args.metrics_json:
+                steady_s, steady_step = steady_from if steady_from else (started, first_step)
                 figures = {
                     "global_steps": final_step - first_step,
                     "seconds": elapsed,
                     "global_steps_per_s": (final_step - first_step) / elapsed,
+                    "steady_global_steps_per_s": (final_step - steady_step)
+                    / (started + elapsed - steady_s),
                     "chief_local_steps": local_steps,
                     "test_accuracy": accuracy,
                     "workers": num_workers,

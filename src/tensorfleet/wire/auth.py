@@ -106,10 +106,11 @@ class MessageVerifier:
         recorded so the same message is refused next time."""
         if len(session_id) != SESSION_ID_BYTES or len(tag) != TAG_BYTES:
             raise AuthenticationError("malformed authentication fields")
-        if counter <= self._last_counter.get(session_id, 0):
+        last = self._last_counter.get(session_id, 0)
+        if counter <= last:
             raise AuthenticationError(
                 f"replayed or reordered message: counter {counter} is not above "
-                f"{self._last_counter[session_id]} for this session"
+                f"{last} for this session"
             )
         key = self._keys.get(session_id)
         if key is None:

@@ -53,7 +53,9 @@ def as_buffer(tensor: torch.Tensor) -> memoryview:
     until the message has been sent)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("only contiguous CPU tensors can be sent without a copy")
-    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    # reshape(-1) is a view of a contiguous tensor; it lets 0-dim tensors be viewed as bytes.
+    flat = tensor.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
 
 
 def from_buffer(
@@ -82,4 +84,4 @@ def from_buffer(
             # Received frames are read-only memory; we never write through these tensors.
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(view, dtype=dtype)
-    return flat if shape is None else flat.view(*shape)
+    return flat if shape is None else flat.view(tuple(shape))  # tuple: () works too

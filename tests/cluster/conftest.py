@@ -1,0 +1,103 @@
+"""Running a real local cluster in a test: every task a process, all output kept for the
+failure message, every process gone afterwards."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.launch.local_cluster import LocalCluster
+from tensorfleet.launch.output import Output
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+class RecordingOutput(Output):
+    """Keeps every line of every task, and the launcher's messages, in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.lines: list[tuple[str, str]] = []
+
+    def line(self, task: str, text: str) -> None:
+        with self._lock:
+            self.lines.append((task, text))
+
+    def task_exited(self, task: str, status: str, ok: bool) -> None:
+        self.message(f"{task} ended: {status}")
+
+    def message(self, text: str, level: str = "info") -> None:
+        with self._lock:
+            self.lines.append(("launcher", f"{level}: {text}"))
+
+    def of(self, task: str) -> list[str]:
+        with self._lock:
+            return [text for name, text in self.lines if name == task]
+
+    def transcript(self) -> str:
+        with self._lock:
+            return "\n".join(f"[{name}] {text}" for name, text in self.lines[-400:])
+
+
+@dataclass
+class ClusterRun:
+    returncode: int
+    output: RecordingOutput
+    pids: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"exit status {self.returncode}; output:\n{self.output.transcript()}"
+
+
+def run_local_cluster(
+    num_ps: int,
+    num_workers: int,
+    worker_command: Sequence[str],
+    timeout_s: float,
+    grace_period: float = 10.0,
+) -> ClusterRun:
+    """Run a cluster to the end (or ``timeout_s``); always stop every process."""
+    output = RecordingOutput()
+    cluster = LocalCluster(
+        num_ps,
+        num_workers,
+        list(worker_command),
+        output=output,
+        grace_period=grace_period,
+        env={"PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        cluster.start()
+        returncode = cluster.wait(timeout=timeout_s)
+    except BaseException as exc:
+        cluster.stop()
+        raise AssertionError(f"cluster run failed: {exc!r}\n{output.transcript()}") from exc
+    finally:
+        cluster.stop()
+    run = ClusterRun(returncode, output, dict(cluster.pids))
+    leftovers = [name for name, pid in run.pids.items() if _alive(pid)]
+    assert not leftovers, f"processes left behind: {leftovers}\n{run}"
+    return run
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    try:
+        return status.read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,44 @@
+"""Two workers and two ps shards train a ridge regression to the closed-form solution."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from .conftest import PROGRAMS, run_local_cluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+def _program():
+    spec = importlib.util.spec_from_file_location("ridge_worker", PROGRAMS / "ridge_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_two_workers_reach_the_closed_form_ridge_solution(tmp_path, python):
+    program = _program()
+    out = tmp_path / "weights.json"
+    run = run_local_cluster(
+        2, 2, [python, str(PROGRAMS / "ridge_worker.py"), str(out), "300"], timeout_s=150
+    )
+    assert run.returncode == 0, str(run)
+    assert not any("had to be stopped" in t or "SIGTERM" in t for t in run.output.of("launcher")), (
+        f"the ps tasks should exit by themselves when training is over\n{run}"
+    )
+    placement = "\n".join(run.output.of("worker:0"))
+    assert "weight/part_0" in placement and "weight/part_1" in placement, str(run)
+
+    x, y = (t.double() for t in program.dataset())
+    n = x.shape[0]
+    # minimize  OUTPUTS * mean((x W^T - y)^2) + RIDGE * |W|^2  =  |xW^T - y|^2 / n + RIDGE |W|^2
+    closed_form = torch.linalg.solve(
+        x.T @ x / n + program.RIDGE * torch.eye(x.shape[1], dtype=torch.float64), x.T @ y / n
+    ).T
+    trained = torch.tensor(json.loads(out.read_text())["weight"], dtype=torch.float64)
+    error = (trained - closed_form).abs().max().item()
+    assert error < 1e-3, f"max |trained - closed form| = {error:.2e}\n{run}"

@@ -1,0 +1,78 @@
+"""The CNN example, end to end through the launcher, on a small slice of Fashion-MNIST."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import run_local_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data, pytest.mark.timeout(240)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mnist_cnn.py"
+DATA = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+needs_fashion_mnist = pytest.mark.skipif(
+    not DATA.exists(),
+    reason="Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist, as `make test` does when apt is usable)",
+)
+
+
+@needs_fashion_mnist
+def test_example_converges_through_the_launcher(tmp_path):
+    metrics = tmp_path / "metrics.json"
+    command = [
+        sys.executable, str(EXAMPLE),
+        "--steps", "200", "--log-every", "50", "--lr", "1e-3",
+        "--train-limit", "6000", "--test-limit", "2000",
+        "--metrics-json", str(metrics),
+    ]  # fmt: skip
+    run = run_local_cluster(1, 3, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    progress = [
+        line
+        for task in ("worker:0", "worker:1", "worker:2")
+        for line in run.output.of(task)
+        if line.startswith("Worker:")
+    ]
+    steps = sorted(int(re.search(r"Step: (\d+)", line).group(1)) for line in progress)
+    assert steps == [50, 100, 150, 200], f"one progress line per 50 global steps expected\n{run}"
+    figures = json.loads(metrics.read_text())
+    assert figures["global_steps"] >= 200
+    assert figures["test_accuracy"] >= 0.70, f"test accuracy {figures['test_accuracy']}\n{run}"
+    chief_lines = run.output.of("worker:0")
+    assert any(line.startswith("Test accuracy:") for line in chief_lines), str(run)
+    others = run.output.of("worker:1") + run.output.of("worker:2")
+    assert not any(line.startswith("Test accuracy:") for line in others), "only the chief evaluates"
+
+
+@needs_fashion_mnist
+def test_example_runs_as_one_process_without_a_cluster(tmp_path, monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import mnist_cnn
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    metrics = tmp_path / "metrics.json"
+    code = mnist_cnn.main(
+        [
+            "--steps",
+            "30",
+            "--train-limit",
+            "1000",
+            "--test-limit",
+            "500",
+            "--lr",
+            "1e-3",
+            "--metrics-json",
+            str(metrics),
+        ]
+    )
+    assert code == 0
+    figures = json.loads(metrics.read_text())
+    assert figures["global_steps"] == 30 and figures["workers"] == 1
