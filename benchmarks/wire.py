@@ -9,7 +9,7 @@ Both in one run, each with its server in a separate process on localhost:
   new values back in the reply (what every training step does);
 * ``tensorfleet_pull``: values only (6.6 MB one way, a small request the other).
 
-    .venv/bin/python benchmarks/wire.py [--rounds 100]
+    .venv/bin/python benchmarks/wire.py [--batches 10 --per-batch 10]
 
 Writes benchmarks/results/wire.json and .md.
 """
@@ -56,72 +56,96 @@ for _ in range(rounds):
 """
 
 
-def raw_tcp_echo(rounds: int) -> list[float]:
-    """Seconds per round trip of 6.6 MB each way over a plain TCP socket."""
-    server = subprocess.Popen(
-        [sys.executable, "-c", ECHO_SERVER, str(MODEL_BYTES), str(rounds + WARMUP)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        port = int(server.stdout.readline())
-        conn = socket.create_connection(("127.0.0.1", port), timeout=60)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        payload, back = os.urandom(MODEL_BYTES), bytearray(MODEL_BYTES)
-        view = memoryview(back)
-        times = []
-        for i in range(rounds + WARMUP):
-            start = time.perf_counter()
-            conn.sendall(payload)
-            got = 0
-            while got < MODEL_BYTES:
-                got += conn.recv_into(view[got:])
-            if i >= WARMUP:
-                times.append(time.perf_counter() - start)
-        conn.close()
-        return times
-    finally:
-        server.wait(timeout=30)
+class RawEcho:
+    """A plain TCP echo server in its own process, and the client end of it."""
+
+    def __init__(self, rounds: int) -> None:
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", ECHO_SERVER, str(MODEL_BYTES), str(rounds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        port = int(self.server.stdout.readline())
+        self.conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.payload, self.back = os.urandom(MODEL_BYTES), bytearray(MODEL_BYTES)
+
+    def round_trip(self) -> None:
+        self.conn.sendall(self.payload)
+        view, got = memoryview(self.back), 0
+        while got < MODEL_BYTES:
+            got += self.conn.recv_into(view[got:])
+
+    def close(self) -> None:
+        self.conn.close()
+        self.server.wait(timeout=30)
 
 
-def tensorfleet_round_trips(rounds: int) -> dict[str, list[float]]:
-    """Seconds per push+pull and per pull against a real ps process."""
-    secret = generate_secret()
-    ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    tf_config = {
-        "cluster": {"ps": [ps_address], "worker": [worker_address]},
-        "task": {"type": "ps", "index": 0},
-    }
-    env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TENSORFLEET_SECRET": secret}
-    ps = subprocess.Popen(
-        [sys.executable, "-m", "tensorfleet", "server"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    torch.set_num_threads(1)
-    weight = torch.nn.Parameter(torch.randn(MODEL_BYTES // 4))
-    weight.grad = torch.randn_like(weight) * 1e-6
-    plan = plan_placement([VariableSpec("weight", tuple(weight.shape), "float32", 4)], 1)
-    client = ParameterClient([ps_address], secret.encode(), "worker:0")
-    try:
-        client.connect()
-        client.register([("weight", weight)], plan, SGD(lr=0.1), is_chief=True)
-        times: dict[str, list[float]] = {"push_pull": [], "pull": []}
-        for name, call in (("push_pull", client.push_pull), ("pull", client.pull)):
-            for i in range(rounds + WARMUP):
-                start = time.perf_counter()
-                call()
-                if i >= WARMUP:
-                    times[name].append(time.perf_counter() - start)
-        client.finish(declare_end=True)
-        return times
-    finally:
-        client.close()
+class TensorfleetPs:
+    """A real ``tensorfleet server`` ps process holding one 6.6 MB variable, and a client."""
+
+    def __init__(self) -> None:
+        secret = generate_secret()
+        ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        tf_config = {
+            "cluster": {"ps": [ps_address], "worker": [worker_address]},
+            "task": {"type": "ps", "index": 0},
+        }
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TENSORFLEET_SECRET": secret}
+        self.ps = subprocess.Popen(
+            [sys.executable, "-m", "tensorfleet", "server"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.weight = torch.nn.Parameter(torch.randn(MODEL_BYTES // 4))
+        self.weight.grad = torch.randn_like(self.weight) * 1e-6
+        plan = plan_placement([VariableSpec("weight", tuple(self.weight.shape), "float32", 4)], 1)
+        self.client = ParameterClient([ps_address], secret.encode(), "worker:0")
+        self.client.connect()
+        self.client.register([("weight", self.weight)], plan, SGD(lr=0.1), is_chief=True)
+
+    def push_pull(self) -> None:
+        self.client.push_pull()
+
+    def pull(self) -> None:
+        self.client.pull()
+
+    def close(self) -> None:
         try:
-            ps.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            ps.kill()
+            self.client.finish(declare_end=True)
+        finally:
+            self.client.close()
+            try:
+                self.ps.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.ps.kill()
+
+
+def interleaved(batches: int, per_batch: int) -> dict[str, list[float]]:
+    """Seconds per round trip for each kind, measured in alternating batches so that the
+    machine's drift (this is a shared 2-core VM) hits every kind alike."""
+    torch.set_num_threads(1)
+    raw = RawEcho((batches + 1) * per_batch)
+    ours = TensorfleetPs()
+    kinds = {
+        "raw_tcp_echo": raw.round_trip,
+        "tensorfleet_push_pull": ours.push_pull,
+        "tensorfleet_pull": ours.pull,
+    }
+    times: dict[str, list[float]] = {name: [] for name in kinds}
+    try:
+        for batch in range(batches + 1):
+            for name, call in kinds.items():
+                for _ in range(per_batch):
+                    start = time.perf_counter()
+                    call()
+                    if batch > 0:  # the first batch warms up
+                        times[name].append(time.perf_counter() - start)
+    finally:
+        raw.close()
+        ours.close()
+    return times
 
 
 def summary(times: list[float], bytes_moved: int) -> dict[str, float]:
@@ -137,17 +161,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--per-batch", type=int, default=10)
     args = parser.parse_args()
-    rows = {"raw_tcp_echo": summary(raw_tcp_echo(args.rounds), 2 * MODEL_BYTES)}
-    ours = tensorfleet_round_trips(args.rounds)
-    rows["tensorfleet_push_pull"] = summary(ours["push_pull"], 2 * MODEL_BYTES)
-    rows["tensorfleet_pull"] = summary(ours["pull"], MODEL_BYTES)
+    times = interleaved(args.batches, args.per_batch)
+    rows = {
+        "raw_tcp_echo": summary(times["raw_tcp_echo"], 2 * MODEL_BYTES),
+        "tensorfleet_push_pull": summary(times["tensorfleet_push_pull"], 2 * MODEL_BYTES),
+        "tensorfleet_pull": summary(times["tensorfleet_pull"], MODEL_BYTES),
+    }
     for row in rows.values():
         row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
     result = {
         "benchmark": "6.6 MB push+pull round trip on localhost (median of rounds)",
-        "rounds": args.rounds,
+        "round_trips_per_kind": args.batches * args.per_batch,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
     }
@@ -159,7 +186,7 @@ def main() -> int:
             f"| {name} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['gb_per_s']:.2f} | {row['ratio_vs_raw_tcp']:.2f}x |"
         )
     (RESULTS / "wire.md").write_text(
-        f"{result['benchmark']}, {args.rounds} rounds, {result['date']}\n\n"
+        f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, interleaved, {result['date']}\n\n"
         + "\n".join(table)
         + "\n"
     )

@@ -184,7 +184,7 @@ def test_partitions_cover_every_row_exactly_once_in_order(
     assert sorted(by_name) == sorted(expected_names)
     ordered = [by_name[name] for name in expected_names]
     assert ordered[0].row_start == 0 and ordered[-1].row_stop == rows
-    for before, after in zip(ordered, ordered[1:]):
+    for before, after in zip(ordered, ordered[1:], strict=False):
         assert before.row_stop == after.row_start
     assert all(p.row_stop > p.row_start for p in ordered)
     sizes = [p.row_stop - p.row_start for p in ordered]

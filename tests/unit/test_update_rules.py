@@ -263,6 +263,18 @@ def test_invalid_values_are_refused_by_torch_when_building() -> None:
     with pytest.raises(ValueError):
         SGD(lr=0.1, nesterov=True).build([torch.zeros(1)])  # Nesterov needs momentum
 
+    # A factory that fails with IndexError (as torch does for some bad values) becomes a
+    # ValueError that a ps can send back as a refusal instead of dying.
+    def failing_factory(params, hyper):
+        raise IndexError("tuple index out of range")
+
+    update_rules.register_update_rule("failing", failing_factory, {})
+    try:
+        with pytest.raises(ValueError, match="update rule 'failing' cannot be built .* IndexError"):
+            UpdateRule("failing").build([torch.zeros(1)])
+    finally:
+        update_rules._RULES.pop("failing")
+
 
 def test_registered_rules_can_be_used_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(update_rules, "_RULES", dict(update_rules._RULES))
@@ -275,3 +287,9 @@ def test_registered_rules_can_be_used_by_name(monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(rule.build([torch.zeros(2)]), torch.optim.RMSprop)
     with pytest.raises(ValueError, match="unknown hyperparameter 'momentum'"):
         UpdateRule("rmsprop", {"momentum": 0.1})
+
+
+@pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.5), ()])
+def test_betas_must_be_a_pair(betas):
+    with pytest.raises(ValueError, match="pair of numbers"):
+        UpdateRule("adam", {"betas": betas})

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import zmq
 
 from tensorfleet.errors import ProtocolError
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
@@ -78,6 +79,39 @@ class ServiceOutcome:
         return self.reason in ("finished", "ended", "stopped")
 
 
+class SnapshotPool:
+    """Reusable buffers for the values sent in replies.
+
+    A reply's buffers go out without a copy, so they must not change until ZeroMQ has sent
+    them. A fresh copy per reply would do, but allocating (and page-faulting) megabytes per
+    reply costs more than copying into memory that is already mapped. A buffer is reused
+    once the tracker of the reply that carried it says it has left.
+    """
+
+    def __init__(self, store: VariableStore, max_buffers: int = 8) -> None:
+        self._store = store
+        self._max_buffers = max_buffers
+        self._entries: list[tuple[list[torch.Tensor], zmq.MessageTracker | None]] = []
+
+    def take(self) -> tuple[int, list[torch.Tensor]]:
+        """A snapshot of the store's values and its slot (give it back to :meth:`sent`)."""
+        for slot, (tensors, tracker) in enumerate(self._entries):
+            if tracker is None or tracker.done:
+                self._store.snapshot_into(tensors)
+                self._entries[slot] = (tensors, None)
+                return slot, tensors
+        tensors = self._store.snapshot()
+        if len(self._entries) < self._max_buffers:
+            self._entries.append((tensors, None))
+            return len(self._entries) - 1, tensors
+        return -1, tensors  # every pooled buffer is in flight: this one is used once
+
+    def sent(self, slot: int, tracker: zmq.MessageTracker | None) -> None:
+        """Record the tracker of the reply carrying slot ``slot`` (None: nothing holds it)."""
+        if slot >= 0:
+            self._entries[slot] = (self._entries[slot][0], tracker)
+
+
 class ParameterService:
     """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
 
@@ -85,6 +119,7 @@ class ParameterService:
         self.socket = socket
         self.config = config
         self.store = VariableStore()
+        self._snapshots = SnapshotPool(self.store)
         self.global_step = 0
         self.owns_global_step = False
         self.done_workers: set[str] = set()
@@ -216,8 +251,7 @@ class ParameterService:
 
     def _pull(self, request: Request) -> None:
         self._require_initialized()
-        snapshot = self.store.snapshot()
-        self.socket.reply(request, self._progress(), [as_buffer(t) for t in snapshot])
+        self._reply_with_values(request)
 
     def _push(self, request: Request) -> None:
         self._require_initialized()
@@ -227,9 +261,7 @@ class ParameterService:
             self.global_step += 1
         self.stats["pushes"] += 1
         if request.body.get("want_values") is True:
-            self.socket.reply(
-                request, self._progress(), [as_buffer(t) for t in self.store.snapshot()]
-            )
+            self._reply_with_values(request)
         else:
             self.socket.reply(request, self._progress())
 
@@ -272,6 +304,11 @@ class ParameterService:
             "version": self.store.version,
             "stop": self.end_declared_at is not None,
         }
+
+    def _reply_with_values(self, request: Request) -> None:
+        slot, values = self._snapshots.take()
+        tracker = self.socket.reply(request, self._progress(), [as_buffer(t) for t in values])
+        self._snapshots.sent(slot, tracker)
 
     def _require_initialized(self) -> None:
         if not self.store.initialized:

@@ -55,6 +55,11 @@ class VariableStore:
         store keeps changing)."""
         return [flat.clone() for flat in self._flats]
 
+    def snapshot_into(self, targets: list[torch.Tensor]) -> None:
+        """Copy the current values into ``targets`` (tensors shaped like :meth:`snapshot`'s)."""
+        for target, flat in zip(targets, self._flats, strict=True):
+            target.copy_(flat)
+
     def apply(self, gradients: list[torch.Tensor]) -> None:
         """Apply one update from flat gradients (one per group, already validated in size)."""
         if self._optimizer is None:

@@ -53,8 +53,18 @@ class UpdateRule:
         return cls(data["name"], hyper)
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        """The torch optimizer applying this rule to ``params`` (tensors updated in place)."""
-        return _RULES[self.name].factory(params, dict(self.hyperparameters))
+        """The torch optimizer applying this rule to ``params`` (tensors updated in place).
+
+        ValueError when torch refuses the hyperparameters."""
+        try:
+            return _RULES[self.name].factory(params, dict(self.hyperparameters))
+        except (TypeError, IndexError, KeyError) as exc:
+            # e.g. Adam(betas=(0.9,)) raises IndexError inside torch; a ps answers ValueError
+            # with a refusal instead of letting it end the service loop.
+            raise ValueError(
+                f"update rule {self.name!r} cannot be built with {self.hyperparameters}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -70,10 +80,17 @@ class _RuleSpec:
             if isinstance(value, bool) and bool not in types:
                 raise ValueError(f"hyperparameter {key}={value!r} must be a number")
             if isinstance(value, tuple):
-                if tuple not in types or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+                # Tuple hyperparameters (Adam's betas) are pairs of numbers.
+                if (
+                    tuple not in types
+                    or len(value) != 2
+                    or not all(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+                    )
                 ):
-                    raise ValueError(f"hyperparameter {key}={value!r} has the wrong type")
+                    raise ValueError(
+                        f"hyperparameter {key}={value!r} has the wrong type: it must be a pair of numbers"
+                    )
             elif not isinstance(value, types):
                 raise ValueError(
                     f"hyperparameter {key}={value!r} has the wrong type ({type(value).__name__})"

@@ -153,10 +153,11 @@ class ServiceSocket:
 
     def reply(
         self, request: Request, body: dict[str, Any], buffers: list[Buffer] | None = None
-    ) -> None:
+    ) -> zmq.MessageTracker | None:
         """Answer ``request`` successfully. Buffers are sent without a copy and must stay
-        unchanged afterwards."""
-        self._send(
+        unchanged until the returned tracker is done (None when the reply had no buffers or
+        could not be queued)."""
+        return self._send(
             request,
             {"re": request.request_id, "to": request.session_id, "ok": True, "body": body},
             buffers or [],
@@ -177,12 +178,18 @@ class ServiceSocket:
             [],
         )
 
-    def _send(self, request: Request, header: dict[str, Any], buffers: list[Buffer]) -> None:
+    def _send(
+        self, request: Request, header: dict[str, Any], buffers: list[Buffer]
+    ) -> zmq.MessageTracker | None:
         frames = wire.encode(wire.KIND_REPLY, header, buffers, self._signer)
         try:
-            self._socket.send_multipart([request.peer, *frames], copy=False, flags=zmq.NOBLOCK)
+            tracker = self._socket.send_multipart(
+                [request.peer, *frames], copy=False, flags=zmq.NOBLOCK, track=bool(buffers)
+            )
         except zmq.Again:
             self.rejected["unsent_reply"] += 1
+            return None
+        return tracker if buffers else None
 
     def _notice_once(self, peer: bytes, reason: str, text: str) -> None:
         if peer in self._noticed:

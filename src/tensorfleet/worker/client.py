@@ -174,13 +174,13 @@ class ParameterClient:
         return int(replies[0].body.get("global_step", 0))
 
     def pull(self) -> Progress:
-        """Copy the current values of every variable into the model."""
+        """Bring the current values of every variable into the model."""
         replies = self._all("pull", [{}] * self.num_shards, None, self.timeouts.step_s)
         self._scatter_values(replies)
         return self._progress(replies)
 
     def push_pull(self, count_step: bool = True) -> Progress:
-        """Send the model's gradients to every shard and copy the values returned into the
+        """Send the model's gradients to every shard and bring the values returned into the
         model: one round trip per shard, all shards at once."""
         bodies = [
             {"count_step": count_step and i == 0, "want_values": True}
@@ -254,8 +254,14 @@ class ParameterClient:
                 ):
                     flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
                     for m in members:
-                        target = m.param if m.whole else m.param[m.row_start : m.row_stop]
-                        target.copy_(flat[m.offset : m.offset + m.numel].view(target.shape))
+                        values = flat[m.offset : m.offset + m.numel]
+                        if m.whole:
+                            # Adopt the received memory as the parameter's storage: no copy.
+                            # The tensor keeps the received frame alive; nothing else uses it.
+                            m.param.data = values.view(m.param.shape)
+                        else:
+                            target = m.param[m.row_start : m.row_stop]
+                            target.copy_(values.view(target.shape))
 
     @staticmethod
     def _progress(replies: list[Reply]) -> Progress:
