@@ -72,6 +72,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch threads (default: 2 alone, 1 in a cluster)"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mode",
+        choices=("async", "sync", "allreduce"),
+        default="async",
+        help="update discipline (default async)",
+    )
+    p.add_argument(
+        "--replicas-to-aggregate",
+        type=int,
+        default=None,
+        help="sync: gradients per step (fewer than the workers makes backups)",
+    )
+    p.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="async: bound on how far the fastest worker runs ahead",
+    )
+    p.add_argument(
+        "--straggler",
+        type=int,
+        default=None,
+        metavar="INDEX",
+        help="slow this worker down (benchmarks)",
+    )
+    p.add_argument(
+        "--straggler-slowdown",
+        type=float,
+        default=4.0,
+        help="how many times slower the straggler computes",
+    )
     p.add_argument("--placement", choices=("greedy", "round_robin"), default="greedy")
     p.add_argument("--log-placement", action="store_true", help="print where each variable lives")
     p.add_argument(
@@ -144,11 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     local_steps = 0
     steady_from: tuple[float, int] | None = None  # (time, global step) after the warm-up steps
+    slow = args.straggler is not None and args.straggler == worker_index
     with tfl.TrainingSession(
         server,
         model,
         optimizer=tfl.optim.Adam(lr=args.lr),
+        mode=args.mode,
         hooks=hooks,
+        replicas_to_aggregate=args.replicas_to_aggregate,
+        max_staleness=args.max_staleness,
         placement=args.placement,
         log_placement=args.log_placement,
     ) as sess:
@@ -159,10 +194,13 @@ def main(argv: list[str] | None = None) -> int:
             def loss_and_accuracy(
                 x: torch.Tensor = x, y: torch.Tensor = y
             ) -> tuple[torch.Tensor, float]:
-                logits = model(x)
+                logits = sess.model(x)  # the DDP wrapper in allreduce mode
                 return F.cross_entropy(logits, y), float((logits.argmax(1) == y).float().mean())
 
+            step_started = time.perf_counter()
             result = sess.step(loss_and_accuracy)
+            if slow:  # a straggler: as if its hardware were this many times slower
+                time.sleep((args.straggler_slowdown - 1) * (time.perf_counter() - step_started))
             local_steps += 1
             if local_steps == WARMUP_STEPS:
                 steady_from = (time.perf_counter(), result.global_step)
@@ -191,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                     "chief_local_steps": local_steps,
                     "test_accuracy": accuracy,
                     "workers": num_workers,
+                    "mode": args.mode,
                 }
                 args.metrics_json.write_text(json.dumps(figures))
     return 0

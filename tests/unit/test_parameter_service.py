@@ -536,16 +536,34 @@ def test_wait_ready_with_a_different_model_is_refused_naming_the_difference(
 
 def test_push_applies_sgd_exactly_and_the_owner_counts_global_steps(chief: Channel) -> None:
     first = _push(chief, _gradients())
-    assert first.body == {"global_step": 1, "version": 1, "stop": False}
+    assert first.body == {
+        "global_step": 1,
+        "version": 1,
+        "stop": False,
+        "made_step": True,
+        "dropped": False,
+    }
     _assert_values(first.buffers, _sgd(_initial_values(), _gradients()))
 
     second = _push(chief, _gradients(-0.5), count_step=False)
-    assert second.body == {"global_step": 1, "version": 2, "stop": False}
+    assert second.body == {
+        "global_step": 1,
+        "version": 2,
+        "stop": False,
+        "made_step": True,
+        "dropped": False,
+    }
     expected = _sgd(_initial_values(), _gradients(), _gradients(-0.5))
     _assert_values(second.buffers, expected)
 
     third = _push(chief, _gradients(2.0), want_values=False)
-    assert third.body == {"global_step": 2, "version": 3, "stop": False}
+    assert third.body == {
+        "global_step": 2,
+        "version": 3,
+        "stop": False,
+        "made_step": True,
+        "dropped": False,
+    }
     assert third.buffers == []
     body, buffers = _pull(chief)
     assert body == {"global_step": 2, "version": 3, "stop": False}
@@ -670,7 +688,13 @@ def test_replayed_push_is_rejected_on_the_same_and_on_another_connection(
     peer.send(captured)
     applied = peer.receive()
     assert applied.header["ok"] is True
-    assert applied.header["body"] == {"global_step": 1, "version": 1, "stop": False}
+    assert applied.header["body"] == {
+        "global_step": 1,
+        "version": 1,
+        "stop": False,
+        "made_step": True,
+        "dropped": False,
+    }
     after_one_push = _sgd(_initial_values(), _gradients())
 
     peer.send(captured)  # the exact same frames again

@@ -33,7 +33,10 @@ import zmq
 
 from tensorfleet.errors import ProtocolError
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
+from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
@@ -126,6 +129,11 @@ class ParameterService:
         self.end_declared_at: float | None = None
         self.stats: Counter[str] = Counter()
         self._waiting_for_init: list[Request] = []
+        self.discipline = UpdateDiscipline()
+        self.aggregator: SyncAggregator | None = None
+        self.gate: StalenessGate | None = None
+        self._held: list[tuple[Request, str, list[torch.Tensor]]] = []
+        """async pushes held back by the staleness gate, in arrival order."""
         self._handlers = {
             "hello": self._hello,
             "create": self._create,
@@ -222,8 +230,19 @@ class ParameterService:
             self.socket.reply(request, {"created": False, "global_step": self.global_step})
             return
         rule = UpdateRule.from_wire(request.body.get("rule"))
+        discipline = UpdateDiscipline.from_wire(request.body.get("discipline"))
         values = _group_tensors(layout, request.buffers, "initial values")
+        if discipline.mode == "sync":
+            self.aggregator = SyncAggregator(
+                discipline.replicas_to_aggregate or len(self.config.worker_tasks),
+                self.config.worker_tasks,
+            )
+        if discipline.max_staleness is not None:
+            self.gate = StalenessGate(discipline.max_staleness)
         self.store.create(layout, rule, values)
+        if discipline.ema_decay is not None:
+            self.store.keep_moving_average(discipline.ema_decay)
+        self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
         log.info(
             "ps:%d: %d variables created (%s bytes), rule %s",
@@ -251,19 +270,92 @@ class ParameterService:
 
     def _pull(self, request: Request) -> None:
         self._require_initialized()
+        if request.body.get("moving_average") is True:
+            values = self.store.moving_average_snapshot()
+            self.socket.reply(request, self._progress(), [as_buffer(t) for t in values])
+            return
         self._reply_with_values(request)
 
     def _push(self, request: Request) -> None:
         self._require_initialized()
         gradients = _group_tensors(self.store.layout, request.buffers, "gradients")
+        if self.aggregator is not None:
+            self._push_sync(request, self._worker_of(request), gradients)
+        elif self.gate is not None:
+            task = self._worker_of(request)
+            self.gate.join(task)
+            self._held.append((request, task, gradients))
+            self._release_held()
+        else:
+            self._apply_async(request, gradients)
+
+    def _apply_async(self, request: Request, gradients: list[torch.Tensor]) -> None:
         self.store.apply(gradients)
         if self.owns_global_step and request.body.get("count_step") is True:
             self.global_step += 1
         self.stats["pushes"] += 1
+        self._answer_push(request, made_step=True)
+
+    def _release_held(self) -> None:
+        """Apply every held push the staleness gate now allows, oldest first."""
+        released = True
+        while released:
+            released = False
+            for index, (request, task, gradients) in enumerate(self._held):
+                if self.gate.may_apply(task):
+                    del self._held[index]
+                    self.gate.record(task)
+                    self._apply_async(request, gradients)
+                    released = True
+                    break
+
+    def _push_sync(self, request: Request, task: str, gradients: list[torch.Tensor]) -> None:
+        step = request.body.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ProtocolError(
+                f"a sync push needs the integer 'step' its gradients belong to, got {step!r}"
+            )
+        aggregator = self.aggregator
+        if aggregator.is_stale(step):
+            aggregator.drop(task)
+            self.stats["dropped"] += 1
+            self._answer_push(request, made_step=False, dropped=True)
+            return
+        if step > aggregator.step:
+            raise ProtocolError(
+                f"{task} pushed gradients for step {step}, but this shard is at step {aggregator.step}"
+            )
+        aggregator.add(Contribution(task, gradients, request))
+        self._complete_sync_step(last_task=task)
+
+    def _complete_sync_step(self, last_task: str | None) -> None:
+        """Apply the step if enough gradients are in, and answer everyone who contributed."""
+        aggregator = self.aggregator
+        if not aggregator.waiting or not aggregator.is_complete(self.done_workers):
+            return
+        mean, contributions = aggregator.take_mean()
+        if self.discipline.clip_norm is not None:
+            _clip_by_global_norm(mean, self.discipline.clip_norm)
+        self.store.apply(mean)
+        self.stats["pushes"] += len(contributions)
+        self.global_step = aggregator.step
+        for contribution in contributions:
+            self._answer_push(contribution.request, made_step=contribution.task == last_task)
+
+    def _answer_push(self, request: Request, made_step: bool, dropped: bool = False) -> None:
+        extra = {"made_step": made_step, "dropped": dropped}
         if request.body.get("want_values") is True:
-            self._reply_with_values(request)
+            self._reply_with_values(request, extra)
         else:
-            self.socket.reply(request, self._progress())
+            self.socket.reply(request, {**self._progress(), **extra})
+
+    def _worker_of(self, request: Request) -> str:
+        task = request.body.get("task")
+        if not isinstance(task, str) or task not in self.config.worker_tasks:
+            raise ProtocolError(
+                f"push from unknown task {task!r}; workers are {list(self.config.worker_tasks)}"
+            )
+        return task
 
     def _done(self, request: Request) -> None:
         task = request.body.get("task")
@@ -273,6 +365,11 @@ class ParameterService:
             )
         self.done_workers.add(task)
         self.socket.reply(request, {})
+        if self.gate is not None:
+            self.gate.leave(task)
+            self._release_held()
+        if self.aggregator is not None:
+            self._complete_sync_step(last_task=None)
 
     def _end(self, request: Request) -> None:
         if self.end_declared_at is None:
@@ -293,6 +390,9 @@ class ParameterService:
                 "refused": self.stats["refused"],
                 "rejected": dict(self.socket.rejected),
                 "done_workers": sorted(self.done_workers),
+                "dropped": dict(self.aggregator.dropped) if self.aggregator else {},
+                "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,
+                "mode": self.discipline.mode,
             },
         )
 
@@ -305,9 +405,10 @@ class ParameterService:
             "stop": self.end_declared_at is not None,
         }
 
-    def _reply_with_values(self, request: Request) -> None:
+    def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
         slot, values = self._snapshots.take()
-        tracker = self.socket.reply(request, self._progress(), [as_buffer(t) for t in values])
+        body = {**self._progress(), **(extra or {})}
+        tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
         self._snapshots.sent(slot, tracker)
 
     def _require_initialized(self) -> None:
@@ -317,9 +418,42 @@ class ParameterService:
             )
 
     def _expire_waiting(self) -> None:
+        """Give up on requests whose requester no longer waits, telling it why."""
+        now = time.monotonic()
         if self._waiting_for_init:
-            now = time.monotonic()
             self._waiting_for_init = [r for r in self._waiting_for_init if r.deadline > now]
+        for request, task, _ in [h for h in self._held if h[0].deadline <= now]:
+            self._held = [h for h in self._held if h[0] is not request]
+            self.socket.fail(
+                request,
+                "DeadlineExceeded",
+                f"{task} is {self.gate.gap(task)} steps ahead of the slowest live worker(s) "
+                f"{', '.join(self.gate.slowest())} (max_staleness={self.gate.max_staleness}) and "
+                "they did not catch up in time: are they still running?",
+            )
+        if self.aggregator is not None:
+            for contribution in [c for c in self.aggregator.waiting if c.request.deadline <= now]:
+                self.aggregator.withdraw(contribution.task)
+                self.socket.fail(
+                    contribution.request,
+                    "DeadlineExceeded",
+                    f"step {self.aggregator.step} still waits for gradients from "
+                    f"{', '.join(self.aggregator.missing())} "
+                    f"({self.aggregator.needed(self.done_workers)} of {len(self.config.worker_tasks)} needed): "
+                    "are they still running? Backup workers (replicas_to_aggregate < workers) let "
+                    "training go on without the slowest",
+                )
+
+
+def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None:
+    """Scale ``gradients`` in place so that their joint L2 norm is at most ``max_norm``
+    (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    total = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g.float()) for g in gradients])
+    )
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in gradients:
+        g.mul_(coefficient.to(g.dtype))
 
 
 def _layout_from(variables: object) -> FusedLayout:

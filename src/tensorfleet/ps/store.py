@@ -25,6 +25,8 @@ class VariableStore:
         self._flats: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []
         self._optimizer: torch.optim.Optimizer | None = None
+        self._ema: list[torch.Tensor] | None = None
+        self._ema_decay = 0.0
 
     @property
     def initialized(self) -> bool:
@@ -50,6 +52,22 @@ class VariableStore:
         self._optimizer = rule.build([v for group_views in views for v in group_views])
         self.layout, self.rule, self._flats, self._views = layout, rule, flats, views
 
+    def keep_moving_average(self, decay: float) -> None:
+        """From now on, keep ``ema = decay * ema + (1 - decay) * value`` after every update,
+        starting from the current values."""
+        self._ema = [flat.clone() for flat in self._flats]
+        self._ema_decay = decay
+
+    @property
+    def has_moving_average(self) -> bool:
+        return self._ema is not None
+
+    def moving_average_snapshot(self) -> list[torch.Tensor]:
+        """A copy of the moving average, one flat tensor per group."""
+        if self._ema is None:
+            raise ValueError("this shard keeps no moving average (ema_decay was not set)")
+        return [flat.clone() for flat in self._ema]
+
     def snapshot(self) -> list[torch.Tensor]:
         """A copy of the current values, one flat tensor per group (safe to send while the
         store keeps changing)."""
@@ -71,4 +89,7 @@ class VariableStore:
         for views in self._views:
             for view in views:
                 view.grad = None
+        if self._ema is not None:
+            for average, flat in zip(self._ema, self._flats, strict=True):
+                average.lerp_(flat, 1.0 - self._ema_decay)
         self.version += 1

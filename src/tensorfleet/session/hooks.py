@@ -30,6 +30,11 @@ class StepResult:
     """The global step after this step's update was applied."""
     aux: Any = None
     """Whatever the step's closure returned besides the loss (e.g. the logits)."""
+    made_step: bool = True
+    """Whether this worker's update completed ``global_step`` (exactly one worker per step:
+    the pusher in async mode, the last contributor in sync mode, the chief in allreduce)."""
+    dropped: bool = False
+    """sync mode: this worker's gradients came too late for their step and were dropped."""
 
 
 class Hook:
@@ -82,8 +87,8 @@ class StopAtStep(Hook):
 class LoggingHook(Hook):
     """Print a line each time the global step reaches a multiple of ``every_n_steps``.
 
-    With asynchronous updates each push advances the global step by one, so exactly one
-    worker (whichever made the step) prints each line. ``formatter(session, result)`` makes
+    Exactly one worker makes each global step (see :attr:`StepResult.made_step`), and only
+    that worker prints its line. ``formatter(session, result)`` makes
     the line; return None to print nothing.
     """
 
@@ -102,7 +107,7 @@ class LoggingHook(Hook):
         self.print_fn = print_fn
 
     def after_step(self, session: TrainingSession, result: StepResult) -> None:
-        if result.global_step % self.every_n_steps == 0:
+        if result.made_step and result.global_step % self.every_n_steps == 0:
             line = self.formatter(session, result)
             if line is not None:
                 self.print_fn(line)

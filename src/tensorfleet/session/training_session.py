@@ -1,9 +1,17 @@
 """``TrainingSession``: the training loop's companion (TensorFlow's MonitoredTrainingSession).
 
-It connects the model to the parameter servers (the chief creates the variables, the other
-workers wait for that with a deadline), runs each step (forward and backward in the
-caller's closure, then one push+pull per ps shard), keeps the global step, runs the hooks,
-and says when to stop. Without a server it trains in one process with the same API.
+It connects the model to the rest of the cluster, runs each step (forward and backward in
+the caller's closure, then the exchange that the mode calls for), keeps the global step,
+runs the hooks, and says when to stop. One argument picks the update discipline:
+
+* ``async``: every push is applied by the parameter servers at once (optionally with
+  ``max_staleness``, the fastest worker at most that many steps ahead of the slowest);
+* ``sync``: the parameter servers apply the mean of ``replicas_to_aggregate`` gradients per
+  step (default: every worker); fewer than the number of workers makes the rest backups;
+* ``allreduce``: no parameter servers; the workers average gradients with torch.distributed
+  inside ``DistributedDataParallel`` and each applies the update itself.
+
+Without a server it trains in this one process with the same API.
 """
 
 from __future__ import annotations
@@ -15,18 +23,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ClusterConfigError, TensorfleetError
 from tensorfleet.ps.placement import PlacementPlan, VariableSpec, plan_placement
+from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.hooks import Hook, StepResult
 from tensorfleet.session.server import Server
 from tensorfleet.wire.tensors import dtype_name
+from tensorfleet.worker.allreduce_updater import AllReduceUpdater
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 from tensorfleet.worker.local_updater import LocalUpdater
 
 log = logging.getLogger("tensorfleet.session")
 
-MODES = ("async",)
+MODES = ("async", "sync", "allreduce")
 
 StepClosure = Callable[[], "torch.Tensor | tuple[torch.Tensor, Any]"]
 
@@ -35,11 +45,17 @@ class TrainingSession:
     """Trains ``model`` with ``optimizer`` (an :class:`UpdateRule`, e.g. ``tfl.optim.Adam``)
     on the cluster of ``server`` (or in this process when ``server`` is None).
 
-    Use it as a context manager::
+    Use it as a context manager, and compute the loss with ``sess.model`` (the model itself,
+    or its ``DistributedDataParallel`` wrapper in ``allreduce`` mode)::
 
         with TrainingSession(server, model, optimizer=Adam(lr=1e-4), hooks=[StopAtStep(3000)]) as sess:
             while not sess.should_stop():
-                sess.step(lambda: F.cross_entropy(model(x), y))
+                sess.step(lambda: F.cross_entropy(sess.model(x), y))
+
+    ``clip_grad_norm`` clips by global norm: each worker's gradient in ``async`` mode, the
+    aggregated gradient in ``sync`` and ``allreduce`` modes. ``ema_decay`` keeps an
+    exponential moving average of the parameters where they live (the ps shards, or the
+    workers without ps); :meth:`moving_average` returns it.
     """
 
     def __init__(
@@ -50,6 +66,10 @@ class TrainingSession:
         *,
         mode: str = "async",
         hooks: Iterable[Hook] = (),
+        replicas_to_aggregate: int | None = None,
+        max_staleness: int | None = None,
+        clip_grad_norm: float | None = None,
+        ema_decay: float | None = None,
         placement: str = "greedy",
         partition_threshold_bytes: int | None = None,
         log_placement: bool = False,
@@ -62,8 +82,17 @@ class TrainingSession:
                 f"optimizer must be a tensorfleet update rule such as tensorfleet.optim.Adam(lr=1e-4), "
                 f"got {type(optimizer).__name__}: the parameter servers apply it, so it is described, not instantiated"
             )
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        if replicas_to_aggregate is not None and mode != "sync":
+            raise ValueError(
+                f"replicas_to_aggregate={replicas_to_aggregate} only applies to mode 'sync', not {mode!r}"
+            )
+        if max_staleness is not None and mode != "async":
+            raise ValueError(
+                f"max_staleness={max_staleness} only applies to mode 'async', not {mode!r}"
+            )
         self.server = server
-        self.model = model
         self.rule = optimizer
         self.mode = mode
         self.is_chief = server.is_chief if server is not None else True
@@ -72,12 +101,39 @@ class TrainingSession:
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
             raise ValueError("the model has no trainable parameters")
+        self._clip_on_worker = (
+            clip_grad_norm if mode in ("async", "allreduce") or server is None else None
+        )
         self.plan: PlacementPlan | None = None
-        if server is not None:
+        self.model: nn.Module = model
+        """What the step closure must call: the model, or its DDP wrapper in allreduce mode."""
+
+        if server is None:
+            self._updater: ParameterClient | LocalUpdater | AllReduceUpdater = LocalUpdater(
+                ema_decay
+            )
+        elif mode == "allreduce":
+            self._updater = self._allreduce_updater(server, timeouts, ema_decay)
+        else:
             if not server.ps_addresses:
-                raise ValueError(
-                    "mode 'async' trains through parameter servers, but the cluster has no 'ps' job"
+                raise ClusterConfigError(
+                    f"mode {mode!r} trains through parameter servers, but the cluster has no 'ps' job: "
+                    "add ps tasks (tensorfleet launch --ps 1), or use mode='allreduce'"
                 )
+            if mode == "sync" and clip_grad_norm is not None and len(server.ps_addresses) > 1:
+                raise ValueError(
+                    "clip_grad_norm in mode 'sync' clips the aggregated gradient on the ps, which needs "
+                    f"its norm across all shards; that works with one ps task, and this cluster has "
+                    f"{len(server.ps_addresses)}. Use one ps task, or mode 'async' (each worker clips "
+                    "its own gradient), or 'allreduce'"
+                )
+            self.discipline = UpdateDiscipline(
+                mode=mode,
+                replicas_to_aggregate=replicas_to_aggregate,
+                max_staleness=max_staleness,
+                clip_norm=clip_grad_norm if mode == "sync" else None,
+                ema_decay=ema_decay,
+            )
             specs = [
                 VariableSpec(name, tuple(p.shape), dtype_name(p.dtype), p.element_size())
                 for name, p in self._named_params
@@ -87,15 +143,34 @@ class TrainingSession:
             )
             if log_placement and self.is_chief:
                 print(self.plan.report(), flush=True)
-            self._updater: ParameterClient | LocalUpdater = ParameterClient(
+            self._updater = ParameterClient(
                 server.ps_addresses, server.secret, self.task_name, timeouts
             )
-        else:
-            self._updater = LocalUpdater()
         self._global_step = 0
         self._stop_requested = False
         self._started = False
         self._closed = False
+
+    def _allreduce_updater(
+        self, server: Server, timeouts: ClientTimeouts | None, ema_decay: float | None
+    ) -> AllReduceUpdater:
+        if server.ps_addresses:
+            raise ClusterConfigError(
+                f"mode 'allreduce' needs no ps tasks, but the cluster has {len(server.ps_addresses)}: "
+                "they would wait for workers that never come. Launch with --ps 0"
+            )
+        workers = server.worker_tasks
+        chief = next(
+            t for t in workers if (t.job == "chief") or (t.job == "worker" and t.index == 0)
+        )
+        rank = workers.index(server.task)
+        return AllReduceUpdater(
+            server.cluster.task_address(chief.job, chief.index),
+            rank,
+            len(workers),
+            timeouts,
+            ema_decay,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -113,10 +188,21 @@ class TrainingSession:
             raise RuntimeError("the session has already started")
         self._started = True
         try:
-            self._updater.connect()
-            self._global_step = self._updater.register(
-                self._named_params, self.plan, self.rule, self.is_chief
-            )
+            if isinstance(self._updater, AllReduceUpdater):
+                self._updater.connect(next(self.model.parameters()).device.type)
+                self.model = self._updater.wrap(self.model)
+                self._global_step = self._updater.register(
+                    self._named_params, None, self.rule, self.is_chief
+                )
+            elif isinstance(self._updater, ParameterClient):
+                self._updater.connect()
+                self._global_step = self._updater.register(
+                    self._named_params, self.plan, self.rule, self.is_chief, self.discipline
+                )
+            else:
+                self._global_step = self._updater.register(
+                    self._named_params, None, self.rule, self.is_chief
+                )
             progress = self._updater.pull()
             self._global_step = progress.global_step
             self._stop_requested = progress.stop
@@ -128,8 +214,8 @@ class TrainingSession:
             hook.begin(self)
 
     def close(self, failed: bool = False) -> None:
-        """Run the hooks' ``end`` (unless failed), tell the parameter servers this worker is
-        done (the chief declares training over), and release the connections."""
+        """Run the hooks' ``end`` (unless failed), tell the others this worker is done (the
+        chief declares training over), and release the connections."""
         if self._closed:
             return
         self._closed = True
@@ -137,14 +223,15 @@ class TrainingSession:
             if not failed:
                 for hook in self.hooks:
                     hook.end(self)
-            self._updater.finish(declare_end=self.is_chief)
+                self._updater.finish(declare_end=self.is_chief)
+            elif not isinstance(self._updater, AllReduceUpdater):
+                # Tell the parameter servers this worker stopped, so they do not wait for it.
+                self._updater.finish(declare_end=self.is_chief)
         except TensorfleetError as exc:
             if not failed:
                 raise
             log.warning(
-                "%s: could not tell the parameter servers that this worker stopped: %s",
-                self.task_name,
-                exc,
+                "%s: could not tell the others that this worker stopped: %s", self.task_name, exc
             )
         finally:
             self._updater.close()
@@ -153,11 +240,15 @@ class TrainingSession:
 
     @property
     def global_step(self) -> int:
-        """The global step as of this worker's last exchange with the parameter servers."""
+        """The global step as of this worker's last exchange."""
         return self._global_step
 
     def should_stop(self) -> bool:
-        """Whether training should end: a hook asked, or the chief declared it over."""
+        """Whether training should end: a hook asked, or the chief declared it over. In
+        ``allreduce`` mode every worker gets the same answer (they must leave together):
+        call it once per step on every worker."""
+        if isinstance(self._updater, AllReduceUpdater) and not self._closed:
+            self._stop_requested = self._updater.agree_to_stop(self._stop_requested)
         return self._stop_requested
 
     def request_stop(self) -> None:
@@ -166,8 +257,8 @@ class TrainingSession:
 
     def step(self, closure: StepClosure) -> StepResult:
         """One training step: ``closure()`` computes the loss (or ``(loss, aux)``) on the
-        current parameters, the gradients go to the parameter servers, and the updated
-        parameters come back into the model."""
+        current parameters, then the gradients are exchanged and the update applied as the
+        mode says, and the updated parameters are in the model."""
         if not self._started or self._closed:
             raise RuntimeError(
                 "step() needs a started, open session: use `with TrainingSession(...) as sess:`"
@@ -182,11 +273,19 @@ class TrainingSession:
                 f"the step closure must return a scalar loss tensor (or (loss, aux)), got {type(loss).__name__}"
             )
         loss.backward()
-        progress = self._updater.push_pull()
+        if self._clip_on_worker is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)
+        progress = self._updater.push_pull(step=self._global_step)
         self._global_step = progress.global_step
         if progress.stop:
             self._stop_requested = True
-        result = StepResult(loss=float(loss.detach()), global_step=progress.global_step, aux=aux)
+        result = StepResult(
+            loss=float(loss.detach()),
+            global_step=progress.global_step,
+            aux=aux,
+            made_step=progress.made_step,
+            dropped=progress.dropped,
+        )
         for hook in self.hooks:
             hook.after_step(self, result)
         return result
@@ -197,3 +296,16 @@ class TrainingSession:
         progress = self._updater.pull()
         self._global_step = progress.global_step
         return progress.global_step
+
+    def cluster_stats(self) -> list[dict[str, Any]]:
+        """Each ps shard's own record: pushes, dropped gradients per worker (sync), the
+        largest staleness gap applied (async with max_staleness), rejected messages."""
+        if not isinstance(self._updater, ParameterClient):
+            return []
+        return self._updater.stats()
+
+    def moving_average(self) -> dict[str, torch.Tensor]:
+        """The exponential moving average of the parameters (``ema_decay``), by parameter
+        name: load it into a copy of the model to evaluate it (``load_state_dict(...,
+        strict=False)``)."""
+        return self._updater.moving_average()

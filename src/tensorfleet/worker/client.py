@@ -19,6 +19,7 @@ import zmq
 from tensorfleet.errors import DeadlineExceeded
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
@@ -26,6 +27,9 @@ from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
 from tensorfleet.wire.transport import Channel, Reply
 
 log = logging.getLogger("tensorfleet.worker")
+
+#: Extra seconds a client waits beyond a request's own deadline for the server's explanation.
+ANSWER_MARGIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class Progress:
     global_step: int
     stop: bool
     """The chief has declared training over."""
+    made_step: bool = True
+    """This worker's push completed the global step (exactly one worker per step)."""
+    dropped: bool = False
+    """sync: this worker's gradients came too late for their step and were dropped."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class ParameterClient:
         self._members: list[list[list[_Member]]] = []  # shard -> group -> members
         self._layouts: list[FusedLayout] = []
         self._send_buffers: list[list[torch.Tensor]] = []
+        self._variable_names: dict[str, str] = {}
 
     @property
     def num_shards(self) -> int:
@@ -112,6 +121,7 @@ class ParameterClient:
         plan: PlacementPlan,
         rule: UpdateRule,
         is_chief: bool,
+        discipline: UpdateDiscipline | None = None,
     ) -> int:
         """Bind the model's parameters to the plan. The chief creates the variables with its
         current values (idempotent: if they exist already, it adopts them); everyone else
@@ -122,6 +132,9 @@ class ParameterClient:
             )
         params = dict(named_params)
         self._layouts, self._members, self._send_buffers = [], [], []
+        self._variable_names = {
+            s.stored_name: s.variable.name for shard in plan.shards for s in shard
+        }
         for shard in plan.shards:
             layout = FusedLayout.of(
                 [StoredVariable(s.stored_name, s.shape, s.variable.dtype) for s in shard]
@@ -152,7 +165,12 @@ class ParameterClient:
         variables = [[v.to_wire() for v in layout.variables] for layout in self._layouts]
         if is_chief:
             bodies = [
-                {"variables": variables[i], "rule": rule.to_wire(), "owns_global_step": i == 0}
+                {
+                    "variables": variables[i],
+                    "rule": rule.to_wire(),
+                    "owns_global_step": i == 0,
+                    "discipline": (discipline or UpdateDiscipline()).to_wire(),
+                }
                 for i in range(self.num_shards)
             ]
             buffers = [self._gather(i, values=True) for i in range(self.num_shards)]
@@ -179,17 +197,42 @@ class ParameterClient:
         self._scatter_values(replies)
         return self._progress(replies)
 
-    def push_pull(self, count_step: bool = True) -> Progress:
+    def push_pull(self, count_step: bool = True, step: int | None = None) -> Progress:
         """Send the model's gradients to every shard and bring the values returned into the
         model: one round trip per shard, all shards at once."""
         bodies = [
-            {"count_step": count_step and i == 0, "want_values": True}
+            {
+                "count_step": count_step and i == 0,
+                "want_values": True,
+                "task": self.task_name,
+                "step": step,
+            }
             for i in range(self.num_shards)
         ]
         buffers = [self._gather(i, values=False) for i in range(self.num_shards)]
         replies = self._all("push", bodies, buffers, self.timeouts.step_s)
         self._scatter_values(replies)
         return self._progress(replies)
+
+    def moving_average(self) -> dict[str, torch.Tensor]:
+        """The moving average the shards keep, as fresh tensors by parameter name."""
+        bodies = [{"moving_average": True}] * self.num_shards
+        replies = self._all("pull", bodies, None, self.timeouts.step_s)
+        averages: dict[str, torch.Tensor] = {}
+        for shard, reply in enumerate(replies):
+            layout = self._layouts[shard]
+            for group, members, buffer in zip(
+                layout.groups, self._members[shard], reply.buffers, strict=True
+            ):
+                flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
+                for m, (var, _) in zip(members, group.members, strict=True):
+                    name = self._variable_names[var.name]
+                    target = averages.setdefault(
+                        name, torch.empty(m.param.shape, dtype=m.param.dtype)
+                    )
+                    piece = target if m.whole else target[m.row_start : m.row_stop]
+                    piece.copy_(flat[m.offset : m.offset + m.numel].view(piece.shape))
+        return averages
 
     def finish(self, declare_end: bool) -> None:
         """Tell every shard this worker is done (the chief first declares training over)."""
@@ -220,8 +263,10 @@ class ParameterClient:
             ch.send(op, body, buffers[i] if buffers else None, timeout_s)
             for i, (ch, body) in enumerate(zip(self._channels, bodies, strict=True))
         ]
+        # A ps gives up on a request it holds at timeout_s and says why; wait a little longer
+        # than that, so that its explanation, not a bare timeout, is what the user sees.
         return [
-            ch.wait(request_id, timeout_s)
+            ch.wait(request_id, timeout_s + ANSWER_MARGIN_S)
             for ch, request_id in zip(self._channels, ids, strict=True)
         ]
 
@@ -268,4 +313,6 @@ class ParameterClient:
         return Progress(
             global_step=int(replies[0].body.get("global_step", 0)),
             stop=any(r.body.get("stop") is True for r in replies),
+            made_step=replies[0].body.get("made_step", True) is True,
+            dropped=any(r.body.get("dropped") is True for r in replies),
         )

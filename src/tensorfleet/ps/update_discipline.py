@@ -1,0 +1,78 @@
+"""How a shard applies pushes: asynchronously (optionally with bounded staleness) or
+synchronously (optionally with backup workers), with optional clipping and a moving average.
+
+The chief sends it with ``create``; every shard of a run applies the same discipline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tensorfleet.errors import ProtocolError
+
+MODES = ("async", "sync")
+
+
+@dataclass(frozen=True)
+class UpdateDiscipline:
+    """The rules a ps shard follows for incoming gradients."""
+
+    mode: str = "async"
+    """``async``: every push applied at once; ``sync``: the mean of k pushes per step."""
+    replicas_to_aggregate: int | None = None
+    """sync: gradients per step (default: every worker); fewer makes backup workers."""
+    max_staleness: int | None = None
+    """async: the fastest worker stays at most this many steps ahead of the slowest."""
+    clip_norm: float | None = None
+    """sync: clip the aggregated gradient to this global norm before applying it."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the variables with this decay."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.replicas_to_aggregate is not None and (
+            self.mode != "sync" or self.replicas_to_aggregate < 1
+        ):
+            raise ValueError(
+                f"replicas_to_aggregate={self.replicas_to_aggregate} needs mode 'sync' and a value >= 1"
+            )
+        if self.max_staleness is not None and (self.mode != "async" or self.max_staleness < 0):
+            raise ValueError(
+                f"max_staleness={self.max_staleness} needs mode 'async' and a value >= 0"
+            )
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "replicas_to_aggregate": self.replicas_to_aggregate,
+            "max_staleness": self.max_staleness,
+            "clip_norm": self.clip_norm,
+            "ema_decay": self.ema_decay,
+        }
+
+    @classmethod
+    def from_wire(cls, data: object) -> UpdateDiscipline:
+        """Parse a discipline received from the network (ProtocolError / ValueError if off)."""
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ProtocolError(f"'discipline' must be a map, got {type(data).__name__}")
+        types = {
+            "mode": (str,),
+            "replicas_to_aggregate": (int,),
+            "max_staleness": (int,),
+            "clip_norm": (int, float),
+            "ema_decay": (float,),
+        }
+        for key, value in data.items():
+            if key not in types:
+                raise ProtocolError(f"unknown discipline field {key!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types[key])):
+                raise ProtocolError(f"discipline field {key}={value!r} has the wrong type")
+        return cls(**{k: v for k, v in data.items() if v is not None})

@@ -1,0 +1,29 @@
+"""An exponential moving average of a model's parameters, kept where the parameters live
+when that is the worker itself (one process, or all-reduce). With parameter servers the ps
+shards keep it instead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class MovingAverage:
+    """``average = decay * average + (1 - decay) * parameter`` after every update."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self._params = list(named_params)
+        self._averages = {name: p.detach().clone() for name, p in self._params}
+
+    def update(self) -> None:
+        with torch.no_grad():
+            for name, p in self._params:
+                self._averages[name].lerp_(p.detach(), 1.0 - self.decay)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """A copy of the averages, by parameter name (load it into an evaluation model)."""
+        return {name: t.clone() for name, t in self._averages.items()}
