@@ -62,7 +62,7 @@ def pytorch_single(steps: int, threads: int = 2) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def example_run(steps: int, num_ps: int, num_workers: int) -> dict:
+def example_run(steps: int, num_ps: int, num_workers: int, extra: tuple[str, ...] = ()) -> dict:
     """The example's own figures (the chief's steady-state global steps/s)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.json"
@@ -73,6 +73,7 @@ def example_run(steps: int, num_ps: int, num_workers: int) -> dict:
             str(steps),
             "--metrics-json",
             str(metrics),
+            *extra,
         ]
         if num_workers == 1 and num_ps == 0:
             env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
