@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 DATA_DIR := /usr/share/datasets/fashion-mnist
 DEMO_STEPS ?= 3000
+# make demo MODE=sync | MODE=allreduce (no ps) | MODE=async (default)
+MODE ?= async
+DEMO_PS := $(if $(filter allreduce,$(MODE)),0,1)
 
 .PHONY: setup data demo test test-fast lint bench clean
 
@@ -32,7 +35,7 @@ data:
 	fi
 
 demo: setup data
-	$(VENV)/bin/tensorfleet launch --ps 1 --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS)
+	$(VENV)/bin/tensorfleet launch --ps $(DEMO_PS) --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS) --mode $(MODE)
 
 test: setup data
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -47,6 +50,7 @@ lint: setup
 bench: setup data
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/wire.py
+	$(PY) benchmarks/modes.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
