@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--device",
+        default="/cpu:0",
+        help="where this worker computes, e.g. /gpu:0 (default /cpu:0)",
+    )
+    p.add_argument(
         "--mode",
         choices=("async", "sync", "allreduce"),
         default="async",
@@ -162,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
 
+    device = tfl.torch_device(args.device)
     torch.manual_seed(args.seed)
-    model = ClassicCNN()
+    model = ClassicCNN().to(device)
 
     def progress_line(sess: tfl.TrainingSession, result: tfl.StepResult) -> str:
         return f"Worker: {worker_index}, Step: {result.global_step}, Accuracy (batch): {result.aux:.2f}"
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as sess:
         first_step = sess.global_step
         while not sess.should_stop():
-            x, y = next(batches)
+            x, y = (t.to(device) for t in next(batches))
 
             def loss_and_accuracy(
                 x: torch.Tensor = x, y: torch.Tensor = y
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     test_images[: args.test_limit],
                     test_labels[: args.test_limit],
                 )
-            accuracy = evaluate(model, normalize(test_images), test_labels)
+            accuracy = evaluate(model, normalize(test_images).to(device), test_labels.to(device))
             print(
                 f"Test accuracy: {accuracy:.4f} (global step {final_step}, {elapsed:.1f} s)",
                 flush=True,
@@ -236,4 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except tfl.TensorfleetError as error:  # a misconfiguration: one clear line, no traceback
+        print(f"mnist_cnn.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -41,6 +41,7 @@ _EXPORTS = {
     "ServerConfig": "tensorfleet.session.server",
     "TrainingSession": "tensorfleet.session.training_session",
     "ClientTimeouts": "tensorfleet.worker.client",
+    "torch_device": "tensorfleet.worker.device",
 }
 _SUBMODULES = {"optim"}
 
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     from tensorfleet.session.server import Server, ServerConfig
     from tensorfleet.session.training_session import TrainingSession
     from tensorfleet.worker.client import ClientTimeouts
+    from tensorfleet.worker.device import torch_device
 
 
 def __getattr__(name: str) -> Any:

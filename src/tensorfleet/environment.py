@@ -28,6 +28,16 @@ DATA_DIR_VAR = "TENSORFLEET_DATA_DIR"
 HOME_VAR = "HOME"
 
 
+#: "1" to encrypt all traffic between tasks with ZeroMQ CURVE (every task must agree).
+ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"
+
+
+def encryption_requested(environ_: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TENSORFLEET_ENCRYPT`` asks for encrypted traffic."""
+    value = (environ() if environ_ is None else environ_).get(ENCRYPT_VAR, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def environ() -> Mapping[str, str]:
     """The current process environment, read-only by convention."""
     return os.environ

@@ -16,7 +16,15 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 def _run(tmp_path, num_ps, num_workers, mode, steps, *options):
     out = tmp_path / "result.json"
-    command = [sys.executable, str(PROGRAMS / "exact_worker.py"), str(out), mode, "sgd", str(steps), *options]
+    command = [
+        sys.executable,
+        str(PROGRAMS / "exact_worker.py"),
+        str(out),
+        mode,
+        "sgd",
+        str(steps),
+        *options,
+    ]
     run = run_local_cluster(num_ps, num_workers, command, timeout_s=200)
     assert run.returncode == 0, str(run)
     per_worker = {}
@@ -37,19 +45,28 @@ def test_sync_with_a_backup_worker_does_not_wait_for_the_straggler(tmp_path):
     assert result["global_step"] == steps, str(run)
     # The two fast workers made (nearly) every step; the straggler's late gradients were
     # dropped and counted by the ps, per worker.
-    assert workers["worker:0"]["made_steps"] + workers["worker:1"]["made_steps"] >= steps - 2, workers
+    assert workers["worker:0"]["made_steps"] + workers["worker:1"]["made_steps"] >= steps - 2, (
+        workers
+    )
     # The chief read the ps's record when it finished; the straggler may push (and be
     # dropped) once more after that, which only its own count sees.
-    assert 3 <= stats["dropped"].get("worker:2", 0) <= workers["worker:2"]["dropped"], (stats, workers)
+    assert 3 <= stats["dropped"].get("worker:2", 0) <= workers["worker:2"]["dropped"], (
+        stats,
+        workers,
+    )
     assert stats["dropped"].get("worker:0", 0) + stats["dropped"].get("worker:1", 0) <= 2, stats
 
 
 def test_plain_sync_waits_for_everyone(tmp_path):
     steps = 8
-    result, workers, run = _run(tmp_path, 1, 3, "sync", steps, "--slow-worker", "2", "--slow-seconds", "0.1")
+    result, workers, run = _run(
+        tmp_path, 1, 3, "sync", steps, "--slow-worker", "2", "--slow-seconds", "0.1"
+    )
     stats = result["stats"][0]
     assert result["global_step"] == steps, str(run)
-    assert stats["dropped"] == {}, "without backups no gradient is stale: everyone waits for everyone"
+    assert stats["dropped"] == {}, (
+        "without backups no gradient is stale: everyone waits for everyone"
+    )
 
 
 @pytest.mark.parametrize("staleness", [0, 2])
@@ -63,4 +80,6 @@ def test_bounded_staleness_never_exceeds_s(tmp_path, staleness):
         assert shard["max_staleness_seen"] is not None, shard
         assert shard["max_staleness_seen"] <= staleness, f"ps record: {shard}\n{run}"
     # The bound binds: with the straggler, the fast workers would otherwise run far ahead.
-    assert max(shard["max_staleness_seen"] for shard in result["stats"]) == staleness, result["stats"]
+    assert max(shard["max_staleness_seen"] for shard in result["stats"]) == staleness, result[
+        "stats"
+    ]

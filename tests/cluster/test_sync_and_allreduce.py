@@ -24,7 +24,9 @@ def _program():
     return module
 
 
-def _one_process_reference(program, rule_name: str, num_workers: int, clip: float | None = None, ema: float | None = None):
+def _one_process_reference(
+    program, rule_name: str, num_workers: int, clip: float | None = None, ema: float | None = None
+):
     """One process, batch n*b: the concatenation of the workers' batches of each step."""
     model = program.make_model()
     x, y = program.make_data(STEPS, num_workers)
@@ -33,7 +35,10 @@ def _one_process_reference(program, rule_name: str, num_workers: int, clip: floa
     averages = {k: v.detach().clone() for k, v in model.named_parameters()}
     for step in range(STEPS):
         start = step * num_workers * program.BATCH
-        xb, yb = x[start : start + num_workers * program.BATCH], y[start : start + num_workers * program.BATCH]
+        xb, yb = (
+            x[start : start + num_workers * program.BATCH],
+            y[start : start + num_workers * program.BATCH],
+        )
         optimizer.zero_grad()
         F.cross_entropy(model(xb), yb).backward()
         if clip is not None:
@@ -69,12 +74,25 @@ def test_n_workers_of_batch_b_equal_one_process_of_batch_nb(tmp_path, mode, num_
 def test_sync_clips_the_aggregated_gradient_and_keeps_a_moving_average(tmp_path):
     program = _program()
     out = tmp_path / "result.json"
-    command = [sys.executable, str(PROGRAMS / "exact_worker.py"), str(out), "sync", "sgd", str(STEPS), "--clip", "0.05", "--ema", "0.9"]
+    command = [
+        sys.executable,
+        str(PROGRAMS / "exact_worker.py"),
+        str(out),
+        "sync",
+        "sgd",
+        str(STEPS),
+        "--clip",
+        "0.05",
+        "--ema",
+        "0.9",
+    ]
     run = run_local_cluster(1, 2, command, timeout_s=200)
     assert run.returncode == 0, str(run)
     result = json.loads(out.read_text())
     reference, averages = _one_process_reference(program, "sgd", 2, clip=0.05, ema=0.9)
     assert _max_difference(result["params"], reference) < 1e-5, str(run)
     unclipped, _ = _one_process_reference(program, "sgd", 2)
-    assert _max_difference(result["params"], unclipped) > 1e-3, "the clip must have changed the result"
+    assert _max_difference(result["params"], unclipped) > 1e-3, (
+        "the clip must have changed the result"
+    )
     assert _max_difference(result["ema"], averages) < 1e-5, str(run)

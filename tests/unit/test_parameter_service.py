@@ -31,7 +31,7 @@ from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer
-from tensorfleet.wire.transport import Channel, ServiceSocket
+from tensorfleet.wire.transport import QUARANTINE_AFTER_INVALID, Channel, ServiceSocket
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 
 SECRET = b"parameter-service-unit-test-secret-01"
@@ -765,11 +765,24 @@ def test_garbage_frames_do_not_crash_the_service(
     ]
     other_protocol = [_envelope(protocol=wire.PROTOCOL_VERSION + 1), b"four"]
     bad_tag = [_envelope(), b"four"]
+    # Each kind on a connection of its own, so that every one is examined...
     for frames in [*malformed, other_protocol, bad_tag]:
-        peer.send(frames)
-    peer.hello()  # answered after everything above was handled
-
+        one_shot = raw_peer(service.address)
+        one_shot.send(frames)
+    fresh = raw_peer(service.address)
+    fresh.hello()  # answered after everything above was handled (one service loop)
     assert service.rejected == {"malformed": len(malformed), "protocol": 1, "auth": 1}
+
+    # ... while a connection that keeps sending garbage is ignored from then on (quarantined).
+    for _ in range(QUARANTINE_AFTER_INVALID + 3):
+        peer.send(bad_tag)
+    raw_peer(service.address).hello()  # served after the garbage above was handled
+    while peer.socket.poll(100):  # the one notice the garbage earned ("secret mismatch")
+        assert wire.decode_notice(peer.socket.recv_multipart()) is not None
+    peer.send(peer.frames("hello", {"protocol": wire.PROTOCOL_VERSION}))
+    raw_peer(service.address).hello()  # the others are still served
+    assert service.rejected["quarantined"] == 4, service.rejected
+    assert not peer.socket.poll(200), "a quarantined connection gets no answer"
     # A valid client is served as usual, and the variables are untouched.
     body, buffers = _pull(chief)
     assert body["version"] == 0

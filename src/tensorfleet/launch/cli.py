@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+from tensorfleet import environment
 from tensorfleet.errors import LaunchError, TensorfleetError
 from tensorfleet.launch.local_cluster import (
     DEFAULT_GRACE_PERIOD,
@@ -101,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"time between SIGTERM and SIGKILL (default: {DEFAULT_KILL_TIMEOUT:g})",
     )
     launch.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt all traffic between tasks with ZeroMQ CURVE (sets TENSORFLEET_ENCRYPT=1 "
+        "for every task; keys are derived from the cluster secret)",
+    )
+    launch.add_argument(
         "--no-live",
         action="store_true",
         help="plain prefixed lines only, even on a terminal (no live task view)",
@@ -138,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="file holding the cluster secret (default: $TENSORFLEET_SECRET or "
         "$TENSORFLEET_SECRET_FILE)",
+    )
+    server.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt traffic with ZeroMQ CURVE (default: $TENSORFLEET_ENCRYPT); every task must agree",
     )
     server.add_argument(
         "--threads",
@@ -203,6 +215,7 @@ def _launch(args: argparse.Namespace) -> int:
         args.workers,
         command,
         ps_command=ps_command,
+        env={environment.ENCRYPT_VAR: "1"} if args.encrypt else None,
         grace_period=args.grace_period,
         kill_timeout=args.kill_timeout,
         output=output,
@@ -222,7 +235,7 @@ def _server(args: argparse.Namespace) -> int:
     import torch
 
     from tensorfleet.cluster.resolver import resolve_task
-    from tensorfleet.session.server import Server
+    from tensorfleet.session.server import Server, ServerConfig
     from tensorfleet.wire.secret import load_secret
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -230,7 +243,11 @@ def _server(args: argparse.Namespace) -> int:
     task = resolve_task(cluster=args.cluster, job_name=args.job, task_index=args.task, argv=[])
     try:
         server = Server(
-            task.cluster, task.job, task.index, secret=load_secret(secret_file=args.secret_file)
+            task.cluster,
+            task.job,
+            task.index,
+            secret=load_secret(secret_file=args.secret_file),
+            config=ServerConfig(encrypt=True if args.encrypt else None),
         )
     except OSError as exc:  # cannot listen on the task's address; the message says why
         print(f"tensorfleet: error: {exc}", file=sys.stderr)

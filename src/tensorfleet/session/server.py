@@ -13,6 +13,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tensorfleet import environment
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
 from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
@@ -36,6 +37,9 @@ class ServerConfig:
     """After the chief declares training over, how long a ps waits for the other workers."""
     limits: Limits = Limits()
     """Message size and count limits the ps enforces."""
+    encrypt: bool | None = None
+    """Encrypt traffic with ZeroMQ CURVE (keys derived from the secret); None: from
+    ``TENSORFLEET_ENCRYPT``. Every task of a cluster must agree."""
 
 
 class Server:
@@ -60,6 +64,11 @@ class Server:
         self.address = self.cluster.task_address(job_name, task_index)  # validates job and index
         self.secret = load_secret(secret)
         self.config = config or ServerConfig()
+        self.encrypt = (
+            self.config.encrypt
+            if self.config.encrypt is not None
+            else environment.encryption_requested()
+        )
         self.outcome: ServiceOutcome | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -106,7 +115,9 @@ class Server:
 
         def run() -> None:
             try:
-                socket = ServiceSocket(self.address, self.secret, self.config.limits)
+                socket = ServiceSocket(
+                    self.address, self.secret, self.config.limits, encrypt=self.encrypt
+                )
             except BaseException as exc:  # reported to the constructor below
                 self._failure = exc
                 started.set()

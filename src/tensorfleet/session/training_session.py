@@ -144,7 +144,7 @@ class TrainingSession:
             if log_placement and self.is_chief:
                 print(self.plan.report(), flush=True)
             self._updater = ParameterClient(
-                server.ps_addresses, server.secret, self.task_name, timeouts
+                server.ps_addresses, server.secret, self.task_name, timeouts, encrypt=server.encrypt
             )
         self._global_step = 0
         self._stop_requested = False

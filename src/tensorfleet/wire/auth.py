@@ -56,6 +56,20 @@ def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
     return hkdf.derive(secret)
 
 
+def derive_curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The ps tasks' ZeroMQ CURVE key pair (public, secret; Z85), derived from the cluster
+    secret: encryption needs no key files beyond the secret every task already holds.
+    Clients use a fresh ephemeral key pair per connection."""
+    import zmq  # the transport's dependency; auth itself needs only cryptography
+    from zmq.utils import z85
+
+    raw = HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=None, info=b"tensorfleet/curve-server"
+    ).derive(secret)
+    secret_key = z85.encode(raw)
+    return zmq.curve_public(secret_key), secret_key
+
+
 def _nonce(counter: int) -> bytes:
     return b"\x00\x00\x00\x00" + struct.pack(">Q", counter)
 

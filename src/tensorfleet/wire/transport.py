@@ -13,6 +13,7 @@ requests can be in flight on one channel, and ZeroMQ reconnects by itself.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -20,12 +21,40 @@ from typing import Any
 
 import zmq
 
-from tensorfleet.errors import AuthenticationError, DeadlineExceeded, ProtocolError, RemoteError
+from tensorfleet.errors import (
+    AuthenticationError,
+    ClusterConfigError,
+    DeadlineExceeded,
+    ProtocolError,
+    RemoteError,
+)
 from tensorfleet.wire import message as wire
-from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, Buffer, MessageSigner, MessageVerifier
+from tensorfleet.wire.auth import (
+    REPLY_ROLE,
+    REQUEST_ROLE,
+    Buffer,
+    MessageSigner,
+    MessageVerifier,
+    derive_curve_server_keys,
+)
 
 #: Messages a peer may have queued at a service before ZeroMQ stops reading from it.
 RECEIVE_QUEUE_MESSAGES = 64
+#: Invalid messages after which a connection is ignored (quarantined) for good.
+QUARANTINE_AFTER_INVALID = 8
+
+
+def check_resolvable(address: str, what: str) -> None:
+    """Raise :class:`ClusterConfigError` when the host of ``address`` does not resolve
+    (ZeroMQ would otherwise retry silently forever)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        raise ClusterConfigError(
+            f"cannot resolve the host of {what} at {address!r}: {exc}. Fix the address in the "
+            "cluster spec (a name this machine can resolve, or an IP address)"
+        ) from None
 
 
 def tcp_endpoint(address: str, bind: bool = False) -> str:
@@ -65,14 +94,26 @@ class ServiceSocket:
     :meth:`receive` in its loop and :meth:`reply` with what it decided.
     """
 
-    def __init__(self, address: str, secret: bytes, limits: wire.Limits | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        limits: wire.Limits | None = None,
+        encrypt: bool = False,
+    ) -> None:
         self.limits = limits or wire.Limits()
         self.address = address
+        self.encrypt = encrypt
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        if encrypt:
+            public, secret_key = derive_curve_server_keys(secret)
+            self._socket.curve_secretkey = secret_key
+            self._socket.curve_publickey = public
+            self._socket.curve_server = True
         endpoint = tcp_endpoint(address, bind=True)
         try:
             self._socket.bind(endpoint)
@@ -89,6 +130,7 @@ class ServiceSocket:
         self._signer = MessageSigner(secret, REPLY_ROLE)
         self._verifier = MessageVerifier(secret, REQUEST_ROLE)
         self._noticed: OrderedDict[bytes, None] = OrderedDict()
+        self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()
         self.rejected: Counter[str] = Counter()
         """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``)."""
         self.last_valid_request_time = time.monotonic()
@@ -107,12 +149,16 @@ class ServiceSocket:
         :attr:`rejected`). Call after :meth:`poll` said a message waits."""
         frames = self._socket.recv_multipart(copy=False)
         peer = frames[0].bytes
+        if self._invalid_by_peer.get(peer, 0) >= QUARANTINE_AFTER_INVALID:
+            self.rejected["quarantined"] += 1  # a connection that sent garbage again and again
+            return None
         payload = [f.buffer for f in frames[1:]]
         try:
             msg = wire.decode(payload, wire.KIND_REQUEST, self._verifier, self.limits)
             request = self._request_from(peer, msg)
         except AuthenticationError as exc:
             self.rejected["auth"] += 1
+            self._count_invalid(peer)
             self._notice_once(peer, "auth", f"{exc} [service {self.address}]")
             return None
         except ProtocolError as exc:
@@ -122,6 +168,7 @@ class ServiceSocket:
                 else "malformed"
             )
             self.rejected[reason] += 1
+            self._count_invalid(peer)
             if reason == "protocol":
                 self._notice_once(peer, "protocol", str(exc))
             return None
@@ -191,6 +238,13 @@ class ServiceSocket:
             return None
         return tracker if buffers else None
 
+    def _count_invalid(self, peer: bytes) -> None:
+        """Count an invalid message of ``peer``; past the limit its connection is ignored."""
+        self._invalid_by_peer[peer] = self._invalid_by_peer.get(peer, 0) + 1
+        self._invalid_by_peer.move_to_end(peer)
+        if len(self._invalid_by_peer) > 4096:
+            self._invalid_by_peer.popitem(last=False)
+
     def _notice_once(self, peer: bytes, reason: str, text: str) -> None:
         if peer in self._noticed:
             return
@@ -225,15 +279,24 @@ class Channel:
         peer_name: str,
         limits: wire.Limits | None = None,
         context: zmq.Context | None = None,
+        encrypt: bool = False,
     ) -> None:
+        check_resolvable(address, peer_name)
         self.address = address
         self.peer_name = peer_name
         self.limits = limits or wire.Limits()
+        self.encrypt = encrypt
         self._own_context = context is None
         self._context = context or zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        if encrypt:
+            server_public, _ = derive_curve_server_keys(secret)
+            public, secret_key = zmq.curve_keypair()  # ephemeral, per connection
+            self._socket.curve_serverkey = server_public
+            self._socket.curve_publickey = public
+            self._socket.curve_secretkey = secret_key
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
@@ -282,6 +345,11 @@ class Channel:
                 raise DeadlineExceeded(
                     f"no answer from {self.peer_name} at {self.address} to '{op}' within {timeout_s:.1f} s: "
                     f"check that the {self.peer_name} task is running and reachable at that address"
+                    + (
+                        ", and that every task agrees on encryption (TENSORFLEET_ENCRYPT / --encrypt)"
+                        if self.server_session is None
+                        else ""
+                    )
                 )
             self._receive_one()
         self._pending.pop(request_id, None)

@@ -91,6 +91,7 @@ class ParameterClient:
         task_name: str,
         timeouts: ClientTimeouts | None = None,
         limits: Limits | None = None,
+        encrypt: bool = False,
     ) -> None:
         if not ps_addresses:
             raise ValueError("a ParameterClient needs at least one ps address")
@@ -98,7 +99,9 @@ class ParameterClient:
         self.timeouts = timeouts or ClientTimeouts()
         self._context = zmq.Context(io_threads=1)
         self._channels = [
-            Channel(address, secret, f"ps:{i}", limits=limits, context=self._context)
+            Channel(
+                address, secret, f"ps:{i}", limits=limits, context=self._context, encrypt=encrypt
+            )
             for i, address in enumerate(ps_addresses)
         ]
         self._members: list[list[list[_Member]]] = []  # shard -> group -> members
@@ -281,7 +284,7 @@ class ParameterClient:
                     source = torch.zeros_like(m.param)
                 if not m.whole:
                     source = source[m.row_start : m.row_stop]
-                pieces.append(source.reshape(-1))
+                pieces.append(source.reshape(-1).cpu())  # a copy only for GPU tensors
             torch.cat(pieces, out=flat)
             out.append(as_buffer(flat))
         return out
@@ -300,13 +303,13 @@ class ParameterClient:
                     flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
                     for m in members:
                         values = flat[m.offset : m.offset + m.numel]
-                        if m.whole:
+                        if m.whole and m.param.device.type == "cpu":
                             # Adopt the received memory as the parameter's storage: no copy.
                             # The tensor keeps the received frame alive; nothing else uses it.
                             m.param.data = values.view(m.param.shape)
                         else:
-                            target = m.param[m.row_start : m.row_stop]
-                            target.copy_(values.view(target.shape))
+                            target = m.param if m.whole else m.param[m.row_start : m.row_stop]
+                            target.copy_(values.view(target.shape))  # to the GPU, or into a slice
 
     @staticmethod
     def _progress(replies: list[Reply]) -> Progress:

@@ -29,14 +29,18 @@ def make_model() -> nn.Module:
 def make_data(steps: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(99)
     n = (steps + 16) * num_workers * BATCH  # async may run a few steps past the last
-    return torch.randn(n, FEATURES, generator=generator), torch.randint(0, CLASSES, (n,), generator=generator)
+    return torch.randn(n, FEATURES, generator=generator), torch.randint(
+        0, CLASSES, (n,), generator=generator
+    )
 
 
 def rule(name: str) -> tfl.optim.UpdateRule:
     return tfl.optim.SGD(lr=0.1) if name == "sgd" else tfl.optim.Adam(lr=0.01)
 
 
-def worker_batch(x: torch.Tensor, y: torch.Tensor, step: int, worker: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+def worker_batch(
+    x: torch.Tensor, y: torch.Tensor, step: int, worker: int, num_workers: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker ``worker``'s slice of global batch ``step`` (global batches are consecutive)."""
     start = (step * num_workers + worker) * BATCH
     return x[start : start + BATCH], y[start : start + BATCH]
@@ -54,7 +58,9 @@ def main() -> int:
     parser.add_argument("--max-staleness", type=int, default=None)
     parser.add_argument("--slow-worker", type=int, default=None)
     parser.add_argument("--slow-seconds", type=float, default=0.0)
-    parser.add_argument("--step-seconds", type=float, default=0.0, help="every worker's extra time per step")
+    parser.add_argument(
+        "--step-seconds", type=float, default=0.0, help="every worker's extra time per step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task(argv=[])
@@ -72,7 +78,10 @@ def main() -> int:
             result = sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
             made, dropped = made + result.made_step, dropped + result.dropped
             time.sleep(args.slow_seconds if task.index == args.slow_worker else args.step_seconds)
-        print(json.dumps({"task": str(task.task_id), "made_steps": made, "dropped": dropped}), flush=True)
+        print(
+            json.dumps({"task": str(task.task_id), "made_steps": made, "dropped": dropped}),
+            flush=True,
+        )
         if sess.is_chief:
             sess.pull()
             result = {

@@ -1,0 +1,555 @@
+"""A real :class:`ParameterService` created with an update discipline (sync, sync with backup
+workers, async with bounded staleness, clipping, moving average), served in a background
+thread and driven by raw :class:`Channel` s, one per worker.
+
+Tests synchronize on replies: requests on one channel are handled in order, so the reply to
+a ``stats`` sent after a push proves the push was handled (and, when the stats show no
+update, that it is being held).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from tensorfleet.errors import RemoteError
+from tensorfleet.launch.ports import free_port
+from tensorfleet.ps.service import ParameterService, ServiceConfig, _clip_by_global_norm
+from tensorfleet.ps.update_discipline import UpdateDiscipline
+from tensorfleet.ps.update_rules import SGD
+from tensorfleet.version import __version__
+from tensorfleet.wire import message as wire
+from tensorfleet.wire.tensors import as_buffer, from_buffer
+from tensorfleet.wire.transport import Channel, Reply, ServiceSocket
+
+SECRET = b"sync-service-unit-test-secret-0000001"
+WORKERS = ("worker:0", "worker:1", "worker:2")
+TIMEOUT_S = 5.0
+"""Upper bound of every wait that is expected to succeed (they take milliseconds)."""
+LR = 0.25
+
+#: Two dtype groups, values and gradients dyadic so that SGD and the moving average are exact.
+VARIABLES = [
+    {"name": "w", "shape": [2, 2], "dtype": "float32"},
+    {"name": "b", "shape": [2], "dtype": "float32"},
+    {"name": "d", "shape": [3], "dtype": "float64"},
+]
+INITIAL = [
+    torch.tensor([1.0, -2.0, 0.5, 4.0, 0.25, -8.0]),
+    torch.tensor([2.0, -0.5, 16.0], dtype=torch.float64),
+]
+#: One gradient per worker; the first float32 element makes the float32 sum order-sensitive:
+#: (1e8 + -1e8) + 1 == 1 but (1 + 1e8) + -1e8 == 0.
+GRADIENTS = {
+    "worker:0": [
+        torch.tensor([1e8, 0.5, -1.0, 2.0, 0.25, 4.0]),
+        torch.tensor([1.0, 2.0, -0.5], dtype=torch.float64),
+    ],
+    "worker:1": [
+        torch.tensor([-1e8, 1.5, 3.0, -2.0, 0.75, 8.0]),
+        torch.tensor([3.0, -2.0, 0.5], dtype=torch.float64),
+    ],
+    "worker:2": [
+        torch.tensor([1.0, -4.0, 1.0, 6.0, 0.5, 0.0]),
+        torch.tensor([-1.0, 0.25, 2.0], dtype=torch.float64),
+    ],
+}
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return bytes(as_buffer(tensor.contiguous()))
+
+
+def _assert_values(buffers: list, expected: list[torch.Tensor]) -> None:
+    assert len(buffers) == len(expected)
+    for buffer, tensor in zip(buffers, expected, strict=True):
+        received = from_buffer(buffer, tensor.dtype)
+        assert _bits(received) == _bits(tensor), f"{received} != {tensor}"
+
+
+def _mean(tasks: list[str]) -> list[torch.Tensor]:
+    """The mean of these workers' gradients, summed in worker order as the ps must."""
+    ordered = [t for t in WORKERS if t in tasks]
+    mean = [g.clone() for g in GRADIENTS[ordered[0]]]
+    for task in ordered[1:]:
+        for total, gradient in zip(mean, GRADIENTS[task], strict=True):
+            total.add_(gradient)
+    return [total.div_(len(ordered)) for total in mean]
+
+
+def _sgd(values: list[torch.Tensor], *steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What torch.optim.SGD(lr=LR) makes of ``values`` after these gradients."""
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    optimizer = torch.optim.SGD(params, lr=LR)
+    for gradients in steps:
+        for param, grad in zip(params, gradients, strict=True):
+            param.grad = grad.clone()
+        optimizer.step()
+    return [p.detach() for p in params]
+
+
+# -- a service in a thread, and worker channels ------------------------------------------------
+
+
+@dataclass
+class RunningService:
+    address: str
+    service: ParameterService
+    stop: threading.Event
+    thread: threading.Thread
+    result: dict[str, Any]
+
+
+@pytest.fixture
+def cluster() -> Iterator[Callable[..., RunningService]]:
+    """Start a service (``worker_tasks`` = ``workers``); connect worker channels with
+    :func:`worker`. Everything is stopped, checked for a crash and closed at teardown."""
+    services: list[RunningService] = []
+    channels: list[Channel] = []
+
+    def start(workers: tuple[str, ...] = WORKERS[:2]) -> RunningService:
+        config = ServiceConfig(0, workers, idle_timeout_s=60.0, end_grace_s=60.0)
+        address = f"127.0.0.1:{free_port()}"
+        service = ParameterService(ServiceSocket(address, SECRET, config.limits), config)
+        stop, result = threading.Event(), {}
+
+        def serve() -> None:
+            try:
+                result["outcome"] = service.serve(stop)
+            except BaseException as exc:  # reported at teardown: a crash fails the test
+                result["error"] = exc
+
+        handle = RunningService(address, service, stop, threading.Thread(target=serve), result)
+        services.append(handle)
+        handle.thread.start()
+        return handle
+
+    start.channels = channels  # type: ignore[attr-defined]
+    context = zmq.Context(io_threads=1)
+    try:
+        yield start
+    finally:
+        for channel in channels:
+            channel.close()
+        problems = []
+        for handle in services:
+            handle.stop.set()
+            if handle.thread.is_alive():  # wake it from poll() with one (rejected) frame
+                with context.socket(zmq.DEALER) as waker:
+                    waker.setsockopt(zmq.LINGER, 1000)
+                    waker.connect(f"tcp://{handle.address}")
+                    waker.send(b"wake up")
+            handle.thread.join(TIMEOUT_S)
+            if handle.thread.is_alive():
+                problems.append(f"{handle.address}: did not stop")
+            else:
+                handle.service.socket.close()
+            if "error" in handle.result:
+                problems.append(f"{handle.address}: {handle.result['error']!r}")
+        context.term()
+        assert not problems, f"service thread crashed or hung: {problems}"
+
+
+def _worker(cluster: Callable[..., RunningService], ps: RunningService, task: str) -> Channel:
+    channel = Channel(ps.address, SECRET, "ps:0")
+    cluster.channels.append(channel)  # type: ignore[attr-defined]
+    body = {"protocol": wire.PROTOCOL_VERSION, "version": __version__, "task": task}
+    channel.call("hello", body, timeout_s=TIMEOUT_S)
+    return channel
+
+
+def _create(channel: Channel, discipline: UpdateDiscipline, values=INITIAL) -> dict:
+    body = {
+        "variables": VARIABLES,
+        "rule": SGD(lr=LR).to_wire(),
+        "owns_global_step": True,
+        "discipline": discipline.to_wire(),
+    }
+    return channel.call("create", body, [as_buffer(v) for v in values], TIMEOUT_S).body
+
+
+def _send_push(
+    channel: Channel,
+    task: str | None,
+    step: object = None,
+    gradients: list[torch.Tensor] | None = None,
+    timeout_s: float = TIMEOUT_S,
+) -> int:
+    body: dict[str, Any] = {"count_step": True, "want_values": True, "step": step}
+    if task is not None:
+        body["task"] = task
+    gradients = GRADIENTS[task or "worker:0"] if gradients is None else gradients
+    return channel.send("push", body, [as_buffer(g) for g in gradients], timeout_s)
+
+
+def _push(channel: Channel, task: str | None, step: object = None, **kwargs: Any) -> Reply:
+    return channel.wait(_send_push(channel, task, step, **kwargs), TIMEOUT_S)
+
+
+def _stats(channel: Channel) -> dict:
+    return channel.call("stats", {}, timeout_s=TIMEOUT_S).body
+
+
+def _sync_cluster(
+    cluster: Callable[..., RunningService], workers: tuple[str, ...], **discipline: Any
+) -> dict[str, Channel]:
+    ps = cluster(workers)
+    channels = {task: _worker(cluster, ps, task) for task in workers}
+    created = _create(channels[workers[0]], UpdateDiscipline(mode="sync", **discipline))
+    assert created == {"created": True, "global_step": 0}
+    return channels
+
+
+# -- sync -----------------------------------------------------------------------------------------
+
+
+def test_a_sync_step_is_applied_once_all_k_pushes_are_in_whatever_their_order(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS)
+    arrival = ["worker:2", "worker:0", "worker:1"]
+    pending = {}
+    for count, task in enumerate(arrival[:2], start=1):
+        pending[task] = _send_push(channels[task], task, step=0)
+        stats = _stats(channels[task])  # answered after the push was handled: it is held
+        assert (stats["version"], stats["global_step"], stats["pushes"]) == (0, 0, 0), count
+        assert stats["refused"] == 0
+    pending["worker:1"] = _send_push(channels["worker:1"], "worker:1", step=0)
+
+    expected = _sgd(INITIAL, _mean(list(WORKERS)))
+    made = {}
+    for task, request_id in pending.items():
+        reply = channels[task].wait(request_id, TIMEOUT_S)
+        assert {k: reply.body[k] for k in ("global_step", "version", "dropped", "stop")} == {
+            "global_step": 1,
+            "version": 1,
+            "dropped": False,
+            "stop": False,
+        }
+        _assert_values(reply.buffers, expected)
+        made[task] = reply.body["made_step"]
+    assert made == {"worker:2": False, "worker:0": False, "worker:1": True}
+    stats = _stats(channels["worker:0"])
+    assert (stats["global_step"], stats["pushes"], stats["dropped"], stats["mode"]) == (
+        1,
+        3,
+        {},
+        "sync",
+    )
+
+
+def test_summing_in_arrival_order_would_have_given_other_bits() -> None:
+    """Guard for the test above: its arrival order really changes the float32 sum."""
+    arrival = [GRADIENTS[t][0] for t in ("worker:2", "worker:0", "worker:1")]
+    in_arrival_order = (arrival[0] + arrival[1] + arrival[2]) / 3
+    assert _bits(in_arrival_order) != _bits(_mean(list(WORKERS))[0])
+
+
+def test_a_push_for_an_older_step_is_dropped_at_once_and_counted(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS[:2])
+    first = _send_push(channels["worker:0"], "worker:0", step=0)
+    _push(channels["worker:1"], "worker:1", step=0)
+    channels["worker:0"].wait(first, TIMEOUT_S)
+    after_step = _sgd(INITIAL, _mean(["worker:0", "worker:1"]))
+
+    stale = _push(channels["worker:0"], "worker:0", step=0)
+
+    assert stale.body == {
+        "global_step": 1,
+        "version": 1,
+        "stop": False,
+        "made_step": False,
+        "dropped": True,
+    }
+    _assert_values(stale.buffers, after_step)  # the current values, unchanged
+    stats = _stats(channels["worker:1"])
+    assert stats["dropped"] == {"worker:0": 1}
+    assert (stats["version"], stats["pushes"], stats["refused"]) == (1, 2, 0)
+
+
+def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropped(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS, replicas_to_aggregate=2)
+    first = _send_push(channels["worker:2"], "worker:2", step=0)
+    second = _push(channels["worker:0"], "worker:0", step=0)
+    first_reply = channels["worker:2"].wait(first, TIMEOUT_S)
+    expected = _sgd(INITIAL, _mean(["worker:0", "worker:2"]))
+    assert (first_reply.body["made_step"], second.body["made_step"]) == (False, True)
+    _assert_values(first_reply.buffers, expected)
+    _assert_values(second.buffers, expected)
+
+    late = _push(channels["worker:1"], "worker:1", step=0)
+
+    assert (late.body["dropped"], late.body["made_step"], late.body["version"]) == (True, False, 1)
+    _assert_values(late.buffers, expected)
+    # The late worker then contributes to the current step with the values it got.
+    _push(channels["worker:1"], "worker:1", step=1)
+    reply = _push(channels["worker:2"], "worker:2", step=1)
+    assert reply.body["global_step"] == 2
+    _assert_values(reply.buffers, _sgd(expected, _mean(["worker:1", "worker:2"])))
+    assert _stats(channels["worker:0"])["dropped"] == {"worker:1": 1}
+
+
+@pytest.mark.parametrize(
+    ("task", "step", "error"),
+    [
+        ("worker:0", 1, "ProtocolError: worker:0 pushed gradients for step 1, but this shard is"),
+        ("worker:0", None, "ProtocolError: a sync push needs the integer 'step'"),
+        ("worker:0", True, "got True"),
+        ("worker:0", "0", "got '0'"),
+        (None, 0, "ProtocolError: push from unknown task None; workers are ['worker:0', 'worker:1']"),
+        ("worker:7", 0, "push from unknown task 'worker:7'"),
+        ("ps:0", 0, "push from unknown task 'ps:0'"),
+    ],
+)
+def test_sync_pushes_for_a_future_step_or_an_unknown_task_are_refused(
+    cluster: Callable[..., RunningService], task: str | None, step: object, error: str
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS[:2])
+    with pytest.raises(RemoteError) as excinfo:
+        _push(channels["worker:0"], task, step=step)
+    assert "refused 'push': " + error in str(excinfo.value)
+    stats = _stats(channels["worker:0"])
+    assert (stats["refused"], stats["version"], stats["global_step"]) == (1, 0, 0)
+    # Nothing was counted for the step: the two workers still make it.
+    _push(channels["worker:1"], "worker:1", step=0, timeout_s=TIMEOUT_S)  # held, then answered?
+    # (it can only be answered once worker:0 contributes; see below)
+
+
+def test_replicas_to_aggregate_above_the_number_of_workers_is_refused_at_create(
+    cluster: Callable[..., RunningService],
+) -> None:
+    ps = cluster(WORKERS[:2])
+    channel = _worker(cluster, ps, "worker:0")
+    with pytest.raises(RemoteError, match=r"between 1 and the number of workers \(2\), got 3"):
+        _create(channel, UpdateDiscipline(mode="sync", replicas_to_aggregate=3))
+    assert channel.call("hello", {"protocol": wire.PROTOCOL_VERSION, "version": __version__},
+                        timeout_s=TIMEOUT_S).body["initialized"] is False
+
+
+def test_a_held_sync_push_past_its_deadline_is_refused_naming_the_missing_workers(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS)
+    _send_push(channels["worker:1"], "worker:1", step=0)  # waits for the others, long deadline
+    request = _send_push(channels["worker:0"], "worker:0", step=0, timeout_s=0.3)
+
+    with pytest.raises(RemoteError) as excinfo:
+        channels["worker:0"].wait(request, TIMEOUT_S)
+
+    text = str(excinfo.value)
+    assert "refused 'push': DeadlineExceeded: step 0 still waits for gradients from worker:2 " in text
+    assert "(3 of 3 needed): are they still running?" in text
+    # worker:0 gave up: the step needs it again (worker:1 is still counted).
+    _push(channels["worker:2"], "worker:2", step=0) if False else None
+    assert _stats(channels["worker:2"])["version"] == 0
+
+
+def test_a_sync_step_completes_after_a_deadline_refusal_when_the_others_come(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS[:2])
+    request = _send_push(channels["worker:0"], "worker:0", step=0, timeout_s=0.3)
+    with pytest.raises(RemoteError, match="still waits for gradients from worker:1 "):
+        channels["worker:0"].wait(request, TIMEOUT_S)
+    # The withdrawn gradient does not count: worker:1 alone does not make the step.
+    held = _send_push(channels["worker:1"], "worker:1", step=0)
+    assert _stats(channels["worker:1"])["version"] == 0
+    retry = _push(channels["worker:0"], "worker:0", step=0)
+    assert channels["worker:1"].wait(held, TIMEOUT_S).body["made_step"] is False
+    assert (retry.body["made_step"], retry.body["global_step"]) == (True, 1)
+    _assert_values(retry.buffers, _sgd(INITIAL, _mean(["worker:0", "worker:1"])))
+
+
+def test_a_worker_saying_done_lowers_the_needed_count(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS)
+    held = {t: _send_push(channels[t], t, step=0) for t in ("worker:0", "worker:1")}
+    assert _stats(channels["worker:2"])["version"] == 0
+
+    channels["worker:2"].call("done", {"task": "worker:2"}, timeout_s=TIMEOUT_S)
+
+    expected = _sgd(INITIAL, _mean(["worker:0", "worker:1"]))
+    replies = {t: channels[t].wait(r, TIMEOUT_S) for t, r in held.items()}
+    for reply in replies.values():
+        assert (reply.body["global_step"], reply.body["dropped"]) == (1, False)
+        _assert_values(reply.buffers, expected)
+    assert sum(r.body["made_step"] for r in replies.values()) == 1
+    # From now on two pushes make a step.
+    _send_push(channels["worker:1"], "worker:1", step=1)
+    reply = _push(channels["worker:0"], "worker:0", step=1)
+    assert (reply.body["global_step"], reply.body["made_step"]) == (2, True)
+
+
+@pytest.mark.parametrize("clip_norm", [0.5, 1e9])
+def test_sync_clips_the_mean_like_clip_grad_norm(
+    cluster: Callable[..., RunningService], clip_norm: float
+) -> None:
+    """One float32 variable, so that the global norm is computed over the same tensors."""
+    ps = cluster(WORKERS[:2])
+    channels = {t: _worker(cluster, ps, t) for t in WORKERS[:2]}
+    value = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    gradients = {"worker:0": torch.tensor([3.0, 1.0, -2.0, 0.7]), "worker:1": torch.tensor([1.0, -0.3, 4.0, 0.1])}
+    body = {
+        "variables": [{"name": "v", "shape": [4], "dtype": "float32"}],
+        "rule": SGD(lr=LR).to_wire(),
+        "owns_global_step": True,
+        "discipline": UpdateDiscipline(mode="sync", clip_norm=clip_norm).to_wire(),
+    }
+    channels["worker:0"].call("create", body, [as_buffer(value)], TIMEOUT_S)
+    first = _send_push(channels["worker:0"], "worker:0", 0, [gradients["worker:0"]])
+    reply = _push(channels["worker:1"], "worker:1", 0, gradients=[gradients["worker:1"]])
+    channels["worker:0"].wait(first, TIMEOUT_S)
+
+    param = torch.nn.Parameter(value.clone())
+    param.grad = gradients["worker:0"].clone().add_(gradients["worker:1"]).div_(2)
+    norm = torch.nn.utils.clip_grad_norm_([param], clip_norm)
+    assert (norm.item() > clip_norm) == (clip_norm == 0.5)  # the case clips, or does not
+    torch.optim.SGD([param], lr=LR).step()
+    _assert_values(reply.buffers, [param.detach()])
+
+
+def test_clip_by_global_norm_matches_clip_grad_norm_across_tensors_and_dtypes() -> None:
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(17, generator=generator) * 3,
+        torch.randn(5, generator=generator, dtype=torch.float64),
+        torch.randn(2, 3, generator=generator),
+    ]
+    params = [torch.nn.Parameter(t.clone()) for t in tensors]
+    for param, tensor in zip(params, tensors, strict=True):
+        param.grad = tensor.clone()
+    torch.nn.utils.clip_grad_norm_(params, 1.5)
+    clipped = [t.clone() for t in tensors]
+    _clip_by_global_norm(clipped, 1.5)
+    for ours, theirs in zip(clipped, params, strict=True):
+        assert ours.dtype == theirs.grad.dtype
+        torch.testing.assert_close(ours, theirs.grad, rtol=1e-6, atol=0)
+    total = torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in clipped]))
+    assert total.item() == pytest.approx(1.5, rel=1e-5)
+
+
+# -- async with bounded staleness ----------------------------------------------------------------
+
+
+def _async_cluster(
+    cluster: Callable[..., RunningService], **discipline: Any
+) -> dict[str, Channel]:
+    ps = cluster(WORKERS[:2])
+    channels = {task: _worker(cluster, ps, task) for task in WORKERS[:2]}
+    _create(channels["worker:0"], UpdateDiscipline(mode="async", **discipline))
+    return channels
+
+
+def test_a_worker_too_far_ahead_is_held_until_the_slow_one_pushes(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _async_cluster(cluster, max_staleness=1)
+    fast, slow = channels["worker:0"], channels["worker:1"]
+    # Both are live; then the fast one runs ahead: 1 ahead is allowed, 2 is not.
+    assert _push(fast, "worker:0").body["version"] == 1
+    assert _push(slow, "worker:1").body["version"] == 2
+    assert _push(fast, "worker:0").body["version"] == 3
+    assert _push(fast, "worker:0").body["version"] == 4
+    held = _send_push(fast, "worker:0")
+    stats = _stats(fast)
+    assert (stats["version"], stats["pushes"], stats["max_staleness_seen"]) == (4, 4, 1)
+
+    slow_reply = _push(slow, "worker:1")
+    released = fast.wait(held, TIMEOUT_S)
+
+    assert (slow_reply.body["version"], released.body["version"]) == (5, 6)
+    assert released.body["made_step"] is True
+    gradients = [GRADIENTS[t] for t in ["worker:0", "worker:1", "worker:0", "worker:0"]]
+    _assert_values(released.buffers, _sgd(INITIAL, *gradients, GRADIENTS["worker:1"], GRADIENTS["worker:0"]))
+    stats = _stats(slow)
+    assert stats["max_staleness_seen"] == 1
+    assert stats["dropped"] == {} and stats["mode"] == "async"
+
+
+def test_a_held_async_push_is_released_when_the_slow_worker_is_done(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _async_cluster(cluster, max_staleness=0)
+    fast, slow = channels["worker:0"], channels["worker:1"]
+    _push(fast, "worker:0")
+    _push(slow, "worker:1")
+    _push(fast, "worker:0")
+    held = _send_push(fast, "worker:0")
+    assert _stats(fast)["version"] == 3
+    slow.call("done", {"task": "worker:1"}, timeout_s=TIMEOUT_S)
+    assert fast.wait(held, TIMEOUT_S).body["version"] == 4
+    assert _stats(fast)["max_staleness_seen"] == 0
+
+
+def test_a_held_async_push_past_its_deadline_is_refused_naming_the_slowest(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _async_cluster(cluster, max_staleness=0)
+    fast, slow = channels["worker:0"], channels["worker:1"]
+    _push(fast, "worker:0")
+    _push(slow, "worker:1")
+    _push(fast, "worker:0")
+    held = _send_push(fast, "worker:0", timeout_s=0.3)
+    with pytest.raises(RemoteError) as excinfo:
+        fast.wait(held, TIMEOUT_S)
+    assert (
+        "DeadlineExceeded: worker:0 is 1 steps ahead of the slowest live worker(s) worker:1 "
+        "(max_staleness=0)" in str(excinfo.value)
+    )
+    # It was not applied, and the gate is not stuck.
+    assert _stats(fast)["version"] == 3
+    assert _push(slow, "worker:1").body["version"] == 4
+
+
+def test_async_pushes_with_a_gate_need_a_known_task(cluster: Callable[..., RunningService]) -> None:
+    channels = _async_cluster(cluster, max_staleness=2)
+    with pytest.raises(RemoteError, match="push from unknown task None"):
+        _push(channels["worker:0"], None)
+    assert _stats(channels["worker:0"])["refused"] == 1
+
+
+# -- moving average -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_pulling_the_moving_average_gives_the_hand_computed_average(
+    cluster: Callable[..., RunningService], mode: str
+) -> None:
+    decay = 0.75
+    ps = cluster(WORKERS[:1])
+    channel = _worker(cluster, ps, "worker:0")
+    _create(channel, UpdateDiscipline(mode=mode, ema_decay=decay))
+    steps = [GRADIENTS["worker:2"], GRADIENTS["worker:0"]]
+    values, average = INITIAL, [v.clone() for v in INITIAL]
+    for step, gradients in enumerate(steps):
+        _push(channel, "worker:0", step=step, gradients=gradients)
+        values = _sgd(values, gradients)
+        average = [decay * a + (1 - decay) * v for a, v in zip(average, values, strict=True)]
+
+    reply = channel.call("pull", {"moving_average": True}, timeout_s=TIMEOUT_S)
+
+    assert reply.body == {"global_step": 2, "version": 2, "stop": False}
+    _assert_values(reply.buffers, average)
+    assert not all(torch.equal(a, v) for a, v in zip(average, values, strict=True))
+    _assert_values(channel.call("pull", {}, timeout_s=TIMEOUT_S).buffers, values)
+
+
+def test_pulling_a_moving_average_that_is_not_kept_is_refused(
+    cluster: Callable[..., RunningService],
+) -> None:
+    ps = cluster(WORKERS[:1])
+    channel = _worker(cluster, ps, "worker:0")
+    _create(channel, UpdateDiscipline())
+    with pytest.raises(RemoteError, match=r"ValueError: this shard keeps no moving average"):
+        channel.call("pull", {"moving_average": True}, timeout_s=TIMEOUT_S)
