@@ -7,7 +7,8 @@ Both in one run, each with its server in a separate process on localhost:
 * ``tensorfleet_push_pull``: a ParameterClient pushing 6.6 MB of gradients to a
   ``tensorfleet server`` ps, which authenticates them, applies SGD and sends the 6.6 MB of
   new values back in the reply (what every training step does);
-* ``tensorfleet_pull``: values only (6.6 MB one way, a small request the other).
+* ``tensorfleet_pull``: values only (6.6 MB one way, a small request the other);
+* ``tensorfleet_push_pull_encrypted``: the push+pull with ZeroMQ CURVE encryption on.
 
     .venv/bin/python benchmarks/wire.py [--batches 10 --per-batch 10]
 
@@ -84,7 +85,7 @@ class RawEcho:
 class TensorfleetPs:
     """A real ``tensorfleet server`` ps process holding one 6.6 MB variable, and a client."""
 
-    def __init__(self) -> None:
+    def __init__(self, encrypt: bool = False) -> None:
         secret = generate_secret()
         ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         tf_config = {
@@ -92,6 +93,7 @@ class TensorfleetPs:
             "task": {"type": "ps", "index": 0},
         }
         env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TENSORFLEET_SECRET": secret}
+        env["TENSORFLEET_ENCRYPT"] = "1" if encrypt else "0"
         self.ps = subprocess.Popen(
             [sys.executable, "-m", "tensorfleet", "server"],
             env=env,
@@ -101,7 +103,7 @@ class TensorfleetPs:
         self.weight = torch.nn.Parameter(torch.randn(MODEL_BYTES // 4))
         self.weight.grad = torch.randn_like(self.weight) * 1e-6
         plan = plan_placement([VariableSpec("weight", tuple(self.weight.shape), "float32", 4)], 1)
-        self.client = ParameterClient([ps_address], secret.encode(), "worker:0")
+        self.client = ParameterClient([ps_address], secret.encode(), "worker:0", encrypt=encrypt)
         self.client.connect()
         self.client.register([("weight", self.weight)], plan, SGD(lr=0.1), is_chief=True)
 
@@ -127,11 +129,12 @@ def interleaved(batches: int, per_batch: int) -> dict[str, list[float]]:
     machine's drift (this is a shared 2-core VM) hits every kind alike."""
     torch.set_num_threads(1)
     raw = RawEcho((batches + 1) * per_batch)
-    ours = TensorfleetPs()
+    ours, encrypted = TensorfleetPs(), TensorfleetPs(encrypt=True)
     kinds = {
         "raw_tcp_echo": raw.round_trip,
         "tensorfleet_push_pull": ours.push_pull,
         "tensorfleet_pull": ours.pull,
+        "tensorfleet_push_pull_encrypted": encrypted.push_pull,
     }
     times: dict[str, list[float]] = {name: [] for name in kinds}
     try:
@@ -145,6 +148,7 @@ def interleaved(batches: int, per_batch: int) -> dict[str, list[float]]:
     finally:
         raw.close()
         ours.close()
+        encrypted.close()
     return times
 
 
@@ -169,6 +173,9 @@ def main() -> int:
         "raw_tcp_echo": summary(times["raw_tcp_echo"], 2 * MODEL_BYTES),
         "tensorfleet_push_pull": summary(times["tensorfleet_push_pull"], 2 * MODEL_BYTES),
         "tensorfleet_pull": summary(times["tensorfleet_pull"], MODEL_BYTES),
+        "tensorfleet_push_pull_encrypted": summary(
+            times["tensorfleet_push_pull_encrypted"], 2 * MODEL_BYTES
+        ),
     }
     for row in rows.values():
         row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
