@@ -12,7 +12,7 @@ DEMO_STEPS ?= 3000
 MODE ?= async
 DEMO_PS := $(if $(filter allreduce,$(MODE)),0,1)
 
-.PHONY: setup data demo test test-fast lint bench clean
+.PHONY: setup data demo test test-fast lint bench fuzz clean
 
 setup: $(VENV)/.installed
 
@@ -51,6 +51,11 @@ bench: setup data
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/wire.py
 	$(PY) benchmarks/modes.py
+
+# A long fuzz run of the frame decoder and the ps request handler (docs/security.md).
+FUZZ_EXAMPLES ?= 20000
+fuzz: setup
+	bash scripts/fuzz.sh $(FUZZ_EXAMPLES)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -280,6 +280,7 @@ def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropp
 ) -> None:
     channels = _sync_cluster(cluster, WORKERS, replicas_to_aggregate=2)
     first = _send_push(channels["worker:2"], "worker:2", step=0)
+    assert _stats(channels["worker:2"])["version"] == 0
     second = _push(channels["worker:0"], "worker:0", step=0)
     first_reply = channels["worker:2"].wait(first, TIMEOUT_S)
     expected = _sgd(INITIAL, _mean(["worker:0", "worker:2"]))
@@ -292,8 +293,10 @@ def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropp
     assert (late.body["dropped"], late.body["made_step"], late.body["version"]) == (True, False, 1)
     _assert_values(late.buffers, expected)
     # The late worker then contributes to the current step with the values it got.
-    _push(channels["worker:1"], "worker:1", step=1)
+    held = _send_push(channels["worker:1"], "worker:1", step=1)
+    assert _stats(channels["worker:1"])["version"] == 1
     reply = _push(channels["worker:2"], "worker:2", step=1)
+    assert channels["worker:1"].wait(held, TIMEOUT_S).body["made_step"] is False
     assert reply.body["global_step"] == 2
     _assert_values(reply.buffers, _sgd(expected, _mean(["worker:1", "worker:2"])))
     assert _stats(channels["worker:0"])["dropped"] == {"worker:1": 1}
@@ -306,7 +309,11 @@ def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropp
         ("worker:0", None, "ProtocolError: a sync push needs the integer 'step'"),
         ("worker:0", True, "got True"),
         ("worker:0", "0", "got '0'"),
-        (None, 0, "ProtocolError: push from unknown task None; workers are ['worker:0', 'worker:1']"),
+        (
+            None,
+            0,
+            "ProtocolError: push from unknown task None; workers are ['worker:0', 'worker:1']",
+        ),
         ("worker:7", 0, "push from unknown task 'worker:7'"),
         ("ps:0", 0, "push from unknown task 'ps:0'"),
     ],
@@ -320,9 +327,12 @@ def test_sync_pushes_for_a_future_step_or_an_unknown_task_are_refused(
     assert "refused 'push': " + error in str(excinfo.value)
     stats = _stats(channels["worker:0"])
     assert (stats["refused"], stats["version"], stats["global_step"]) == (1, 0, 0)
-    # Nothing was counted for the step: the two workers still make it.
-    _push(channels["worker:1"], "worker:1", step=0, timeout_s=TIMEOUT_S)  # held, then answered?
-    # (it can only be answered once worker:0 contributes; see below)
+    # The refused push counts for nothing: worker:1 alone does not make the step.
+    held = _send_push(channels["worker:1"], "worker:1", step=0)
+    assert _stats(channels["worker:1"])["version"] == 0
+    reply = _push(channels["worker:0"], "worker:0", step=0)
+    assert (reply.body["global_step"], reply.body["made_step"]) == (1, True)
+    assert channels["worker:1"].wait(held, TIMEOUT_S).body["made_step"] is False
 
 
 def test_replicas_to_aggregate_above_the_number_of_workers_is_refused_at_create(
@@ -332,8 +342,14 @@ def test_replicas_to_aggregate_above_the_number_of_workers_is_refused_at_create(
     channel = _worker(cluster, ps, "worker:0")
     with pytest.raises(RemoteError, match=r"between 1 and the number of workers \(2\), got 3"):
         _create(channel, UpdateDiscipline(mode="sync", replicas_to_aggregate=3))
-    assert channel.call("hello", {"protocol": wire.PROTOCOL_VERSION, "version": __version__},
-                        timeout_s=TIMEOUT_S).body["initialized"] is False
+    assert (
+        channel.call(
+            "hello",
+            {"protocol": wire.PROTOCOL_VERSION, "version": __version__},
+            timeout_s=TIMEOUT_S,
+        ).body["initialized"]
+        is False
+    )
 
 
 def test_a_held_sync_push_past_its_deadline_is_refused_naming_the_missing_workers(
@@ -341,16 +357,18 @@ def test_a_held_sync_push_past_its_deadline_is_refused_naming_the_missing_worker
 ) -> None:
     channels = _sync_cluster(cluster, WORKERS)
     _send_push(channels["worker:1"], "worker:1", step=0)  # waits for the others, long deadline
+    assert _stats(channels["worker:1"])["version"] == 0
     request = _send_push(channels["worker:0"], "worker:0", step=0, timeout_s=0.3)
 
     with pytest.raises(RemoteError) as excinfo:
         channels["worker:0"].wait(request, TIMEOUT_S)
 
     text = str(excinfo.value)
-    assert "refused 'push': DeadlineExceeded: step 0 still waits for gradients from worker:2 " in text
+    assert (
+        "refused 'push': DeadlineExceeded: step 0 still waits for gradients from worker:2 " in text
+    )
     assert "(3 of 3 needed): are they still running?" in text
-    # worker:0 gave up: the step needs it again (worker:1 is still counted).
-    _push(channels["worker:2"], "worker:2", step=0) if False else None
+    assert "worker:0" not in text.split("DeadlineExceeded")[1]  # it had contributed
     assert _stats(channels["worker:2"])["version"] == 0
 
 
@@ -374,8 +392,10 @@ def test_a_worker_saying_done_lowers_the_needed_count(
     cluster: Callable[..., RunningService],
 ) -> None:
     channels = _sync_cluster(cluster, WORKERS)
-    held = {t: _send_push(channels[t], t, step=0) for t in ("worker:0", "worker:1")}
-    assert _stats(channels["worker:2"])["version"] == 0
+    held = {}
+    for task in ("worker:0", "worker:1"):
+        held[task] = _send_push(channels[task], task, step=0)
+        assert _stats(channels[task])["version"] == 0  # handled, and held
 
     channels["worker:2"].call("done", {"task": "worker:2"}, timeout_s=TIMEOUT_S)
 
@@ -384,7 +404,11 @@ def test_a_worker_saying_done_lowers_the_needed_count(
     for reply in replies.values():
         assert (reply.body["global_step"], reply.body["dropped"]) == (1, False)
         _assert_values(reply.buffers, expected)
-    assert sum(r.body["made_step"] for r in replies.values()) == 1
+    # Exactly one worker made the step: the last contributor.
+    assert {t: r.body["made_step"] for t, r in replies.items()} == {
+        "worker:0": False,
+        "worker:1": True,
+    }
     # From now on two pushes make a step.
     _send_push(channels["worker:1"], "worker:1", step=1)
     reply = _push(channels["worker:0"], "worker:0", step=1)
@@ -399,7 +423,10 @@ def test_sync_clips_the_mean_like_clip_grad_norm(
     ps = cluster(WORKERS[:2])
     channels = {t: _worker(cluster, ps, t) for t in WORKERS[:2]}
     value = torch.tensor([1.0, -2.0, 3.0, 0.5])
-    gradients = {"worker:0": torch.tensor([3.0, 1.0, -2.0, 0.7]), "worker:1": torch.tensor([1.0, -0.3, 4.0, 0.1])}
+    gradients = {
+        "worker:0": torch.tensor([3.0, 1.0, -2.0, 0.7]),
+        "worker:1": torch.tensor([1.0, -0.3, 4.0, 0.1]),
+    }
     body = {
         "variables": [{"name": "v", "shape": [4], "dtype": "float32"}],
         "rule": SGD(lr=LR).to_wire(),
@@ -442,9 +469,7 @@ def test_clip_by_global_norm_matches_clip_grad_norm_across_tensors_and_dtypes() 
 # -- async with bounded staleness ----------------------------------------------------------------
 
 
-def _async_cluster(
-    cluster: Callable[..., RunningService], **discipline: Any
-) -> dict[str, Channel]:
+def _async_cluster(cluster: Callable[..., RunningService], **discipline: Any) -> dict[str, Channel]:
     ps = cluster(WORKERS[:2])
     channels = {task: _worker(cluster, ps, task) for task in WORKERS[:2]}
     _create(channels["worker:0"], UpdateDiscipline(mode="async", **discipline))
@@ -456,22 +481,23 @@ def test_a_worker_too_far_ahead_is_held_until_the_slow_one_pushes(
 ) -> None:
     channels = _async_cluster(cluster, max_staleness=1)
     fast, slow = channels["worker:0"], channels["worker:1"]
-    # Both are live; then the fast one runs ahead: 1 ahead is allowed, 2 is not.
+    # Both are live (worker:1 joins at worker:0's clock, 1, and its push takes it to 2);
+    # then the fast one runs ahead: clocks 1 -> 2 -> 3 -> 4 (1 ahead is allowed), not 5.
     assert _push(fast, "worker:0").body["version"] == 1
     assert _push(slow, "worker:1").body["version"] == 2
-    assert _push(fast, "worker:0").body["version"] == 3
-    assert _push(fast, "worker:0").body["version"] == 4
+    for version in (3, 4, 5):
+        assert _push(fast, "worker:0").body["version"] == version
     held = _send_push(fast, "worker:0")
     stats = _stats(fast)
-    assert (stats["version"], stats["pushes"], stats["max_staleness_seen"]) == (4, 4, 1)
+    assert (stats["version"], stats["pushes"], stats["max_staleness_seen"]) == (5, 5, 1)
 
     slow_reply = _push(slow, "worker:1")
     released = fast.wait(held, TIMEOUT_S)
 
-    assert (slow_reply.body["version"], released.body["version"]) == (5, 6)
+    assert (slow_reply.body["version"], released.body["version"]) == (6, 7)
     assert released.body["made_step"] is True
-    gradients = [GRADIENTS[t] for t in ["worker:0", "worker:1", "worker:0", "worker:0"]]
-    _assert_values(released.buffers, _sgd(INITIAL, *gradients, GRADIENTS["worker:1"], GRADIENTS["worker:0"]))
+    order = ["worker:0", "worker:1", "worker:0", "worker:0", "worker:0", "worker:1", "worker:0"]
+    _assert_values(released.buffers, _sgd(INITIAL, *[GRADIENTS[t] for t in order]))
     stats = _stats(slow)
     assert stats["max_staleness_seen"] == 1
     assert stats["dropped"] == {} and stats["mode"] == "async"
@@ -482,13 +508,13 @@ def test_a_held_async_push_is_released_when_the_slow_worker_is_done(
 ) -> None:
     channels = _async_cluster(cluster, max_staleness=0)
     fast, slow = channels["worker:0"], channels["worker:1"]
-    _push(fast, "worker:0")
-    _push(slow, "worker:1")
-    _push(fast, "worker:0")
+    for channel, task in [(fast, "worker:0"), (slow, "worker:1"), (fast, "worker:0")]:
+        _push(channel, task)
+    assert _push(fast, "worker:0").body["version"] == 4  # clocks 3 and 2: now held
     held = _send_push(fast, "worker:0")
-    assert _stats(fast)["version"] == 3
+    assert _stats(fast)["version"] == 4
     slow.call("done", {"task": "worker:1"}, timeout_s=TIMEOUT_S)
-    assert fast.wait(held, TIMEOUT_S).body["version"] == 4
+    assert fast.wait(held, TIMEOUT_S).body["version"] == 5
     assert _stats(fast)["max_staleness_seen"] == 0
 
 
@@ -497,9 +523,9 @@ def test_a_held_async_push_past_its_deadline_is_refused_naming_the_slowest(
 ) -> None:
     channels = _async_cluster(cluster, max_staleness=0)
     fast, slow = channels["worker:0"], channels["worker:1"]
-    _push(fast, "worker:0")
-    _push(slow, "worker:1")
-    _push(fast, "worker:0")
+    for channel, task in [(fast, "worker:0"), (slow, "worker:1"), (fast, "worker:0")]:
+        _push(channel, task)
+    assert _push(fast, "worker:0").body["version"] == 4
     held = _send_push(fast, "worker:0", timeout_s=0.3)
     with pytest.raises(RemoteError) as excinfo:
         fast.wait(held, TIMEOUT_S)
@@ -508,8 +534,8 @@ def test_a_held_async_push_past_its_deadline_is_refused_naming_the_slowest(
         "(max_staleness=0)" in str(excinfo.value)
     )
     # It was not applied, and the gate is not stuck.
-    assert _stats(fast)["version"] == 3
-    assert _push(slow, "worker:1").body["version"] == 4
+    assert _stats(fast)["version"] == 4
+    assert _push(slow, "worker:1").body["version"] == 5
 
 
 def test_async_pushes_with_a_gate_need_a_known_task(cluster: Callable[..., RunningService]) -> None:
@@ -530,7 +556,7 @@ def test_pulling_the_moving_average_gives_the_hand_computed_average(
     ps = cluster(WORKERS[:1])
     channel = _worker(cluster, ps, "worker:0")
     _create(channel, UpdateDiscipline(mode=mode, ema_decay=decay))
-    steps = [GRADIENTS["worker:2"], GRADIENTS["worker:0"]]
+    steps = [GRADIENTS["worker:2"], [g * -2 for g in GRADIENTS["worker:2"]]]
     values, average = INITIAL, [v.clone() for v in INITIAL]
     for step, gradients in enumerate(steps):
         _push(channel, "worker:0", step=step, gradients=gradients)
