@@ -5,7 +5,8 @@ all-reduce against DistributedDataParallel used directly, and a straggler.
   3 workers, each trained on the same number of samples (a sync or all-reduce step uses one
   batch per aggregated worker, an async step one batch);
 * ``ddp_direct``: torch's DDP with gloo on the same 3 processes, no tensorfleet
-  (benchmarks/ddp_baseline.py): all-reduce's baseline;
+  (benchmarks/ddp_baseline.py): all-reduce's baseline, run in alternation with all-reduce
+  (the ratio is the median over the pairs);
 * straggler: 4 workers, worker 3 computing 4x slower, for sync and for sync with one backup,
   each against the same run without the straggler.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,6 +84,8 @@ def main() -> int:
     )
     parser.add_argument("--samples", type=int, default=45000, help="training samples per run")
     parser.add_argument("--straggler-samples", type=int, default=24000)
+    parser.add_argument("--pairs", type=int, default=3, help="alternating all-reduce / DDP runs")
+    parser.add_argument("--pair-samples", type=int, default=30000)
     args = parser.parse_args()
 
     rows: dict[str, dict] = {}
@@ -91,15 +95,24 @@ def main() -> int:
         "sync_1_backup", args.samples, 1, 3, 2, ("--mode", "sync", "--replicas-to-aggregate", "2")
     )
     rows["allreduce"] = run_mode("allreduce", args.samples, 0, 3, 3, ("--mode", "allreduce"))
-    ddp_steps = args.samples // (BATCH * 3)
-    ddp = ddp_direct(ddp_steps, 3)
+    # All-reduce against DDP used directly: alternating pairs, because this shared VM drifts
+    # by tens of percent between minutes; the ratio is the median of the pairs' ratios.
+    pair_steps = args.pair_samples // (BATCH * 3)
+    ratios, ddp_rates, ours_rates = [], [], []
+    for _ in range(args.pairs):
+        ours = example_run(pair_steps, 0, 3, ("--mode", "allreduce"))
+        ours_rates.append(ours["steady_global_steps_per_s"])
+        ddp_rates.append(ddp_direct(pair_steps, 3))
+        ratios.append(ours_rates[-1] / ddp_rates[-1])
+        print("allreduce / ddp pair", ours_rates[-1], ddp_rates[-1], flush=True)
+    ddp = statistics.median(ddp_rates)
     rows["ddp_direct"] = {
-        "global_steps": ddp_steps,
+        "global_steps": pair_steps,
         "global_steps_per_s": ddp,
         "samples_per_s": ddp * BATCH * 3,
     }
-    print("ddp_direct", rows["ddp_direct"], flush=True)
-    rows["allreduce"]["ratio_vs_ddp_direct"] = rows["allreduce"]["global_steps_per_s"] / ddp
+    rows["allreduce"]["ratio_vs_ddp_direct"] = statistics.median(ratios)
+    rows["allreduce"]["pairs"] = {"allreduce_steps_per_s": ours_rates, "ddp_steps_per_s": ddp_rates}
 
     straggler = ("--straggler", "3", "--straggler-slowdown", "4")
     s = args.straggler_samples

@@ -743,6 +743,16 @@ def _envelope(protocol: int = wire.PROTOCOL_VERSION, header_len: int = 4) -> byt
     return struct.pack(">2sBB16sQI16s", *fields)
 
 
+def _wait_until(
+    condition: Callable[[], bool], describe: Callable[[], str], timeout_s: float = 10.0
+) -> None:
+    """Poll ``condition`` (state owned by the service thread) until true or the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {timeout_s} s: {describe()}"
+        time.sleep(0.01)
+
+
 def test_garbage_frames_do_not_crash_the_service(
     service: RunningService, chief: Channel, raw_peer: Callable[..., RawPeer]
 ) -> None:
@@ -755,34 +765,46 @@ def test_garbage_frames_do_not_crash_the_service(
         [_envelope(header_len=5), b"four"],
         [_envelope(), b"four", *([b"x"] * 1100)],
         [*wire.encode_notice("auth", "a notice is not a request")],
-        # Signed with the right secret, but not a valid request header:
-        peer.frames("hello", {}, None, {"op": None}),
-        peer.frames("hello", {}, None, {"id": "1"}),
-        peer.frames("hello", {}, None, {"body": [1, 2]}),
-        peer.frames("hello", {}, None, {"timeout_ms": -1}),
-        peer.frames("hello", {}, None, {"timeout_ms": 10**15}),
-        peer.frames("pull", {}),  # not addressed to this service's session
+        # Signed with the right secret (each by a session of its own, since connections are
+        # not served in order and one session's counters must arrive in order), but not a
+        # valid request header:
+        *(
+            raw_peer(service.address).frames("hello", {}, None, bad_field)
+            for bad_field in (
+                {"op": None},
+                {"id": "1"},
+                {"body": [1, 2]},
+                {"timeout_ms": -1},
+                {"timeout_ms": 10**15},
+            )
+        ),
+        raw_peer(service.address).frames("pull", {}),  # not addressed to this service's session
     ]
     other_protocol = [_envelope(protocol=wire.PROTOCOL_VERSION + 1), b"four"]
     bad_tag = [_envelope(), b"four"]
-    # Each kind on a connection of its own, so that every one is examined...
+    # Each kind on a connection of its own, so that every one is examined. Connections are
+    # served fairly, not in order, so wait for the service's own counts (with a deadline).
     for frames in [*malformed, other_protocol, bad_tag]:
         one_shot = raw_peer(service.address)
         one_shot.send(frames)
-    fresh = raw_peer(service.address)
-    fresh.hello()  # answered after everything above was handled (one service loop)
-    assert service.rejected == {"malformed": len(malformed), "protocol": 1, "auth": 1}
+    expected = {"malformed": len(malformed), "protocol": 1, "auth": 1}
+    _wait_until(lambda: service.rejected == expected, lambda: f"rejected: {service.rejected}")
 
-    # ... while a connection that keeps sending garbage is ignored from then on (quarantined).
+    # A connection that keeps sending garbage is ignored from then on (quarantined)...
     for _ in range(QUARANTINE_AFTER_INVALID + 3):
         peer.send(bad_tag)
-    raw_peer(service.address).hello()  # served after the garbage above was handled
-    while peer.socket.poll(100):  # the one notice the garbage earned ("secret mismatch")
-        assert wire.decode_notice(peer.socket.recv_multipart()) is not None
+    _wait_until(
+        lambda: service.rejected.get("quarantined", 0) == 3, lambda: f"rejected: {service.rejected}"
+    )
+    notice = peer.socket.recv_multipart() if peer.socket.poll(5000) else None
+    assert notice is not None and wire.decode_notice(notice) is not None, "one notice, then silence"
     peer.send(peer.frames("hello", {"protocol": wire.PROTOCOL_VERSION}))
-    raw_peer(service.address).hello()  # the others are still served
-    assert service.rejected["quarantined"] == 4, service.rejected
+    _wait_until(
+        lambda: service.rejected.get("quarantined", 0) == 4, lambda: f"rejected: {service.rejected}"
+    )
     assert not peer.socket.poll(200), "a quarantined connection gets no answer"
+    # ... while everyone else is still served.
+    raw_peer(service.address).hello()
     # A valid client is served as usual, and the variables are untouched.
     body, buffers = _pull(chief)
     assert body["version"] == 0

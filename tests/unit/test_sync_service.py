@@ -184,7 +184,7 @@ def _send_push(
     body: dict[str, Any] = {"count_step": True, "want_values": True, "step": step}
     if task is not None:
         body["task"] = task
-    gradients = GRADIENTS[task or "worker:0"] if gradients is None else gradients
+    gradients = GRADIENTS.get(task, GRADIENTS["worker:0"]) if gradients is None else gradients
     return channel.send("push", body, [as_buffer(g) for g in gradients], timeout_s)
 
 
@@ -307,15 +307,23 @@ def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropp
     [
         ("worker:0", 1, "ProtocolError: worker:0 pushed gradients for step 1, but this shard is"),
         ("worker:0", None, "ProtocolError: a sync push needs the integer 'step'"),
-        ("worker:0", True, "got True"),
-        ("worker:0", "0", "got '0'"),
+        (
+            "worker:0",
+            True,
+            "ProtocolError: a sync push needs the integer 'step' its gradients belong to, got True",
+        ),
+        (
+            "worker:0",
+            "0",
+            "ProtocolError: a sync push needs the integer 'step' its gradients belong to, got '0'",
+        ),
         (
             None,
             0,
             "ProtocolError: push from unknown task None; workers are ['worker:0', 'worker:1']",
         ),
-        ("worker:7", 0, "push from unknown task 'worker:7'"),
-        ("ps:0", 0, "push from unknown task 'ps:0'"),
+        ("worker:7", 0, "ProtocolError: push from unknown task 'worker:7'"),
+        ("ps:0", 0, "ProtocolError: push from unknown task 'ps:0'"),
     ],
 )
 def test_sync_pushes_for_a_future_step_or_an_unknown_task_are_refused(
@@ -410,9 +418,11 @@ def test_a_worker_saying_done_lowers_the_needed_count(
         "worker:1": True,
     }
     # From now on two pushes make a step.
-    _send_push(channels["worker:1"], "worker:1", step=1)
+    other = _send_push(channels["worker:1"], "worker:1", step=1)
+    assert _stats(channels["worker:1"])["version"] == 1
     reply = _push(channels["worker:0"], "worker:0", step=1)
     assert (reply.body["global_step"], reply.body["made_step"]) == (2, True)
+    assert channels["worker:1"].wait(other, TIMEOUT_S).body["made_step"] is False
 
 
 @pytest.mark.parametrize("clip_norm", [0.5, 1e9])
@@ -516,6 +526,23 @@ def test_a_held_async_push_is_released_when_the_slow_worker_is_done(
     slow.call("done", {"task": "worker:1"}, timeout_s=TIMEOUT_S)
     assert fast.wait(held, TIMEOUT_S).body["version"] == 5
     assert _stats(fast)["max_staleness_seen"] == 0
+
+
+def test_a_worker_done_while_its_own_push_is_held_does_not_block_the_others(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _async_cluster(cluster, max_staleness=0)
+    fast, slow = channels["worker:0"], channels["worker:1"]
+    for channel, task in [(fast, "worker:0"), (slow, "worker:1"), (fast, "worker:0")]:
+        _push(channel, task)
+    assert _push(fast, "worker:0").body["version"] == 4  # clocks 3 and 2: the next is held
+    held = _send_push(fast, "worker:0")
+    fast.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S)  # e.g. a restarted worker:0
+    with pytest.raises(RemoteError, match="worker:0 said it is done; its held push is dropped"):
+        fast.wait(held, TIMEOUT_S)
+    # worker:0 left the gate for good: worker:1 is never held back by it again.
+    for version in (5, 6, 7, 8):
+        assert _push(slow, "worker:1").body["version"] == version
 
 
 def test_a_held_async_push_past_its_deadline_is_refused_naming_the_slowest(

@@ -293,3 +293,9 @@ def test_registered_rules_can_be_used_by_name(monkeypatch: pytest.MonkeyPatch) -
 def test_betas_must_be_a_pair(betas):
     with pytest.raises(ValueError, match="pair of numbers"):
         UpdateRule("adam", {"betas": betas})
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_hyperparameters_are_refused(lr):
+    with pytest.raises(ValueError, match="finite"):
+        UpdateRule("sgd", {"lr": lr})

@@ -232,14 +232,17 @@ class ParameterService:
         rule = UpdateRule.from_wire(request.body.get("rule"))
         discipline = UpdateDiscipline.from_wire(request.body.get("discipline"))
         values = _group_tensors(layout, request.buffers, "initial values")
+        aggregator = gate = None
         if discipline.mode == "sync":
-            self.aggregator = SyncAggregator(
+            aggregator = SyncAggregator(
                 discipline.replicas_to_aggregate or len(self.config.worker_tasks),
                 self.config.worker_tasks,
             )
         if discipline.max_staleness is not None:
-            self.gate = StalenessGate(discipline.max_staleness)
+            gate = StalenessGate(discipline.max_staleness)
         self.store.create(layout, rule, values)
+        # Only now: a create that store.create refuses (a rule torch rejects) changes nothing.
+        self.aggregator, self.gate = aggregator, gate
         if discipline.ema_decay is not None:
             self.store.keep_moving_average(discipline.ema_decay)
         self.discipline = discipline
@@ -333,6 +336,8 @@ class ParameterService:
         aggregator = self.aggregator
         if not aggregator.waiting or not aggregator.is_complete(self.done_workers):
             return
+        if last_task is None:  # a 'done' completed the step: its last contributor made it
+            last_task = aggregator.waiting[-1].task
         mean, contributions = aggregator.take_mean()
         if self.discipline.clip_norm is not None:
             _clip_by_global_norm(mean, self.discipline.clip_norm)
@@ -366,6 +371,12 @@ class ParameterService:
         self.done_workers.add(task)
         self.socket.reply(request, {})
         if self.gate is not None:
+            # A push of this worker still held would put it back among the live clocks.
+            for held in [h for h in self._held if h[1] == task]:
+                self._held.remove(held)
+                self.socket.fail(
+                    held[0], "ValueError", f"{task} said it is done; its held push is dropped"
+                )
             self.gate.leave(task)
             self._release_held()
         if self.aggregator is not None:
@@ -432,13 +443,15 @@ class ParameterService:
                 "they did not catch up in time: are they still running?",
             )
         if self.aggregator is not None:
-            for contribution in [c for c in self.aggregator.waiting if c.request.deadline <= now]:
+            expired = [c for c in self.aggregator.waiting if c.request.deadline <= now]
+            # Who has not pushed, named before the expired ones withdraw (not the requester).
+            missing = ", ".join(self.aggregator.missing()) if expired else ""
+            for contribution in expired:
                 self.aggregator.withdraw(contribution.task)
                 self.socket.fail(
                     contribution.request,
                     "DeadlineExceeded",
-                    f"step {self.aggregator.step} still waits for gradients from "
-                    f"{', '.join(self.aggregator.missing())} "
+                    f"step {self.aggregator.step} still waits for gradients from {missing} "
                     f"({self.aggregator.needed(self.done_workers)} of {len(self.config.worker_tasks)} needed): "
                     "are they still running? Backup workers (replicas_to_aggregate < workers) let "
                     "training go on without the slowest",

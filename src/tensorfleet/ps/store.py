@@ -45,6 +45,7 @@ class VariableStore:
                     f"initial values for the {group.dtype} group have {value.numel()} {value.dtype} elements, expected {group.numel}"
                 )
             flats.append(value.detach().clone().reshape(-1))
+        _check_applicable(rule, [DTYPES[group.dtype] for group in layout.groups])
         views = [
             [flat[offset : offset + var.numel].view(var.shape) for var, offset in group.members]
             for flat, group in zip(flats, layout.groups, strict=True)
@@ -93,3 +94,29 @@ class VariableStore:
             for average, flat in zip(self._ema, self._flats, strict=True):
                 average.lerp_(flat, 1.0 - self._ema_decay)
         self.version += 1
+
+
+def _check_applicable(rule: UpdateRule, dtypes: list[torch.dtype]) -> None:
+    """ValueError unless ``rule`` can update variables of these dtypes.
+
+    torch builds some optimizers whose every step then fails: a learning rate (or weight
+    decay, dampening, ...) beyond the range of float16 or bfloat16 ("value cannot be converted
+    to type c10::Half without overflow"), an int beyond int64 (OverflowError), an Adagrad
+    initial_accumulator_value that overflows float32 (RuntimeError already when building).
+    These depend on the hyperparameters and dtypes only, not on the values, so two steps of
+    the rule on two elements per dtype find them: the create is refused, instead of every push
+    failing (and the first one ending the service loop). Two elements, not one: torch fills a
+    one-element tensor without the overflow check."""
+    params = [torch.zeros(2, dtype=dtype) for dtype in dtypes]
+    try:
+        optimizer = rule.build(params)
+        for _ in range(2):  # the second step reaches the momentum terms
+            for param in params:
+                param.grad = torch.ones_like(param)
+            optimizer.step()
+    except (RuntimeError, OverflowError) as exc:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise ValueError(
+            f"update rule {rule.name!r} with {rule.hyperparameters} cannot update {names} "
+            f"variables: {type(exc).__name__}: {exc}"
+        ) from None

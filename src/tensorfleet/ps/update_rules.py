@@ -12,6 +12,7 @@ fusing many variables into one buffer give the same result as one process.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +92,8 @@ class _RuleSpec:
                     raise ValueError(
                         f"hyperparameter {key}={value!r} has the wrong type: it must be a pair of numbers"
                     )
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"hyperparameter {key}={value!r} must be a finite number")
             elif not isinstance(value, types):
                 raise ValueError(
                     f"hyperparameter {key}={value!r} has the wrong type ({type(value).__name__})"
