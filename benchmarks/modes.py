@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "src"))
 
+from results_writer import write_results  # noqa: E402
 from throughput import example_run  # noqa: E402
 
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 BATCH = 50
 
 
@@ -135,8 +135,6 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "modes.json").write_text(json.dumps(result, indent=2))
     table = [
         "| run | global steps/s | samples/s | test accuracy | ratio |",
         "|---|---|---|---|---|",
@@ -148,12 +146,12 @@ def main() -> int:
         table.append(
             f"| {name} | {row['global_steps_per_s']:.2f} | {row['samples_per_s']:.0f} | {accuracy} | {f'{ratio:.2f}x{label}' if ratio else ''} |"
         )
-    (RESULTS / "modes.md").write_text(
-        f"{result['benchmark']}, {args.samples} samples per run ({args.straggler_samples} for the straggler runs), {result['date']}\n\n"
-        + "\n".join(table)
-        + "\n"
+    write_results(
+        "modes",
+        result,
+        f"{result['benchmark']}, {args.samples} samples per run ({args.straggler_samples} for the straggler runs), {result['date']}",
+        table,
     )
-    print("\n".join(table))
     return 0
 
 

@@ -33,12 +33,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
 
 from mnist_cnn import ClassicCNN  # noqa: E402
+from results_writer import write_results  # noqa: E402
 
 from tensorfleet.datasets import BatchStream, load_mnist, normalize  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 TF_REFERENCE = ROOT.parent / "shared" / "bench" / "tf_reference" / "run.sh"
 WARMUP = 20
 
@@ -175,8 +175,6 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps(result, indent=2))
     table = [
         "| run | steps/s | ratio vs one-process PyTorch | test accuracy |",
         "|---|---|---|---|",
@@ -189,10 +187,9 @@ def main() -> int:
             table.append(
                 f"| {name} | {row['steps_per_s']:.2f} | {row['ratio_vs_pytorch_single']:.2f}x | {accuracy} |"
             )
-    (RESULTS / "throughput.md").write_text(
-        f"{result['benchmark']}, {args.steps} steps, {result['date']}\n\n" + "\n".join(table) + "\n"
+    write_results(
+        "throughput", result, f"{result['benchmark']}, {args.steps} steps, {result['date']}", table
     )
-    print("\n".join(table))
     return 0
 
 

@@ -32,13 +32,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from results_writer import write_results  # noqa: E402
+
 from tensorfleet.launch.ports import free_port  # noqa: E402
 from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
 from tensorfleet.ps.update_rules import SGD  # noqa: E402
 from tensorfleet.wire.secret import generate_secret  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 MODEL_BYTES = 6_600_000
 WARMUP = 10
 
@@ -185,19 +186,13 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "wire.json").write_text(json.dumps(result, indent=2))
     table = ["| run | median ms | p90 ms | GB/s | ratio vs raw TCP |", "|---|---|---|---|---|"]
     for name, row in rows.items():
         table.append(
             f"| {name} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['gb_per_s']:.2f} | {row['ratio_vs_raw_tcp']:.2f}x |"
         )
-    (RESULTS / "wire.md").write_text(
-        f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, interleaved, {result['date']}\n\n"
-        + "\n".join(table)
-        + "\n"
-    )
-    print("\n".join(table))
+    heading = f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, interleaved, {result['date']}"
+    write_results("wire", result, heading, table)
     return 0
 
 
