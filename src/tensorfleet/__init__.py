@@ -24,6 +24,10 @@ _EXPORTS = {
     "ResolvedTask": "tensorfleet.cluster.resolver",
     "resolve_task": "tensorfleet.cluster.resolver",
     "AuthenticationError": "tensorfleet.errors",
+    "CheckpointError": "tensorfleet.errors",
+    "ConnectionLost": "tensorfleet.errors",
+    "NonFiniteError": "tensorfleet.errors",
+    "ServiceRestarted": "tensorfleet.errors",
     "ClusterConfigError": "tensorfleet.errors",
     "DatasetError": "tensorfleet.errors",
     "DeadlineExceeded": "tensorfleet.errors",
@@ -33,13 +37,20 @@ _EXPORTS = {
     "TensorfleetError": "tensorfleet.errors",
     "PlacementPlan": "tensorfleet.ps.placement",
     "plan_placement": "tensorfleet.ps.placement",
+    "CheckpointHook": "tensorfleet.session.hooks",
+    "NanGuard": "tensorfleet.session.hooks",
+    "export_checkpoint": "tensorfleet.session.checkpoints",
+    "load_checkpoint": "tensorfleet.session.checkpoints",
     "Hook": "tensorfleet.session.hooks",
     "LoggingHook": "tensorfleet.session.hooks",
     "StepResult": "tensorfleet.session.hooks",
     "StopAtStep": "tensorfleet.session.hooks",
     "Server": "tensorfleet.session.server",
     "ServerConfig": "tensorfleet.session.server",
+    "SummaryHook": "tensorfleet.session.summary_hook",
     "TrainingSession": "tensorfleet.session.training_session",
+    "plot_metrics": "tensorfleet.summaries.plot",
+    "SummaryWriter": "tensorfleet.summaries.summary_writer",
     "ClientTimeouts": "tensorfleet.worker.client",
     "torch_device": "tensorfleet.worker.device",
 }
@@ -54,18 +65,33 @@ if TYPE_CHECKING:
     from tensorfleet.cluster.spec import ClusterSpec, TaskId
     from tensorfleet.errors import (
         AuthenticationError,
+        CheckpointError,
         ClusterConfigError,
+        ConnectionLost,
         DatasetError,
         DeadlineExceeded,
         LaunchError,
+        NonFiniteError,
         ProtocolError,
         RemoteError,
+        ServiceRestarted,
         TensorfleetError,
     )
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
-    from tensorfleet.session.hooks import Hook, LoggingHook, StepResult, StopAtStep
+    from tensorfleet.session.checkpoints import export_checkpoint, load_checkpoint
+    from tensorfleet.session.hooks import (
+        CheckpointHook,
+        Hook,
+        LoggingHook,
+        NanGuard,
+        StepResult,
+        StopAtStep,
+    )
     from tensorfleet.session.server import Server, ServerConfig
+    from tensorfleet.session.summary_hook import SummaryHook
     from tensorfleet.session.training_session import TrainingSession
+    from tensorfleet.summaries.plot import plot_metrics
+    from tensorfleet.summaries.summary_writer import SummaryWriter
     from tensorfleet.worker.client import ClientTimeouts
     from tensorfleet.worker.device import torch_device
 

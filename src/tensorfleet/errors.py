@@ -32,6 +32,23 @@ class RemoteError(TensorfleetError):
     """A parameter server refused a request; the message carries the server's explanation."""
 
 
+class ServiceRestarted(RemoteError):
+    """A parameter server answered from a new incarnation: it restarted since this client
+    said hello, so the client must say hello again (and the shard may need restoring)."""
+
+
+class ConnectionLost(DeadlineExceeded):
+    """A parameter server stopped answering heartbeats while a request waited on it."""
+
+
+class CheckpointError(TensorfleetError):
+    """A checkpoint cannot be written, found, verified or restored."""
+
+
+class NonFiniteError(TensorfleetError, ArithmeticError):
+    """A loss or gradient was NaN or infinite and the NaN guard was told to stop."""
+
+
 class DatasetError(TensorfleetError, FileNotFoundError):
     """A dataset cannot be found, read or downloaded."""
 

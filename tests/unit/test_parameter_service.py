@@ -308,7 +308,7 @@ def chief(service: RunningService, connect: Callable[..., Channel]) -> Channel:
     """A channel to ``service`` on which the variables were created."""
     channel = connect(service.address)
     _hello(channel)
-    assert _create(channel) == {"created": True, "global_step": 0}
+    assert _create(channel) == {"created": True, "global_step": 0, "data": None}
     return channel
 
 
@@ -377,9 +377,9 @@ def test_special_float_bit_patterns_survive_create_and_pull(
 
 def test_create_is_idempotent_and_keeps_the_first_values(chief: Channel) -> None:
     other_values = [v + 1 for v in _initial_values()]
-    assert _create(chief, values=other_values) == {"created": False, "global_step": 0}
+    assert _create(chief, values=other_values) == {"created": False, "global_step": 0, "data": None}
     _push(chief, _gradients())
-    assert _create(chief, values=other_values) == {"created": False, "global_step": 1}
+    assert _create(chief, values=other_values) == {"created": False, "global_step": 1, "data": None}
     _, buffers = _pull(chief)
     _assert_values(buffers, _sgd(_initial_values(), _gradients()))
 
@@ -440,7 +440,7 @@ def test_invalid_create_is_refused_and_the_service_keeps_serving(
     with pytest.raises(RemoteError, match=match):
         _create(channel, variables, values, rule)
     assert _hello(channel)["initialized"] is False
-    assert _create(channel) == {"created": True, "global_step": 0}
+    assert _create(channel) == {"created": True, "global_step": 0, "data": None}
 
 
 @pytest.mark.parametrize(
@@ -463,7 +463,7 @@ def test_malformed_rule_on_the_wire_is_refused(
     buffers = [as_buffer(v) for v in _initial_values()]
     with pytest.raises(RemoteError, match=f"ValueError: .*{match}"):
         channel.call("create", body, buffers, TIMEOUT_S)
-    assert _create(channel) == {"created": True, "global_step": 0}
+    assert _create(channel) == {"created": True, "global_step": 0, "data": None}
 
 
 @pytest.mark.parametrize("op", ["pull", "push"])
@@ -497,14 +497,14 @@ def test_wait_ready_sent_before_create_is_answered_after_create(
     _hello(chief)
     _create(chief)
     _push(chief, _gradients())  # the held request is answered at create, before this push
-    assert worker.wait(waiting, TIMEOUT_S).body == {"global_step": 0}
+    assert worker.wait(waiting, TIMEOUT_S).body == {"global_step": 0, "data": None}
     _, buffers = _pull(worker)
     _assert_values(buffers, _sgd(_initial_values(), _gradients()))
 
 
 def test_wait_ready_after_create_is_answered_at_once(chief: Channel) -> None:
     reply = chief.call("wait_ready", {"variables": VARIABLES, "task": "worker:1"}, None, TIMEOUT_S)
-    assert reply.body == {"global_step": 0}
+    assert reply.body == {"global_step": 0, "data": None}
 
 
 @pytest.mark.parametrize("before_create", [True, False], ids=["held", "after-create"])
@@ -617,7 +617,10 @@ def test_client_with_the_wrong_secret_is_told_and_cannot_push_or_pull(
     service: RunningService, chief: Channel
 ) -> None:
     timeouts = ClientTimeouts(
-        connect_s=TIMEOUT_S, initialize_s=SHORT_TIMEOUT_S, step_s=SHORT_TIMEOUT_S
+        connect_s=TIMEOUT_S,
+        initialize_s=SHORT_TIMEOUT_S,
+        step_s=SHORT_TIMEOUT_S,
+        recover_s=SHORT_TIMEOUT_S,
     )
     intruder = ParameterClient([service.address], WRONG_SECRET, "worker:1", timeouts)
     try:
@@ -642,9 +645,9 @@ def test_client_with_the_wrong_secret_is_told_and_cannot_push_or_pull(
             intruder.register(list(params.items()), plan, SGD(lr=LR), is_chief=False)
         for param in params.values():
             param.grad = torch.full_like(param, 1000.0)
-        with pytest.raises(DeadlineExceeded):
-            intruder.push_pull()
-        with pytest.raises(DeadlineExceeded):
+        with pytest.raises(DeadlineExceeded, match="did not come back"):
+            intruder.push_pull()  # tries to recover (hello again), cannot
+        with pytest.raises(DeadlineExceeded, match="did not come back"):
             intruder.pull()
     finally:
         intruder.close()
@@ -652,8 +655,9 @@ def test_client_with_the_wrong_secret_is_told_and_cannot_push_or_pull(
     body, buffers = _pull(chief)
     assert body == {"global_step": 0, "version": 0, "stop": False}
     _assert_values(buffers, _initial_values())
-    assert service.rejected == {"auth": 4}  # hello, wait_ready, push, pull
-    assert chief.call("stats", {}, timeout_s=TIMEOUT_S).body["rejected"] == {"auth": 4}
+    # hello, wait_ready, push, pull, the hellos of recovery and of the heartbeat: all refused
+    assert set(service.rejected) == {"auth"} and service.rejected["auth"] >= 4
+    assert set(chief.call("stats", {}, timeout_s=TIMEOUT_S).body["rejected"]) == {"auth"}
 
 
 def test_well_formed_push_signed_with_another_secret_is_not_applied(
@@ -716,14 +720,18 @@ def test_replayed_push_is_rejected_on_the_same_and_on_another_connection(
     assert service.rejected == {"auth": 2}
 
 
-def test_request_addressed_to_another_service_session_is_dropped(
+def test_request_addressed_to_another_service_session_is_refused_as_stale(
     service: RunningService, chief: Channel, raw_peer: Callable[..., RawPeer]
 ) -> None:
+    """A valid request meant for an earlier incarnation (the ps restarted) is not applied;
+    its sender is told at once to say hello again, and it does not count as invalid."""
     peer = raw_peer(service.address)
     peer.server_session = b"\x00" * 16  # an earlier incarnation of the service
     peer.send(peer.frames("push", {}, [as_buffer(g) for g in _gradients()]))
-    peer.hello()  # answered: so the push before it was handled
-    assert service.rejected == {"malformed": 1}
+    reply = peer.receive()
+    assert isinstance(reply, wire.Message)
+    assert reply.header["ok"] is False and reply.header["error_type"] == "StaleSession"
+    assert service.rejected == {"stale": 1}
     assert _pull(chief)[0]["version"] == 0
 
 
@@ -787,7 +795,8 @@ def test_garbage_frames_do_not_crash_the_service(
     for frames in [*malformed, other_protocol, bad_tag]:
         one_shot = raw_peer(service.address)
         one_shot.send(frames)
-    expected = {"malformed": len(malformed), "protocol": 1, "auth": 1}
+    # The last one is authentic but addressed to another session: answered, counted as stale.
+    expected = {"malformed": len(malformed) - 1, "stale": 1, "protocol": 1, "auth": 1}
     _wait_until(lambda: service.rejected == expected, lambda: f"rejected: {service.rejected}")
 
     # A connection that keeps sending garbage is ignored from then on (quarantined)...
@@ -935,7 +944,7 @@ def test_end_and_grace_period_end_the_service(
     _hello(channel)
     _create(channel)
     declared = time.monotonic()
-    assert channel.call("end", {}, timeout_s=TIMEOUT_S).body == {}
+    assert channel.call("end", {}, timeout_s=TIMEOUT_S).body == {"grace_s": 0.3}
     assert _push(channel, _gradients()).body["stop"] is True
     channel.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S)  # worker:1 never says done
     outcome = service.outcome()
@@ -963,7 +972,7 @@ def test_stop_event_stops_the_service(service: RunningService) -> None:
 
 
 def test_service_config_is_validated() -> None:
-    with pytest.raises(ValueError, match="idle_timeout_s must be > 0"):
+    with pytest.raises(ValueError, match="idle_timeout_s and liveness_timeout_s must be > 0"):
         ServiceConfig(shard_index=0, worker_tasks=WORKERS, idle_timeout_s=0)
     with pytest.raises(ValueError, match="end_grace_s >= 0"):
         ServiceConfig(shard_index=0, worker_tasks=WORKERS, end_grace_s=-1)

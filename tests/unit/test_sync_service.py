@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +114,16 @@ def cluster() -> Iterator[Callable[..., RunningService]]:
     services: list[RunningService] = []
     channels: list[Channel] = []
 
-    def start(workers: tuple[str, ...] = WORKERS[:2]) -> RunningService:
-        config = ServiceConfig(0, workers, idle_timeout_s=60.0, end_grace_s=60.0)
+    def start(
+        workers: tuple[str, ...] = WORKERS[:2], liveness_timeout_s: float = 60.0
+    ) -> RunningService:
+        config = ServiceConfig(
+            0,
+            workers,
+            idle_timeout_s=60.0,
+            end_grace_s=60.0,
+            liveness_timeout_s=liveness_timeout_s,
+        )
         address = f"127.0.0.1:{free_port()}"
         service = ParameterService(ServiceSocket(address, SECRET, config.limits), config)
         stop, result = threading.Event(), {}
@@ -131,6 +140,7 @@ def cluster() -> Iterator[Callable[..., RunningService]]:
         return handle
 
     start.channels = channels  # type: ignore[attr-defined]
+    start.services = services  # type: ignore[attr-defined]
     context = zmq.Context(io_threads=1)
     try:
         yield start
@@ -197,12 +207,15 @@ def _stats(channel: Channel) -> dict:
 
 
 def _sync_cluster(
-    cluster: Callable[..., RunningService], workers: tuple[str, ...], **discipline: Any
+    cluster: Callable[..., RunningService],
+    workers: tuple[str, ...],
+    liveness_timeout_s: float = 60.0,
+    **discipline: Any,
 ) -> dict[str, Channel]:
-    ps = cluster(workers)
+    ps = cluster(workers, liveness_timeout_s)
     channels = {task: _worker(cluster, ps, task) for task in workers}
     created = _create(channels[workers[0]], UpdateDiscipline(mode="sync", **discipline))
-    assert created == {"created": True, "global_step": 0}
+    assert created == {"created": True, "global_step": 0, "data": None}
     return channels
 
 
@@ -606,3 +619,80 @@ def test_pulling_a_moving_average_that_is_not_kept_is_refused(
     _create(channel, UpdateDiscipline())
     with pytest.raises(RemoteError, match=r"ValueError: this shard keeps no moving average"):
         channel.call("pull", {"moving_average": True}, timeout_s=TIMEOUT_S)
+
+
+# -- liveness: lost workers, identities ------------------------------------------------------------
+
+LIVENESS_S = 0.5
+
+
+@contextmanager
+def _heartbeats(ps: RunningService, tasks: tuple[str, ...]) -> Iterator[None]:
+    """Keep ``tasks`` alive at the service (what a real client's heartbeat thread does)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        channel = Channel(ps.address, SECRET, "ps:0")
+        try:
+            hello = {"protocol": wire.PROTOCOL_VERSION, "version": __version__}
+            channel.call("hello", {**hello, "task": tasks[0]}, timeout_s=TIMEOUT_S)
+            while not stop.is_set():
+                for task in tasks:
+                    channel.call("heartbeat", {"task": task}, timeout_s=TIMEOUT_S)
+                stop.wait(LIVENESS_S / 5)
+        finally:
+            channel.close()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(TIMEOUT_S)
+
+
+def test_a_lost_worker_no_longer_holds_back_a_sync_step_when_shrinking(
+    cluster: Callable[..., RunningService],
+) -> None:
+    """worker:2 said hello (so it is known) and then fell silent: after the liveness timeout
+    the step goes on with the mean of the live workers' gradients."""
+    channels = _sync_cluster(cluster, WORKERS, LIVENESS_S, lost_worker="shrink")
+    with _heartbeats(cluster.services[-1], ("worker:0", "worker:1")):  # type: ignore[attr-defined]
+        held = _send_push(channels["worker:0"], "worker:0", 0, timeout_s=10 * LIVENESS_S)
+        reply = _push(channels["worker:1"], "worker:1", 0, timeout_s=10 * LIVENESS_S)
+        assert reply.body["global_step"] == 1
+        channels["worker:0"].wait(held, TIMEOUT_S)
+        _assert_values(reply.buffers, _sgd(INITIAL, _mean(["worker:0", "worker:1"])))
+        assert _stats(channels["worker:0"])["lost_workers"] == ["worker:2"]
+
+
+def test_a_lost_worker_fails_the_sync_step_by_name_when_told_to(
+    cluster: Callable[..., RunningService],
+) -> None:
+    channels = _sync_cluster(cluster, WORKERS, LIVENESS_S, lost_worker="fail")
+    with _heartbeats(cluster.services[-1], ("worker:0", "worker:1")):  # type: ignore[attr-defined]
+        with pytest.raises(
+            RemoteError, match=r"WorkerLost: step 0 needs gradients from worker:2, not heard"
+        ):
+            _push(channels["worker:0"], "worker:0", 0, timeout_s=10 * LIVENESS_S)
+        assert _stats(channels["worker:1"])["pushes"] == 0
+
+
+def test_a_second_process_cannot_take_the_identity_of_a_live_worker(
+    cluster: Callable[..., RunningService],
+) -> None:
+    """No second chief by accident: while worker:0 is heard from, a hello claiming worker:0
+    from another process is refused; once it has been silent for the liveness timeout, its
+    restarted copy is let in."""
+    ps = cluster(WORKERS[:2], LIVENESS_S)
+    hello = {"protocol": wire.PROTOCOL_VERSION, "version": __version__, "task": "worker:0"}
+    first, second = Channel(ps.address, SECRET, "ps:0"), Channel(ps.address, SECRET, "ps:0")
+    cluster.channels.extend([first, second])  # type: ignore[attr-defined]
+    first.call("hello", {**hello, "instance": "first-process"}, timeout_s=TIMEOUT_S)
+    with pytest.raises(RemoteError, match="worker:0 is already running in another process"):
+        second.call("hello", {**hello, "instance": "second-process"}, timeout_s=TIMEOUT_S)
+    first.call("hello", {**hello, "instance": "first-process"}, timeout_s=TIMEOUT_S)  # itself: fine
+    done = threading.Event()
+    done.wait(3 * LIVENESS_S)  # the first process falls silent (a dead chief sends nothing)
+    second.call("hello", {**hello, "instance": "second-process"}, timeout_s=TIMEOUT_S)

@@ -121,6 +121,7 @@ def test_sync_and_async_sessions_describe_their_discipline_without_connecting() 
             "max_staleness": None,
             "clip_norm": 2.0,  # clipped on the ps
             "ema_decay": 0.9,
+            "lost_worker": "shrink",
         }
         assert async_ == {
             "mode": "async",
@@ -128,6 +129,7 @@ def test_sync_and_async_sessions_describe_their_discipline_without_connecting() 
             "max_staleness": 3,
             "clip_norm": None,  # clipped on each worker
             "ema_decay": None,
+            "lost_worker": "shrink",
         }
         assert (sessions[0].is_chief, sessions[1].is_chief) == (True, False)
         assert sessions[1].task_name == "worker:1"

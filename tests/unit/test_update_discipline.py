@@ -21,6 +21,7 @@ def test_the_default_is_plain_async() -> None:
         "max_staleness": None,
         "clip_norm": None,
         "ema_decay": None,
+        "lost_worker": "shrink",
     }
 
 

@@ -1,9 +1,11 @@
-"""The ``tensorfleet`` command line: ``launch`` a local cluster, or run a ps ``server`` task.
+"""The ``tensorfleet`` command line: ``launch`` a local cluster, run a ps ``server`` task, or
+``plot`` the metrics a ``SummaryHook`` wrote.
 
 ::
 
     tensorfleet launch --ps 1 --workers 3 -- python train.py --lr 1e-3
     tensorfleet server --cluster cluster.json --job ps --task 0 --secret-file secret
+    tensorfleet plot runs/cnn -o curves.png
 
 Errors tensorfleet raises on purpose are printed as one line, ``tensorfleet: error: ...``,
 with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
@@ -102,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"time between SIGTERM and SIGKILL (default: {DEFAULT_KILL_TIMEOUT:g})",
     )
     launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart a failed task in place with the same identity (same TF_CONFIG, address "
+        "and secret) up to N times, after a back-off of 1 s doubling up to 10 s (default: 0: "
+        "a failure stops the cluster with a report)",
+    )
+    launch.add_argument(
         "--encrypt",
         action="store_true",
         help="encrypt all traffic between tasks with ZeroMQ CURVE (sets TENSORFLEET_ENCRYPT=1 "
@@ -158,7 +169,40 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="torch threads for applying updates (default: 1; the workers need the cores)",
     )
+    server.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="a worker not heard from for S seconds is lost: it stops holding back sync "
+        "steps and the staleness bound, and a restarted copy may take its place (default: 15)",
+    )
+    server.add_argument(
+        "--end-grace",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="after the chief ends training, wait up to S seconds for the other workers "
+        "(default: 60)",
+    )
     server.set_defaults(handler=_server)
+
+    plot = commands.add_parser(
+        "plot",
+        help="draw the metrics of a run as a PNG",
+        description="Draw LOGDIR/metrics.jsonl (written by the chief when training runs with a "
+        "SummaryHook) as one panel per metric against the global step, and print the path of "
+        "the PNG written. Needs matplotlib: pip install 'tensorfleet[plot]'.",
+        epilog="example: tensorfleet plot runs/cnn -o curves.png",
+    )
+    plot.add_argument("logdir", metavar="LOGDIR", help="the SummaryHook's log directory")
+    plot.add_argument(
+        "-o",
+        "--output",
+        metavar="PNG",
+        help="where to write the picture (default: LOGDIR/metrics.png)",
+    )
+    plot.set_defaults(handler=_plot)
     return parser
 
 
@@ -219,6 +263,7 @@ def _launch(args: argparse.Namespace) -> int:
         grace_period=args.grace_period,
         kill_timeout=args.kill_timeout,
         output=output,
+        max_restarts=args.max_restarts,
     )
     with _forward_signals(cluster.interrupt), output:
         try:
@@ -247,9 +292,16 @@ def _server(args: argparse.Namespace) -> int:
             task.job,
             task.index,
             secret=load_secret(secret_file=args.secret_file),
-            config=ServerConfig(encrypt=True if args.encrypt else None),
+            config=ServerConfig(
+                encrypt=True if args.encrypt else None,
+                liveness_timeout_s=args.liveness_timeout,
+                end_grace_s=args.end_grace,
+            ),
         )
-    except OSError as exc:  # cannot listen on the task's address; the message says why
+    except (
+        OSError,
+        ValueError,
+    ) as exc:  # cannot listen on the task's address; the message says why
         print(f"tensorfleet: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     if threading.current_thread() is threading.main_thread():
@@ -261,6 +313,21 @@ def _server(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    """``tensorfleet plot``: draw the metrics of a run; print the path of the PNG."""
+    # Imported here so that the other commands do not load the summaries package.
+    from tensorfleet.summaries.plot import plot_metrics
+
+    try:
+        path = plot_metrics(args.logdir, args.output)
+    except (OSError, ValueError, ImportError) as exc:  # the message names the file and the fix
+        message = " ".join(str(exc).split())
+        print(f"tensorfleet: error: {message}", file=sys.stderr)
+        return USAGE_ERROR
+    print(path)
     return 0
 
 

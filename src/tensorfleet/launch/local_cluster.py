@@ -14,6 +14,16 @@ Supervision, in the spirit of Horovod's runner:
 - the first task that exits non-zero (or dies from a signal) on its own is reported with its
   last lines; the others get ``grace_period`` seconds to notice and finish, then SIGTERM,
   then SIGKILL. The run's status is that task's exit code (128 + signal number for a signal);
+- with ``max_restarts`` N > 0, a task that fails on its own (non-zero exit, or a signal the
+  launcher did not send) while the run is still running is first restarted in place, up to
+  N times per task: same command, same environment (same ``TF_CONFIG``, hence the same
+  address, and the same secret), same output prefix, in a new process group; what its old
+  process group left behind is killed first. The restart waits a back-off (1 s, doubling up
+  to 10 s) that the supervising thread keeps as one more deadline, never by sleeping. A task
+  that exits 0 is never restarted. Once the run drains, fails, or is stopped or interrupted,
+  nothing is restarted: a restart still waiting is cancelled and that task counts as failed.
+  When a task's restarts are used up, its next failure is handled by the rule above, and
+  the report says how many restarts it used;
 - :meth:`LocalCluster.interrupt` (the CLI's SIGINT/SIGTERM handler) sends SIGTERM to every
   task at once, then SIGKILL; a second interrupt sends SIGKILL at once;
 - :meth:`LocalCluster.stop` (also run on leaving the ``with`` block) stops whatever still runs
@@ -57,6 +67,12 @@ DEFAULT_KILL_TIMEOUT = 5.0
 READER_DRAIN_TIMEOUT = 0.5
 #: Longest chunk read as one line, so a child printing without newlines cannot eat memory.
 MAX_LINE_BYTES = 64 * 1024
+#: Seconds before the first restart of a failed task; each further restart of the same task
+#: waits twice as long, up to :data:`MAX_RESTART_BACKOFF`. A task that fails at once (its
+#: port still taken, a dependency not up yet) should not be restarted in a tight loop.
+RESTART_BACKOFF = 1.0
+#: The longest back-off before a restart, in seconds.
+MAX_RESTART_BACKOFF = 10.0
 
 # Phases of a run. Each phase after RUNNING ends at a deadline (``_phase_deadline``).
 _RUNNING = "running"
@@ -94,6 +110,7 @@ class Task:
     job: str
     index: int
     command: list[str]
+    #: The latest output lines of its current process (a fresh deque at each restart).
     recent: deque[str]
     #: The running process; None before :meth:`LocalCluster.start`.
     process: subprocess.Popen[bytes] | None = None
@@ -104,6 +121,13 @@ class Task:
     started_at: float = 0.0
     ended_at: float | None = None
     reader: threading.Thread | None = field(default=None, repr=False)
+    #: How many times the launcher restarted this task after a failure.
+    restarts: int = 0
+    #: ``time.monotonic()`` at which a scheduled restart is due; None when none is pending.
+    restart_at: float | None = None
+    #: Process ids (and process group ids) of the processes this task ran before its latest
+    #: restart, so that whatever their groups still hold is killed at the end of the run.
+    previous_pids: list[int] = field(default_factory=list, repr=False)
 
     @property
     def name(self) -> str:
@@ -119,6 +143,11 @@ class Task:
     def running(self) -> bool:
         """Started and its exit not yet handled."""
         return self.process is not None and self.returncode is None
+
+    @property
+    def restart_pending(self) -> bool:
+        """Failed, and waiting for its back-off to pass before the launcher restarts it."""
+        return self.restart_at is not None
 
 
 class LocalCluster:
@@ -142,6 +171,10 @@ class LocalCluster:
         cwd: working directory of the tasks (default: this process's).
         secret: the cluster secret; a fresh random one by default.
         history: how many latest output lines are kept per task.
+        max_restarts: how many times each task that fails on its own while the run is still
+            running is restarted in place (same command and environment, same TF_CONFIG and
+            secret) before its failure stops the cluster; 0 (the default): never, the first
+            failure stops the cluster with a report.
 
     The ports, the cluster spec (:attr:`cluster`) and the secret (:attr:`secret`) are chosen
     here, so they can be read before :meth:`start`. Raises :class:`LaunchError` for an
@@ -163,6 +196,7 @@ class LocalCluster:
         cwd: str | os.PathLike[str] | None = None,
         secret: str | None = None,
         history: int = DEFAULT_HISTORY,
+        max_restarts: int = 0,
     ):
         if num_ps < 0:
             raise LaunchError(f"the number of ps tasks must be >= 0, got {num_ps}")
@@ -179,9 +213,15 @@ class LocalCluster:
             raise LaunchError(f"the kill timeout must be > 0 seconds, got {kill_timeout}")
         if history < 1:
             raise LaunchError(f"history must keep at least 1 line, got {history}")
+        if max_restarts < 0:
+            raise LaunchError(
+                f"max_restarts must be >= 0, got {max_restarts}: the number of times a failed "
+                "task is restarted (0: a failure stops the cluster)"
+            )
 
         self.grace_period = float(grace_period)
         self.kill_timeout = float(kill_timeout)
+        self.max_restarts = int(max_restarts)
         self.output = PlainOutput() if output is None else output
         self.secret = generate_secret() if secret is None else secret
         self._env = dict(env or {})
@@ -229,13 +269,20 @@ class LocalCluster:
         raise LaunchError(f"no task {name!r} in this cluster; its tasks are {known}")
 
     def recent_lines(self, name: str) -> list[str]:
-        """The latest output lines of task ``name`` (at most ``history``), oldest first."""
+        """The latest output lines of task ``name`` (at most ``history``), oldest first: those
+        of its current process, so of its latest run after a restart."""
         return list(self.task(name).recent)
 
     @property
     def pids(self) -> dict[str, int]:
-        """Process id of every started task, by name."""
+        """Process id of every started task's current process, by name (after a restart: the
+        new process)."""
         return {t.name: t.pid for t in self._tasks if t.pid is not None}
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times each task was restarted after a failure, by name (a fresh dict)."""
+        return {t.name: t.restarts for t in self._tasks}
 
     @property
     def returncodes(self) -> dict[str, int | None]:
@@ -268,8 +315,14 @@ class LocalCluster:
         self._started = True
         self._start_time = time.monotonic()
         num_ps, num_workers = len(self.cluster["ps"]), len(self.cluster["worker"])
+        restarts = (
+            f" (a failed task is restarted up to {self.max_restarts} time(s))"
+            if self.max_restarts
+            else ""
+        )
         self.output.message(
-            f"starting {num_ps} ps and {num_workers} worker task(s): {json.dumps(self.cluster)}"
+            f"starting {num_ps} ps and {num_workers} worker task(s){restarts}: "
+            f"{json.dumps(self.cluster)}"
         )
         for task in self._tasks:
             try:
@@ -296,15 +349,22 @@ class LocalCluster:
         while self._result is None:
             now = time.monotonic()
             self._on_deadline(now)
-            if self._abandoned or all(not t.running for t in self._tasks):
+            self._on_restarts_due(now)
+            if self._abandoned or all(not (t.running or t.restart_pending) for t in self._tasks):
                 return self._finish()
             if deadline is not None and now >= deadline:
-                running = ", ".join(t.name for t in self._tasks if t.running)
+                running = ", ".join(
+                    t.name + (" (restart pending)" if t.restart_pending else "")
+                    for t in self._tasks
+                    if t.running or t.restart_pending
+                )
                 raise DeadlineExceeded(
                     f"the local cluster was still running after {timeout} s (tasks {running}); "
                     "call wait() again to keep supervising, or stop() to stop them"
                 )
-            wake = min((d for d in (self._phase_deadline, deadline) if d is not None), default=None)
+            deadlines = [self._phase_deadline, deadline]
+            deadlines += [t.restart_at for t in self._tasks]
+            wake = min((d for d in deadlines if d is not None), default=None)
             try:
                 event = self._events.get(timeout=None if wake is None else max(0.0, wake - now))
             except queue.Empty:
@@ -320,6 +380,35 @@ class LocalCluster:
         ``kill_timeout``; a second request sends SIGKILL at once).
         """
         self._events.put(("signal", int(signum)))
+
+    def kill_task(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process group of task ``name``'s current process, as if it died
+        on its own: for fault-injection tests and chaos drills.
+
+        The launcher handles the exit like any other failure (a restart when ``max_restarts``
+        allows one, else a report and the others stopped). Safe to call from any thread: it
+        only sends a signal. Raises :class:`LaunchError` for an unknown task, an unknown
+        signal, or a task that is not running (not started, exited, or waiting for a restart).
+        """
+        task = self.task(name)
+        try:
+            sig_name = signal.Signals(sig).name
+        except ValueError:
+            raise LaunchError(
+                f"cannot send signal {sig!r} to {name}: not a signal number; "
+                "use one of signal.Signals, e.g. signal.SIGKILL"
+            ) from None
+        process = task.process
+        if process is None:
+            raise LaunchError(f"{name} is not running: the cluster was not started; call start()")
+        if task.restart_pending:
+            raise LaunchError(f"{name} is not running: it failed and waits to be restarted")
+        returncode = process.returncode  # set by its waiter thread once the process is reaped
+        if returncode is not None or not task.running:
+            how = "" if returncode is None else f" ({describe_returncode(returncode)})"
+            raise LaunchError(f"{name} is not running: it already ended{how}")
+        if not _killpg(process.pid, sig):
+            raise LaunchError(f"cannot send {sig_name} to {name} (pid {process.pid}): it is gone")
 
     def stop(self) -> int | None:
         """Stop every task still running (SIGTERM, then SIGKILL after ``kill_timeout``), kill
@@ -371,7 +460,7 @@ class LocalCluster:
         assert process.stdout is not None  # stdout=PIPE above
         task.reader = threading.Thread(
             target=self._read_output,
-            args=(task, process.stdout),
+            args=(task, process.stdout, task.recent),
             name=f"tensorfleet-output-{task.name}",
             daemon=True,
         )
@@ -383,12 +472,14 @@ class LocalCluster:
             daemon=True,
         ).start()
 
-    def _read_output(self, task: Task, pipe: IO[bytes]) -> None:
-        """Reader thread: every line of the task's merged stdout/stderr to recent + output."""
+    def _read_output(self, task: Task, pipe: IO[bytes], recent: deque[str]) -> None:
+        """Reader thread: every line of the process's merged stdout/stderr to ``recent`` (the
+        deque of that process, so a late line of a restarted task's old process does not mix
+        into the new one's) and to the output."""
         try:
             for raw in iter(lambda: pipe.readline(MAX_LINE_BYTES), b""):
                 text = _clean_line(raw)
-                task.recent.append(text)
+                recent.append(text)
                 self.output.line(task.name, text)
         except (OSError, ValueError):
             pass  # pipe closed under us during shutdown; nothing more to read
@@ -416,8 +507,11 @@ class LocalCluster:
 
     def _kill_process_groups(self, quiet: bool) -> None:
         """SIGKILL whatever is left in each task's process group (children of a task that
-        outlived it). Warns about groups that still had members unless ``quiet``."""
+        outlived it), those of its processes before a restart too. Warns about the current
+        groups that still had members unless ``quiet``."""
         for task in self._tasks:
+            for pid in task.previous_pids:  # already killed at the restart; this is a sweep
+                _killpg(pid, signal.SIGKILL)
             if task.process is None:
                 continue
             if not quiet and _killpg(task.process.pid, 0):
@@ -452,14 +546,19 @@ class LocalCluster:
         rc = task.returncode
         assert rc is not None
         failed = rc != 0 and task.stop_signal is None
+        restart = failed and self._may_restart(task)
         if task.stop_signal is not None and rc != 0:
             status = f"stopped ({_signal_name(task.stop_signal)})"
         elif rc >= 0:
             status = f"exited {rc}"
         else:
             status = f"killed by {_signal_name(-rc)}"
+        if restart:
+            status += "; restarting"
         self.output.task_exited(task.name, status, not failed)
-        if failed:
+        if restart:
+            self._schedule_restart(task)
+        elif failed:
             self._on_failure(task)
         elif self._phase == _RUNNING and all(
             t.returncode == 0 for t in self._tasks if t.job == "worker"
@@ -477,17 +576,20 @@ class LocalCluster:
         ran = (task.ended_at or task.started_at) - task.started_at
         lines = list(task.recent)
         tail = "\n".join(f"    [{task.name}] {line}" for line in lines)
+        used = (
+            f"; restarts used: {task.restarts} of {self.max_restarts}" if self.max_restarts else ""
+        )
         if self._failure is not None or self._interrupt is not None:
             last = f"; last line: {lines[-1]}" if lines else ""
             self.output.message(
-                f"{task.name} also failed ({describe_returncode(task.returncode)}){last}",
+                f"{task.name} also failed ({describe_returncode(task.returncode)}{used}){last}",
                 "warning",
             )
             return
         self._failure = task
         head = (
             f"{task.name} failed with {describe_returncode(task.returncode)} "
-            f"(pid {task.pid}, after {ran:.1f} s). "
+            f"(pid {task.pid}, after {ran:.1f} s{used}). "
         )
         if lines:
             self.output.message(head + f"Its last {len(lines)} line(s):\n{tail}", "error")
@@ -501,6 +603,81 @@ class LocalCluster:
                     "then stopping them"
                 )
             self._enter(_FAILING, self.grace_period)
+
+    def _restarts_allowed(self) -> bool:
+        """Tasks are restarted only while the run is running: not once every worker is done
+        (draining), a task failed for good, or the run is being stopped or interrupted."""
+        return self._phase == _RUNNING and self._interrupt is None and self._failure is None
+
+    def _may_restart(self, task: Task) -> bool:
+        """Whether ``task``, which just failed on its own, is restarted rather than reported:
+        only while restarts are allowed, and while the task has restarts left."""
+        return self._restarts_allowed() and task.restarts < self.max_restarts
+
+    def _schedule_restart(self, task: Task) -> None:
+        """Announce the failure of ``task``, kill what its process group left behind (it
+        could hold the task's port or files), and set the restart's deadline: the supervising
+        loop wakes up for it like for a phase deadline."""
+        assert task.process is not None and task.returncode is not None
+        if _killpg(task.process.pid, 0):
+            self.output.message(
+                f"{task.name} left processes behind in its process group; killing them "
+                "before restarting it",
+                "warning",
+            )
+        _killpg(task.process.pid, signal.SIGKILL)
+        delay = min(RESTART_BACKOFF * 2**task.restarts, MAX_RESTART_BACKOFF)
+        task.restart_at = time.monotonic() + delay
+        ran = (task.ended_at or task.started_at) - task.started_at
+        lines = list(task.recent)
+        last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
+        self.output.message(
+            f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
+            f"(restart {task.restarts + 1} of {self.max_restarts}) in {delay:g} s "
+            f"(pid {task.pid} ran {ran:.1f} s).{last}",
+            "warning",
+        )
+
+    def _on_restarts_due(self, now: float) -> None:
+        """Restart the tasks whose back-off has passed, or, once the run is no longer
+        running (draining, failing, stopping, interrupted), cancel every pending restart:
+        such a task then counts as failed."""
+        pending = [t for t in self._tasks if t.restart_at is not None]
+        if not pending:
+            return
+        for task in pending:
+            if not self._restarts_allowed():
+                why = "interrupted" if self._interrupt is not None else self._phase
+                task.restart_at = None
+                self.output.message(f"not restarting {task.name}: the run is {why}", "warning")
+                self._on_failure(task)
+            elif task.restart_at is not None and now >= task.restart_at:
+                task.restart_at = None
+                self._restart(task)  # on failure to start, restarts are no longer allowed
+
+    def _restart(self, task: Task) -> None:
+        """Start ``task`` again with the same command and environment (its identity)."""
+        assert task.process is not None
+        old_pid, old_recent = task.process.pid, task.recent
+        # The new process's lines; a failure report must not show the old process's lines
+        # as if the new one printed them (the log keeps them all).
+        task.recent = deque(maxlen=old_recent.maxlen)
+        try:
+            self._spawn(task)
+        except OSError as exc:
+            task.recent = old_recent
+            self.output.message(
+                f"cannot restart {task.name} with command {task.command!r}: {exc}", "error"
+            )
+            self._on_failure(task)
+            return
+        task.previous_pids.append(old_pid)
+        task.restarts += 1
+        task.returncode = task.stop_signal = task.ended_at = None
+        self.output.message(
+            f"restarted {task.name} (restart {task.restarts} of {self.max_restarts}) as pid "
+            f"{task.pid}"
+        )
 
     def _on_interrupt(self, signum: int) -> None:
         name = _signal_name(signum)

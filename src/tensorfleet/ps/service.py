@@ -11,13 +11,24 @@ Operations (request body -> reply body [+ buffers]):
                the global step and, when asked, the new values (a push+pull in one trip)
 ``done``       a worker has finished
 ``end``        the chief declares training over; pushes are answered with ``stop``
+``wait_done``  (the chief, after ``end``) -> held until every other live worker is done
+``heartbeat``  a worker is alive -> global step, stop
+``save``       -> the shard's state as a safetensors document (a checkpoint's shard file)
+``restore``    a shard document -> the shard takes its state (``create`` can do the same)
 ``stats``      -> counters
 =============  ==========================================================================
 
 The loop is single-threaded: requests are applied one after another, so every push sees a
-consistent shard, and nothing needs a lock. It ends when every worker has said ``done``, or
-``end_grace_s`` after the chief said ``end``, or when no worker has been heard from for
-``idle_timeout_s`` (so a ps never outlives its cluster by more than that).
+consistent shard, and nothing needs a lock. It ends when every worker has said ``done`` (or
+is lost after the chief's ``end``), or ``end_grace_s`` after the chief said ``end``, or when
+no worker has been heard from for ``idle_timeout_s`` (so a ps never outlives its cluster by
+more than that).
+
+Liveness: every request naming a worker task (and the workers' heartbeats, one a second)
+marks it alive. A worker not heard from for ``liveness_timeout_s`` is lost: it no longer
+holds back the staleness gate, a sync step either goes on without it or is refused naming
+it (``lost_worker``), and a second process claiming a live worker's identity is refused
+(so no second chief can appear by accident). A lost worker that comes back counts again.
 """
 
 from __future__ import annotations
@@ -33,6 +44,12 @@ import zmq
 
 from tensorfleet.errors import ProtocolError
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.shard_checkpoint import (
+    ShardState,
+    check_worker_data,
+    decode_shard,
+    encode_shard,
+)
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
@@ -60,12 +77,15 @@ class ServiceConfig:
     """End (with an error) when no valid request arrived for this long."""
     end_grace_s: float = 60.0
     """After the chief's ``end``, how long to wait for the other workers' ``done``."""
+    liveness_timeout_s: float = 15.0
+    """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = Limits()
 
     def __post_init__(self) -> None:
-        if self.idle_timeout_s <= 0 or self.end_grace_s < 0:
+        if self.idle_timeout_s <= 0 or self.end_grace_s < 0 or self.liveness_timeout_s <= 0:
             raise ValueError(
-                f"idle_timeout_s must be > 0 and end_grace_s >= 0, got {self.idle_timeout_s}, {self.end_grace_s}"
+                "idle_timeout_s and liveness_timeout_s must be > 0 and end_grace_s >= 0, got "
+                f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}"
             )
 
 
@@ -134,6 +154,15 @@ class ParameterService:
         self.gate: StalenessGate | None = None
         self._held: list[tuple[Request, str, list[torch.Tensor]]] = []
         """async pushes held back by the staleness gate, in arrival order."""
+        self._started_at = time.monotonic()
+        self.heard: dict[str, float] = {}
+        """When each worker task was last heard from (monotonic seconds)."""
+        self.instances: dict[str, str] = {}
+        """The process (client instance id) that holds each worker task's identity."""
+        self.lost_workers: set[str] = set()
+        self.worker_data: dict[str, dict] = {}
+        """Each worker's last reported data position (saved in checkpoints)."""
+        self._waiting_for_done: list[Request] = []
         self._handlers = {
             "hello": self._hello,
             "create": self._create,
@@ -142,6 +171,10 @@ class ParameterService:
             "push": self._push,
             "done": self._done,
             "end": self._end,
+            "wait_done": self._wait_done,
+            "heartbeat": self._heartbeat,
+            "save": self._save,
+            "restore": self._restore,
             "stats": self._stats,
         }
 
@@ -155,6 +188,7 @@ class ParameterService:
                 request = self.socket.receive()
                 if request is not None:
                     self._handle(request)
+            self._check_liveness()
             self._expire_waiting()
 
     def _finished_reason(self, stop: threading.Event | None) -> str | None:
@@ -163,6 +197,13 @@ class ParameterService:
             return "stopped"
         if self.config.worker_tasks and self.done_workers >= set(self.config.worker_tasks):
             return "finished"
+        if (
+            self.end_declared_at is not None
+            and self.config.worker_tasks
+            and self.done_workers | self.lost_workers >= set(self.config.worker_tasks)
+            and self.done_workers
+        ):
+            return "finished"  # training is over and whoever is not done is gone
         if (
             self.end_declared_at is not None
             and now - self.end_declared_at >= self.config.end_grace_s
@@ -187,6 +228,9 @@ class ParameterService:
         return None
 
     def _handle(self, request: Request) -> None:
+        task = request.body.get("task")
+        if request.op != "hello" and isinstance(task, str) and task in self.config.worker_tasks:
+            self.heard[task] = time.monotonic()
         handler = self._handlers.get(request.op)
         if handler is None:
             self.stats["unknown_op"] += 1
@@ -212,6 +256,7 @@ class ParameterService:
                 f"(protocol {protocol}), ps:{self.config.shard_index} runs {__version__} "
                 f"(protocol {PROTOCOL_VERSION}); install the same tensorfleet version on every task"
             )
+        self._claim_identity(request.body.get("task"), request.body.get("instance"))
         self.socket.reply(
             request,
             {
@@ -222,16 +267,34 @@ class ParameterService:
         )
 
     def _create(self, request: Request) -> None:
+        """Create the variables from initial values, or (``restore``: true) from a shard
+        document of a checkpoint. Everything is checked before anything changes."""
         layout = _layout_from(request.body.get("variables"))
+        task = request.body.get("task")
         if self.store.initialized:
             difference = layout.describe_difference(self.store.layout)
             if difference is not None:
                 raise ValueError(f"variables already created with another layout: {difference}")
-            self.socket.reply(request, {"created": False, "global_step": self.global_step})
+            self.socket.reply(
+                request,
+                {
+                    "created": False,
+                    "global_step": self.global_step,
+                    "data": self.worker_data.get(task),
+                },
+            )
             return
         rule = UpdateRule.from_wire(request.body.get("rule"))
         discipline = UpdateDiscipline.from_wire(request.body.get("discipline"))
-        values = _group_tensors(layout, request.buffers, "initial values")
+        checkpoint: ShardState | None = None
+        if request.body.get("restore") is True:
+            checkpoint = self._checkpoint_from(request, layout)
+            values = [
+                torch.cat([checkpoint.values[var.name].reshape(-1) for var, _ in group.members])
+                for group in layout.groups
+            ]
+        else:
+            values = _group_tensors(layout, request.buffers, "initial values")
         aggregator = gate = None
         if discipline.mode == "sync":
             aggregator = SyncAggregator(
@@ -241,12 +304,23 @@ class ParameterService:
         if discipline.max_staleness is not None:
             gate = StalenessGate(discipline.max_staleness)
         self.store.create(layout, rule, values)
-        # Only now: a create that store.create refuses (a rule torch rejects) changes nothing.
-        self.aggregator, self.gate = aggregator, gate
         if discipline.ema_decay is not None:
             self.store.keep_moving_average(discipline.ema_decay)
+        if checkpoint is not None:
+            try:
+                self.store.restore(
+                    checkpoint.values, checkpoint.ema, checkpoint.optimizer, checkpoint.version
+                )
+            except ValueError:
+                self.store = VariableStore()  # nothing of the refused create remains
+                self._snapshots = SnapshotPool(self.store)
+                raise
+        # Only now: a create that is refused (a rule torch rejects) changes nothing.
+        self.aggregator, self.gate = aggregator, gate
         self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
+        if checkpoint is not None:
+            self._take_progress(request.body.get("global_step"), checkpoint)
         log.info(
             "ps:%d: %d variables created (%s bytes), rule %s",
             self.config.shard_index,
@@ -254,7 +328,10 @@ class ParameterService:
             sum(layout.group_bytes()),
             rule.name,
         )
-        self.socket.reply(request, {"created": True, "global_step": self.global_step})
+        self.socket.reply(
+            request,
+            {"created": True, "global_step": self.global_step, "data": self.worker_data.get(task)},
+        )
         waiting, self._waiting_for_init = self._waiting_for_init, []
         for waiter in waiting:
             self._handle(waiter)
@@ -269,7 +346,13 @@ class ParameterService:
             raise ValueError(
                 f"the model of {request.body.get('task', 'this worker')} does not match the chief's: {difference}"
             )
-        self.socket.reply(request, {"global_step": self.global_step})
+        self.socket.reply(
+            request,
+            {
+                "global_step": self.global_step,
+                "data": self.worker_data.get(request.body.get("task")),
+            },
+        )
 
     def _pull(self, request: Request) -> None:
         self._require_initialized()
@@ -282,6 +365,10 @@ class ParameterService:
     def _push(self, request: Request) -> None:
         self._require_initialized()
         gradients = _group_tensors(self.store.layout, request.buffers, "gradients")
+        data = request.body.get("data")
+        if data is not None:
+            task = self._worker_of(request)
+            self.worker_data[task] = check_worker_data(task, data)
         if self.aggregator is not None:
             self._push_sync(request, self._worker_of(request), gradients)
         elif self.gate is not None:
@@ -334,7 +421,7 @@ class ParameterService:
     def _complete_sync_step(self, last_task: str | None) -> None:
         """Apply the step if enough gradients are in, and answer everyone who contributed."""
         aggregator = self.aggregator
-        if not aggregator.waiting or not aggregator.is_complete(self.done_workers):
+        if not aggregator.waiting or not aggregator.is_complete(self._departed_workers()):
             return
         if last_task is None:  # a 'done' completed the step: its last contributor made it
             last_task = aggregator.waiting[-1].task
@@ -346,6 +433,12 @@ class ParameterService:
         self.global_step = aggregator.step
         for contribution in contributions:
             self._answer_push(contribution.request, made_step=contribution.task == last_task)
+
+    def _departed_workers(self) -> set[str]:
+        """Workers a sync step does not wait for: done, and lost when shrinking."""
+        if self.discipline.lost_worker == "shrink":
+            return self.done_workers | self.lost_workers
+        return self.done_workers
 
     def _answer_push(self, request: Request, made_step: bool, dropped: bool = False) -> None:
         extra = {"made_step": made_step, "dropped": dropped}
@@ -381,6 +474,182 @@ class ParameterService:
             self._release_held()
         if self.aggregator is not None:
             self._complete_sync_step(last_task=None)
+        self._answer_wait_done()
+
+    def _wait_done(self, request: Request) -> None:
+        """The chief waits here (after ``end``) until every other live worker has said
+        ``done``; at its deadline it is answered with the workers still running."""
+        self._waiting_for_done.append(request)
+        self._answer_wait_done()
+
+    def _answer_wait_done(self, expired: bool = False) -> None:
+        now = time.monotonic()
+        for request in list(self._waiting_for_done):
+            running = self._running_workers(exclude=request.body.get("task"))
+            if not running or expired and request.deadline <= now:
+                self._waiting_for_done.remove(request)
+                self.socket.reply(request, {"running": running})
+
+    def _running_workers(self, exclude: object = None) -> list[str]:
+        return [
+            t
+            for t in self.config.worker_tasks
+            if t != exclude and t not in self.done_workers and t not in self.lost_workers
+        ]
+
+    def _heartbeat(self, request: Request) -> None:
+        self._worker_of(request)
+        self.socket.reply(request, self._progress())
+
+    def _save(self, request: Request) -> None:
+        """The shard's state as one safetensors document (a checkpoint's shard file)."""
+        self._require_initialized()
+        values, ema, optimizer = self.store.checkpoint_parts()
+        document = encode_shard(
+            shard=self.config.shard_index,
+            global_step=self.global_step,
+            version=self.store.version,
+            rule=self.store.rule.to_wire(),
+            layout=self.store.layout,
+            values=values,
+            ema=ema,
+            optimizer=optimizer,
+            worker_data=self.worker_data,
+        )
+        self.stats["saves"] += 1
+        self.socket.reply(
+            request,
+            {"global_step": self.global_step, "version": self.store.version},
+            [document],
+        )
+
+    def _restore(self, request: Request) -> None:
+        """Take the state of a shard document (every shard of a run is restored to the same
+        checkpoint by the chief). Checked before anything changes."""
+        self._require_initialized()
+        checkpoint = self._checkpoint_from(request, self.store.layout)
+        self.store.restore(
+            checkpoint.values, checkpoint.ema, checkpoint.optimizer, checkpoint.version
+        )
+        self._take_progress(request.body.get("global_step"), checkpoint)
+        self.socket.reply(request, self._progress())
+
+    def _checkpoint_from(self, request: Request, layout: FusedLayout) -> ShardState:
+        if len(request.buffers) != 1:
+            raise ProtocolError(
+                f"a restore carries one shard document, got {len(request.buffers)} buffers"
+            )
+        checkpoint = decode_shard(request.buffers[0])
+        if checkpoint.shard != self.config.shard_index:
+            raise ValueError(
+                f"the checkpoint's document is of ps:{checkpoint.shard}, this is ps:{self.config.shard_index}"
+            )
+        difference = layout.describe_difference(checkpoint.layout)
+        if difference is not None:
+            raise ValueError(f"the checkpoint does not match the variables: {difference}")
+        rule = UpdateRule.from_wire(checkpoint.rule)
+        if self.store.initialized and rule.name != self.store.rule.name:
+            raise ValueError(
+                f"the checkpoint was made with rule {rule.name!r}, this shard applies {self.store.rule.name!r}"
+            )
+        step = request.body.get("global_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ProtocolError(f"a restore needs the checkpoint's global_step, got {step!r}")
+        return checkpoint
+
+    def _take_progress(self, global_step: int, checkpoint: ShardState) -> None:
+        """After a restore: the global step of the checkpoint (the same on every shard), the
+        workers' data positions; sync gradients collected for a step that no longer exists
+        are answered as dropped."""
+        self.global_step = global_step
+        self.worker_data = dict(checkpoint.worker_data)
+        if self.aggregator is not None:
+            waiting = self.aggregator.waiting
+            for contribution in waiting:
+                self.aggregator.withdraw(contribution.task)
+            self.aggregator.step = global_step
+            for contribution in waiting:
+                self._answer_push(contribution.request, made_step=False, dropped=True)
+        log.warning(
+            "ps:%d: restored from a checkpoint at global step %d",
+            self.config.shard_index,
+            global_step,
+        )
+
+    def _claim_identity(self, task: object, instance: object) -> None:
+        """Refuse a second process claiming the identity of a worker that is still alive;
+        a hello from a worker task marks it alive (a new process of a finished one: back)."""
+        if not isinstance(task, str) or task not in self.config.worker_tasks:
+            return
+        if isinstance(instance, str) and 0 < len(instance) <= 64:
+            holder, heard = self.instances.get(task), self.heard.get(task)
+            if (
+                holder is not None
+                and holder != instance
+                and heard is not None
+                and task not in self.lost_workers
+                and task not in self.done_workers
+            ):
+                age = time.monotonic() - heard
+                raise ValueError(
+                    f"{task} is already running in another process (heard from {age:.1f} s "
+                    "ago): two processes with one task identity would corrupt training. Stop "
+                    "the other one; a restarted task is let in "
+                    f"{self.config.liveness_timeout_s:g} s after its predecessor fell silent"
+                )
+            if holder is not None and holder != instance:
+                self.done_workers.discard(task)  # a new process of a finished task: it is back
+            self.instances[task] = instance
+        self.heard[task] = time.monotonic()
+        self.lost_workers.discard(task)
+
+    def _check_liveness(self) -> None:
+        """Mark workers silent for ``liveness_timeout_s`` as lost (and found again)."""
+        now = time.monotonic()
+        limit = self.config.liveness_timeout_s
+        lost = {
+            task
+            for task, heard in self.heard.items()
+            if now - heard > limit and task not in self.done_workers
+        }
+        for task in sorted(lost - self.lost_workers):
+            log.warning(
+                "ps:%d: %s has not been heard from for %g s: lost (dead, or cut off)%s",
+                self.config.shard_index,
+                task,
+                limit,
+                ""
+                if self.aggregator is None
+                else f"; sync steps {'go on without it' if self.discipline.lost_worker == 'shrink' else 'fail'}",
+            )
+            if self.gate is not None:
+                self.gate.leave(task)
+        for task in sorted(self.lost_workers - lost):
+            log.warning("ps:%d: %s is back", self.config.shard_index, task)
+        changed = lost != self.lost_workers
+        self.lost_workers = lost
+        if self.gate is not None and changed:
+            self._release_held()
+        if self.aggregator is not None and lost:
+            if self.discipline.lost_worker == "fail":
+                self._fail_sync_step(lost)
+            elif changed:
+                self._complete_sync_step(last_task=None)
+        if self._waiting_for_done and changed:
+            self._answer_wait_done()
+
+    def _fail_sync_step(self, lost: set[str]) -> None:
+        names = ", ".join(sorted(lost))
+        for contribution in self.aggregator.waiting:
+            self.aggregator.withdraw(contribution.task)
+            self.socket.fail(
+                contribution.request,
+                "WorkerLost",
+                f"step {self.aggregator.step} needs gradients from {names}, not heard from for "
+                f"{self.config.liveness_timeout_s:g} s (dead or cut off), and lost_worker='fail'. "
+                "Restart it (tensorfleet launch --max-restarts N), or train with "
+                "lost_worker='shrink' or with backup workers (replicas_to_aggregate)",
+            )
 
     def _end(self, request: Request) -> None:
         if self.end_declared_at is None:
@@ -390,7 +659,7 @@ class ParameterService:
                 self.config.shard_index,
                 self.global_step,
             )
-        self.socket.reply(request, {})
+        self.socket.reply(request, {"grace_s": self.config.end_grace_s})
 
     def _stats(self, request: Request) -> None:
         self.socket.reply(
@@ -404,6 +673,7 @@ class ParameterService:
                 "dropped": dict(self.aggregator.dropped) if self.aggregator else {},
                 "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,
                 "mode": self.discipline.mode,
+                "lost_workers": sorted(self.lost_workers),
             },
         )
 
@@ -433,6 +703,8 @@ class ParameterService:
         now = time.monotonic()
         if self._waiting_for_init:
             self._waiting_for_init = [r for r in self._waiting_for_init if r.deadline > now]
+        if self._waiting_for_done:
+            self._answer_wait_done(expired=True)
         for request, task, _ in [h for h in self._held if h[0].deadline <= now]:
             self._held = [h for h in self._held if h[0] is not request]
             self.socket.fail(
@@ -452,7 +724,7 @@ class ParameterService:
                     contribution.request,
                     "DeadlineExceeded",
                     f"step {self.aggregator.step} still waits for gradients from {missing} "
-                    f"({self.aggregator.needed(self.done_workers)} of {len(self.config.worker_tasks)} needed): "
+                    f"({self.aggregator.needed(self._departed_workers())} of {len(self.config.worker_tasks)} needed): "
                     "are they still running? Backup workers (replicas_to_aggregate < workers) let "
                     "training go on without the slowest",
                 )

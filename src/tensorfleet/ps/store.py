@@ -79,6 +79,84 @@ class VariableStore:
         for target, flat in zip(targets, self._flats, strict=True):
             target.copy_(flat)
 
+    def checkpoint_parts(
+        self,
+    ) -> tuple[
+        dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, dict[str, torch.Tensor]]
+    ]:
+        """Copies of the values, the moving average and the optimizer's tensors, by variable
+        name (what a checkpoint of this shard holds)."""
+        if self._optimizer is None:
+            raise RuntimeError("variables not created yet")
+        values, ema = {}, None if self._ema is None else {}
+        for index, (group, views) in enumerate(zip(self.layout.groups, self._views, strict=True)):
+            for (var, offset), view in zip(group.members, views, strict=True):
+                values[var.name] = view.clone()
+                if ema is not None:
+                    ema[var.name] = (
+                        self._ema[index][offset : offset + var.numel].view(var.shape).clone()
+                    )
+        optimizer: dict[str, dict[str, torch.Tensor]] = {}
+        for var, param in zip(self._ordered_variables(), self._params(), strict=True):
+            state = self._optimizer.state.get(param, {})
+            tensors = {}
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    value = torch.tensor(float(value))  # e.g. a plain-number step counter
+                tensors[key] = value.detach().clone().contiguous()
+            if tensors:
+                optimizer[var.name] = tensors
+        return values, ema, optimizer
+
+    def restore(
+        self,
+        values: dict[str, torch.Tensor],
+        ema: dict[str, torch.Tensor] | None,
+        optimizer: dict[str, dict[str, torch.Tensor]],
+        version: int,
+    ) -> None:
+        """Replace the values, moving average and optimizer state with a checkpoint's (already
+        checked against this layout by :func:`~tensorfleet.ps.shard_checkpoint.decode_shard`).
+
+        The optimizer state is loaded through ``load_state_dict`` of a fresh optimizer, so a
+        state torch refuses leaves this store unchanged (ValueError)."""
+        if self._optimizer is None:
+            raise RuntimeError("variables not created yet")
+        fresh = self.rule.build(self._params())
+        by_name = dict(
+            zip(
+                (v.name for v in self._ordered_variables()), range(len(self._params())), strict=True
+            )
+        )
+        state = {by_name[name]: dict(tensors) for name, tensors in optimizer.items()}
+        try:
+            fresh.load_state_dict(
+                {"state": state, "param_groups": fresh.state_dict()["param_groups"]}
+            )
+        except (ValueError, KeyError, RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"the checkpoint's optimizer state does not fit rule {self.rule.name!r}: {exc}"
+            ) from None
+        with torch.no_grad():
+            for index, (group, views) in enumerate(
+                zip(self.layout.groups, self._views, strict=True)
+            ):
+                for (var, offset), view in zip(group.members, views, strict=True):
+                    view.copy_(values[var.name])
+                    if self._ema is not None:
+                        source = ema[var.name] if ema is not None else values[var.name]
+                        self._ema[index][offset : offset + var.numel].copy_(source.reshape(-1))
+        self._optimizer = fresh
+        self.version = version
+
+    def _params(self) -> list[torch.Tensor]:
+        """The per-variable views, in the optimizer's parameter order."""
+        return [view for views in self._views for view in views]
+
+    def _ordered_variables(self) -> list:
+        """The variables in the optimizer's parameter order (group by group)."""
+        return [var for group in self.layout.groups for var, _ in group.members]
+
     def apply(self, gradients: list[torch.Tensor]) -> None:
         """Apply one update from flat gradients (one per group, already validated in size)."""
         if self._optimizer is None:

@@ -12,6 +12,9 @@ from typing import Any
 from tensorfleet.errors import ProtocolError
 
 MODES = ("async", "sync")
+#: What a sync shard does when a worker stops sending heartbeats: go on with the live
+#: workers (``shrink``), or refuse the step, naming the lost worker (``fail``).
+LOST_WORKER_POLICIES = ("shrink", "fail")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class UpdateDiscipline:
     """sync: clip the aggregated gradient to this global norm before applying it."""
     ema_decay: float | None = None
     """Keep an exponential moving average of the variables with this decay."""
+    lost_worker: str = "shrink"
+    """sync: when a worker is lost (no heartbeat for the ps's liveness timeout), ``shrink``
+    aggregates the live workers' gradients only; ``fail`` refuses the step naming it."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -46,6 +52,10 @@ class UpdateDiscipline:
             raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+        if self.lost_worker not in LOST_WORKER_POLICIES:
+            raise ValueError(
+                f"lost_worker must be one of {LOST_WORKER_POLICIES}, got {self.lost_worker!r}"
+            )
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -54,6 +64,7 @@ class UpdateDiscipline:
             "max_staleness": self.max_staleness,
             "clip_norm": self.clip_norm,
             "ema_decay": self.ema_decay,
+            "lost_worker": self.lost_worker,
         }
 
     @classmethod
@@ -69,6 +80,7 @@ class UpdateDiscipline:
             "max_staleness": (int,),
             "clip_norm": (int, float),
             "ema_decay": (float,),
+            "lost_worker": (str,),
         }
         for key, value in data.items():
             if key not in types:

@@ -4,21 +4,37 @@ The protocol (every method optional, all run in the training thread, in the orde
 
 * ``begin(session)``: once, after the variables are initialized and pulled;
 * ``before_step(session)``: before each step's forward pass;
+* ``before_update(session, loss)``: after the backward pass, before the gradients are
+  exchanged; return False to skip this step's update (the NaN guard does);
 * ``after_step(session, result)``: after each step, with the :class:`StepResult`;
-* ``end(session)``: once, when the session closes normally.
+* ``end(session)``: once, when the session closes normally (before the chief's final
+  checkpoint).
 
 A hook with ``chief_only = True`` runs only on the chief (checkpoints, summaries); the others
-run on every worker. A hook asks training to stop with ``session.request_stop()``.
+run on every worker. A hook asks training to stop with ``session.request_stop()``, or fails
+it by raising.
+
+Built in: :class:`StopAtStep`, :class:`LoggingHook`, :class:`CheckpointHook` (chief),
+:class:`NanGuard`, and ``SummaryHook`` (chief; :mod:`tensorfleet.session.summary_hook`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from tensorfleet.errors import DeadlineExceeded, NonFiniteError, ServiceRestarted
+
 if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
+
+log = logging.getLogger("tensorfleet.session")
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,10 @@ class Hook:
 
     def before_step(self, session: TrainingSession) -> None:
         """Called before each step."""
+
+    def before_update(self, session: TrainingSession, loss: torch.Tensor) -> bool:
+        """Called after the backward pass; return False to skip this step's update."""
+        return True
 
     def after_step(self, session: TrainingSession, result: StepResult) -> None:
         """Called after each step."""
@@ -111,3 +131,90 @@ class LoggingHook(Hook):
             line = self.formatter(session, result)
             if line is not None:
                 self.print_fn(line)
+
+
+class CheckpointHook(Hook):
+    """The chief saves a checkpoint every ``every_n_steps`` global steps and/or every
+    ``every_n_secs`` seconds (the session's ``checkpoint_dir``; the final one is written by
+    the session at the end, after the other workers finished). The session adds one when
+    it is given a ``checkpoint_dir``."""
+
+    chief_only = True
+
+    def __init__(self, every_n_steps: int | None = None, every_n_secs: float | None = None) -> None:
+        if every_n_steps is None and every_n_secs is None:
+            raise ValueError("give every_n_steps, every_n_secs, or both")
+        if every_n_steps is not None and every_n_steps <= 0:
+            raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+        if every_n_secs is not None and not every_n_secs > 0:
+            raise ValueError(f"every_n_secs must be positive, got {every_n_secs}")
+        self.every_n_steps = every_n_steps
+        self.every_n_secs = every_n_secs
+        self._last_step = 0
+        self._last_time = 0.0
+
+    def begin(self, session: TrainingSession) -> None:
+        self._last_step = session.global_step
+        self._last_time = time.monotonic()
+
+    def after_step(self, session: TrainingSession, result: StepResult) -> None:
+        steps_due = (
+            self.every_n_steps is not None
+            and result.global_step // self.every_n_steps > self._last_step // self.every_n_steps
+        )
+        time_due = (
+            self.every_n_secs is not None
+            and time.monotonic() - self._last_time >= self.every_n_secs
+        )
+        if steps_due or time_due:
+            try:
+                session.save_checkpoint()
+            except (DeadlineExceeded, ServiceRestarted) as exc:
+                # A ps failed during the save: the next step recovers (and restores it);
+                # this checkpoint is skipped, the earlier ones are intact.
+                log.warning("checkpoint of global step %d skipped: %s", result.global_step, exc)
+            self._last_step = result.global_step
+            self._last_time = time.monotonic()
+
+
+class NanGuard(Hook):
+    """Checks the loss and the gradients of every step for NaN and infinity.
+
+    ``action="stop"`` raises :class:`~tensorfleet.errors.NonFiniteError` naming the step and
+    the loss, before the bad update reaches anyone (TensorFlow's NanTensorHook);
+    ``action="skip"`` skips that update and goes on (counted in :attr:`skipped`), and stops
+    the same way after ``max_consecutive`` bad steps in a row (a diverged model does not
+    recover by skipping). Runs on every worker."""
+
+    def __init__(self, action: str = "stop", max_consecutive: int = 100) -> None:
+        if action not in ("stop", "skip"):
+            raise ValueError(f"action must be 'stop' or 'skip', got {action!r}")
+        if max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}")
+        self.action = action
+        self.max_consecutive = max_consecutive
+        self.skipped = 0
+        self._in_a_row = 0
+
+    def before_update(self, session: TrainingSession, loss: torch.Tensor) -> bool:
+        value = float(loss.detach())
+        finite = math.isfinite(value) and all(
+            bool(torch.isfinite(p.grad).all())
+            for p in session.model.parameters()
+            if p.grad is not None
+        )
+        if finite:
+            self._in_a_row = 0
+            return True
+        self._in_a_row += 1
+        what = f"loss {value}" if not math.isfinite(value) else "a non-finite gradient"
+        if self.action == "stop" or self._in_a_row >= self.max_consecutive:
+            raise NonFiniteError(
+                f"{session.task_name}: {what} at global step {session.global_step}"
+                + (f" ({self._in_a_row} bad steps in a row)" if self.action == "skip" else "")
+                + "; the update was not applied. Lower the learning rate, clip gradients "
+                "(clip_grad_norm=), or check the input data; the newest checkpoint holds the "
+                "model before the divergence"
+            )
+        self.skipped += 1
+        return False

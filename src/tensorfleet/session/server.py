@@ -35,6 +35,8 @@ class ServerConfig:
     """A ps ends when no worker has sent a valid request for this long."""
     end_grace_s: float = 60.0
     """After the chief declares training over, how long a ps waits for the other workers."""
+    liveness_timeout_s: float = 15.0
+    """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = Limits()
     """Message size and count limits the ps enforces."""
     encrypt: bool | None = None
@@ -110,6 +112,7 @@ class Server:
             worker_tasks=tuple(str(t) for t in self.worker_tasks),
             idle_timeout_s=self.config.idle_timeout_s,
             end_grace_s=self.config.end_grace_s,
+            liveness_timeout_s=self.config.liveness_timeout_s,
             limits=self.config.limits,
         )
 

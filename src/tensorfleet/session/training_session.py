@@ -12,26 +12,38 @@ runs the hooks, and says when to stop. One argument picks the update discipline:
   inside ``DistributedDataParallel`` and each applies the update itself.
 
 Without a server it trains in this one process with the same API.
+
+Checkpoints (``checkpoint_dir``): the chief saves every ``save_checkpoint_steps`` global
+steps and/or ``save_checkpoint_secs`` seconds and once more at the end, after the other
+workers have finished; on start, when the parameter servers have no variables yet, it
+restores the newest valid checkpoint (all shards from the same one), so running the same
+command again resumes. A ps that restarts mid-training is restored the same way. Pass
+``data=`` (anything with ``state_dict()``/``load_state_dict()``, e.g. a
+:class:`~tensorfleet.datasets.batches.BatchStream`) and each worker's position in its data is
+saved with the checkpoint and given back on resume, so no batch is replayed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from tensorfleet.errors import ClusterConfigError, TensorfleetError
+from tensorfleet.errors import CheckpointError, ClusterConfigError, TensorfleetError
 from tensorfleet.ps.placement import PlacementPlan, VariableSpec, plan_placement
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.session.hooks import Hook, StepResult
+from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
+from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
 from tensorfleet.session.server import Server
 from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
-from tensorfleet.worker.client import ClientTimeouts, ParameterClient
+from tensorfleet.worker.client import ClientTimeouts, ParameterClient, Progress
 from tensorfleet.worker.local_updater import LocalUpdater
 
 log = logging.getLogger("tensorfleet.session")
@@ -39,6 +51,14 @@ log = logging.getLogger("tensorfleet.session")
 MODES = ("async", "sync", "allreduce")
 
 StepClosure = Callable[[], "torch.Tensor | tuple[torch.Tensor, Any]"]
+
+
+class DataPosition(Protocol):
+    """Where a worker is in its data: what ``data=`` takes (a BatchStream is one)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TrainingSession:
@@ -56,6 +76,10 @@ class TrainingSession:
     aggregated gradient in ``sync`` and ``allreduce`` modes. ``ema_decay`` keeps an
     exponential moving average of the parameters where they live (the ps shards, or the
     workers without ps); :meth:`moving_average` returns it.
+
+    ``lost_worker`` (sync mode): when a worker stops sending heartbeats for the ps's liveness
+    timeout, ``"shrink"`` goes on with the live workers, ``"fail"`` stops training with an
+    error naming it. See docs/reliability.md for what happens on each kind of failure.
     """
 
     def __init__(
@@ -74,6 +98,13 @@ class TrainingSession:
         partition_threshold_bytes: int | None = None,
         log_placement: bool = False,
         timeouts: ClientTimeouts | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        save_checkpoint_steps: int | None = None,
+        save_checkpoint_secs: float | None = None,
+        keep_checkpoints: int = 5,
+        restore: bool = True,
+        data: DataPosition | None = None,
+        lost_worker: str = "shrink",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -92,12 +123,39 @@ class TrainingSession:
             raise ValueError(
                 f"max_staleness={max_staleness} only applies to mode 'async', not {mode!r}"
             )
+        if checkpoint_dir is None and (save_checkpoint_steps or save_checkpoint_secs):
+            raise ValueError("save_checkpoint_steps/secs need a checkpoint_dir to save into")
+        if checkpoint_dir is not None and mode == "allreduce":
+            raise ValueError(
+                "checkpoint_dir is not supported in mode 'allreduce' yet (every replica's "
+                "optimizer state would have to be restored alike); use mode 'async' or 'sync', "
+                "or save the model yourself with torch.save(model.state_dict()) on the chief"
+            )
         self.server = server
         self.rule = optimizer
         self.mode = mode
         self.is_chief = server.is_chief if server is not None else True
         self.task_name = str(server.task) if server is not None else "local"
+        self.checkpoints = (
+            CheckpointDirectory(checkpoint_dir, keep_checkpoints)
+            if checkpoint_dir is not None
+            else None
+        )
+        self._restore = restore
+        self._data = data
+        hooks = list(hooks)
+        if self.checkpoints is not None:
+            hooks.append(
+                CheckpointHook(
+                    every_n_steps=save_checkpoint_steps,
+                    every_n_secs=600.0
+                    if save_checkpoint_steps is None and save_checkpoint_secs is None
+                    else save_checkpoint_secs,
+                )
+            )
         self.hooks = [h for h in hooks if self.is_chief or not getattr(h, "chief_only", False)]
+        self.last_checkpoint: Path | None = None
+        """The directory of the newest checkpoint this session saved or restored."""
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
             raise ValueError("the model has no trainable parameters")
@@ -133,6 +191,7 @@ class TrainingSession:
                 max_staleness=max_staleness,
                 clip_norm=clip_grad_norm if mode == "sync" else None,
                 ema_decay=ema_decay,
+                lost_worker=lost_worker,
             )
             specs = [
                 VariableSpec(name, tuple(p.shape), dtype_name(p.dtype), p.element_size())
@@ -146,6 +205,8 @@ class TrainingSession:
             self._updater = ParameterClient(
                 server.ps_addresses, server.secret, self.task_name, timeouts, encrypt=server.encrypt
             )
+            if self.is_chief and self.checkpoints is not None:
+                self._updater.restore_shards = self._restore_shards
         self._global_step = 0
         self._stop_requested = False
         self._started = False
@@ -195,10 +256,32 @@ class TrainingSession:
                     self._named_params, None, self.rule, self.is_chief
                 )
             elif isinstance(self._updater, ParameterClient):
-                self._updater.connect()
+                initialized = self._updater.connect()
+                resume = None
+                if self.is_chief and not all(initialized) and self.checkpoints and self._restore:
+                    # The ps tasks started empty: resume from the newest valid checkpoint.
+                    resume = self.checkpoints.newest_valid()
+                    if resume is not None:
+                        self._check_shard_count(resume)
+                        print(
+                            f"{self.task_name}: restoring checkpoint {resume.path} (global step "
+                            f"{resume.global_step})",
+                            flush=True,
+                        )
+                        self.last_checkpoint = resume.path
                 self._global_step = self._updater.register(
-                    self._named_params, self.plan, self.rule, self.is_chief, self.discipline
+                    self._named_params,
+                    self.plan,
+                    self.rule,
+                    self.is_chief,
+                    self.discipline,
+                    resume=None if resume is None else (resume.global_step, resume.documents),
                 )
+                if self._data is not None and self._updater.restored_data is not None:
+                    self._data.load_state_dict(self._updater.restored_data)
+                    log.info(
+                        "%s: resuming its data at %s", self.task_name, self._updater.restored_data
+                    )
             else:
                 self._global_step = self._updater.register(
                     self._named_params, None, self.rule, self.is_chief
@@ -215,7 +298,8 @@ class TrainingSession:
 
     def close(self, failed: bool = False) -> None:
         """Run the hooks' ``end`` (unless failed), tell the others this worker is done (the
-        chief declares training over), and release the connections."""
+        chief declares training over, waits for the other live workers to finish and writes
+        the final checkpoint), and release the connections."""
         if self._closed:
             return
         self._closed = True
@@ -223,7 +307,11 @@ class TrainingSession:
             if not failed:
                 for hook in self.hooks:
                     hook.end(self)
-                self._updater.finish(declare_end=self.is_chief)
+                if isinstance(self._updater, ParameterClient):
+                    final = self.save_checkpoint if self.checkpoints is not None else None
+                    self._updater.finish(declare_end=self.is_chief, before_done=final)
+                else:
+                    self._updater.finish(declare_end=self.is_chief)
             elif not isinstance(self._updater, AllReduceUpdater):
                 # Tell the parameter servers this worker stopped, so they do not wait for it.
                 self._updater.finish(declare_end=self.is_chief)
@@ -275,7 +363,13 @@ class TrainingSession:
         loss.backward()
         if self._clip_on_worker is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)
-        progress = self._updater.push_pull(step=self._global_step)
+        if not all(hook.before_update(self, loss) is not False for hook in self.hooks):
+            progress = self._skip_update()
+        elif isinstance(self._updater, ParameterClient):
+            data = self._data.state_dict() if self._data is not None else None
+            progress = self._updater.push_pull(step=self._global_step, data=data)
+        else:
+            progress = self._updater.push_pull(step=self._global_step)
         self._global_step = progress.global_step
         if progress.stop:
             self._stop_requested = True
@@ -289,6 +383,80 @@ class TrainingSession:
         for hook in self.hooks:
             hook.after_step(self, result)
         return result
+
+    def _skip_update(self) -> Progress:
+        """A hook vetoed this step's update (e.g. the NaN guard): in async mode nothing is
+        pushed and the newest values are pulled; in sync and all-reduce modes every worker
+        must take part in the step, so the gradients are zeroed and exchanged (this worker
+        contributes nothing; all-reduce replicas all see the same averaged gradient, so they
+        all skip alike)."""
+        if isinstance(self._updater, ParameterClient) and self.mode == "async":
+            pulled = self._updater.pull()
+            return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
+        for _, param in self._named_params:
+            if param.grad is not None:
+                param.grad.zero_()
+        if isinstance(self._updater, AllReduceUpdater):
+            return self._updater.pull()  # all replicas skip the optimizer step
+        return self._updater.push_pull(step=self._global_step)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Save a checkpoint now (the chief; usually the checkpoint hook does it): every
+        shard's state, then the manifest. Returns its directory."""
+        if self.checkpoints is None:
+            raise CheckpointError("this session has no checkpoint_dir to save into")
+        if not isinstance(self._updater, ParameterClient):
+            raise CheckpointError(
+                "checkpoints are saved from the parameter servers: mode 'async' or 'sync' with a "
+                "cluster"
+            )
+        if not self.is_chief:
+            raise CheckpointError(f"only the chief saves checkpoints, not {self.task_name}")
+        global_step, documents = self._updater.save()
+        placement = {
+            piece.stored_name: {
+                "param": piece.variable.name,
+                "rows": None if piece.is_whole else [piece.row_start, piece.row_stop],
+                "shard": piece.shard,
+            }
+            for shard in self.plan.shards
+            for piece in shard
+        }
+        path = self.checkpoints.write(
+            global_step, documents, placement, {"mode": self.mode, "task": self.task_name}
+        )
+        self.last_checkpoint = path
+        log.info("%s: checkpoint of global step %d saved in %s", self.task_name, global_step, path)
+        return path
+
+    def _restore_shards(self, fresh: list[int]) -> bool:
+        """Bring every shard to the newest valid checkpoint (``fresh``: shards that restarted
+        without variables). False when there is no checkpoint to restore."""
+        assert self.checkpoints is not None and isinstance(self._updater, ParameterClient)
+        checkpoint: Checkpoint | None = self.checkpoints.newest_valid()
+        if checkpoint is None:
+            return False
+        self._check_shard_count(checkpoint)
+        self._updater.restore(checkpoint.documents, checkpoint.global_step, fresh)
+        self.last_checkpoint = checkpoint.path
+        self._global_step = checkpoint.global_step
+        print(
+            f"{self.task_name}: restored checkpoint {checkpoint.path} (global step "
+            f"{checkpoint.global_step})",
+            flush=True,
+        )
+        return True
+
+    def _check_shard_count(self, checkpoint: Checkpoint) -> None:
+        shards = len(self.server.ps_addresses) if self.server is not None else 0
+        if len(checkpoint.documents) != shards:
+            raise CheckpointError(
+                f"checkpoint {checkpoint.path} has {len(checkpoint.documents)} shard files, the "
+                f"cluster has {shards} ps tasks: restore it with the same number of ps tasks, "
+                "or start fresh (restore=False; the example's --fresh)"
+            )
 
     def pull(self) -> int:
         """Fetch the newest parameters into the model (e.g. before evaluating); returns the

@@ -16,17 +16,21 @@ from __future__ import annotations
 import socket
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tensorfleet.errors import (
     AuthenticationError,
     ClusterConfigError,
+    ConnectionLost,
     DeadlineExceeded,
     ProtocolError,
     RemoteError,
+    ServiceRestarted,
 )
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import (
@@ -42,6 +46,21 @@ from tensorfleet.wire.auth import (
 RECEIVE_QUEUE_MESSAGES = 64
 #: Invalid messages after which a connection is ignored (quarantined) for good.
 QUARANTINE_AFTER_INVALID = 8
+#: ZeroMQ's own connection heartbeat: a ping every this many ms; a connection silent for
+#: ZMQ_HEARTBEAT_TIMEOUT_MS is closed and re-established (a cut link is noticed, not waited
+#: on through TCP's minutes-long retransmission timeout).
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
+#: A client send that cannot be queued for this long fails (a send never blocks forever).
+SEND_TIMEOUT_MS = 10_000
+#: Error type of the answer to a request addressed to an earlier incarnation of a service.
+STALE_SESSION = "StaleSession"
+#: How often a waiting client checks its abort condition (e.g. a ps silent for too long).
+ABORT_CHECK_S = 0.25
+
+
+class _StaleSession(ProtocolError):
+    """A valid request addressed to another incarnation of this service."""
 
 
 def check_resolvable(address: str, what: str) -> None:
@@ -109,6 +128,7 @@ class ServiceSocket:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        _set_connection_heartbeats(self._socket)
         if encrypt:
             public, secret_key = derive_curve_server_keys(secret)
             self._socket.curve_secretkey = secret_key
@@ -156,6 +176,18 @@ class ServiceSocket:
         try:
             msg = wire.decode(payload, wire.KIND_REQUEST, self._verifier, self.limits)
             request = self._request_from(peer, msg)
+        except _StaleSession as stale:
+            # Authentic, but meant for the process this one replaced: tell the client to say
+            # hello again at once, rather than leave it waiting for a deadline. Not counted
+            # as invalid: every client of a restarted ps sends a few of these.
+            self.rejected["stale"] += 1
+            request = stale.args[1]
+            self.fail(
+                request,
+                STALE_SESSION,
+                f"{self.address} restarted since this client said hello; say hello again",
+            )
+            return None
         except AuthenticationError as exc:
             self.rejected["auth"] += 1
             self._count_invalid(peer)
@@ -185,10 +217,7 @@ class ServiceSocket:
             raise ProtocolError(
                 f"request timeout_ms must be a non-negative int, got {timeout_ms!r}"
             )
-        if op != "hello" and addressed_to != self.session_id:
-            # Addressed to an earlier incarnation of this service (or a replay from one).
-            raise ProtocolError("request addressed to another service session")
-        return Request(
+        request = Request(
             peer=peer,
             op=op,
             request_id=request_id,
@@ -197,6 +226,10 @@ class ServiceSocket:
             deadline=time.monotonic() + timeout_ms / 1000,
             session_id=msg.session_id,
         )
+        if op != "hello" and addressed_to != self.session_id:
+            # Addressed to an earlier incarnation of this service (or a replay from one).
+            raise _StaleSession("request addressed to another service session", request)
+        return request
 
     def reply(
         self, request: Request, body: dict[str, Any], buffers: list[Buffer] | None = None
@@ -291,12 +324,22 @@ class Channel:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        self._socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        _set_connection_heartbeats(self._socket)
         if encrypt:
             server_public, _ = derive_curve_server_keys(secret)
             public, secret_key = zmq.curve_keypair()  # ephemeral, per connection
             self._socket.curve_serverkey = server_public
             self._socket.curve_publickey = public
             self._socket.curve_secretkey = secret_key
+        # Connection events: a request in flight when its connection drops is lost (ZeroMQ
+        # does not resend it, and its answer could not come back), so its wait ends at once.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._disconnects = 0
+        self._sent_at_disconnects: dict[int, int] = {}
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
@@ -326,13 +369,28 @@ class Channel:
             "body": body,
         }
         frames = wire.encode(wire.KIND_REQUEST, header, buffers or [], self._signer)
-        self._socket.send_multipart(frames, copy=False)
+        try:
+            self._socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise DeadlineExceeded(
+                f"cannot queue '{op}' for {self.peer_name} at {self.address} within "
+                f"{SEND_TIMEOUT_MS / 1000:.0f} s: its send queue is full (unreachable for long?)"
+            ) from None
         self._pending[request_id] = op
+        self._count_disconnects()
+        self._sent_at_disconnects[request_id] = self._disconnects
         return request_id
 
-    def wait(self, request_id: int, timeout_s: float) -> Reply:
+    def wait(
+        self,
+        request_id: int,
+        timeout_s: float,
+        abort: Callable[[], str | None] | None = None,
+    ) -> Reply:
         """The reply to ``request_id``, or :class:`DeadlineExceeded` after ``timeout_s``.
-        An error answer is raised as :class:`RemoteError`."""
+        An error answer is raised as :class:`RemoteError` (:class:`ServiceRestarted` when the
+        service restarted since the hello). ``abort`` is asked every quarter second while
+        waiting; a reason it returns ends the wait with :class:`ConnectionLost`."""
         if request_id not in self._pending and request_id not in self._arrived:
             raise ValueError(
                 f"request {request_id} was not sent on this channel or was already awaited"
@@ -340,8 +398,39 @@ class Channel:
         deadline = time.monotonic() + timeout_s
         while request_id not in self._arrived:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._socket.poll(max(1, int(remaining * 1000))):
+            slice_s = remaining if abort is None else min(remaining, ABORT_CHECK_S)
+            ready = dict(self._poller.poll(max(1, int(slice_s * 1000)))) if remaining > 0 else {}
+            if self._socket in ready:
+                self._receive_one()  # answers that arrived before a disconnect come first
+                continue
+            if self._monitor in ready:
+                self._count_disconnects()
+                if self._sent_at_disconnects.get(request_id, self._disconnects) < self._disconnects:
+                    op = self._pending.pop(request_id, "?")
+                    self._sent_at_disconnects.pop(request_id, None)
+                    raise ConnectionLost(
+                        f"the connection to {self.peer_name} at {self.address} dropped while "
+                        f"'{op}' was in flight; the request or its answer is lost"
+                        + (
+                            ". It never answered: check that every task agrees on encryption "
+                            "(TENSORFLEET_ENCRYPT / --encrypt)"
+                            if self.server_session is None
+                            else ""
+                        )
+                    )
+                continue
+            if remaining > 0:
+                reason = abort() if abort is not None else None
+                if reason is None:
+                    continue
                 op = self._pending.pop(request_id, "?")
+                self._sent_at_disconnects.pop(request_id, None)
+                raise ConnectionLost(
+                    f"gave up waiting for {self.peer_name} at {self.address} to answer '{op}': {reason}"
+                )
+            if remaining <= 0:
+                op = self._pending.pop(request_id, "?")
+                self._sent_at_disconnects.pop(request_id, None)
                 raise DeadlineExceeded(
                     f"no answer from {self.peer_name} at {self.address} to '{op}' within {timeout_s:.1f} s: "
                     f"check that the {self.peer_name} task is running and reachable at that address"
@@ -351,8 +440,8 @@ class Channel:
                         else ""
                     )
                 )
-            self._receive_one()
         self._pending.pop(request_id, None)
+        self._sent_at_disconnects.pop(request_id, None)
         outcome = self._arrived.pop(request_id)
         if isinstance(outcome, RemoteError):
             raise outcome
@@ -390,14 +479,42 @@ class Channel:
             if self._pending[re] == "hello":
                 self.server_session = msg.session_id
             self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
+        elif header.get("error_type") == STALE_SESSION:
+            self._arrived[re] = ServiceRestarted(
+                f"{self.peer_name} at {self.address} restarted since this task said hello "
+                f"(its answer to '{self._pending[re]}')"
+            )
         else:
             self._arrived[re] = RemoteError(
                 f"{self.peer_name} at {self.address} refused '{self._pending[re]}': "
                 f"{header.get('error_type', 'Error')}: {header.get('error', 'no explanation given')}"
             )
 
+    def forget_pending(self) -> None:
+        """Drop every request still in flight (after a failure, before saying hello again):
+        late answers to them are ignored."""
+        self._pending.clear()
+        self._arrived.clear()
+        self._sent_at_disconnects.clear()
+
+    def _count_disconnects(self) -> None:
+        """Take the connection events that arrived (without waiting)."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._disconnects += 1
+
     def close(self) -> None:
         """Close the socket (and the context if this channel made it)."""
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         if self._own_context:
             self._context.term()
+
+
+def _set_connection_heartbeats(socket: zmq.Socket) -> None:
+    """Let ZeroMQ ping the peer and drop a connection that stays silent (see the constants)."""
+    socket.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TTL, ZMQ_HEARTBEAT_TIMEOUT_MS)

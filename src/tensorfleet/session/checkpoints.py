@@ -1,0 +1,300 @@
+"""Checkpoints on disk: a directory per checkpoint, one safetensors file per ps shard and a
+JSON manifest, written so that a crash at any moment leaves every earlier checkpoint intact.
+
+Layout of a checkpoint directory (``<checkpoint_dir>/step-00001200/``)::
+
+    shard-0-of-2.safetensors   what ps:0 sent for ``save`` (variables, optimizer, EMA, ...)
+    shard-1-of-2.safetensors
+    manifest.json              global step, time, placement, SHA-256 and size of each file
+
+How it is written (:meth:`CheckpointDirectory.write`): everything goes into a temporary
+directory first; each file is written, flushed and fsynced; the manifest is written last;
+then the temporary directory is renamed to its final name (the commit: a rename is atomic)
+and the parent directory is fsynced. A directory that exists under its final name is
+complete. The newest ``keep`` are kept; older ones and leftover temporary directories of
+crashed writers are removed.
+
+How it is read (:meth:`CheckpointDirectory.newest_valid`): newest first, each file's size and
+SHA-256 are checked against the manifest; a checkpoint that fails (truncated, corrupt,
+missing file, unreadable manifest) is skipped with a warning naming what is wrong, and the
+previous one is tried.
+
+Why the chief writes the files, not the ps tasks: the ps sends its shard's document in the
+reply to ``save``, so checkpoints need no filesystem shared between machines (a Kubernetes
+pod or a Slurm node can keep ``checkpoint_dir`` on its own disk), a ps never writes to a path
+it was sent over the network, and one process orders the writes so the manifest is last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from tensorfleet.errors import CheckpointError, ProtocolError
+from tensorfleet.ps.shard_checkpoint import decode_shard
+from tensorfleet.version import __version__
+
+log = logging.getLogger("tensorfleet.checkpoints")
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint found on disk and verified: its directory, step, manifest and files."""
+
+    path: Path
+    global_step: int
+    manifest: dict[str, Any]
+    documents: list[bytes]
+    """One safetensors document per ps shard, verified against the manifest."""
+
+
+def shard_file_name(shard: int, num_shards: int) -> str:
+    return f"shard-{shard}-of-{num_shards}.safetensors"
+
+
+class CheckpointDirectory:
+    """The checkpoints of one training run under ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 5) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 checkpoint, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+
+    def write(
+        self,
+        global_step: int,
+        documents: Sequence[bytes],
+        placement: Mapping[str, Any],
+        info: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write one checkpoint atomically (see the module docstring); returns its directory."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            final = self.root / f"step-{global_step:08d}"
+            staging = (
+                self.root / f"{_TMP_PREFIX}step-{global_step:08d}-{os.getpid()}-{time.time_ns()}"
+            )
+            staging.mkdir()
+            shards = []
+            for shard, document in enumerate(documents):
+                name = shard_file_name(shard, len(documents))
+                _write_durably(staging / name, document)
+                shards.append(
+                    {
+                        "file": name,
+                        "bytes": len(document),
+                        "sha256": hashlib.sha256(document).hexdigest(),
+                    }
+                )
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "global_step": global_step,
+                "time": time.time(),
+                "tensorfleet": __version__,
+                "shards": shards,
+                "placement": dict(placement),
+                **dict(info or {}),
+            }
+            _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_directory(staging)
+            if final.exists():  # the same step saved again (e.g. by a restarted chief)
+                replaced = self.root / f"{_TMP_PREFIX}replaced-{final.name}-{time.time_ns()}"
+                final.rename(replaced)
+                staging.rename(final)
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                staging.rename(final)
+            _fsync_directory(self.root)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write the checkpoint of step {global_step} under {self.root}: {exc}. "
+                "Check that the directory is writable and the disk is not full; earlier "
+                "checkpoints are untouched"
+            ) from exc
+        self._prune(keep_also=final)
+        return final
+
+    def step_directories(self) -> list[tuple[int, Path]]:
+        """Complete checkpoint directories (by name), newest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir():
+                found.append((int(match.group(1)), entry))
+        return sorted(found, reverse=True)
+
+    def newest_valid(self) -> Checkpoint | None:
+        """The newest checkpoint whose files all match its manifest; corrupt ones are skipped
+        with a warning. None when there is none."""
+        for _, path in self.step_directories():
+            try:
+                return read_checkpoint(path)
+            except CheckpointError as exc:
+                log.warning("%s; skipping it and trying the previous checkpoint", exc)
+        return None
+
+    def _prune(self, keep_also: Path) -> None:
+        """Remove all but the newest ``keep`` checkpoints, and temporary directories left by
+        writers that died (never the one just written)."""
+        for _, path in self.step_directories()[self.keep :]:
+            if path != keep_also:
+                shutil.rmtree(path, ignore_errors=True)
+        for entry in self.root.iterdir():
+            if entry.name.startswith(_TMP_PREFIX) and f"-{os.getpid()}-" not in entry.name:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read and verify one checkpoint directory (CheckpointError naming what is wrong)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} has no readable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"checkpoint {path}: unknown manifest format")
+    step, shards = manifest.get("global_step"), manifest.get("shards")
+    if not isinstance(step, int) or not isinstance(shards, list) or not shards:
+        raise CheckpointError(f"checkpoint {path}: the manifest lacks global_step or shards")
+    documents = []
+    for entry in shards:
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str):
+            raise CheckpointError(f"checkpoint {path}: a shard entry of the manifest is malformed")
+        file = path / Path(entry["file"]).name
+        try:
+            document = file.read_bytes()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path}: cannot read {file.name}: {exc}") from None
+        if len(document) != entry.get("bytes"):
+            raise CheckpointError(
+                f"checkpoint {path}: {file.name} has {len(document)} bytes, the manifest says "
+                f"{entry.get('bytes')} (truncated?)"
+            )
+        digest = hashlib.sha256(document).hexdigest()
+        if digest != entry.get("sha256"):
+            raise CheckpointError(
+                f"checkpoint {path}: {file.name} is corrupt (SHA-256 {digest[:16]}..., the "
+                f"manifest says {str(entry.get('sha256'))[:16]}...)"
+            )
+        documents.append(document)
+    return Checkpoint(path, step, manifest, documents)
+
+
+def _find(path: str | os.PathLike[str]) -> Checkpoint:
+    """A checkpoint directory, or the newest valid one under a ``checkpoint_dir``."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return read_checkpoint(path)
+    checkpoint = CheckpointDirectory(path).newest_valid()
+    if checkpoint is None:
+        raise CheckpointError(
+            f"no valid checkpoint in {path}: give a checkpoint directory (with {MANIFEST}) or "
+            "the checkpoint_dir of a run that saved at least one"
+        )
+    return checkpoint
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module | None = None,
+    *,
+    moving_average: bool = False,
+    strict: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The model's parameters from a checkpoint, by parameter name, with no cluster.
+
+    ``path`` is a checkpoint directory or a run's ``checkpoint_dir`` (its newest valid
+    checkpoint is used). Partitioned variables are put back together. With ``model``, the
+    values are also loaded into it (``load_state_dict(..., strict=strict)``).
+    ``moving_average=True`` returns the exponential moving average instead (when the run
+    kept one)."""
+    checkpoint = _find(path)
+    placement = checkpoint.manifest.get("placement", {})
+    pieces: dict[str, list[tuple[int, int | None, torch.Tensor]]] = {}
+    for document in checkpoint.documents:
+        try:
+            shard = decode_shard(document)
+        except ProtocolError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.path}: {exc}") from None
+        source = shard.values
+        if moving_average:
+            if shard.ema is None:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint.path} has no moving average (train with ema_decay)"
+                )
+            source = shard.ema
+        for stored_name, tensor in source.items():
+            where = placement.get(stored_name, {"param": stored_name, "rows": None})
+            rows = where.get("rows")
+            pieces.setdefault(where["param"], []).append(
+                (rows[0] if rows else 0, rows[1] if rows else None, tensor)
+            )
+    state = {}
+    for name, parts in pieces.items():
+        parts.sort(key=lambda part: part[0])
+        state[name] = (
+            parts[0][2]
+            if len(parts) == 1 and parts[0][1] is None
+            else torch.cat([tensor for _, _, tensor in parts])
+        )
+    if model is not None:
+        result = model.load_state_dict(state, strict=strict)
+        if strict is False and (result.missing_keys or result.unexpected_keys):
+            log.warning(
+                "load_checkpoint: missing %s, unexpected %s",
+                result.missing_keys,
+                result.unexpected_keys,
+            )
+    return state
+
+
+def export_checkpoint(
+    path: str | os.PathLike[str], output: str | os.PathLike[str], *, moving_average: bool = False
+) -> Path:
+    """Write the parameters of a checkpoint to one safetensors file (parameter names as in
+    the model's ``state_dict``), for serving or sharing without tensorfleet."""
+    state = load_checkpoint(path, moving_average=moving_average)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(staging))
+    with open(staging, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(staging, output)
+    return output
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

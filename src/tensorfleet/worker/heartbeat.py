@@ -1,0 +1,114 @@
+"""A worker's heartbeat: a background thread that tells every ps shard "this task is alive"
+once a second, and watches which shards answer.
+
+Both directions matter. The ps learns which workers are alive without waiting for their
+next push (a dead worker stops holding back a sync step or the staleness gate after the
+ps's liveness timeout). The worker learns that a shard has gone silent, or restarted, while
+its training thread is blocked in a long wait on that shard, and can stop waiting
+(:meth:`Heartbeat.trouble`) instead of sitting out the whole step deadline.
+
+The thread has its own ZeroMQ sockets (a socket belongs to one thread) in the client's
+context, and every one of its waits has a deadline, so stopping it takes at most one
+heartbeat interval plus one answer timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.version import __version__
+from tensorfleet.wire.message import PROTOCOL_VERSION
+from tensorfleet.wire.transport import Channel
+
+log = logging.getLogger("tensorfleet.worker")
+
+
+class Heartbeat:
+    """Sends ``heartbeat`` to every shard every ``interval_s``; records when each answered."""
+
+    def __init__(
+        self,
+        ps_addresses: Sequence[str],
+        secret: bytes,
+        task_name: str,
+        instance: str,
+        context: zmq.Context,
+        *,
+        interval_s: float = 1.0,
+        silence_s: float = 10.0,
+        encrypt: bool = False,
+    ) -> None:
+        if interval_s <= 0 or silence_s <= interval_s:
+            raise ValueError(
+                f"heartbeat interval ({interval_s} s) must be > 0 and below the silence limit "
+                f"({silence_s} s)"
+            )
+        self._addresses = list(ps_addresses)
+        self._secret = secret
+        self._task = task_name
+        self._instance = instance
+        self._context = context
+        self._encrypt = encrypt
+        self.interval_s = interval_s
+        self.silence_s = silence_s
+        now = time.monotonic()
+        self._last_answer = [now] * len(self._addresses)
+        self._sessions: list[bytes | None] = [None] * len(self._addresses)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"tensorfleet-heartbeat-{task_name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (at most one interval plus one answer timeout)."""
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(self.interval_s + 5.0)
+
+    def trouble(self, shard: int, session: bytes | None) -> str | None:
+        """Why waiting on ``shard`` is pointless, or None: it has not answered a heartbeat
+        for ``silence_s``, or it answers from another process than ``session`` (it
+        restarted)."""
+        silent = time.monotonic() - self._last_answer[shard]
+        if silent > self.silence_s:
+            return f"ps:{shard} has not answered a heartbeat for {silent:.0f} s"
+        seen = self._sessions[shard]
+        if seen is not None and session is not None and seen != session:
+            return f"ps:{shard} restarted (it answers heartbeats from a new process)"
+        return None
+
+    def _run(self) -> None:
+        channels = [
+            Channel(address, self._secret, f"ps:{i}", context=self._context, encrypt=self._encrypt)
+            for i, address in enumerate(self._addresses)
+        ]
+        hello = {"protocol": PROTOCOL_VERSION, "version": __version__, "task": self._task}
+        try:
+            while not self._stop.is_set():
+                for shard, channel in enumerate(channels):
+                    answer_s = min(2.0, self.interval_s * 2)
+                    try:
+                        if channel.server_session is None:
+                            channel.call(
+                                "hello", {**hello, "instance": self._instance}, None, answer_s
+                            )
+                        channel.call("heartbeat", {"task": self._task}, None, answer_s)
+                    except TensorfleetError as exc:
+                        channel.server_session = None  # say hello again next time
+                        log.debug("%s: heartbeat to ps:%d failed: %s", self._task, shard, exc)
+                        continue
+                    self._last_answer[shard] = time.monotonic()
+                    self._sessions[shard] = channel.server_session
+                self._stop.wait(self.interval_s)
+        finally:
+            for channel in channels:
+                channel.close()
