@@ -34,8 +34,13 @@ data:
 	  echo "      the example will download it to ~/.cache/tensorfleet (or pass --data-dir)."; \
 	fi
 
+# Checkpoints, TensorBoard scalars and the PNG of the curves go to $(DEMO_LOGDIR); running the
+# demo again resumes from its newest checkpoint. make demo FRESH=1 starts over.
+DEMO_LOGDIR ?= runs/demo
+FRESH ?=
+
 demo: setup data
-	$(VENV)/bin/tensorfleet launch --ps $(DEMO_PS) --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS) --mode $(MODE)
+	$(VENV)/bin/tensorfleet launch --ps $(DEMO_PS) --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS) --mode $(MODE) --logdir $(DEMO_LOGDIR) $(if $(FRESH),--fresh)
 
 test: setup data
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -12,12 +12,19 @@ On several machines, run it on each with the cluster and the task's identity (an
 
 or with ``TF_CONFIG`` set (Kubeflow's TFJob does that), or under Slurm. Without any of these it
 trains in this one process. Data: MNIST-format idx files (Fashion-MNIST by default).
+
+With ``--logdir DIR`` the chief keeps checkpoints in ``DIR/checkpoints`` (every
+``--checkpoint-steps`` global steps and at the end), writes TensorBoard scalars and
+``DIR/metrics.jsonl`` and, at the end, the curves in ``DIR/metrics.png``. Running the same
+command again resumes from the newest checkpoint (every worker also resumes its place in its
+data); ``--fresh`` deletes ``DIR`` first and starts over.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -113,6 +120,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--metrics-json", type=Path, default=None, help="the chief writes its final figures here"
     )
+    p.add_argument(
+        "--logdir",
+        type=Path,
+        default=None,
+        help="checkpoints, TensorBoard scalars, metrics.jsonl and metrics.png go here; the run "
+        "resumes from its newest checkpoint",
+    )
+    p.add_argument(
+        "--checkpoint-steps", type=int, default=500, help="checkpoint every N global steps"
+    )
+    p.add_argument(
+        "--summary-steps", type=int, default=100, help="write summaries every N global steps"
+    )
+    p.add_argument(
+        "--fresh", action="store_true", help="delete --logdir first: start over, do not resume"
+    )
     # The classic flags; tfl.resolve_task reads them from this list.
     p.add_argument("--job_name", default=None)
     p.add_argument("--task_index", default=None)
@@ -177,10 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     def progress_line(sess: tfl.TrainingSession, result: tfl.StepResult) -> str:
         return f"Worker: {worker_index}, Step: {result.global_step}, Accuracy (batch): {result.aux:.2f}"
 
-    hooks = [
+    hooks: list[tfl.Hook] = [
         tfl.StopAtStep(last_step=args.steps),
         tfl.LoggingHook(args.log_every, progress_line, print_fn=lambda s: print(s, flush=True)),
     ]
+    checkpoints: dict[str, object] = {}
+    is_chief = server is None or server.is_chief
+    if args.logdir is not None:
+        if args.fresh and is_chief and args.logdir.exists():
+            shutil.rmtree(args.logdir)
+            print(f"--fresh: deleted {args.logdir}", flush=True)
+        hooks.append(
+            tfl.SummaryHook(args.logdir, args.summary_steps, metrics=lambda r: {"accuracy": r.aux})
+        )
+        if server is not None and args.mode != "allreduce":
+            checkpoints = {
+                "checkpoint_dir": args.logdir / "checkpoints",
+                "save_checkpoint_steps": args.checkpoint_steps,
+                "data": batches,  # each worker's place in its data is saved and resumed
+            }
     started = time.perf_counter()
     local_steps = 0
     steady_from: tuple[float, int] | None = None  # (time, global step) after the warm-up steps
@@ -195,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         max_staleness=args.max_staleness,
         placement=args.placement,
         log_placement=args.log_placement,
+        **checkpoints,
     ) as sess:
         first_step = sess.global_step
         while not sess.should_stop():
@@ -242,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
                     "mode": args.mode,
                 }
                 args.metrics_json.write_text(json.dumps(figures))
+    # After the session closed: the summary hook wrote its last point, the chief its final
+    # checkpoint.
+    if is_chief and args.logdir is not None and (args.logdir / "metrics.jsonl").exists():
+        try:
+            print(f"Curves: {tfl.plot_metrics(args.logdir)}", flush=True)
+        except ImportError as error:  # matplotlib is optional
+            print(f"no curves: {error}", flush=True)
     return 0
 
 

@@ -24,12 +24,12 @@ needs_fashion_mnist = pytest.mark.skipif(
 
 @needs_fashion_mnist
 def test_example_converges_through_the_launcher(tmp_path):
-    metrics = tmp_path / "metrics.json"
+    metrics, logdir = tmp_path / "metrics.json", tmp_path / "run"
     command = [
         sys.executable, str(EXAMPLE),
         "--steps", "200", "--log-every", "50", "--lr", "1e-3",
         "--train-limit", "6000", "--test-limit", "2000",
-        "--metrics-json", str(metrics),
+        "--metrics-json", str(metrics), "--logdir", str(logdir), "--checkpoint-steps", "100",
     ]  # fmt: skip
     run = run_local_cluster(1, 3, command, timeout_s=200)
     assert run.returncode == 0, str(run)
@@ -76,3 +76,42 @@ def test_example_runs_as_one_process_without_a_cluster(tmp_path, monkeypatch):
     assert code == 0
     figures = json.loads(metrics.read_text())
     assert figures["global_steps"] == 30 and figures["workers"] == 1
+
+
+def _checkpoint_steps(logdir: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (logdir / "checkpoints").glob("step-*"))
+
+
+@needs_fashion_mnist
+def test_example_writes_checkpoints_summaries_and_curves_and_a_second_run_resumes(tmp_path):
+    logdir = tmp_path / "run"
+    command = [
+        sys.executable, str(EXAMPLE),
+        "--log-every", "20", "--lr", "1e-3", "--train-limit", "3000", "--test-limit", "500",
+        "--logdir", str(logdir), "--checkpoint-steps", "40", "--summary-steps", "20",
+    ]  # fmt: skip
+    first = run_local_cluster(1, 2, [*command, "--steps", "80"], timeout_s=200)
+    assert first.returncode == 0, str(first)
+    assert _checkpoint_steps(logdir)[-1] >= 80, str(first)
+    assert list(logdir.glob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (logdir / "metrics.png").read_bytes().startswith(b"\x89PNG"), "no PNG of the curves"
+    lines = (logdir / "metrics.jsonl").read_text().splitlines()
+    assert {"loss", "accuracy", "global_steps_per_sec"} <= set(json.loads(lines[0])), lines[0]
+
+    second = run_local_cluster(1, 2, [*command, "--steps", "120"], timeout_s=200)
+    assert second.returncode == 0, str(second)
+    chief = second.output.of("worker:0")
+    resumed = [line for line in chief if "restoring checkpoint" in line]
+    assert resumed and "(global step 8" in resumed[0], str(second)
+    steps = [
+        int(re.search(r"Step: (\d+)", line).group(1))
+        for task in ("worker:0", "worker:1")
+        for line in second.output.of(task)
+        if line.startswith("Worker:")
+    ]
+    assert steps and min(steps) > 80, f"the second run started over: {steps}\n{second}"
+
+    fresh = run_local_cluster(1, 2, [*command, "--steps", "40", "--fresh"], timeout_s=200)
+    assert fresh.returncode == 0, str(fresh)
+    assert not any("restoring checkpoint" in line for line in fresh.output.of("worker:0"))
+    assert _checkpoint_steps(logdir)[-1] < 80, "--fresh kept the old checkpoints"

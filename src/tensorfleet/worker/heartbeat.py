@@ -66,6 +66,8 @@ class Heartbeat:
         )
 
     def start(self) -> None:
+        """Start beating; silence is counted from now."""
+        self._last_answer = [time.monotonic()] * len(self._addresses)
         self._thread.start()
 
     def stop(self) -> None:
@@ -77,7 +79,9 @@ class Heartbeat:
     def trouble(self, shard: int, session: bytes | None) -> str | None:
         """Why waiting on ``shard`` is pointless, or None: it has not answered a heartbeat
         for ``silence_s``, or it answers from another process than ``session`` (it
-        restarted)."""
+        restarted). None while the heartbeat is not running (before the first hello)."""
+        if self._thread.ident is None or self._stop.is_set():
+            return None
         silent = time.monotonic() - self._last_answer[shard]
         if silent > self.silence_s:
             return f"ps:{shard} has not answered a heartbeat for {silent:.0f} s"

@@ -59,7 +59,11 @@ def main() -> int:
         data=data,
         timeouts=tfl.ClientTimeouts(ps_silence_s=5.0, recover_s=90.0),
     ) as sess:
-        print(f"start worker={task.index} global_step={sess.global_step}", flush=True)
+        print(
+            f"start worker={task.index} global_step={sess.global_step} "
+            f"data={json.dumps(data.state_dict(), sort_keys=True)}",
+            flush=True,
+        )
         while not sess.should_stop():
             images, labels = next(data)
             result = sess.step(
