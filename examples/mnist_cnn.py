@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         hooks.append(
             tfl.SummaryHook(args.logdir, args.summary_steps, metrics=lambda r: {"accuracy": r.aux})
         )
-        if server is not None and args.mode != "allreduce":
+        if server is None or args.mode != "allreduce":
             checkpoints = {
                 "checkpoint_dir": args.logdir / "checkpoints",
                 "save_checkpoint_steps": args.checkpoint_steps,

@@ -99,13 +99,14 @@ def fault_cluster(tmp_path: Path) -> Iterator[Callable[..., FaultRun]]:
         mode: str = "async",
         replicas: int | None = None,
         max_restarts: int = 1,
+        checkpoints: bool = True,
     ) -> FaultRun:
         output = WatchedOutput()
         checkpoint_dir, result_path = tmp_path / "checkpoints", tmp_path / "result.json"
         command = [
             sys.executable,
             str(PROGRAMS / "fault_worker.py"),
-            str(checkpoint_dir),
+            str(checkpoint_dir) if checkpoints else "-",
             str(result_path),
             str(last_step),
             mode,
@@ -231,6 +232,22 @@ def test_killed_ps_is_restarted_restored_from_the_checkpoint_and_training_comple
     assert restored_step >= 20
     after = [step for i, _, step in run.output.progress() if i > restore_line]
     assert after and min(after) >= restored_step, (restored_step, after)
+    assert result["global_step"] >= 300
+    assert result["accuracy"] >= ACCURACY, result
+
+
+def test_a_restarted_ps_without_a_checkpoint_is_recreated_from_the_chiefs_values(
+    fault_cluster: Callable[..., FaultRun],
+) -> None:
+    run = fault_cluster(num_workers=2, last_step=300, checkpoints=False)
+    _kill_when(run, "ps:0", 80)
+    result = _finish(run)
+    _assert_restarted(run, "ps:0")
+    chief = run.output.of("worker:0")
+    assert any("re-creating them from the chief's current values" in t for t in chief), (
+        run.output.transcript()
+    )
+    assert not list(run.checkpoint_dir.glob("step-*"))
     assert result["global_step"] >= 300
     assert result["accuracy"] >= ACCURACY, result
 

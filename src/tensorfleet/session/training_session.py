@@ -125,7 +125,7 @@ class TrainingSession:
             )
         if checkpoint_dir is None and (save_checkpoint_steps or save_checkpoint_secs):
             raise ValueError("save_checkpoint_steps/secs need a checkpoint_dir to save into")
-        if checkpoint_dir is not None and mode == "allreduce":
+        if checkpoint_dir is not None and mode == "allreduce" and server is not None:
             raise ValueError(
                 "checkpoint_dir is not supported in mode 'allreduce' yet (every replica's "
                 "optimizer state would have to be restored alike); use mode 'async' or 'sync', "
@@ -286,6 +286,8 @@ class TrainingSession:
                 self._global_step = self._updater.register(
                     self._named_params, None, self.rule, self.is_chief
                 )
+                if isinstance(self._updater, LocalUpdater) and self.checkpoints and self._restore:
+                    self._restore_local(self._updater)
             progress = self._updater.pull()
             self._global_step = progress.global_step
             self._stop_requested = progress.stop
@@ -311,6 +313,8 @@ class TrainingSession:
                     final = self.save_checkpoint if self.checkpoints is not None else None
                     self._updater.finish(declare_end=self.is_chief, before_done=final)
                 else:
+                    if isinstance(self._updater, LocalUpdater) and self.checkpoints is not None:
+                        self.save_checkpoint()
                     self._updater.finish(declare_end=self.is_chief)
             elif not isinstance(self._updater, AllReduceUpdater):
                 # Tell the parameter servers this worker stopped, so they do not wait for it.
@@ -365,7 +369,7 @@ class TrainingSession:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)
         if not all(hook.before_update(self, loss) is not False for hook in self.hooks):
             progress = self._skip_update()
-        elif isinstance(self._updater, ParameterClient):
+        elif isinstance(self._updater, (ParameterClient, LocalUpdater)):
             data = self._data.state_dict() if self._data is not None else None
             progress = self._updater.push_pull(step=self._global_step, data=data)
         else:
@@ -407,23 +411,26 @@ class TrainingSession:
         shard's state, then the manifest. Returns its directory."""
         if self.checkpoints is None:
             raise CheckpointError("this session has no checkpoint_dir to save into")
-        if not isinstance(self._updater, ParameterClient):
-            raise CheckpointError(
-                "checkpoints are saved from the parameter servers: mode 'async' or 'sync' with a "
-                "cluster"
-            )
         if not self.is_chief:
             raise CheckpointError(f"only the chief saves checkpoints, not {self.task_name}")
-        global_step, documents = self._updater.save()
-        placement = {
-            piece.stored_name: {
-                "param": piece.variable.name,
-                "rows": None if piece.is_whole else [piece.row_start, piece.row_stop],
-                "shard": piece.shard,
+        if isinstance(self._updater, LocalUpdater):
+            global_step, documents = self._updater.save()
+            placement = {
+                name: {"param": name, "rows": None, "shard": 0} for name, _ in self._named_params
             }
-            for shard in self.plan.shards
-            for piece in shard
-        }
+        elif isinstance(self._updater, ParameterClient):
+            global_step, documents = self._updater.save()
+            placement = {
+                piece.stored_name: {
+                    "param": piece.variable.name,
+                    "rows": None if piece.is_whole else [piece.row_start, piece.row_stop],
+                    "shard": piece.shard,
+                }
+                for shard in self.plan.shards
+                for piece in shard
+            }
+        else:
+            raise CheckpointError("checkpoints are not supported in mode 'allreduce' yet")
         path = self.checkpoints.write(
             global_step, documents, placement, {"mode": self.mode, "task": self.task_name}
         )
@@ -449,8 +456,31 @@ class TrainingSession:
         )
         return True
 
+    def _restore_local(self, updater: LocalUpdater) -> None:
+        """One process: resume from the newest valid checkpoint, if there is one."""
+        assert self.checkpoints is not None
+        checkpoint = self.checkpoints.newest_valid()
+        if checkpoint is None:
+            return
+        self._check_shard_count(checkpoint)
+        try:
+            updater.restore(checkpoint.documents, checkpoint.global_step)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"checkpoint {checkpoint.path} cannot be restored: {exc}. Start fresh "
+                "(restore=False) or point checkpoint_dir elsewhere"
+            ) from None
+        self.last_checkpoint = checkpoint.path
+        print(
+            f"{self.task_name}: restored checkpoint {checkpoint.path} (global step "
+            f"{checkpoint.global_step})",
+            flush=True,
+        )
+        if self._data is not None and updater.restored_data is not None:
+            self._data.load_state_dict(updater.restored_data)
+
     def _check_shard_count(self, checkpoint: Checkpoint) -> None:
-        shards = len(self.server.ps_addresses) if self.server is not None else 0
+        shards = len(self.server.ps_addresses) if self.server is not None else 1
         if len(checkpoint.documents) != shards:
             raise CheckpointError(
                 f"checkpoint {checkpoint.path} has {len(checkpoint.documents)} shard files, the "

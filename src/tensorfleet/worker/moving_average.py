@@ -27,3 +27,9 @@ class MovingAverage:
     def state(self) -> dict[str, torch.Tensor]:
         """A copy of the averages, by parameter name (load it into an evaluation model)."""
         return {name: t.clone() for name, t in self._averages.items()}
+
+    def load(self, averages: dict[str, torch.Tensor]) -> None:
+        """Take the averages of a checkpoint (by parameter name, shaped like the parameters)."""
+        with torch.no_grad():
+            for name, average in self._averages.items():
+                average.copy_(averages[name])

@@ -3,6 +3,7 @@ servers with checkpoints, a tracked data position and a little sleep per step, s
 test has time to kill tasks while it trains.
 
 Usage: fault_worker.py CHECKPOINT_DIR RESULT_JSON LAST_STEP MODE [REPLICAS_TO_AGGREGATE]
+(CHECKPOINT_DIR ``-``: no checkpoints)
 
 It prints ``progress worker=I global_step=S`` for every 10th global step it makes and
 ``start worker=I global_step=S`` once its session has started (the step it joined at). The
@@ -54,8 +55,8 @@ def main() -> int:
         mode=mode,
         replicas_to_aggregate=replicas,
         hooks=[tfl.StopAtStep(last_step=int(last_step))],
-        checkpoint_dir=checkpoint_dir,
-        save_checkpoint_steps=20,
+        checkpoint_dir=None if checkpoint_dir == "-" else checkpoint_dir,
+        save_checkpoint_steps=None if checkpoint_dir == "-" else 20,
         data=data,
         timeouts=tfl.ClientTimeouts(ps_silence_s=5.0, recover_s=90.0),
     ) as sess:
