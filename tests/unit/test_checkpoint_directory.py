@@ -284,7 +284,9 @@ def test_a_read_only_root_gives_a_checkpoint_error_naming_it(tmp_path: Path) -> 
     _write(directory, 10)
     (tmp_path / "run").chmod(0o500)
     try:
-        with pytest.raises(CheckpointError, match=rf"step 20 under {re.escape(str(tmp_path / 'run'))}: "):
+        with pytest.raises(
+            CheckpointError, match=rf"step 20 under {re.escape(str(tmp_path / 'run'))}: "
+        ):
             _write(directory, 20)
         assert directory.newest_valid().global_step == 10
     finally:
@@ -383,7 +385,8 @@ def test_load_checkpoint_of_a_moving_average_that_was_not_kept_is_refused(
     model = _model()
     before = _bits(model.weight.detach())
     with pytest.raises(
-        CheckpointError, match=rf"checkpoint {re.escape(str(path))} has no moving average \(train with ema_decay\)"
+        CheckpointError,
+        match=rf"checkpoint {re.escape(str(path))} has no moving average \(train with ema_decay\)",
     ):
         load_checkpoint(tmp_path, model, moving_average=True)
     assert _bits(model.weight.detach()) == before
@@ -391,7 +394,9 @@ def test_load_checkpoint_of_a_moving_average_that_was_not_kept_is_refused(
 
 def test_load_checkpoint_without_a_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     for path in (tmp_path, tmp_path / "does-not-exist"):
-        with pytest.raises(CheckpointError, match=rf"no valid checkpoint in {re.escape(str(path))}: give a"):
+        with pytest.raises(
+            CheckpointError, match=rf"no valid checkpoint in {re.escape(str(path))}: give a"
+        ):
             load_checkpoint(path)
     damaged = _split_checkpoint(tmp_path / "run")
     _flip_byte(damaged / "shard-1-of-2.safetensors", 30)
@@ -406,7 +411,8 @@ def test_load_checkpoint_of_a_file_that_is_no_shard_document_is_a_checkpoint_err
 ) -> None:
     path = CheckpointDirectory(tmp_path).write(3, [b"garbage"], {})
     with pytest.raises(
-        CheckpointError, match=rf"checkpoint {re.escape(str(path))}: a shard document of 7 bytes is too short"
+        CheckpointError,
+        match=rf"checkpoint {re.escape(str(path))}: a shard document of 7 bytes is too short",
     ):
         load_checkpoint(tmp_path)
 

@@ -548,9 +548,15 @@ class ParameterService:
         if difference is not None:
             raise ValueError(f"the checkpoint does not match the variables: {difference}")
         rule = UpdateRule.from_wire(checkpoint.rule)
-        if self.store.initialized and rule.name != self.store.rule.name:
+        applied = (
+            self.store.rule.name
+            if self.store.initialized
+            else UpdateRule.from_wire(request.body.get("rule")).name
+        )
+        if rule.name != applied:
             raise ValueError(
-                f"the checkpoint was made with rule {rule.name!r}, this shard applies {self.store.rule.name!r}"
+                f"the checkpoint was made with rule {rule.name!r}, this shard applies {applied!r}: "
+                "restore it with the same optimizer, or start fresh"
             )
         step = request.body.get("global_step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:

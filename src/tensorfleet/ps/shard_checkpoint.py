@@ -110,8 +110,8 @@ def read_metadata(document: bytes | memoryview) -> dict[str, Any]:
     try:
         header = json.loads(bytes(view[8 : 8 + header_bytes]))
         metadata = json.loads(header["__metadata__"][METADATA_KEY])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ProtocolError(f"not a tensorfleet shard document: {exc}") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ProtocolError(f"not a tensorfleet shard document: {exc!r:.200}") from None
     if not isinstance(metadata, dict) or metadata.get("format") != SHARD_FORMAT:
         raise ProtocolError(
             f"shard document format {metadata.get('format') if isinstance(metadata, dict) else None!r}, "
@@ -157,7 +157,9 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
             var = by_name.get(var_name)
             if var is None or not STATE_KEY.match(key):
                 raise ProtocolError(f"unexpected tensor {tensor_name!r} in the shard document")
-            if tensor.numel() not in (1, var.numel) or not tensor.dtype.is_floating_point:
+            if not tensor.dtype.is_floating_point or (
+                tensor.dim() != 0 and tuple(tensor.shape) != var.shape
+            ):
                 raise ProtocolError(
                     f"optimizer state {tensor_name!r} is {list(tensor.shape)} {tensor.dtype}; "
                     f"it must be a float scalar or shaped like {var.name!r} {list(var.shape)}"

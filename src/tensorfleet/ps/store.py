@@ -122,6 +122,7 @@ class VariableStore:
         state torch refuses leaves this store unchanged (ValueError)."""
         if self._optimizer is None:
             raise RuntimeError("variables not created yet")
+        _check_optimizer_state(self.rule, self._ordered_variables(), self._params(), optimizer)
         fresh = self.rule.build(self._params())
         by_name = dict(
             zip(
@@ -198,3 +199,35 @@ def _check_applicable(rule: UpdateRule, dtypes: list[torch.dtype]) -> None:
             f"update rule {rule.name!r} with {rule.hyperparameters} cannot update {names} "
             f"variables: {type(exc).__name__}: {exc}"
         ) from None
+
+
+def _check_optimizer_state(
+    rule: UpdateRule,
+    variables: list,
+    params: list[torch.Tensor],
+    optimizer: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """ValueError unless every tensor of a checkpoint's optimizer state is one the rule keeps,
+    shaped as the rule keeps it. torch's ``load_state_dict`` takes any shape, and a wrong
+    one would only fail at the next update, in the middle of training."""
+    reference_params = [torch.zeros_like(p) for p in params]
+    reference = rule.build(reference_params)
+    for p in reference_params:
+        p.grad = torch.zeros_like(p)
+    reference.step()
+    for var, p in zip(variables, reference_params, strict=True):
+        expected = {k: v for k, v in reference.state.get(p, {}).items()}
+        given = optimizer.get(var.name, {})
+        for key, tensor in given.items():
+            want = expected.get(key)
+            if want is None:
+                raise ValueError(
+                    f"the checkpoint has optimizer state {key!r} for {var.name!r}, which rule "
+                    f"{rule.name!r} does not keep (it keeps {sorted(expected) or 'nothing'})"
+                )
+            want_shape = tuple(want.shape) if isinstance(want, torch.Tensor) else ()
+            if tuple(tensor.shape) != want_shape:
+                raise ValueError(
+                    f"optimizer state {key!r} of {var.name!r} is {list(tensor.shape)} in the "
+                    f"checkpoint, rule {rule.name!r} keeps it as {list(want_shape)}"
+                )

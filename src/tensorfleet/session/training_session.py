@@ -389,11 +389,13 @@ class TrainingSession:
         return result
 
     def _skip_update(self) -> Progress:
-        """A hook vetoed this step's update (e.g. the NaN guard): in async mode nothing is
-        pushed and the newest values are pulled; in sync and all-reduce modes every worker
+        """A hook vetoed this step's update (e.g. the NaN guard): in one process nothing is
+        applied; in async mode nothing is pushed and the newest values are pulled; in sync and all-reduce modes every worker
         must take part in the step, so the gradients are zeroed and exchanged (this worker
         contributes nothing; all-reduce replicas all see the same averaged gradient, so they
         all skip alike)."""
+        if isinstance(self._updater, LocalUpdater):  # nothing to exchange: just do not apply
+            return Progress(self._global_step, stop=False, made_step=False, dropped=True)
         if isinstance(self._updater, ParameterClient) and self.mode == "async":
             pulled = self._updater.pull()
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
