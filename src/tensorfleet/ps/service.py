@@ -504,7 +504,7 @@ class ParameterService:
     def _save(self, request: Request) -> None:
         """The shard's state as one safetensors document (a checkpoint's shard file)."""
         self._require_initialized()
-        values, ema, optimizer = self.store.checkpoint_parts()
+        values, ema, optimizer = self.store.checkpoint_parts(copy=False)  # copied by encode
         document = encode_shard(
             shard=self.config.shard_index,
             global_step=self.global_step,

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
 from tensorfleet.errors import ProtocolError
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
@@ -42,6 +41,15 @@ STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_STATE_KEYS = 8
 #: A worker's data position is a small map; bigger ones are refused.
 MAX_WORKER_DATA_BYTES = 4096
+#: safetensors' names of the dtypes a shard holds.
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
 
 
 @dataclass
@@ -74,8 +82,9 @@ def encode_shard(
     ema: dict[str, torch.Tensor] | None,
     optimizer: dict[str, dict[str, torch.Tensor]],
     worker_data: dict[str, dict[str, Any]],
-) -> bytes:
-    """The safetensors document of one shard (tensors must not share memory)."""
+) -> bytearray:
+    """The safetensors document of one shard. The tensors may be views of the shard's
+    storage: each is copied once, straight into the document."""
     tensors: dict[str, torch.Tensor] = {}
     for name, value in values.items():
         tensors[f"value/{name}"] = value
@@ -94,7 +103,44 @@ def encode_shard(
         "has_ema": ema is not None,
         "worker_data": worker_data,
     }
-    return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
+    return _safetensors_document(tensors, {METADATA_KEY: json.dumps(metadata)})
+
+
+def _safetensors_document(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
+    """The safetensors encoding of ``tensors`` (C order, no holes; the machine's byte order,
+    little-endian on every platform torch ships for), written in
+    one pass into one buffer. ``safetensors.torch.save`` does the same with an extra copy of
+    every tensor: 27 ms instead of 4 for the CNN's 19.5 MB with Adam state; this is what a
+    checkpoint costs the ps's single thread. :func:`decode_shard` reads it with safetensors'
+    own parser (and the tests check that the two agree)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    document = bytearray(8 + len(encoded) + offset)
+    document[:8] = struct.pack("<Q", len(encoded))
+    document[8 : 8 + len(encoded)] = encoded
+    data = (
+        torch.frombuffer(document, dtype=torch.uint8, offset=8 + len(encoded), count=offset)
+        if offset
+        else None
+    )
+    position = 0
+    for tensor in tensors.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            source = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            data[position : position + nbytes].copy_(source)
+        position += nbytes
+    return document
 
 
 def read_metadata(document: bytes | memoryview) -> dict[str, Any]:

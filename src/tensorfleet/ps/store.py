@@ -80,21 +80,23 @@ class VariableStore:
             target.copy_(flat)
 
     def checkpoint_parts(
-        self,
+        self, copy: bool = True
     ) -> tuple[
         dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, dict[str, torch.Tensor]]
     ]:
-        """Copies of the values, the moving average and the optimizer's tensors, by variable
-        name (what a checkpoint of this shard holds)."""
+        """The values, the moving average and the optimizer's tensors, by variable name (what
+        a checkpoint of this shard holds): copies, or with ``copy=False`` views of the live
+        state, to be copied before the store changes (the ps encodes them at once)."""
+        take = (lambda t: t.clone()) if copy else (lambda t: t)
         if self._optimizer is None:
             raise RuntimeError("variables not created yet")
         values, ema = {}, None if self._ema is None else {}
         for index, (group, views) in enumerate(zip(self.layout.groups, self._views, strict=True)):
             for (var, offset), view in zip(group.members, views, strict=True):
-                values[var.name] = view.clone()
+                values[var.name] = take(view)
                 if ema is not None:
-                    ema[var.name] = (
-                        self._ema[index][offset : offset + var.numel].view(var.shape).clone()
+                    ema[var.name] = take(
+                        self._ema[index][offset : offset + var.numel].view(var.shape)
                     )
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
         for var, param in zip(self._ordered_variables(), self._params(), strict=True):
@@ -103,7 +105,7 @@ class VariableStore:
             for key, value in state.items():
                 if not isinstance(value, torch.Tensor):
                     value = torch.tensor(float(value))  # e.g. a plain-number step counter
-                tensors[key] = value.detach().clone().contiguous()
+                tensors[key] = take(value.detach()).contiguous()
             if tensors:
                 optimizer[var.name] = tensors
         return values, ema, optimizer

@@ -82,7 +82,7 @@ class CheckpointDirectory:
     def write(
         self,
         global_step: int,
-        documents: Sequence[bytes],
+        documents: Sequence[bytes | bytearray | memoryview],
         placement: Mapping[str, Any],
         info: Mapping[str, Any] | None = None,
     ) -> Path:
@@ -101,7 +101,7 @@ class CheckpointDirectory:
                 shards.append(
                     {
                         "file": name,
-                        "bytes": len(document),
+                        "bytes": memoryview(document).nbytes,
                         "sha256": hashlib.sha256(document).hexdigest(),
                     }
                 )
@@ -285,7 +285,7 @@ def export_checkpoint(
     return output
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def _write_durably(path: Path, data: bytes | bytearray | memoryview) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()

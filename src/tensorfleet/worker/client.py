@@ -300,7 +300,7 @@ class ParameterClient:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save(self) -> tuple[int, list[bytes]]:
+    def save(self) -> tuple[int, list[memoryview]]:
         """Every shard's state as a safetensors document, and the global step (shard 0's)."""
         replies = self._all(
             "save", [{"task": self.task_name}] * self.num_shards, None, self.timeouts.step_s
@@ -311,7 +311,7 @@ class ParameterClient:
                 raise RuntimeError(
                     f"ps:{shard} answered 'save' with {len(reply.buffers)} buffers, expected 1"
                 )
-            documents.append(bytes(reply.buffers[0]))
+            documents.append(memoryview(reply.buffers[0]))  # written as received: no copy
         return int(replies[0].body.get("global_step", 0)), documents
 
     def restore(

@@ -1,0 +1,216 @@
+"""What reliability costs and how fast it recovers, against baselines measured in the same run.
+
+* ``checkpoint``: saving the CNN with its Adam state (19.5 MB) through tensorfleet (the ps
+  sends its shard, the chief writes it atomically: temporary directory, fsync, manifest,
+  rename) against one process writing the same tensors with ``safetensors.save_file`` and
+  an fsync (the baseline: the least any checkpoint of this state can cost on this disk).
+* ``ps_recovery``: a 1 ps + 2 worker cluster trains the CNN with checkpoints; the ps is
+  killed with SIGKILL and the launcher restarts it. Measured: seconds from the kill to the
+  first global step made after the restore, against the seconds a fresh launch of the same
+  cluster takes from start to its first global step (the baseline: starting over).
+
+    .venv/bin/python benchmarks/recovery.py [--repeats 5]
+
+Writes benchmarks/results/recovery.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "src"))
+
+from mnist_cnn import ClassicCNN  # noqa: E402
+from results_writer import write_results  # noqa: E402
+
+from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
+from tensorfleet.launch.output import Output  # noqa: E402
+from tensorfleet.launch.ports import free_port  # noqa: E402
+from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
+from tensorfleet.ps.service import ParameterService, ServiceConfig  # noqa: E402
+from tensorfleet.ps.update_rules import Adam  # noqa: E402
+from tensorfleet.session.checkpoints import CheckpointDirectory  # noqa: E402
+from tensorfleet.wire.tensors import dtype_name  # noqa: E402
+from tensorfleet.wire.transport import ServiceSocket  # noqa: E402
+from tensorfleet.worker.client import ParameterClient  # noqa: E402
+
+SECRET = b"recovery-benchmark-secret-0123456789"
+PROGRESS = re.compile(r"Step: (\d+)")
+
+
+def checkpoint_costs(repeats: int) -> dict[str, list[float]]:
+    """Seconds per checkpoint: tensorfleet (ps -> chief -> disk) and the one-process baseline,
+    interleaved so that drifts of the machine hit both alike."""
+    torch.manual_seed(0)
+    model = ClassicCNN()
+    named = list(model.named_parameters())
+    address = f"127.0.0.1:{free_port()}"
+    config = ServiceConfig(0, ("worker:0",))
+    service = ParameterService(ServiceSocket(address, SECRET, config.limits), config)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+    thread.start()
+    client = ParameterClient([address], SECRET, "worker:0")
+    times: dict[str, list[float]] = {"tensorfleet": [], "baseline": []}
+    try:
+        client.connect()
+        specs = [
+            VariableSpec(n, tuple(p.shape), dtype_name(p.dtype), p.element_size()) for n, p in named
+        ]
+        client.register(named, plan_placement(specs, 1), Adam(lr=1e-4), is_chief=True)
+        for _, p in named:
+            p.grad = torch.randn_like(p)
+        client.push_pull()  # Adam's state exists from now on
+        optimizer = torch.optim.Adam([p for _, p in named], lr=1e-4)
+        optimizer.step()
+        baseline_state = {f"value/{n}": p.detach().clone() for n, p in named}
+        for i, (n, _) in enumerate(named):
+            for key, value in optimizer.state_dict()["state"][i].items():
+                baseline_state[f"optim/{n}/{key}"] = value.clone()
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = CheckpointDirectory(Path(tmp) / "tensorfleet", keep=2)
+            placement = {n: {"param": n, "rows": None, "shard": 0} for n, _ in named}
+            for repeat in range(repeats):
+                started = time.perf_counter()
+                step, documents = client.save()
+                directory.write(step + repeat, documents, placement)
+                times["tensorfleet"].append(time.perf_counter() - started)
+
+                started = time.perf_counter()
+                path = Path(tmp) / f"baseline-{repeat}.safetensors"
+                save_file(baseline_state, str(path))
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+                times["baseline"].append(time.perf_counter() - started)
+                path.unlink()
+            times["bytes"] = [float(len(documents[0]))]
+    finally:
+        client.close()
+        stop.set()
+        thread.join(10)
+        service.socket.close()
+    return times
+
+
+class _Watch(Output):
+    """Records when each worker line arrives (the benchmark's clock for progress)."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[float, str, str]] = []
+        self.changed = threading.Condition()
+
+    def line(self, task: str, text: str) -> None:
+        with self.changed:
+            self.lines.append((time.monotonic(), task, text))
+            self.changed.notify_all()
+
+    def wait_for(self, predicate, timeout_s: float = 300.0) -> tuple[float, str, str]:
+        with self.changed:
+            found: list[tuple[float, str, str]] = []
+
+            def check() -> bool:
+                found[:] = [entry for entry in self.lines if predicate(entry)]
+                return bool(found)
+
+            if not self.changed.wait_for(check, timeout_s):
+                tail = "\n".join(f"[{t}] {x}" for _, t, x in self.lines[-40:])
+                raise TimeoutError(f"not seen within {timeout_s} s\n{tail}")
+            return found[0]
+
+
+def _cluster(logdir: Path, steps: int, output: _Watch) -> LocalCluster:
+    command = [
+        sys.executable, str(ROOT / "examples" / "mnist_cnn.py"),
+        "--steps", str(steps), "--log-every", "10", "--logdir", str(logdir),
+        "--checkpoint-steps", "100", "--train-limit", "6000", "--test-limit", "500",
+    ]  # fmt: skip
+    return LocalCluster(
+        1,
+        2,
+        command,
+        output=output,
+        max_restarts=1,
+        env={"PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def ps_recovery() -> dict[str, float]:
+    """Seconds from a ps SIGKILL to the first step after the restore, and from a fresh
+    launch to its first step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        output = _Watch()
+        cluster = _cluster(Path(tmp) / "run", 400, output)
+        launched = time.monotonic()
+        cluster.start()
+        supervisor = threading.Thread(target=cluster.wait, kwargs={"timeout": 600}, daemon=True)
+        supervisor.start()
+        try:
+            first = output.wait_for(lambda e: e[1].startswith("worker") and "Step:" in e[2])
+            output.wait_for(lambda e: e[1].startswith("worker") and "Step: 150," in e[2])
+            killed = time.monotonic()
+            cluster.kill_task("ps:0", signal.SIGKILL)
+            restored = output.wait_for(
+                lambda e: e[0] > killed and "restored from a checkpoint" in e[2]
+            )
+            resumed = output.wait_for(lambda e: e[0] > restored[0] and "Step:" in e[2])
+            supervisor.join(600)
+        finally:
+            if supervisor.is_alive():
+                cluster.interrupt(signal.SIGTERM)
+                supervisor.join(30)
+            cluster.stop()
+    return {
+        "fresh_start_to_first_step_s": first[0] - launched,
+        "kill_to_restored_s": restored[0] - killed,
+        "kill_to_first_step_after_restore_s": resumed[0] - killed,
+        "exit_status": float(cluster.result or 0),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    costs = checkpoint_costs(args.repeats)
+    recovery = ps_recovery()
+    ours, base = statistics.median(costs["tensorfleet"]), statistics.median(costs["baseline"])
+    heading = (
+        f"Reliability costs, {time.strftime('%Y-%m-%d %H:%M')}: checkpoint of the CNN with Adam "
+        f"state ({costs['bytes'][0] / 1e6:.1f} MB, median of {args.repeats}); ps killed and "
+        "restarted during training (1 ps + 2 workers)"
+    )
+    table = [
+        "| what | tensorfleet | baseline in the same run | ratio |",
+        "|---|---|---|---|",
+        f"| checkpoint (ps -> chief -> disk, atomic) vs safetensors.save_file + fsync in one "
+        f"process | {ours * 1000:.0f} ms | {base * 1000:.0f} ms | {ours / base:.2f}x |",
+        f"| ps SIGKILL -> first step after the restore vs a fresh launch -> its first step | "
+        f"{recovery['kill_to_first_step_after_restore_s']:.1f} s (restored after "
+        f"{recovery['kill_to_restored_s']:.1f} s) | {recovery['fresh_start_to_first_step_s']:.1f} s | "
+        f"{recovery['kill_to_first_step_after_restore_s'] / recovery['fresh_start_to_first_step_s']:.2f}x |",
+    ]
+    write_results(
+        "recovery",
+        {"checkpoint_s": costs, "ps_recovery": recovery, "repeats": args.repeats},
+        heading,
+        table,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
