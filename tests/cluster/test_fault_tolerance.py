@@ -155,7 +155,12 @@ def fault_cluster(tmp_path: Path) -> Iterator[Callable[..., FaultRun]]:
             run.thread.join(30)
         if not run.thread.is_alive():
             run.cluster.stop()
-        pids = [pid for task in run.cluster.tasks for pid in [task.pid] if pid is not None]
+        pids = [  # every process of every task, the killed and restarted ones too
+            pid
+            for task in run.cluster.tasks
+            for pid in [task.pid, *task.previous_pids]
+            if pid is not None
+        ]
         leftovers = [pid for pid in pids if _alive(pid)]
         assert not leftovers, f"processes left behind: {leftovers}\n{run.output.transcript()}"
 

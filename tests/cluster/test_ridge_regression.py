@@ -33,12 +33,7 @@ def test_two_workers_reach_the_closed_form_ridge_solution(tmp_path, python):
     placement = "\n".join(run.output.of("worker:0"))
     assert "weight/part_0" in placement and "weight/part_1" in placement, str(run)
 
-    x, y = (t.double() for t in program.dataset())
-    n = x.shape[0]
-    # minimize  OUTPUTS * mean((x W^T - y)^2) + RIDGE * |W|^2  =  |xW^T - y|^2 / n + RIDGE |W|^2
-    closed_form = torch.linalg.solve(
-        x.T @ x / n + program.RIDGE * torch.eye(x.shape[1], dtype=torch.float64), x.T @ y / n
-    ).T
+    closed_form = program.closed_form()
     trained = torch.tensor(json.loads(out.read_text())["weight"], dtype=torch.float64)
     error = (trained - closed_form).abs().max().item()
     assert error < 1e-3, f"max |trained - closed form| = {error:.2e}\n{run}"

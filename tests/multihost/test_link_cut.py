@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
 
 PROGRAMS = Path(__file__).parent / "programs"
 WORKER_PROGRAM = PROGRAMS / "link_worker.py"
+#: Where the dataset that link_worker.py trains on, and its closed-form solution, are defined.
+RIDGE_PROGRAM = Path(__file__).parents[1] / "cluster" / "programs" / "ridge_worker.py"
 
 #: Global steps of the whole run, and the pause after each local step: about 15-20 s.
 STEPS = 2000
@@ -201,8 +203,9 @@ class Children:
 
 
 def _ridge_program() -> ModuleType:
-    """The worker program as a module, for its dataset and ridge constant."""
-    spec = importlib.util.spec_from_file_location("link_worker", WORKER_PROGRAM)
+    """The cluster tests' ridge worker as a module, for the closed form of the dataset that
+    ``link_worker.py`` trains on (it imports the dataset from there)."""
+    spec = importlib.util.spec_from_file_location("ridge_worker", RIDGE_PROGRAM)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -361,13 +364,7 @@ def test_worker_rides_out_a_cut_link(
 
     # The chief's final weights are still the closed-form ridge solution.
     assert out.exists(), report(f"the chief wrote no weights to {out}")
-    program = _ridge_program()
-    x, y = (t.double() for t in program.dataset())
-    n = x.shape[0]
-    # minimize  OUTPUTS * mean((x W^T - y)^2) + RIDGE * |W|^2  =  |xW^T - y|^2 / n + RIDGE |W|^2
-    closed_form = torch.linalg.solve(
-        x.T @ x / n + program.RIDGE * torch.eye(x.shape[1], dtype=torch.float64), x.T @ y / n
-    ).T
+    closed_form = _ridge_program().closed_form()
     trained = torch.tensor(json.loads(out.read_text())["weight"], dtype=torch.float64)
     error = (trained - closed_form).abs().max().item()
     assert error < 1e-3, report(f"max |trained - closed form| = {error:.2e}")

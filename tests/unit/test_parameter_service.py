@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,16 +21,17 @@ import torch
 import zmq
 
 from tensorfleet.errors import AuthenticationError, DeadlineExceeded, RemoteError
-from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.placement import VariableSpec, plan_placement
-from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.update_rules import SGD, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer
-from tensorfleet.wire.transport import QUARANTINE_AFTER_INVALID, Channel, ServiceSocket
+from tensorfleet.wire.transport import QUARANTINE_AFTER_INVALID, Channel
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
+
+from .service_harness import RunningService, serve_in_thread, stop_services
 
 SECRET = b"parameter-service-unit-test-secret-01"
 WRONG_SECRET = b"a-different-clusters-secret-000000000"
@@ -88,33 +87,10 @@ def _assert_values(buffers: list, expected: list[torch.Tensor]) -> None:
 # -- fixtures ------------------------------------------------------------------------------------
 
 
-@dataclass
-class RunningService:
-    """A service serving in a background thread until ``stop`` is set."""
-
-    address: str
-    service: ParameterService
-    stop: threading.Event
-    thread: threading.Thread
-    result: dict[str, Any]
-    """``outcome`` (what serve() returned) or ``error`` (what it raised)."""
-
-    def outcome(self, timeout_s: float = TIMEOUT_S) -> ServiceOutcome:
-        """Wait for serve() to return by itself; its outcome."""
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), f"serve() still running after {timeout_s} s"
-        if "error" in self.result:
-            raise self.result["error"]
-        return self.result["outcome"]
-
-    @property
-    def rejected(self) -> dict[str, int]:
-        return dict(self.service.socket.rejected)
-
-
 @pytest.fixture
 def start_service() -> Iterator[Callable[..., RunningService]]:
-    """Start services; each is stopped, checked for a crash and closed at teardown."""
+    """Start services (keyword arguments override :class:`ServiceConfig` fields); each is
+    stopped, checked for a crash and closed at teardown."""
     running: list[RunningService] = []
 
     def start(**overrides: Any) -> RunningService:
@@ -124,52 +100,13 @@ def start_service() -> Iterator[Callable[..., RunningService]]:
             "idle_timeout_s": 60.0,
             "end_grace_s": 60.0,
         }
-        config = ServiceConfig(**{**settings, **overrides})
-        address = f"127.0.0.1:{free_port()}"
-        socket = ServiceSocket(address, SECRET, config.limits)
-        service = ParameterService(socket, config)
-        stop = threading.Event()
-        result: dict[str, Any] = {}
+        running.append(serve_in_thread(ServiceConfig(**{**settings, **overrides}), SECRET))
+        return running[-1]
 
-        def serve() -> None:
-            try:
-                result["outcome"] = service.serve(stop)
-            except BaseException as exc:  # reported by the fixture: a crash fails the test
-                result["error"] = exc
-
-        thread = threading.Thread(target=serve, name=f"ps@{address}", daemon=True)
-        handle = RunningService(address, service, stop, thread, result)
-        running.append(handle)
-        handle.thread.start()
-        return handle
-
-    wake_context = zmq.Context(io_threads=1)
     try:
         yield start
     finally:
-        crashes = []
-        for handle in running:
-            handle.stop.set()
-            _wake(wake_context, handle)
-            handle.thread.join(TIMEOUT_S)
-            stuck = handle.thread.is_alive()
-            if not stuck:
-                handle.service.socket.close()
-            if stuck or "error" in handle.result:
-                crashes.append(f"{handle.address}: {handle.result.get('error', 'did not stop')!r}")
-        wake_context.term()
-        assert not crashes, f"service thread crashed or hung: {crashes}"
-
-
-def _wake(context: zmq.Context, handle: RunningService) -> None:
-    """Make a service blocked in poll() look at its stop event now instead of at the end of
-    its poll interval: one (rejected) frame is enough. Teardowns stay fast."""
-    if not handle.thread.is_alive():
-        return
-    with context.socket(zmq.DEALER) as socket:
-        socket.setsockopt(zmq.LINGER, 1000)
-        socket.connect(f"tcp://{handle.address}")
-        socket.send(b"wake up")
+        stop_services(running)
 
 
 @pytest.fixture

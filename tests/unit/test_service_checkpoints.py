@@ -13,26 +13,24 @@ is refused.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-import zmq
 
 from tensorfleet.errors import RemoteError
-from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
-from tensorfleet.ps.service import ParameterService, ServiceConfig
+from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard, encode_shard
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD, Adam, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Channel, Reply, ServiceSocket
+from tensorfleet.wire.transport import Channel, Reply
+
+from .service_harness import RunningService, serve_in_thread, stop_services
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,15 +65,6 @@ def _gradients(step: int) -> list[torch.Tensor]:
 # -- a service in a thread, and worker channels --------------------------------------------------
 
 
-@dataclass
-class RunningService:
-    address: str
-    service: ParameterService
-    stop: threading.Event
-    thread: threading.Thread
-    result: dict[str, Any]
-
-
 @pytest.fixture
 def cluster() -> Iterator[Callable[..., RunningService]]:
     """Start ps:0 services for WORKERS; connect channels with :func:`_channel`. Everything is
@@ -85,45 +74,14 @@ def cluster() -> Iterator[Callable[..., RunningService]]:
 
     def start() -> RunningService:
         config = ServiceConfig(0, WORKERS, idle_timeout_s=60.0, end_grace_s=60.0)
-        address = f"127.0.0.1:{free_port()}"
-        service = ParameterService(ServiceSocket(address, SECRET, config.limits), config)
-        stop, result = threading.Event(), {}
-
-        def serve() -> None:
-            try:
-                result["outcome"] = service.serve(stop)
-            except BaseException as exc:  # reported at teardown: a crash fails the test
-                result["error"] = exc
-
-        handle = RunningService(address, service, stop, threading.Thread(target=serve), result)
-        services.append(handle)
-        handle.thread.start()
-        return handle
+        services.append(serve_in_thread(config, SECRET))
+        return services[-1]
 
     start.channels = channels  # type: ignore[attr-defined]
-    context = zmq.Context(io_threads=1)
     try:
         yield start
     finally:
-        for channel in channels:
-            channel.close()
-        problems = []
-        for handle in services:
-            handle.stop.set()
-            if handle.thread.is_alive():  # wake it from poll() with one (rejected) frame
-                with context.socket(zmq.DEALER) as waker:
-                    waker.setsockopt(zmq.LINGER, 1000)
-                    waker.connect(f"tcp://{handle.address}")
-                    waker.send(b"wake up")
-            handle.thread.join(TIMEOUT_S)
-            if handle.thread.is_alive():
-                problems.append(f"{handle.address}: did not stop")
-            else:
-                handle.service.socket.close()
-            if "error" in handle.result:
-                problems.append(f"{handle.address}: {handle.result['error']!r}")
-        context.term()
-        assert not problems, f"service thread crashed or hung: {problems}"
+        stop_services(services, channels)
 
 
 def _channel(

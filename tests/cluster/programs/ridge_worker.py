@@ -19,11 +19,23 @@ SAMPLES, FEATURES, OUTPUTS, RIDGE = 256, 8, 4, 0.1
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """The same deterministic regression data on every worker (and in the tests)."""
     generator = torch.Generator().manual_seed(1234)
     x = torch.randn(SAMPLES, FEATURES, generator=generator, dtype=torch.float64)
     w = torch.randn(OUTPUTS, FEATURES, generator=generator, dtype=torch.float64)
     y = x @ w.T + 0.1 * torch.randn(SAMPLES, OUTPUTS, generator=generator, dtype=torch.float64)
     return x.float(), y.float()
+
+
+def closed_form() -> torch.Tensor:
+    """The minimizer of the training loss on :func:`dataset` (float64, OUTPUTS x FEATURES):
+    the weight that training must reach."""
+    x, y = (t.double() for t in dataset())
+    n = x.shape[0]
+    # minimize  OUTPUTS * mean((x W^T - y)^2) + RIDGE * |W|^2  =  |xW^T - y|^2 / n + RIDGE |W|^2
+    return torch.linalg.solve(
+        x.T @ x / n + RIDGE * torch.eye(x.shape[1], dtype=torch.float64), x.T @ y / n
+    ).T
 
 
 def main() -> int:

@@ -24,24 +24,20 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import tensorfleet as tfl
 
-SAMPLES, FEATURES, OUTPUTS, RIDGE = 256, 8, 4, 0.1
+# The dataset and the loss constants are ridge_worker's (tests/cluster/programs), whose
+# closed_form() the test compares the chief's weights with: one definition for both.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cluster" / "programs"))
+from ridge_worker import FEATURES, OUTPUTS, RIDGE, dataset  # noqa: E402
+
 #: A progress line each time the global step passes a multiple of this.
 PROGRESS_EVERY = 20
-
-
-def dataset() -> tuple[torch.Tensor, torch.Tensor]:
-    """The same deterministic regression data on every worker (and in the test)."""
-    generator = torch.Generator().manual_seed(1234)
-    x = torch.randn(SAMPLES, FEATURES, generator=generator, dtype=torch.float64)
-    w = torch.randn(OUTPUTS, FEATURES, generator=generator, dtype=torch.float64)
-    y = x @ w.T + 0.1 * torch.randn(SAMPLES, OUTPUTS, generator=generator, dtype=torch.float64)
-    return x.float(), y.float()
 
 
 def main() -> int:
