@@ -56,7 +56,20 @@ SECRET = b"fuzz-request-handler-unit-secret-000"
 WORKERS = ("worker:0", "worker:1")
 LR = 0.25
 TRAINABLE = ("float32", "float64", "float16", "bfloat16")
-OPS = ("hello", "create", "wait_ready", "pull", "push", "done", "end", "stats")
+OPS = (
+    "hello",
+    "create",
+    "wait_ready",
+    "pull",
+    "push",
+    "done",
+    "end",
+    "stats",
+    "wait_done",
+    "heartbeat",
+    "save",
+    "restore",
+)
 
 #: Four dtype groups: float32 [w (2, 3), b (3,)], float64 [d (4,)], float16 [h (2, 2)],
 #: bfloat16 [z (3,)].
@@ -221,6 +234,7 @@ class Driver:
         service = self.service
         ids = {r.request_id for r in service._waiting_for_init}
         ids |= {r.request_id for r, _, _ in service._held}
+        ids |= {r.request_id for r in service._waiting_for_done}
         if service.aggregator is not None:
             ids |= {c.request.request_id for c in service.aggregator.waiting}
         return ids
@@ -251,6 +265,9 @@ def fingerprint(service: ParameterService) -> tuple:
         ),
         tuple(r.request_id for r in service._waiting_for_init),
         tuple(r.request_id for r, _, _ in service._held),
+        tuple(r.request_id for r in service._waiting_for_done),
+        repr(sorted(service.worker_data.items())),
+        frozenset(service.lost_workers),
     )
 
 
@@ -670,7 +687,7 @@ def _check_arbitrary(driver: Driver, requests: list[tuple[str, dict, list, bool]
         answer = driver.send(request)
         after = fingerprint(service)
         if answer is None:
-            assert op in ("wait_ready", "push"), f"{op!r} neither answered nor refused"
+            assert op in ("wait_ready", "push", "wait_done"), f"{op!r} neither answered nor refused"
             # A wait_ready whose requester gave up is dropped without an answer.
             dropped = expired and op == "wait_ready"
             assert dropped or request.request_id in driver.held(), f"{op!r} lost"
@@ -685,6 +702,8 @@ def _check_arbitrary(driver: Driver, requests: list[tuple[str, dict, list, bool]
                 "done": request.body.get("task") in WORKERS,
                 "end": True,
                 "create": not was_initialized,
+                "wait_done": request.request_id in driver.held(),  # its only effect: held
+                "hello": request.body.get("task") in WORKERS,  # a new process of a done worker
             }
             assert allowed.get(op, False), f"{op!r} with {body!r} changed the shard"
 
