@@ -213,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         hooks.append(
             tfl.SummaryHook(args.logdir, args.summary_steps, metrics=lambda r: {"accuracy": r.aux})
         )
-        if server is None or args.mode != "allreduce":
-            checkpoints = {
-                "checkpoint_dir": args.logdir / "checkpoints",
-                "save_checkpoint_steps": args.checkpoint_steps,
-                "data": batches,  # each worker's place in its data is saved and resumed
-            }
+        # Every mode checkpoints: the ps shards, all-reduce replicas, or this one process.
+        checkpoints = {
+            "checkpoint_dir": args.logdir / "checkpoints",
+            "save_checkpoint_steps": args.checkpoint_steps,
+            "data": batches,  # each worker's place in its data is saved and resumed
+        }
     started = time.perf_counter()
     local_steps = 0
     steady_from: tuple[float, int] | None = None  # (time, global step) after the warm-up steps

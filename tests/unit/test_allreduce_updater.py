@@ -128,11 +128,12 @@ def test_push_pull_after_a_forward_that_bypassed_the_wrapper_says_to_use_sess_mo
 
 
 @pytest.mark.parametrize("wish", [False, True])
-def test_agree_to_stop_in_a_world_of_one_is_the_local_wish(wish: bool) -> None:
+def test_agreement_in_a_world_of_one_is_the_local_wish(wish: bool) -> None:
     updater = _updater()
     try:
         updater.connect()
-        assert updater.agree_to_stop(wish) is wish
+        assert updater.agree(wish) == (wish, False)
+        assert updater.agree(wish, checkpoint=True) == (wish, True)
     finally:
         updater.close()
 
@@ -241,3 +242,44 @@ def test_an_allreduce_step_that_bypasses_sess_model_fails_and_the_group_is_close
         with _allreduce_session(model) as sess:
             sess.step(lambda: _loss(model, 0))
     assert not dist.is_initialized()
+
+
+def test_a_checkpoint_of_the_replica_restores_parameters_optimizer_state_and_data() -> None:
+    """Save after 3 momentum steps, train on, restore: the parameters, the momentum and the
+    data position are those of the checkpoint (the next step matches an uninterrupted run),
+    in a world of one (the collectives are the same calls as in a real group)."""
+    model = _model()
+    updater = _updater()
+    try:
+        updater.connect()
+        wrapped = updater.wrap(model)
+        updater.register(list(model.named_parameters()), None, Momentum(0.1, 0.9), True)
+
+        def step(number: int) -> None:
+            wrapped.zero_grad(set_to_none=True)
+            _loss(wrapped, number).backward()
+            updater.push_pull()
+
+        for number in range(3):
+            step(number)
+        positions = updater.gather_data({"epoch": 1, "offset": 24}, ["worker:0"])
+        assert positions == {"worker:0": {"epoch": 1, "offset": 24}}
+        global_step, (document,) = updater.save(positions)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        step(3)
+        after_uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}
+        step(4)  # the replica moves on; the restore must bring it back
+        assert global_step == 3
+        data = updater.restore_collectively(bytes(document), global_step, "worker:0")
+        assert data == {"epoch": 1, "offset": 24}
+        assert updater.pull().global_step == 3
+        for name, value in saved.items():
+            assert torch.equal(model.state_dict()[name], value), name
+        step(3)  # with the restored momentum, step 3 again gives what it gave before
+        for name, value in after_uninterrupted.items():
+            assert torch.equal(model.state_dict()[name], value), name
+        assert updater.restore_collectively(None, 0, "worker:0") is None  # no checkpoint
+        with pytest.raises(TensorfleetError, match="cannot be restored: the checkpoint cannot"):
+            updater.restore_collectively(b"not a checkpoint", 3, "worker:0")
+    finally:
+        updater.close()

@@ -124,7 +124,7 @@ class VariableStore:
         state torch refuses leaves this store unchanged (ValueError)."""
         if self._optimizer is None:
             raise RuntimeError("variables not created yet")
-        _check_optimizer_state(self.rule, self._ordered_variables(), self._params(), optimizer)
+        check_optimizer_state(self.rule, self._ordered_variables(), self._params(), optimizer)
         fresh = self.rule.build(self._params())
         by_name = dict(
             zip(
@@ -203,7 +203,26 @@ def _check_applicable(rule: UpdateRule, dtypes: list[torch.dtype]) -> None:
         ) from None
 
 
-def _check_optimizer_state(
+def reference_optimizer_state(
+    rule: UpdateRule, params: list[torch.Tensor]
+) -> list[dict[str, torch.Tensor]]:
+    """The optimizer state ``rule`` keeps for each of ``params`` after a step: its keys and
+    shapes (values of a zero step on zero tensors, not of the real parameters)."""
+    reference_params = [torch.zeros_like(p) for p in params]
+    reference = rule.build(reference_params)
+    for p in reference_params:
+        p.grad = torch.zeros_like(p)
+    reference.step()
+    return [
+        {
+            key: value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            for key, value in reference.state.get(p, {}).items()
+        }
+        for p in reference_params
+    ]
+
+
+def check_optimizer_state(
     rule: UpdateRule,
     variables: list,
     params: list[torch.Tensor],
@@ -212,24 +231,16 @@ def _check_optimizer_state(
     """ValueError unless every tensor of a checkpoint's optimizer state is one the rule keeps,
     shaped as the rule keeps it. torch's ``load_state_dict`` takes any shape, and a wrong
     one would only fail at the next update, in the middle of training."""
-    reference_params = [torch.zeros_like(p) for p in params]
-    reference = rule.build(reference_params)
-    for p in reference_params:
-        p.grad = torch.zeros_like(p)
-    reference.step()
-    for var, p in zip(variables, reference_params, strict=True):
-        expected = {k: v for k, v in reference.state.get(p, {}).items()}
-        given = optimizer.get(var.name, {})
-        for key, tensor in given.items():
+    for var, expected in zip(variables, reference_optimizer_state(rule, params), strict=True):
+        for key, tensor in optimizer.get(var.name, {}).items():
             want = expected.get(key)
             if want is None:
                 raise ValueError(
                     f"the checkpoint has optimizer state {key!r} for {var.name!r}, which rule "
                     f"{rule.name!r} does not keep (it keeps {sorted(expected) or 'nothing'})"
                 )
-            want_shape = tuple(want.shape) if isinstance(want, torch.Tensor) else ()
-            if tuple(tensor.shape) != want_shape:
+            if tuple(tensor.shape) != tuple(want.shape):
                 raise ValueError(
                     f"optimizer state {key!r} of {var.name!r} is {list(tensor.shape)} in the "
-                    f"checkpoint, rule {rule.name!r} keeps it as {list(want_shape)}"
+                    f"checkpoint, rule {rule.name!r} keeps it as {list(want.shape)}"
                 )

@@ -168,7 +168,7 @@ class CheckpointHook(Hook):
         )
         if steps_due or time_due:
             try:
-                session.save_checkpoint()
+                session.request_checkpoint()  # in allreduce mode: at the next agreement
             except (DeadlineExceeded, ServiceRestarted) as exc:
                 # A ps failed during the save: the next step recovers (and restores it);
                 # this checkpoint is skipped, the earlier ones are intact.

@@ -125,12 +125,6 @@ class TrainingSession:
             )
         if checkpoint_dir is None and (save_checkpoint_steps or save_checkpoint_secs):
             raise ValueError("save_checkpoint_steps/secs need a checkpoint_dir to save into")
-        if checkpoint_dir is not None and mode == "allreduce" and server is not None:
-            raise ValueError(
-                "checkpoint_dir is not supported in mode 'allreduce' yet (every replica's "
-                "optimizer state would have to be restored alike); use mode 'async' or 'sync', "
-                "or save the model yourself with torch.save(model.state_dict()) on the chief"
-            )
         self.server = server
         self.rule = optimizer
         self.mode = mode
@@ -156,6 +150,7 @@ class TrainingSession:
         self.hooks = [h for h in hooks if self.is_chief or not getattr(h, "chief_only", False)]
         self.last_checkpoint: Path | None = None
         """The directory of the newest checkpoint this session saved or restored."""
+        self._checkpoint_requested = False
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
             raise ValueError("the model has no trainable parameters")
@@ -255,6 +250,8 @@ class TrainingSession:
                 self._global_step = self._updater.register(
                     self._named_params, None, self.rule, self.is_chief
                 )
+                if self.checkpoints is not None and self._restore:
+                    self._restore_replicas(self._updater)
             elif isinstance(self._updater, ParameterClient):
                 initialized = self._updater.connect()
                 resume = None
@@ -315,6 +312,8 @@ class TrainingSession:
                 else:
                     if isinstance(self._updater, LocalUpdater) and self.checkpoints is not None:
                         self.save_checkpoint()
+                    if isinstance(self._updater, AllReduceUpdater) and self.checkpoints is not None:
+                        self._save_replicas(self._updater)  # every worker takes part
                     self._updater.finish(declare_end=self.is_chief)
             elif not isinstance(self._updater, AllReduceUpdater):
                 # Tell the parameter servers this worker stopped, so they do not wait for it.
@@ -340,7 +339,11 @@ class TrainingSession:
         ``allreduce`` mode every worker gets the same answer (they must leave together):
         call it once per step on every worker."""
         if isinstance(self._updater, AllReduceUpdater) and not self._closed:
-            self._stop_requested = self._updater.agree_to_stop(self._stop_requested)
+            self._stop_requested, checkpoint = self._updater.agree(
+                self._stop_requested, self._checkpoint_requested
+            )
+            if checkpoint:
+                self._save_replicas(self._updater)
         return self._stop_requested
 
     def request_stop(self) -> None:
@@ -408,9 +411,18 @@ class TrainingSession:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    def request_checkpoint(self) -> None:
+        """Save a checkpoint as soon as possible: now, or in ``allreduce`` mode at the next
+        ``should_stop()``, where every worker agrees on it (it is collective there)."""
+        if isinstance(self._updater, AllReduceUpdater):
+            self._checkpoint_requested = True
+        else:
+            self.save_checkpoint()
+
     def save_checkpoint(self) -> Path:
         """Save a checkpoint now (the chief; usually the checkpoint hook does it): every
-        shard's state, then the manifest. Returns its directory."""
+        shard's state, then the manifest. Returns its directory. In ``allreduce`` mode use
+        :meth:`request_checkpoint` (every worker must take part)."""
         if self.checkpoints is None:
             raise CheckpointError("this session has no checkpoint_dir to save into")
         if not self.is_chief:
@@ -432,7 +444,15 @@ class TrainingSession:
                 for piece in shard
             }
         else:
-            raise CheckpointError("checkpoints are not supported in mode 'allreduce' yet")
+            raise CheckpointError(
+                "in mode 'allreduce' a checkpoint is collective: call request_checkpoint()"
+            )
+        return self._write_checkpoint(global_step, documents, placement)
+
+    def _write_checkpoint(
+        self, global_step: int, documents: list, placement: dict[str, Any]
+    ) -> Path:
+        assert self.checkpoints is not None
         path = self.checkpoints.write(
             global_step, documents, placement, {"mode": self.mode, "task": self.task_name}
         )
@@ -457,6 +477,49 @@ class TrainingSession:
             flush=True,
         )
         return True
+
+    def _save_replicas(self, updater: AllReduceUpdater) -> Path | None:
+        """allreduce: every worker sends its data position to the chief, which writes its
+        replica (all replicas are the same). Collective: every worker calls it."""
+        self._checkpoint_requested = False
+        data = self._data.state_dict() if self._data is not None else None
+        assert self.server is not None
+        positions = updater.gather_data(data, [str(t) for t in self.server.worker_tasks])
+        if not self.is_chief:
+            return None
+        global_step, documents = updater.save(positions)
+        placement = {
+            name: {"param": name, "rows": None, "shard": 0} for name, _ in self._named_params
+        }
+        return self._write_checkpoint(global_step, documents, placement)
+
+    def _restore_replicas(self, updater: AllReduceUpdater) -> None:
+        """allreduce: the chief reads the newest valid checkpoint and every replica takes it
+        (collective). Without one, training starts from the chief's initial values."""
+        assert self.checkpoints is not None
+        checkpoint = self.checkpoints.newest_valid() if self.is_chief else None
+        if checkpoint is not None:
+            self._check_shard_count(checkpoint)
+        try:
+            data = updater.restore_collectively(
+                None if checkpoint is None else checkpoint.documents[0],
+                0 if checkpoint is None else checkpoint.global_step,
+                self.task_name,
+            )
+        except TensorfleetError as exc:
+            raise CheckpointError(
+                f"{exc}. Start fresh (restore=False) or point checkpoint_dir elsewhere"
+            ) from None
+        self._global_step = updater.pull().global_step
+        if checkpoint is not None:
+            self.last_checkpoint = checkpoint.path
+            print(
+                f"{self.task_name}: restored checkpoint {checkpoint.path} (global step "
+                f"{checkpoint.global_step})",
+                flush=True,
+            )
+        if self._data is not None and data is not None:
+            self._data.load_state_dict(data)
 
     def _restore_local(self, updater: LocalUpdater) -> None:
         """One process: resume from the newest valid checkpoint, if there is one."""
@@ -483,6 +546,7 @@ class TrainingSession:
 
     def _check_shard_count(self, checkpoint: Checkpoint) -> None:
         shards = len(self.server.ps_addresses) if self.server is not None else 1
+        shards = shards or 1  # allreduce: the chief's replica is the one shard
         if len(checkpoint.documents) != shards:
             raise CheckpointError(
                 f"checkpoint {checkpoint.path} has {len(checkpoint.documents)} shard files, the "

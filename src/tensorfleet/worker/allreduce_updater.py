@@ -5,23 +5,41 @@ bucket), and every worker applies the same update to its own replica. Rank = wor
 rank 0 is the chief. The rendezvous is the chief's address in the cluster spec.
 
 Same interface as :class:`~tensorfleet.worker.client.ParameterClient`, plus :meth:`wrap`.
+
+Checkpoints are collective: every replica holds the same parameters and optimizer state, so
+the chief's replica is the checkpoint; the workers' data positions are gathered to it
+(:meth:`gather_data`) at a step all of them agreed on (:meth:`agree`). A restore is
+broadcast from the chief (:meth:`restore_collectively`), so the checkpoint directory needs
+to exist on the chief's machine only.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import struct
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ProtocolError, TensorfleetError
 from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.ps.shard_checkpoint import MAX_WORKER_DATA_BYTES, check_worker_data
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.worker.client import ClientTimeouts, Progress
 from tensorfleet.worker.moving_average import MovingAverage
+from tensorfleet.worker.replica_state import (
+    decode_replica,
+    encode_replica,
+    optimizer_state_template,
+)
+
+#: Outcomes of the chief's look at the checkpoint, broadcast before any state is.
+_NO_CHECKPOINT, _RESTORING, _UNUSABLE = 0, 1, 2
 
 
 class AllReduceUpdater:
@@ -48,6 +66,8 @@ class AllReduceUpdater:
         self._forward_seen = False
         self._global_step = 0
         self._own_group = False
+        self._named_params: list[tuple[str, torch.Tensor]] = []
+        self._rule: UpdateRule | None = None
 
     def connect(self, device_type: str = "cpu") -> None:
         """Join the process group (waits up to ``connect_s`` for every worker to arrive)."""
@@ -92,6 +112,7 @@ class AllReduceUpdater:
         if self._wrapped is None:
             raise RuntimeError("wrap() the model before register()")
         params = [p for _, p in named_params]
+        self._named_params, self._rule = list(named_params), rule
         self._optimizer = rule.build(params)
         if self._ema_decay is not None:
             self._moving_average = MovingAverage(named_params, self._ema_decay)
@@ -115,12 +136,125 @@ class AllReduceUpdater:
         self._global_step += 1
         return Progress(self._global_step, stop=False, made_step=self.rank == 0)
 
-    def agree_to_stop(self, local_wish: bool) -> bool:
-        """Whether any worker wants to stop: every worker must leave the loop at the same step,
-        or the others would wait in the next all-reduce."""
-        flag = torch.tensor([1 if local_wish else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
+        """Whether any worker wants to stop, and whether any wants a checkpoint now: every
+        worker must leave the loop (and take part in a checkpoint) at the same step, or the
+        others would wait in the next collective. One all-reduce of two flags per step."""
+        flags = torch.tensor([int(stop), int(checkpoint)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    # -- checkpoints (collective: every worker calls these at the same step) -------------------
+
+    def gather_data(
+        self, data: dict[str, Any] | None, task_names: Sequence[str]
+    ) -> dict[str, dict[str, Any]]:
+        """Every worker's data position, by task name (``task_names[rank]``)."""
+        encoded = (
+            b"" if data is None else json.dumps(check_worker_data("this worker", data)).encode()
+        )
+        mine = torch.zeros(8 + MAX_WORKER_DATA_BYTES, dtype=torch.uint8)
+        mine[:8] = torch.frombuffer(bytearray(struct.pack("<Q", len(encoded))), dtype=torch.uint8)
+        if encoded:
+            mine[8 : 8 + len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        positions = {}
+        for rank, buffer in enumerate(gathered):
+            raw = buffer.numpy().tobytes()
+            (length,) = struct.unpack("<Q", raw[:8])
+            if 0 < length <= MAX_WORKER_DATA_BYTES:
+                positions[task_names[rank]] = json.loads(raw[8 : 8 + length])
+        return positions
+
+    def save(self, worker_data: dict[str, dict[str, Any]]) -> tuple[int, list[bytearray]]:
+        """The chief's replica (every replica is the same) as one checkpoint document."""
+        if self._optimizer is None or self._rule is None:
+            raise RuntimeError("register() the model before saving")
+        document = encode_replica(
+            self._named_params,
+            self._optimizer,
+            self._rule,
+            None if self._moving_average is None else self._moving_average.state(),
+            self._global_step,
+            worker_data,
+        )
+        return self._global_step, [document]
+
+    def restore_collectively(
+        self, document: bytes | None, global_step: int, task_name: str
+    ) -> dict[str, Any] | None:
+        """Bring every replica to the chief's checkpoint. The chief passes the document of
+        the newest valid checkpoint (None: there is none), the others None; the chief checks
+        it first and broadcasts the outcome, so that an unusable checkpoint fails every
+        worker with an error instead of leaving them waiting. Returns this worker's data
+        position from the checkpoint (None when none was saved)."""
+        if self._optimizer is None or self._rule is None:
+            raise RuntimeError("register() the model before restoring")
+        state, problem = None, ""
+        outcome = torch.tensor([_NO_CHECKPOINT, 0], dtype=torch.int64)
+        if self.rank == 0 and document is not None:
+            try:
+                state = decode_replica(document, self._named_params)
+                template = optimizer_state_template(self._rule, self._named_params)
+                if state.optimizer and {k: set(v) for k, v in state.optimizer.items()} != {
+                    k: set(v) for k, v in template.items()
+                }:
+                    raise ValueError(f"its optimizer state does not fit rule {self._rule.name!r}")
+                outcome = torch.tensor([_RESTORING, global_step], dtype=torch.int64)
+            except (ValueError, ProtocolError) as exc:
+                problem = str(exc)
+                outcome = torch.tensor([_UNUSABLE, 0], dtype=torch.int64)
+        dist.broadcast(outcome, src=0)
+        if int(outcome[0]) == _UNUSABLE:
+            raise TensorfleetError(
+                f"the checkpoint cannot be restored: {problem}"
+                if self.rank == 0
+                else "the chief could not restore its checkpoint (its output says why)"
+            )
+        if int(outcome[0]) == _NO_CHECKPOINT:
+            return None
+        with torch.no_grad():
+            for name, param in self._named_params:
+                if state is not None:
+                    param.copy_(state.values[name])
+                _broadcast(param.data)
+        template = optimizer_state_template(self._rule, self._named_params)
+        has_state = torch.tensor([int(state is not None and bool(state.optimizer))])
+        dist.broadcast(has_state, src=0)
+        optimizer_state = {}
+        if int(has_state[0]):
+            for name, tensors in template.items():
+                for key in sorted(tensors):
+                    if state is not None:
+                        tensors[key].copy_(state.optimizer[name][key])
+                    _broadcast(tensors[key])
+            optimizer_state = template
+        optimizer = self._rule.build([p for _, p in self._named_params])
+        index = {name: i for i, (name, _) in enumerate(self._named_params)}
+        optimizer.load_state_dict(
+            {
+                "state": {index[name]: tensors for name, tensors in optimizer_state.items()},
+                "param_groups": optimizer.state_dict()["param_groups"],
+            }
+        )
+        self._optimizer = optimizer
+        if self._moving_average is not None:
+            averages = {name: torch.zeros_like(p) for name, p in self._named_params}
+            for name, average in averages.items():
+                if state is not None:
+                    average.copy_((state.ema or state.values)[name])
+                _broadcast(average)
+            self._moving_average.load(averages)
+        positions = json.dumps(state.worker_data if state is not None else {}).encode()
+        length = torch.tensor([len(positions)], dtype=torch.int64)
+        dist.broadcast(length, src=0)
+        payload = torch.zeros(int(length[0]), dtype=torch.uint8)
+        if self.rank == 0 and positions:
+            payload.copy_(torch.frombuffer(bytearray(positions), dtype=torch.uint8))
+        dist.broadcast(payload, src=0)
+        self._global_step = int(outcome[1])
+        return json.loads(payload.numpy().tobytes() or b"{}").get(task_name)
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         if self._moving_average is None:
@@ -136,3 +270,12 @@ class AllReduceUpdater:
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
         self._own_group = False
+
+
+def _broadcast(tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` from the chief in place (through a copy when it is not
+    contiguous, e.g. a 0-dim optimizer step)."""
+    flat = tensor.reshape(-1)
+    dist.broadcast(flat, src=0)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view(tensor.shape))

@@ -11,14 +11,11 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import ProtocolError
-from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.placement import PlacementPlan
-from tensorfleet.ps.shard_checkpoint import decode_shard, encode_shard
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.client import Progress
 from tensorfleet.worker.moving_average import MovingAverage
+from tensorfleet.worker.replica_state import decode_replica, encode_replica, load_replica
 
 
 class LocalUpdater:
@@ -70,77 +67,36 @@ class LocalUpdater:
         self._data = data
         return Progress(self._global_step, stop=False)
 
-    def save(self) -> tuple[int, list[bytes]]:
+    def save(self) -> tuple[int, list[bytearray]]:
         """The model, optimizer state, moving average, global step and data position as one
-        shard document (the format of a ps shard's checkpoint)."""
+        document (the format of a ps shard's checkpoint)."""
         if self._optimizer is None or self._rule is None:
             raise RuntimeError("register() the model before saving")
-        layout = self._layout()
-        params = dict(self._named_params)
-        optimizer: dict[str, dict[str, torch.Tensor]] = {}
-        for name, param in self._named_params:
-            state = {
-                key: (value if isinstance(value, torch.Tensor) else torch.tensor(float(value)))
-                .detach()
-                .cpu()
-                .clone()
-                for key, value in self._optimizer.state.get(param, {}).items()
-            }
-            if state:
-                optimizer[name] = state
-        document = encode_shard(
-            shard=0,
-            global_step=self._global_step,
-            version=self._global_step,
-            rule=self._rule.to_wire(),
-            layout=layout,
-            values={name: params[name].detach().cpu().clone() for name, _ in self._named_params},
-            ema=None if self._moving_average is None else self._moving_average.state(),
-            optimizer=optimizer,
-            worker_data={} if self._data is None else {"local": self._data},
+        document = encode_replica(
+            self._named_params,
+            self._optimizer,
+            self._rule,
+            None if self._moving_average is None else self._moving_average.state(),
+            self._global_step,
+            {} if self._data is None else {"local": self._data},
         )
         return self._global_step, [document]
 
     def restore(self, documents: Sequence[bytes], global_step: int) -> None:
-        """Take a checkpoint's state (ValueError naming the problem when it does not fit)."""
+        """Take a checkpoint's state (ValueError naming the problem when it does not fit;
+        then nothing changed)."""
         if self._optimizer is None or self._rule is None:
             raise RuntimeError("register() the model before restoring")
         if len(documents) != 1:
             raise ValueError(
                 f"a one-process run restores a checkpoint of one shard, this one has {len(documents)}"
             )
-        try:
-            state = decode_shard(documents[0])
-        except ProtocolError as exc:
-            raise ValueError(f"the checkpoint cannot be read: {exc}") from None
-        difference = self._layout().describe_difference(state.layout)
-        if difference is not None:
-            raise ValueError(f"the checkpoint does not match the model: {difference}")
-        params = [p for _, p in self._named_params]
-        fresh = self._rule.build(params)
-        index = {name: i for i, (name, _) in enumerate(self._named_params)}
-        fresh.load_state_dict(
-            {
-                "state": {index[name]: dict(tensors) for name, tensors in state.optimizer.items()},
-                "param_groups": fresh.state_dict()["param_groups"],
-            }
-        )
-        with torch.no_grad():
-            for name, param in self._named_params:
-                param.copy_(state.values[name])
+        state = decode_replica(documents[0], self._named_params)
+        self._optimizer = load_replica(state, self._named_params, self._rule)
         if self._moving_average is not None:
             self._moving_average.load(state.ema if state.ema is not None else state.values)
-        self._optimizer = fresh
         self._global_step = global_step
         self.restored_data = state.worker_data.get("local")
-
-    def _layout(self) -> FusedLayout:
-        return FusedLayout.of(
-            [
-                StoredVariable(name, tuple(p.shape), dtype_name(p.dtype))
-                for name, p in self._named_params
-            ]
-        )
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         if self._moving_average is None:

@@ -4,6 +4,9 @@ The chief writes the final parameters (and the ps's stats) to the JSON file give
 
     exact_worker.py OUT MODE RULE STEPS [--clip C] [--ema D] [--replicas K]
                     [--max-staleness S] [--slow-worker I --slow-seconds T] [--step-seconds T]
+                    [--checkpoint-dir DIR --checkpoint-steps N] [--stop-at N]
+
+STEPS sizes the dataset; training stops at global step STEPS, or at --stop-at.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ def main() -> int:
     parser.add_argument(
         "--step-seconds", type=float, default=0.0, help="every worker's extra time per step"
     )
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-steps", type=int, default=None)
+    parser.add_argument("--stop-at", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task(argv=[])
@@ -69,8 +75,9 @@ def main() -> int:
     x, y = make_data(args.steps, task.num_workers)
     with tfl.TrainingSession(
         server, model, optimizer=rule(args.rule), mode=args.mode,
-        hooks=[tfl.StopAtStep(last_step=args.steps)], clip_grad_norm=args.clip, ema_decay=args.ema,
+        hooks=[tfl.StopAtStep(last_step=args.stop_at or args.steps)], clip_grad_norm=args.clip, ema_decay=args.ema,
         replicas_to_aggregate=args.replicas, max_staleness=args.max_staleness,
+        checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.checkpoint_steps,
     ) as sess:  # fmt: skip
         made, dropped = 0, 0
         while not sess.should_stop():
