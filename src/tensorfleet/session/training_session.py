@@ -255,7 +255,8 @@ class TrainingSession:
             elif isinstance(self._updater, ParameterClient):
                 initialized = self._updater.connect()
                 resume = None
-                if self.is_chief and not all(initialized) and self.checkpoints and self._restore:
+                fresh = not all(initialized)
+                if self.is_chief and fresh and self.checkpoints is not None and self._restore:
                     # The ps tasks started empty: resume from the newest valid checkpoint.
                     resume = self.checkpoints.newest_valid()
                     if resume is not None:
@@ -283,7 +284,7 @@ class TrainingSession:
                 self._global_step = self._updater.register(
                     self._named_params, None, self.rule, self.is_chief
                 )
-                if isinstance(self._updater, LocalUpdater) and self.checkpoints and self._restore:
+                if self.checkpoints is not None and self._restore:
                     self._restore_local(self._updater)
             progress = self._updater.pull()
             self._global_step = progress.global_step
