@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from tensorfleet.datasets.batches import BatchStream
 from tensorfleet.errors import CheckpointError
+from tensorfleet.launch.cli import main
 from tensorfleet.ps.update_rules import Adam
 from tensorfleet.session.checkpoints import load_checkpoint
 from tensorfleet.session.hooks import StopAtStep
@@ -104,3 +106,25 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path
     session = TrainingSession(None, model, Adam(lr=0.05), checkpoint_dir=tmp_path)
     with pytest.raises(CheckpointError, match=r"cannot be restored: the checkpoint does not match"):
         session.start()
+
+
+def test_the_export_command_writes_the_models_state_dict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trained, _, _ = _train(3, tmp_path / "checkpoints")
+    output = tmp_path / "model.safetensors"
+    assert main(["export", str(tmp_path / "checkpoints"), str(output)]) == 0
+    assert capsys.readouterr().out.strip() == str(output)
+    exported = load_file(str(output))
+    assert set(exported) == set(trained.state_dict())
+    for name, value in trained.state_dict().items():
+        assert torch.equal(exported[name], value), name
+
+
+def test_the_export_command_without_a_checkpoint_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["export", str(tmp_path), str(tmp_path / "model.safetensors")]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"tensorfleet: error: no valid checkpoint in {tmp_path}"), error
+    assert not (tmp_path / "model.safetensors").exists()

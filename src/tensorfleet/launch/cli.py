@@ -1,11 +1,12 @@
-"""The ``tensorfleet`` command line: ``launch`` a local cluster, run a ps ``server`` task, or
-``plot`` the metrics a ``SummaryHook`` wrote.
+"""The ``tensorfleet`` command line: ``launch`` a local cluster, run a ps ``server`` task,
+``plot`` the metrics a ``SummaryHook`` wrote, or ``export`` a checkpoint's model.
 
 ::
 
     tensorfleet launch --ps 1 --workers 3 -- python train.py --lr 1e-3
     tensorfleet server --cluster cluster.json --job ps --task 0 --secret-file secret
     tensorfleet plot runs/cnn -o curves.png
+    tensorfleet export runs/cnn/checkpoints model.safetensors
 
 Errors tensorfleet raises on purpose are printed as one line, ``tensorfleet: error: ...``,
 with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
@@ -203,6 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the picture (default: LOGDIR/metrics.png)",
     )
     plot.set_defaults(handler=_plot)
+
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's model as one safetensors file",
+        description="Write the parameters of a checkpoint (a step-N directory, or a run's "
+        "checkpoint_dir: its newest valid checkpoint) to one safetensors file named like the "
+        "model's state_dict, for serving or sharing without tensorfleet; print its path.",
+        epilog="example: tensorfleet export runs/demo/checkpoints model.safetensors",
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint or checkpoint_dir")
+    export.add_argument("output", metavar="OUTPUT", help="the safetensors file to write")
+    export.add_argument(
+        "--moving-average",
+        action="store_true",
+        help="export the exponential moving average (runs with ema_decay) instead",
+    )
+    export.set_defaults(handler=_export)
     return parser
 
 
@@ -326,6 +344,20 @@ def _plot(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ImportError) as exc:  # the message names the file and the fix
         message = " ".join(str(exc).split())
         print(f"tensorfleet: error: {message}", file=sys.stderr)
+        return USAGE_ERROR
+    print(path)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``tensorfleet export``: one safetensors file from a checkpoint; print its path."""
+    from tensorfleet.errors import CheckpointError
+    from tensorfleet.session.checkpoints import export_checkpoint
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.output, moving_average=args.moving_average)
+    except (CheckpointError, OSError) as exc:  # the message names the checkpoint and the fix
+        print(f"tensorfleet: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return USAGE_ERROR
     print(path)
     return 0
