@@ -16,10 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zmq
 
 from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.wire.tensors import as_buffer, from_buffer
 from tensorfleet.wire.transport import Channel, ServiceSocket
 
 TIMEOUT_S = 5.0
@@ -106,3 +108,16 @@ def stop_services(
     finally:
         context.term()
     assert not problems, f"service thread crashed or hung: {problems}"
+
+
+def bits(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor``: compared to prove two tensors bit for bit equal."""
+    return bytes(as_buffer(tensor.contiguous()))
+
+
+def assert_values(buffers: list, expected: list[torch.Tensor]) -> None:
+    """Each received value buffer holds exactly the bits of the expected tensor."""
+    assert len(buffers) == len(expected)
+    for buffer, tensor in zip(buffers, expected, strict=True):
+        received = from_buffer(buffer, tensor.dtype)
+        assert bits(received) == bits(tensor), f"{received} != {tensor}"

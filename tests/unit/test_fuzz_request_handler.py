@@ -40,7 +40,7 @@ from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, MessageSigner
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Request
+from tensorfleet.wire.transport import Request, failure_header, reply_header
 
 EXAMPLES = int(os.environ.get("TENSORFLEET_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(
@@ -169,21 +169,14 @@ class FakeSocket:
 
     def reply(self, request: Request, body: dict[str, Any], buffers: list | None = None) -> None:
         buffers = buffers or []
-        header = {"re": request.request_id, "to": request.session_id, "ok": True, "body": body}
+        header = reply_header(request, body)
         answer = Answer(True, body, [bytes(memoryview(b)) for b in buffers])
         self._record(request, answer, header, buffers)
         return None  # no tracker: the snapshot pool may reuse its buffer at once
 
     def fail(self, request: Request, error_type: str, text: str) -> None:
         assert isinstance(error_type, str) and isinstance(text, str)
-        header = {
-            "re": request.request_id,
-            "to": request.session_id,
-            "ok": False,
-            "body": {},
-            "error_type": error_type,
-            "error": text,
-        }
+        header = failure_header(request, error_type, text)
         self._record(request, Answer(False, {}, [], error_type, text), header, [])
 
     def poll(self, timeout_s: float) -> bool:

@@ -27,11 +27,11 @@ from tensorfleet.ps.update_rules import SGD, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
-from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer
+from tensorfleet.wire.tensors import as_buffer, dtype_name
 from tensorfleet.wire.transport import QUARANTINE_AFTER_INVALID, Channel
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 
-from .service_harness import RunningService, serve_in_thread, stop_services
+from .service_harness import RunningService, assert_values, bits, serve_in_thread, stop_services
 
 SECRET = b"parameter-service-unit-test-secret-01"
 WRONG_SECRET = b"a-different-clusters-secret-000000000"
@@ -71,17 +71,6 @@ def _sgd(values: list[torch.Tensor], *gradient_lists: list[torch.Tensor]) -> lis
             param.grad = grad.clone()
         optimizer.step()
     return [p.detach() for p in params]
-
-
-def _bits(tensor: torch.Tensor) -> bytes:
-    return bytes(as_buffer(tensor.contiguous()))
-
-
-def _assert_values(buffers: list, expected: list[torch.Tensor]) -> None:
-    assert len(buffers) == len(expected)
-    for buffer, tensor in zip(buffers, expected, strict=True):
-        received = from_buffer(buffer, tensor.dtype)
-        assert _bits(received) == _bits(tensor), f"{received} != {tensor}"
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -294,7 +283,7 @@ def test_unknown_operation_is_refused_by_name(chief: Channel) -> None:
 def test_create_then_pull_returns_the_initial_values_bit_for_bit(chief: Channel) -> None:
     body, buffers = _pull(chief)
     assert body == {"global_step": 0, "version": 0, "stop": False}
-    _assert_values(buffers, _initial_values())
+    assert_values(buffers, _initial_values())
 
 
 def test_special_float_bit_patterns_survive_create_and_pull(
@@ -309,7 +298,7 @@ def test_special_float_bit_patterns_survive_create_and_pull(
     _hello(channel)
     _create(channel, variables, [float32, bfloat16])
     _, buffers = _pull(channel)
-    _assert_values(buffers, [float32, bfloat16])
+    assert_values(buffers, [float32, bfloat16])
 
 
 def test_create_is_idempotent_and_keeps_the_first_values(chief: Channel) -> None:
@@ -318,7 +307,7 @@ def test_create_is_idempotent_and_keeps_the_first_values(chief: Channel) -> None
     _push(chief, _gradients())
     assert _create(chief, values=other_values) == {"created": False, "global_step": 1, "data": None}
     _, buffers = _pull(chief)
-    _assert_values(buffers, _sgd(_initial_values(), _gradients()))
+    assert_values(buffers, _sgd(_initial_values(), _gradients()))
 
 
 @pytest.mark.parametrize(
@@ -340,7 +329,7 @@ def test_create_with_a_different_layout_is_refused_naming_the_variable(
         _create(chief, variables)
     assert "variables already created with another layout: " + difference in str(excinfo.value)
     _, buffers = _pull(chief)
-    _assert_values(buffers, _initial_values())
+    assert_values(buffers, _initial_values())
 
 
 @pytest.mark.parametrize(
@@ -436,7 +425,7 @@ def test_wait_ready_sent_before_create_is_answered_after_create(
     _push(chief, _gradients())  # the held request is answered at create, before this push
     assert worker.wait(waiting, TIMEOUT_S).body == {"global_step": 0, "data": None}
     _, buffers = _pull(worker)
-    _assert_values(buffers, _sgd(_initial_values(), _gradients()))
+    assert_values(buffers, _sgd(_initial_values(), _gradients()))
 
 
 def test_wait_ready_after_create_is_answered_at_once(chief: Channel) -> None:
@@ -480,7 +469,7 @@ def test_push_applies_sgd_exactly_and_the_owner_counts_global_steps(chief: Chann
         "made_step": True,
         "dropped": False,
     }
-    _assert_values(first.buffers, _sgd(_initial_values(), _gradients()))
+    assert_values(first.buffers, _sgd(_initial_values(), _gradients()))
 
     second = _push(chief, _gradients(-0.5), count_step=False)
     assert second.body == {
@@ -491,7 +480,7 @@ def test_push_applies_sgd_exactly_and_the_owner_counts_global_steps(chief: Chann
         "dropped": False,
     }
     expected = _sgd(_initial_values(), _gradients(), _gradients(-0.5))
-    _assert_values(second.buffers, expected)
+    assert_values(second.buffers, expected)
 
     third = _push(chief, _gradients(2.0), want_values=False)
     assert third.body == {
@@ -504,9 +493,7 @@ def test_push_applies_sgd_exactly_and_the_owner_counts_global_steps(chief: Chann
     assert third.buffers == []
     body, buffers = _pull(chief)
     assert body == {"global_step": 2, "version": 3, "stop": False}
-    _assert_values(
-        buffers, _sgd(_initial_values(), _gradients(), _gradients(-0.5), _gradients(2.0))
-    )
+    assert_values(buffers, _sgd(_initial_values(), _gradients(), _gradients(-0.5), _gradients(2.0)))
     assert chief.call("stats", {}, timeout_s=TIMEOUT_S).body["pushes"] == 3
 
 
@@ -541,7 +528,7 @@ def test_push_with_wrong_buffers_is_refused_and_changes_nothing(
         _push(chief, gradients)
     body, buffers = _pull(chief)
     assert body == {"global_step": 1, "version": 1, "stop": False}
-    _assert_values(buffers, _sgd(_initial_values(), _gradients()))
+    assert_values(buffers, _sgd(_initial_values(), _gradients()))
     # The next valid request is served as usual.
     assert _push(chief, _gradients(3.0)).body["version"] == 2
     assert service.service.stats["refused"] == 1
@@ -591,7 +578,7 @@ def test_client_with_the_wrong_secret_is_told_and_cannot_push_or_pull(
 
     body, buffers = _pull(chief)
     assert body == {"global_step": 0, "version": 0, "stop": False}
-    _assert_values(buffers, _initial_values())
+    assert_values(buffers, _initial_values())
     # hello, wait_ready, push, pull, the hellos of recovery and of the heartbeat: all refused
     assert set(service.rejected) == {"auth"} and service.rejected["auth"] >= 4
     assert set(chief.call("stats", {}, timeout_s=TIMEOUT_S).body["rejected"]) == {"auth"}
@@ -610,7 +597,7 @@ def test_well_formed_push_signed_with_another_secret_is_not_applied(
     assert intruder.nothing_arrives()  # refused, not answered
     body, buffers = _pull(chief)
     assert body["version"] == 0 and body["global_step"] == 0
-    _assert_values(buffers, _initial_values())
+    assert_values(buffers, _initial_values())
     assert service.rejected == {"auth": 1}
 
 
@@ -643,7 +630,7 @@ def test_replayed_push_is_rejected_on_the_same_and_on_another_connection(
     assert notice["reason"] == "auth" and "replayed" in notice["message"]
     pulled = peer.call("pull", {})  # answered after the replay was handled
     assert pulled.header["body"] == {"global_step": 1, "version": 1, "stop": False}
-    _assert_values(pulled.buffers, after_one_push)
+    assert_values(pulled.buffers, after_one_push)
 
     other = raw_peer(service.address)
     other.send(captured)
@@ -653,7 +640,7 @@ def test_replayed_push_is_rejected_on_the_same_and_on_another_connection(
 
     body, buffers = _pull(chief)
     assert body == {"global_step": 1, "version": 1, "stop": False}
-    _assert_values(buffers, after_one_push)
+    assert_values(buffers, after_one_push)
     assert service.rejected == {"auth": 2}
 
 
@@ -754,7 +741,7 @@ def test_garbage_frames_do_not_crash_the_service(
     # A valid client is served as usual, and the variables are untouched.
     body, buffers = _pull(chief)
     assert body["version"] == 0
-    _assert_values(buffers, _initial_values())
+    assert_values(buffers, _initial_values())
     assert _push(chief, _gradients()).body["version"] == 1
 
 
@@ -864,7 +851,7 @@ def test_two_shards_with_a_partitioned_variable_match_local_sgd(
             progress = client.push_pull()
             assert progress.global_step == step + 1
             for (name, param), ref in zip(model, reference, strict=True):
-                assert _bits(param.detach()) == _bits(ref.detach()), f"{name} at step {step}"
+                assert bits(param.detach()) == bits(ref.detach()), f"{name} at step {step}"
         stats = client.stats()
     finally:
         client.close()

@@ -23,10 +23,10 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
-from tensorfleet.wire.tensors import as_buffer, from_buffer
+from tensorfleet.wire.tensors import as_buffer
 from tensorfleet.wire.transport import Channel, Reply
 
-from .service_harness import RunningService, serve_in_thread, stop_services
+from .service_harness import RunningService, assert_values, bits, serve_in_thread, stop_services
 
 SECRET = b"sync-service-unit-test-secret-0000001"
 WORKERS = ("worker:0", "worker:1", "worker:2")
@@ -60,17 +60,6 @@ GRADIENTS = {
         torch.tensor([-1.0, 0.25, 2.0], dtype=torch.float64),
     ],
 }
-
-
-def _bits(tensor: torch.Tensor) -> bytes:
-    return bytes(as_buffer(tensor.contiguous()))
-
-
-def _assert_values(buffers: list, expected: list[torch.Tensor]) -> None:
-    assert len(buffers) == len(expected)
-    for buffer, tensor in zip(buffers, expected, strict=True):
-        received = from_buffer(buffer, tensor.dtype)
-        assert _bits(received) == _bits(tensor), f"{received} != {tensor}"
 
 
 def _mean(tasks: list[str]) -> list[torch.Tensor]:
@@ -204,7 +193,7 @@ def test_a_sync_step_is_applied_once_all_k_pushes_are_in_whatever_their_order(
             "dropped": False,
             "stop": False,
         }
-        _assert_values(reply.buffers, expected)
+        assert_values(reply.buffers, expected)
         made[task] = reply.body["made_step"]
     assert made == {"worker:2": False, "worker:0": False, "worker:1": True}
     stats = _stats(channels["worker:0"])
@@ -220,7 +209,7 @@ def test_summing_in_arrival_order_would_have_given_other_bits() -> None:
     """Guard for the test above: its arrival order really changes the float32 sum."""
     arrival = [GRADIENTS[t][0] for t in ("worker:2", "worker:0", "worker:1")]
     in_arrival_order = (arrival[0] + arrival[1] + arrival[2]) / 3
-    assert _bits(in_arrival_order) != _bits(_mean(list(WORKERS))[0])
+    assert bits(in_arrival_order) != bits(_mean(list(WORKERS))[0])
 
 
 def test_a_push_for_an_older_step_is_dropped_at_once_and_counted(
@@ -241,7 +230,7 @@ def test_a_push_for_an_older_step_is_dropped_at_once_and_counted(
         "made_step": False,
         "dropped": True,
     }
-    _assert_values(stale.buffers, after_step)  # the current values, unchanged
+    assert_values(stale.buffers, after_step)  # the current values, unchanged
     stats = _stats(channels["worker:1"])
     assert stats["dropped"] == {"worker:0": 1}
     assert (stats["version"], stats["pushes"], stats["refused"]) == (1, 2, 0)
@@ -257,20 +246,20 @@ def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropp
     first_reply = channels["worker:2"].wait(first, TIMEOUT_S)
     expected = _sgd(INITIAL, _mean(["worker:0", "worker:2"]))
     assert (first_reply.body["made_step"], second.body["made_step"]) == (False, True)
-    _assert_values(first_reply.buffers, expected)
-    _assert_values(second.buffers, expected)
+    assert_values(first_reply.buffers, expected)
+    assert_values(second.buffers, expected)
 
     late = _push(channels["worker:1"], "worker:1", step=0)
 
     assert (late.body["dropped"], late.body["made_step"], late.body["version"]) == (True, False, 1)
-    _assert_values(late.buffers, expected)
+    assert_values(late.buffers, expected)
     # The late worker then contributes to the current step with the values it got.
     held = _send_push(channels["worker:1"], "worker:1", step=1)
     assert _stats(channels["worker:1"])["version"] == 1
     reply = _push(channels["worker:2"], "worker:2", step=1)
     assert channels["worker:1"].wait(held, TIMEOUT_S).body["made_step"] is False
     assert reply.body["global_step"] == 2
-    _assert_values(reply.buffers, _sgd(expected, _mean(["worker:1", "worker:2"])))
+    assert_values(reply.buffers, _sgd(expected, _mean(["worker:1", "worker:2"])))
     assert _stats(channels["worker:0"])["dropped"] == {"worker:1": 1}
 
 
@@ -365,7 +354,7 @@ def test_a_sync_step_completes_after_a_deadline_refusal_when_the_others_come(
     retry = _push(channels["worker:0"], "worker:0", step=0)
     assert channels["worker:1"].wait(held, TIMEOUT_S).body["made_step"] is False
     assert (retry.body["made_step"], retry.body["global_step"]) == (True, 1)
-    _assert_values(retry.buffers, _sgd(INITIAL, _mean(["worker:0", "worker:1"])))
+    assert_values(retry.buffers, _sgd(INITIAL, _mean(["worker:0", "worker:1"])))
 
 
 def test_a_worker_saying_done_lowers_the_needed_count(
@@ -383,7 +372,7 @@ def test_a_worker_saying_done_lowers_the_needed_count(
     replies = {t: channels[t].wait(r, TIMEOUT_S) for t, r in held.items()}
     for reply in replies.values():
         assert (reply.body["global_step"], reply.body["dropped"]) == (1, False)
-        _assert_values(reply.buffers, expected)
+        assert_values(reply.buffers, expected)
     # Exactly one worker made the step: the last contributor.
     assert {t: r.body["made_step"] for t, r in replies.items()} == {
         "worker:0": False,
@@ -425,7 +414,7 @@ def test_sync_clips_the_mean_like_clip_grad_norm(
     norm = torch.nn.utils.clip_grad_norm_([param], clip_norm)
     assert (norm.item() > clip_norm) == (clip_norm == 0.5)  # the case clips, or does not
     torch.optim.SGD([param], lr=LR).step()
-    _assert_values(reply.buffers, [param.detach()])
+    assert_values(reply.buffers, [param.detach()])
 
 
 def test_clip_by_global_norm_matches_clip_grad_norm_across_tensors_and_dtypes() -> None:
@@ -479,7 +468,7 @@ def test_a_worker_too_far_ahead_is_held_until_the_slow_one_pushes(
     assert (slow_reply.body["version"], released.body["version"]) == (6, 7)
     assert released.body["made_step"] is True
     order = ["worker:0", "worker:1", "worker:0", "worker:0", "worker:0", "worker:1", "worker:0"]
-    _assert_values(released.buffers, _sgd(INITIAL, *[GRADIENTS[t] for t in order]))
+    assert_values(released.buffers, _sgd(INITIAL, *[GRADIENTS[t] for t in order]))
     stats = _stats(slow)
     assert stats["max_staleness_seen"] == 1
     assert stats["dropped"] == {} and stats["mode"] == "async"
@@ -565,9 +554,9 @@ def test_pulling_the_moving_average_gives_the_hand_computed_average(
     reply = channel.call("pull", {"moving_average": True}, timeout_s=TIMEOUT_S)
 
     assert reply.body == {"global_step": 2, "version": 2, "stop": False}
-    _assert_values(reply.buffers, average)
+    assert_values(reply.buffers, average)
     assert not all(torch.equal(a, v) for a, v in zip(average, values, strict=True))
-    _assert_values(channel.call("pull", {}, timeout_s=TIMEOUT_S).buffers, values)
+    assert_values(channel.call("pull", {}, timeout_s=TIMEOUT_S).buffers, values)
 
 
 def test_pulling_a_moving_average_that_is_not_kept_is_refused(
@@ -622,7 +611,7 @@ def test_a_lost_worker_no_longer_holds_back_a_sync_step_when_shrinking(
         reply = _push(channels["worker:1"], "worker:1", 0, timeout_s=10 * LIVENESS_S)
         assert reply.body["global_step"] == 1
         channels["worker:0"].wait(held, TIMEOUT_S)
-        _assert_values(reply.buffers, _sgd(INITIAL, _mean(["worker:0", "worker:1"])))
+        assert_values(reply.buffers, _sgd(INITIAL, _mean(["worker:0", "worker:1"])))
         assert _stats(channels["worker:0"])["lost_workers"] == ["worker:2"]
 
 

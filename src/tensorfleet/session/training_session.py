@@ -373,11 +373,9 @@ class TrainingSession:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)
         if not all(hook.before_update(self, loss) is not False for hook in self.hooks):
             progress = self._skip_update()
-        elif isinstance(self._updater, (ParameterClient, LocalUpdater)):
+        else:
             data = self._data.state_dict() if self._data is not None else None
             progress = self._updater.push_pull(step=self._global_step, data=data)
-        else:
-            progress = self._updater.push_pull(step=self._global_step)
         self._global_step = progress.global_step
         if progress.stop:
             self._stop_requested = True

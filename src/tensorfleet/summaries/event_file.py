@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 #: The first record of every event file names the format version.
 FILE_VERSION = "brain.Event:2"
@@ -232,11 +232,7 @@ class EventFileWriter:
 
     def close(self) -> None:
         """Flush, sync to disk and close the file; closing twice is harmless."""
-        if self._file.closed:
-            return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        close_durably(self._file)
 
     def __enter__(self) -> EventFileWriter:
         return self
@@ -248,3 +244,13 @@ class EventFileWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def close_durably(file: IO) -> None:
+    """Flush ``file``, sync it to disk and close it; closing twice is harmless. (The event
+    file and the metrics log end the same way: what a run wrote survives a crash after.)"""
+    if file.closed:
+        return
+    file.flush()
+    os.fsync(file.fileno())
+    file.close()

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from tensorfleet.summaries.event_file import check_scalars
+from tensorfleet.summaries.event_file import check_scalars, close_durably
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,7 @@ class MetricsLog:
 
     def close(self) -> None:
         """Flush, sync to disk and close the file; closing twice is harmless."""
-        if self._file.closed:
-            return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        close_durably(self._file)
 
     def __enter__(self) -> MetricsLog:
         return self

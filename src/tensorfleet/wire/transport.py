@@ -106,6 +106,23 @@ class Reply:
     buffers: list[Buffer] = field(default_factory=list)
 
 
+def reply_header(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    """The header of a successful answer to ``request``."""
+    return {"re": request.request_id, "to": request.session_id, "ok": True, "body": body}
+
+
+def failure_header(request: Request, error_type: str, text: str) -> dict[str, Any]:
+    """The header of an error answer to ``request`` (the client raises it as RemoteError)."""
+    return {
+        "re": request.request_id,
+        "to": request.session_id,
+        "ok": False,
+        "body": {},
+        "error_type": error_type,
+        "error": text,
+    }
+
+
 class ServiceSocket:
     """The server end: binds, receives authenticated requests, sends signed replies.
 
@@ -237,26 +254,11 @@ class ServiceSocket:
         """Answer ``request`` successfully. Buffers are sent without a copy and must stay
         unchanged until the returned tracker is done (None when the reply had no buffers or
         could not be queued)."""
-        return self._send(
-            request,
-            {"re": request.request_id, "to": request.session_id, "ok": True, "body": body},
-            buffers or [],
-        )
+        return self._send(request, reply_header(request, body), buffers or [])
 
     def fail(self, request: Request, error_type: str, text: str) -> None:
         """Answer ``request`` with an error the client raises as :class:`RemoteError`."""
-        self._send(
-            request,
-            {
-                "re": request.request_id,
-                "to": request.session_id,
-                "ok": False,
-                "body": {},
-                "error_type": error_type,
-                "error": text,
-            },
-            [],
-        )
+        self._send(request, failure_header(request, error_type, text), [])
 
     def _send(
         self, request: Request, header: dict[str, Any], buffers: list[Buffer]

@@ -121,8 +121,14 @@ class AllReduceUpdater:
     def pull(self) -> Progress:
         return Progress(self._global_step, stop=False)
 
-    def push_pull(self, count_step: bool = True, step: int | None = None) -> Progress:
-        """Apply the update: DDP has already averaged the gradients during backward."""
+    def push_pull(
+        self,
+        count_step: bool = True,
+        step: int | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> Progress:
+        """Apply the update: DDP has already averaged the gradients during backward. (``data``
+        is not kept per step here: the positions are gathered when a checkpoint is taken.)"""
         if not self._forward_seen:
             raise TensorfleetError(
                 "mode 'allreduce': this step's forward pass did not go through the DDP wrapper, so "
@@ -175,7 +181,7 @@ class AllReduceUpdater:
             self._named_params,
             self._optimizer,
             self._rule,
-            None if self._moving_average is None else self._moving_average.state(),
+            self._moving_average,
             self._global_step,
             worker_data,
         )

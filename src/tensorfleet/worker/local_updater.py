@@ -76,7 +76,7 @@ class LocalUpdater:
             self._named_params,
             self._optimizer,
             self._rule,
-            None if self._moving_average is None else self._moving_average.state(),
+            self._moving_average,
             self._global_step,
             {} if self._data is None else {"local": self._data},
         )

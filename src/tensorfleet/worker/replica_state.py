@@ -19,6 +19,7 @@ from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard, encode_sha
 from tensorfleet.ps.store import check_optimizer_state, reference_optimizer_state
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.tensors import dtype_name
+from tensorfleet.worker.moving_average import MovingAverage
 
 NamedParams = Sequence[tuple[str, torch.Tensor]]
 
@@ -34,7 +35,7 @@ def encode_replica(
     named_params: NamedParams,
     optimizer: torch.optim.Optimizer,
     rule: UpdateRule,
-    moving_average: dict[str, torch.Tensor] | None,
+    moving_average: MovingAverage | None,
     global_step: int,
     worker_data: dict[str, dict[str, Any]],
 ) -> bytearray:
@@ -54,7 +55,7 @@ def encode_replica(
         rule=rule.to_wire(),
         layout=replica_layout(named_params),
         values={name: p.detach() for name, p in named_params},
-        ema=moving_average,
+        ema=None if moving_average is None else moving_average.state(),
         optimizer=states,
         worker_data=worker_data,
     )
