@@ -29,12 +29,78 @@ class ProtocolError(TensorfleetError):
 
 
 class RemoteError(TensorfleetError):
-    """A parameter server refused a request; the message carries the server's explanation."""
+    """A parameter server refused a request; the message carries the server's explanation.
+
+    A refusal crosses the wire as a *code* (the class's ``code``) plus the server's text; the
+    client raises the class registered for that code (:func:`remote_error_class`), so callers
+    decide by type (``except IdentityInUse``), never by the words of a message. An unknown
+    code (a newer server) is raised as plain ``RemoteError``.
+    """
+
+    code = "RemoteError"
 
 
 class ServiceRestarted(RemoteError):
     """A parameter server answered from a new incarnation: it restarted since this client
     said hello, so the client must say hello again (and the shard may need restoring)."""
+
+    code = "StaleSession"
+
+
+class IdentityInUse(RemoteError):
+    """Another live process holds this task's identity (e.g. the predecessor of a restarted
+    task that has not been declared dead yet); asking again later may succeed."""
+
+    code = "IdentityInUse"
+
+
+class NotInitialized(RemoteError):
+    """The shard has no variables yet: the chief has not created (or restored) them."""
+
+    code = "NotInitialized"
+
+
+class WorkerLost(RemoteError):
+    """A sync step needs a worker that the ps declared lost, and ``lost_worker='fail'``."""
+
+    code = "WorkerLost"
+
+
+class RequestRefused(RemoteError, ValueError):
+    """The server found the request's content invalid (a value, shape or name that does not
+    fit); retrying the same request cannot succeed."""
+
+    code = "RequestRefused"
+
+
+class RemoteProtocolError(RemoteError):
+    """The server could not understand the request (malformed, unknown operation, other
+    protocol version)."""
+
+    code = "ProtocolError"
+
+
+class RemoteDeadlineExceeded(RemoteError, TimeoutError):
+    """The server held the request (a sync step, the staleness gate, the chief's
+    initialization) past its deadline and says what it was still waiting for."""
+
+    code = "DeadlineExceeded"
+
+
+def remote_error_class(code: object) -> type[RemoteError]:
+    """The exception class a client raises for a refusal with ``code``."""
+    for cls in (
+        ServiceRestarted,
+        IdentityInUse,
+        NotInitialized,
+        WorkerLost,
+        RequestRefused,
+        RemoteProtocolError,
+        RemoteDeadlineExceeded,
+    ):
+        if cls.code == code:
+            return cls
+    return RemoteError
 
 
 class ConnectionLost(DeadlineExceeded):
