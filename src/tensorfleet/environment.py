@@ -41,3 +41,25 @@ def encryption_requested(environ_: Mapping[str, str] | None = None) -> bool:
 def environ() -> Mapping[str, str]:
     """The current process environment, read-only by convention."""
     return os.environ
+
+
+#: Per-task resources the launcher sets (read back by ``TaskResources.from_env``).
+#: Intra-op threads of torch in this task (``torch.set_num_threads``).
+INTRA_OP_THREADS_VAR = "TENSORFLEET_INTRA_OP_THREADS"
+#: Inter-op threads of torch in this task (``torch.set_num_interop_threads``).
+INTER_OP_THREADS_VAR = "TENSORFLEET_INTER_OP_THREADS"
+#: Cap on this task's share of each visible GPU's memory, in (0, 1].
+GPU_MEMORY_FRACTION_VAR = "TENSORFLEET_GPU_MEMORY_FRACTION"
+#: The GPUs this process may see (CUDA's own variable; the launcher gives disjoint sets).
+CUDA_VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
+#: OpenMP's and MKL's thread counts: set with the intra-op budget so that native libraries
+#: started before tensorfleet applies its budget do not spawn one thread per core either.
+OMP_NUM_THREADS_VAR = "OMP_NUM_THREADS"
+MKL_NUM_THREADS_VAR = "MKL_NUM_THREADS"
+
+
+def host_cpu_count() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)

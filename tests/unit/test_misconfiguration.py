@@ -39,11 +39,16 @@ def test_unresolvable_host_is_named():
 @pytest.mark.parametrize(
     ("spec", "count", "match"),
     [
-        ("/gpu:0", 0, r"asks for a GPU, but this machine has none.*Use '/cpu:0'"),
+        (
+            "/gpu:0",
+            0,
+            r"asks for a GPU, but this machine has none.*devices present: /device:CPU:0\)",
+        ),
         (
             "/job:worker/task:0/device:gpu:2",
             2,
-            r"asks for GPU 2, but this machine has 2 \(indices 0\.\.1\)",
+            r"asks for GPU 2, but this machine has 2 \(devices present: /device:CPU:0, "
+            r"/device:GPU:0, /device:GPU:1\).*soft_placement=True",
         ),
     ],
 )

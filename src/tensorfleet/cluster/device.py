@@ -1,46 +1,70 @@
-"""Device strings in TensorFlow's form: ``/job:worker/task:1/device:gpu:0``.
+"""Device strings in TensorFlow's form: ``/job:worker/replica:0/task:1/device:GPU:0``.
 
 A :class:`DeviceSpec` names where something runs or lives: a task of the cluster and,
 optionally, one of its devices. Any part may be left unset, and :meth:`DeviceSpec.merge`
 fills unset parts from an outer scope the way nested ``tf.device`` blocks do.
+
+The semantics are TensorFlow's ``tf.DeviceSpec`` (``tensorflow/python/framework/device_spec.py``):
+
+- fields ``job``, ``replica``, ``task``, ``device_type``, ``device_index``, each optional;
+- accepted spellings: ``/job:NAME``, ``/replica:N``, ``/task:N``, ``/device:TYPE:N``,
+  ``/device:TYPE:*``, and the short forms ``/TYPE:N``, ``/TYPE:*`` and ``/TYPE``, in any
+  order, the leading ``/`` optional; ``cpu``/``gpu`` in any case (``cuda`` too) are
+  normalized to ``CPU``/``GPU`` as TensorFlow does;
+- :meth:`to_string` is TensorFlow's canonical form, in the order job, replica, task, device
+  (``/device:GPU:*`` for a type without index), so canonical strings compare equal;
+- merging is field by field: each field the inner spec sets overrides, each it leaves unset
+  is inherited (so ``/gpu:1`` merged with ``/cpu`` gives ``/device:CPU:1``, as in TF).
+
+Where tensorfleet is stricter than TensorFlow, on purpose (each is a likely typo that TF would
+silently accept): a field given twice in one string is an error (TF keeps the last job, task
+or replica); device types other than CPU and GPU are refused (torch has nothing to run
+``TPU`` or ``MyFunnyDevice`` here); an index must be a non-negative integer. Every error
+names the string and the bad part.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tensorfleet.cluster.spec import check_job_name, check_task_index, show
 from tensorfleet.errors import ClusterConfigError
 
 #: Accepted spellings of device types (compared lowercased) and the canonical type each names.
-DEVICE_TYPES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}
+DEVICE_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU"}
 
 _DIGITS_RE = re.compile(r"[0-9]+")
 _FORMS = (
-    "'/job:NAME', '/replica:0', '/task:N', '/device:cpu:N', '/device:gpu:N', '/cpu:N', "
-    "'/gpu:N' (N may be '*' for any)"
+    "'/job:NAME', '/replica:N', '/task:N', '/device:CPU:N', '/device:GPU:N', '/cpu:N', "
+    "'/gpu:N' (the device index N may be '*' for any)"
 )
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """A (partial) device name: job, task, device type and device index, each optional.
+    """A (partial) device name: job, task, device type and index, and replica; each optional.
 
-    ``device_type`` is ``"cpu"`` or ``"gpu"``; ``"CPU"``, ``"GPU"`` and ``"cuda"`` are
-    accepted and normalized, so ``DeviceSpec(device_type="cuda")`` has ``device_type == "gpu"``.
-    A ``device_index`` needs a ``device_type``. ``str()`` gives :meth:`to_string`.
+    ``device_type`` is ``"CPU"`` or ``"GPU"``; ``"cpu"``, ``"gpu"`` and ``"cuda"`` (any
+    case) are accepted and normalized, so ``DeviceSpec(device_type="cuda")`` has
+    ``device_type == "GPU"``. A ``device_index`` needs a ``device_type``. ``replica`` is a
+    keyword (it is TensorFlow's second field, but was added last here so that positional
+    ``DeviceSpec(job, task, device_type, device_index)`` keeps working). ``str()`` gives
+    :meth:`to_string`.
     """
 
     job: str | None = None
     task: int | None = None
     device_type: str | None = None
     device_index: int | None = None
+    replica: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.job is not None:
             check_job_name(self.job, "device spec: job")
+        if self.replica is not None:
+            _check_int(self.replica, "device spec: replica")
         if self.task is not None:
             _check_int(self.task, "device spec: task")
         if self.device_type is not None:
@@ -50,75 +74,75 @@ class DeviceSpec:
             if self.device_type is None:
                 raise ClusterConfigError(
                     f"device spec: device index {self.device_index} without a device type; "
-                    "give device_type='cpu' or 'gpu' as well"
+                    "give device_type='CPU' or 'GPU' as well"
                 )
 
     @classmethod
     def parse(cls, text: str) -> DeviceSpec:
         """Read a device string; every part is optional and the leading ``/`` too.
 
-        Accepted: ``"/job:worker/task:1/device:gpu:0"``, ``"/job:ps/task:0/cpu:0"``,
-        ``"/cpu:0"``, ``"/gpu:1"``, ``"/device:GPU:0"``, ``"/job:worker"``, ``"gpu:0"``,
-        ``""`` (nothing set). ``replica:0`` (always 0 in TensorFlow's between-graph setting)
-        is accepted and ignored. Raises :class:`ClusterConfigError` naming the string for an
-        unknown field, a bad index, or a field given twice.
+        Accepted: ``"/job:worker/replica:0/task:1/device:GPU:0"``, ``"/job:ps/task:0/cpu:0"``,
+        ``"/cpu:0"``, ``"/gpu:1"``, ``"/device:CPU:*"``, ``"/job:worker"``, ``"gpu:0"``,
+        ``""`` (nothing set). Raises :class:`ClusterConfigError` naming the string and the
+        bad part for an unknown part, a bad index, an unknown device type, or a part given
+        twice.
         """
         if not isinstance(text, str):
             raise ClusterConfigError(
-                f"a device string must be a str such as '/job:worker/task:0/device:gpu:0', "
+                f"a device string must be a str such as '/job:worker/task:0/device:GPU:0', "
                 f"got {show(text)} of type {type(text).__name__}"
             )
         body = text.strip()
         body = body[1:] if body.startswith("/") else body
         if not body:
             return cls()
-        job: str | None = None
-        task: int | None = None
-        device_type: str | None = None
-        device_index: int | None = None
+        values: dict[str, object] = {}
         seen: set[str] = set()
         for part in body.split("/"):
             pieces = part.split(":")
             key = pieces[0]
-            if key == "job" and len(pieces) == 2:
-                field = "job"
-                job = check_job_name(pieces[1], f"device string {text!r}: job")
-            elif key == "task" and len(pieces) == 2:
-                field = "task"
-                task = _index(pieces[1], text, "task", allow_any=False)
-            elif key == "replica" and len(pieces) == 2:
-                field = "replica"
-                if pieces[1] != "0":
-                    raise ClusterConfigError(
-                        f"device string {text!r}: replica {pieces[1]!r} is not supported; "
-                        "tensorfleet tasks are always replica 0 (drop the '/replica:' part)"
-                    )
+            if key in ("job", "replica", "task") and len(pieces) == 2:
+                fields: dict[str, object] = {key: _field_value(key, pieces[1], text)}
+                name = key
             elif (key == "device" and len(pieces) in (2, 3)) or (
                 key.lower() in DEVICE_TYPES and len(pieces) in (1, 2)
             ):
-                field = "device"
+                name = "device"
                 if key == "device":
                     pieces = pieces[1:]
-                device_type = _device_type(pieces[0], text)
+                fields = {"device_type": _device_type(pieces[0], text)}
                 if len(pieces) == 2:
-                    device_index = _index(pieces[1], text, "device", allow_any=True)
+                    fields["device_index"] = _index(pieces[1], text, "device", allow_any=True)
             else:
                 raise ClusterConfigError(
                     f"device string {text!r}: unknown part {part!r}; the parts are {_FORMS}"
                 )
-            if field in seen:
+            if name in seen:
                 raise ClusterConfigError(
-                    f"device string {text!r} gives the {field} twice; give it once"
+                    f"device string {text!r} gives the {name} twice; give it once"
                 )
-            seen.add(field)
-        return cls(job, task, device_type, device_index)
+            seen.add(name)
+            values.update(fields)
+        return cls(
+            job=values.get("job"),  # type: ignore[arg-type]
+            task=values.get("task"),  # type: ignore[arg-type]
+            device_type=values.get("device_type"),  # type: ignore[arg-type]
+            device_index=values.get("device_index"),  # type: ignore[arg-type]
+            replica=values.get("replica"),  # type: ignore[arg-type]
+        )
+
+    #: TensorFlow's name for :meth:`parse`.
+    from_string = parse
 
     def to_string(self) -> str:
-        """The canonical string, omitting unset parts: ``"/job:worker/task:1/device:gpu:0"``,
-        ``"/device:cpu:0"``, ``"/device:gpu:*"`` (type without index), ``""`` (nothing set)."""
+        """TensorFlow's canonical string, omitting unset parts:
+        ``"/job:worker/replica:0/task:1/device:GPU:0"``, ``"/device:CPU:0"``,
+        ``"/device:GPU:*"`` (a type without index), ``""`` (nothing set)."""
         out = ""
         if self.job is not None:
             out += f"/job:{self.job}"
+        if self.replica is not None:
+            out += f"/replica:{self.replica}"
         if self.task is not None:
             out += f"/task:{self.task}"
         if self.device_type is not None:
@@ -131,9 +155,15 @@ class DeviceSpec:
 
     def merge(self, other: DeviceSpec | str) -> DeviceSpec:
         """A spec with ``other``'s set fields and ``self``'s for the rest, as TensorFlow's
-        ``DeviceSpec.make_merged_spec``: an inner device scope refines an outer one."""
+        ``DeviceSpec.make_merged_spec``: an inner device scope (``other``) refines an outer
+        one (``self``). ``other`` may be a device string."""
         if isinstance(other, str):
             other = DeviceSpec.parse(other)
+        if not isinstance(other, DeviceSpec):
+            raise ClusterConfigError(
+                f"can only merge a DeviceSpec or a device string, got {show(other)} of type "
+                f"{type(other).__name__}"
+            )
         return dataclasses.replace(
             self,
             **{
@@ -143,11 +173,35 @@ class DeviceSpec:
             },
         )
 
+    #: TensorFlow's name for :meth:`merge`.
+    make_merged_spec = merge
+
+    def replace(self, **changes: object) -> DeviceSpec:
+        """A copy with the given fields changed (``None`` unsets one), as TensorFlow's
+        ``DeviceSpec.replace``: ``spec.replace(task=None, replica=12)``."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ClusterConfigError(
+                f"DeviceSpec has no field(s) {sorted(unknown)}; the fields are job, replica, "
+                "task, device_type, device_index"
+            )
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def names_task(self) -> bool:
+        """Whether the spec names a job or a task (a place in the cluster, not only a device)."""
+        return self.job is not None or self.task is not None or self.replica is not None
+
+    def device_only(self) -> DeviceSpec:
+        """The device part alone: ``/job:worker/task:1/device:GPU:0`` -> ``/device:GPU:0``."""
+        return DeviceSpec(device_type=self.device_type, device_index=self.device_index)
+
     def torch_device(self) -> str:
         """The device as ``torch.device`` takes it: ``"cpu"`` when no type is set or it is
-        ``cpu``; ``"cuda:N"`` for ``gpu:N``, and ``"cuda"`` (torch's current CUDA device) for
-        a GPU without an index."""
-        if self.device_type != "gpu":
+        CPU; ``"cuda:N"`` for ``GPU:N``, and ``"cuda"`` (torch's current CUDA device) for a
+        GPU without an index. Whether the machine has it is checked by
+        :func:`tensorfleet.worker.device.torch_device`."""
+        if self.device_type != "GPU":
             return "cpu"
         return "cuda" if self.device_index is None else f"cuda:{self.device_index}"
 
@@ -159,12 +213,18 @@ def _check_int(value: object, where: str) -> int:
     return check_task_index(value, where)
 
 
+def _field_value(key: str, value: str, text: str) -> object:
+    if key == "job":
+        return check_job_name(value, f"device string {text!r}: job")
+    return _index(value, text, key, allow_any=False)
+
+
 def _device_type(value: object, text: str | None = None) -> str:
     where = "device spec" if text is None else f"device string {text!r}"
     if not isinstance(value, str) or value.lower() not in DEVICE_TYPES:
         raise ClusterConfigError(
-            f"{where}: unknown device type {show(value)}; use 'cpu' or 'gpu' "
-            "('CPU', 'GPU' and 'cuda' are accepted too)"
+            f"{where}: unknown device type {show(value)}; use 'CPU' or 'GPU' "
+            "('cpu', 'gpu' and 'cuda' are accepted too)"
         )
     return DEVICE_TYPES[value.lower()]
 

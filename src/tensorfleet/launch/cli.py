@@ -33,6 +33,7 @@ from tensorfleet.launch.local_cluster import (
     LocalCluster,
 )
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
+from tensorfleet.launch.resource_flags import add_resource_flags, task_environments
 from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="plain prefixed lines only, even on a terminal (no live task view)",
     )
+    add_resource_flags(launch)
     launch.add_argument(
         "command",
         nargs=argparse.REMAINDER,
@@ -266,6 +268,7 @@ def _launch(args: argparse.Namespace) -> int:
         if not ps_command:
             raise LaunchError("--ps-command is empty; give the ps program and its arguments")
 
+    task_env = task_environments(args, args.ps, args.workers)  # refuses before anything starts
     output: Output
     if not args.no_live and sys.stdout.isatty():
         live = LiveOutput()
@@ -278,6 +281,7 @@ def _launch(args: argparse.Namespace) -> int:
         command,
         ps_command=ps_command,
         env={environment.ENCRYPT_VAR: "1"} if args.encrypt else None,
+        task_env=task_env,
         grace_period=args.grace_period,
         kill_timeout=args.kill_timeout,
         output=output,

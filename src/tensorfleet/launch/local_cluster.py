@@ -162,6 +162,9 @@ class LocalCluster:
             script for ps tasks too (TensorFlow style, where the script calls
             ``server.join()``).
         env: variables added to (and overriding) this process's environment for every task.
+        task_env: variables for one task each, by task name (``"worker:1"``), applied after
+            ``env``: e.g. each task's thread budget and GPUs
+            (:func:`tensorfleet.cluster.resources.plan_resources`).
         grace_period: seconds the ps tasks get to exit after every worker exited 0, and the
             other tasks get to finish after one failed, before SIGTERM.
         kill_timeout: seconds between SIGTERM and SIGKILL.
@@ -189,6 +192,7 @@ class LocalCluster:
         *,
         ps_command: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
+        task_env: Mapping[str, Mapping[str, str]] | None = None,
         grace_period: float = DEFAULT_GRACE_PERIOD,
         kill_timeout: float = DEFAULT_KILL_TIMEOUT,
         output: Output | None = None,
@@ -225,6 +229,7 @@ class LocalCluster:
         self.output = PlainOutput() if output is None else output
         self.secret = generate_secret() if secret is None else secret
         self._env = dict(env or {})
+        self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
         self._cwd = cwd
 
         try:
@@ -242,6 +247,12 @@ class LocalCluster:
         ] + [
             Task("worker", i, list(worker_argv), deque(maxlen=history)) for i in range(num_workers)
         ]
+        unknown = sorted(set(self._task_env) - {t.name for t in self._tasks})
+        if unknown:
+            raise LaunchError(
+                f"task_env names task(s) {unknown} that this cluster does not have; its tasks "
+                f"are {', '.join(t.name for t in self._tasks)}"
+            )
 
         self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._started = False
@@ -298,6 +309,7 @@ class LocalCluster:
         """The complete environment ``task`` is started with."""
         env = dict(environment.environ())
         env.update(self._env)
+        env.update(self._task_env.get(task.name, {}))
         env[environment.TF_CONFIG_VAR] = json.dumps(
             {"cluster": self.cluster, "task": {"type": task.job, "index": task.index}}
         )

@@ -14,12 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tensorfleet import environment
+from tensorfleet.cluster.resources import TaskResources
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
 from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
 from tensorfleet.wire.message import Limits
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.transport import ServiceSocket
+from tensorfleet.worker.task_resources import AppliedResources, apply_task_resources
 
 log = logging.getLogger("tensorfleet.server")
 
@@ -42,6 +44,9 @@ class ServerConfig:
     encrypt: bool | None = None
     """Encrypt traffic with ZeroMQ CURVE (keys derived from the secret); None: from
     ``TENSORFLEET_ENCRYPT``. Every task of a cluster must agree."""
+    resources: TaskResources | None = None
+    """This task's thread budget and GPU memory cap, applied to torch when the server is
+    created; None: what the launcher set in the environment (nothing set: torch's defaults)."""
 
 
 class Server:
@@ -71,6 +76,8 @@ class Server:
             if self.config.encrypt is not None
             else environment.encryption_requested()
         )
+        self.resources: AppliedResources = apply_task_resources(self.config.resources)
+        """The threads and GPUs torch uses in this task, after applying the resources."""
         self.outcome: ServiceOutcome | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

@@ -1,0 +1,88 @@
+"""The launcher's per-task resource flags and the environment they give each task.
+
+``tensorfleet launch`` divides the host among the tasks it starts (see
+:mod:`tensorfleet.cluster.resources`): ``--intra-op-threads`` / ``--inter-op-threads``
+override the thread budget, ``--no-thread-budget`` leaves torch's defaults (every task uses
+every core), ``--gpus-per-worker N`` gives each worker N GPUs of its own,
+``--gpu-memory-fraction F`` caps each task's share of its GPUs' memory. A request the host
+cannot meet is refused before any task starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tensorfleet import environment
+from tensorfleet.cluster.resources import parse_visible_devices, plan_resources
+
+
+def add_resource_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the resource flags to the ``launch`` sub-command."""
+    group = parser.add_argument_group("per-task resources")
+    group.add_argument(
+        "--intra-op-threads",
+        type=int,
+        metavar="N",
+        help="torch intra-op threads of every task (default: the host's cores divided among "
+        "the tasks, at least 1, so that co-located tasks do not oversubscribe the cores)",
+    )
+    group.add_argument(
+        "--inter-op-threads",
+        type=int,
+        metavar="N",
+        help="torch inter-op threads of every task (default: the same budget as intra-op)",
+    )
+    group.add_argument(
+        "--no-thread-budget",
+        action="store_true",
+        help="leave torch's thread defaults alone in every task (each uses every core)",
+    )
+    group.add_argument(
+        "--gpus-per-worker",
+        type=int,
+        default=0,
+        metavar="N",
+        help="give each worker N GPUs of its own (disjoint CUDA_VISIBLE_DEVICES); ps tasks get "
+        "none. Refused before anything starts if the host has fewer than N x workers (default: 0)",
+    )
+    group.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        metavar="F",
+        help="cap each task's share of each of its GPUs' memory to F in (0, 1] "
+        "(torch.cuda.set_per_process_memory_fraction; default: grow on demand)",
+    )
+
+
+def task_environments(
+    args: argparse.Namespace, num_ps: int, num_workers: int
+) -> dict[str, dict[str, str]]:
+    """Each task's resource variables by task name, from the parsed flags. Raises
+    :class:`~tensorfleet.errors.ClusterConfigError` for a request the host cannot meet."""
+    if num_ps < 0 or num_workers < 1:
+        return {}  # LocalCluster refuses these counts with its own message
+    host_gpus: tuple[int, ...] = ()
+    if args.gpus_per_worker or args.gpu_memory_fraction is not None:
+        host_gpus = _host_gpus()
+    plan = plan_resources(
+        num_ps,
+        num_workers,
+        host_gpus=host_gpus,
+        gpus_per_worker=args.gpus_per_worker,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        intra_op_threads=args.intra_op_threads,
+        inter_op_threads=args.inter_op_threads,
+        thread_budget_enabled=not args.no_thread_budget,
+    )
+    return {name: resources.to_env() for name, resources in plan.items()}
+
+
+def _host_gpus() -> tuple[int, ...]:
+    """The physical GPU ids the launcher may hand out: its own ``CUDA_VISIBLE_DEVICES`` when
+    set, else every GPU torch finds (torch is imported only when GPUs are asked for)."""
+    inherited = environment.environ().get(environment.CUDA_VISIBLE_DEVICES_VAR)
+    if inherited is not None:
+        return parse_visible_devices(inherited)
+    from tensorfleet.worker.device import cuda_device_count_here
+
+    return tuple(range(cuda_device_count_here()))
