@@ -1,0 +1,139 @@
+"""The placement report: one table saying where every variable is stored and where every
+module computes.
+
+``log_placement=True`` prints it on the chief. Rows:
+
+- ``variable``: each trainable parameter, its shape, the ps shard(s) storing it (``ps:1``;
+  several for a partitioned one; ``local`` when no ps holds it: one process, all-reduce, or
+  a pipeline's stage-local state), and the device its working copy is on here;
+- ``module``: each module that holds parameters directly (the leaves that compute), the task
+  it computes on and its device: the device of its parameters (what torch will really use),
+  and, when a ``tfl.device`` scope or ``tfl.place`` asked for something else (soft
+  placement), the asked spec too.
+
+For a pipeline, ``stage_tasks`` maps each module name prefix (``"0"``, ``"stage1.3"``) to the
+task running it, so the report of one pipeline lists every stage's task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from tensorfleet.cluster.device import DeviceSpec
+from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.worker.device_scope import requested_device
+
+
+@dataclass(frozen=True)
+class PlacementRow:
+    """One line of the report."""
+
+    kind: str  # "variable" or "module"
+    name: str
+    detail: str  # the shape of a variable, the class of a module
+    stored_on: str  # ps shard(s) of a variable, "-" for a module
+    task: str
+    device: str
+    asked: str = ""
+
+
+def placement_rows(
+    model: nn.Module,
+    *,
+    plan: PlacementPlan | None = None,
+    task: str = "local",
+    stage_tasks: Mapping[str, str] | None = None,
+) -> list[PlacementRow]:
+    """The report's rows: every trainable variable, then every module holding parameters."""
+    shards: dict[str, list[str]] = {}
+    if plan is not None:
+        for shard in plan.shards:
+            for piece in shard:
+                shards.setdefault(piece.variable.name, []).append(f"ps:{piece.shard}")
+    rows: list[PlacementRow] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        rows.append(
+            PlacementRow(
+                "variable",
+                name,
+                str(list(param.shape)),
+                ",".join(sorted(set(shards.get(name, [])))) or "local",
+                _task_of(name, task, stage_tasks),
+                _spec_of(param.device),
+            )
+        )
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        actual = _spec_of(own[0].device)
+        asked = requested_device(module)
+        rows.append(
+            PlacementRow(
+                "module",
+                name or "(root)",
+                type(module).__name__,
+                "-",
+                _task_of(name, task, stage_tasks),
+                actual,
+                asked.to_string() if asked is not None and _differs(asked, actual) else "",
+            )
+        )
+    return rows
+
+
+def placement_report(
+    model: nn.Module,
+    *,
+    plan: PlacementPlan | None = None,
+    task: str = "local",
+    stage_tasks: Mapping[str, str] | None = None,
+) -> str:
+    """The table as text, one row per variable and per module (see the module docstring)."""
+    rows = placement_rows(model, plan=plan, task=task, stage_tasks=stage_tasks)
+    header = PlacementRow("kind", "name", "shape/type", "stored on", "task", "device", "asked")
+    widths = [
+        max(len(getattr(r, f)) for r in [header, *rows])
+        for f in ("kind", "name", "detail", "stored_on", "task", "device")
+    ]
+    title = (
+        f"placement ({plan.strategy}, {plan.num_shards} ps shard(s)):"
+        if plan is not None
+        else "placement (no ps: variables are local):"
+    )
+    lines = [title]
+    if not any(r.asked for r in rows):
+        header = PlacementRow(*[getattr(header, f) for f in ("kind", "name", "detail", "stored_on", "task", "device")])
+    for row in [header, *rows]:
+        cells = [row.kind, row.name, row.detail, row.stored_on, row.task, row.device]
+        text = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+        lines.append(("  " + text + ("  " + row.asked if row.asked else "")).rstrip())
+    return "\n".join(lines)
+
+
+def _task_of(name: str, task: str, stage_tasks: Mapping[str, str] | None) -> str:
+    if not stage_tasks:
+        return task
+    best = ""
+    for prefix in stage_tasks:
+        if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > len(best):
+            best = prefix
+    return stage_tasks[best] if best else task
+
+
+def _spec_of(device: object) -> str:
+    dev = str(device)
+    if dev.startswith("cuda"):
+        index = dev.partition(":")[2] or "0"
+        return f"/device:GPU:{index}"
+    return "/device:CPU:0"
+
+
+def _differs(asked: DeviceSpec, actual: str) -> bool:
+    """Whether soft placement moved the module: a GPU asked for, the CPU used."""
+    return asked.device_type is not None and asked.device_type != actual.split(":")[1]
