@@ -1,0 +1,156 @@
+"""A pipeline inside one task: a model split into stages with micro-batches gives the outputs,
+gradients and updated parameters of the unsplit model; bad input and failing stages are named."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed
+from tensorfleet.parallel.local_pipeline import LocalPipeline
+from tensorfleet.parallel.schedule import bubble_fraction, stage_order
+from tensorfleet.parallel.stages import split_microbatches, split_stages, stage_boundaries
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64),
+        nn.Tanh(), nn.Linear(64, 10),
+    )
+
+
+def train_reference(model: nn.Sequential, batches, lr: float):
+    """Unsplit, whole batch: per step the outputs and gradients, and the final parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    outs, grads = [], []
+    for x, y in batches:
+        opt.zero_grad()
+        out = model(x)
+        F.cross_entropy(out, y).backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return outs, grads
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("boundaries", [[4], [2, 5]], ids=["2-stages", "3-stages"])
+def test_pipeline_matches_the_unsplit_model_for_5_steps(schedule, boundaries):
+    torch.manual_seed(1)
+    batches = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(5)]
+    model, reference = mlp(), mlp()
+    ref_outs, ref_grads = train_reference(reference, batches, lr=0.1)
+    stages = split_stages(model, boundaries=boundaries)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with LocalPipeline(stages, n_microbatches=4, loss_fn=F.cross_entropy, schedule=schedule) as pipe:
+        for step, (x, y) in enumerate(batches):
+            result = pipe.step(x, y)
+            assert (result.outputs - ref_outs[step]).abs().max() < 1e-5
+            assert abs(result.loss.item() - F.cross_entropy(ref_outs[step], y).item()) < 1e-5
+            for name, p in model.named_parameters():
+                assert (p.grad - ref_grads[step][name]).abs().max() < 1e-5, (step, name)
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p - q).abs().max() < 1e-5, name
+
+
+def test_stage_that_raises_stops_the_others_and_is_named():
+    class Explode(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("boom in micro-batch 2")
+            return x
+
+    stages = [nn.Sequential(nn.Linear(8, 8)), nn.Sequential(Explode(), nn.Linear(8, 2))]
+    with LocalPipeline(stages, n_microbatches=4, loss_fn=F.cross_entropy, timeout_s=30) as pipe:
+        with pytest.raises(PipelineFailed, match=r"stage 1 of 2 .*forward of micro-batch 2.*boom"):
+            pipe.step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long))
+    for thread in threading.enumerate():  # the stage threads end by themselves
+        if thread.name.startswith("stage"):
+            thread.join(timeout=10)
+            assert not thread.is_alive(), thread.name
+
+
+def test_a_stuck_stage_fails_at_the_deadline_naming_what_was_awaited():
+    release = threading.Event()
+
+    class Stuck(nn.Module):
+        def forward(self, x):
+            release.wait(10)
+            return x
+
+    stages = [nn.Sequential(nn.Linear(4, 4), Stuck()), nn.Sequential(nn.Linear(4, 2))]
+    try:
+        with LocalPipeline(stages, n_microbatches=2, loss_fn=F.cross_entropy, timeout_s=0.5) as pipe:
+            with pytest.raises(
+                PipelineFailed,
+                match=r"stage 1 waited 0.5 s for the activations of micro-batch 0 from stage 0",
+            ):
+                pipe.step(torch.randn(4, 4), torch.zeros(4, dtype=torch.long))
+            release.set()
+    finally:
+        release.set()
+
+
+def test_bad_input_is_refused_with_the_fix():
+    model = mlp()
+    with pytest.raises(ParallelConfigError, match=r"model of 7 layer\(s\) into 8 stages"):
+        split_stages(model, 8)
+    with pytest.raises(ParallelConfigError, match=r"from an nn.Sequential, got Linear"):
+        split_stages(nn.Linear(2, 2), 2)  # type: ignore[arg-type]
+    with pytest.raises(ParallelConfigError, match=r"strictly increasing layer indices in 1..6"):
+        split_stages(model, boundaries=[5, 3])
+    with pytest.raises(ParallelConfigError, match="exactly one"):
+        split_stages(model, 2, boundaries=[3])
+    with pytest.raises(ParallelConfigError, match=r"a batch of 10 does not split into 4 .*8 or 12"):
+        split_microbatches(torch.zeros(10), 4)
+    stages = split_stages(model, 2)
+    with pytest.raises(ParallelConfigError, match="2 stages but 1 devices"):
+        LocalPipeline(stages, ["/cpu:0"], n_microbatches=2, loss_fn=F.cross_entropy)
+    with pytest.raises(ParallelConfigError, match="schedule must be one of"):
+        LocalPipeline(stages, n_microbatches=2, loss_fn=F.cross_entropy, schedule="zb")
+    with pytest.raises(ParallelConfigError, match=r"n_microbatches must be an integer >= 1, got 0"):
+        LocalPipeline(stages, n_microbatches=0, loss_fn=F.cross_entropy)
+    with LocalPipeline(stages, n_microbatches=4, loss_fn=F.cross_entropy) as pipe:
+        with pytest.raises(ParallelConfigError, match="a batch of 6 does not split into 4"):
+            pipe.step(torch.randn(6, 32), torch.zeros(6, dtype=torch.long))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="asks for a GPU"):
+            LocalPipeline(copy.deepcopy(stages), ["/gpu:0", "/gpu:1"], n_microbatches=2,
+                          loss_fn=F.cross_entropy)
+
+
+def test_balanced_boundaries_and_schedules():
+    assert stage_boundaries(mlp(), 7) == [1, 2, 3, 4, 5, 6]
+    assert len(split_stages(mlp(), 3)) == 3
+    assert stage_order("1f1b", 0, 2, 4) == [
+        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)
+    ]
+    assert stage_order("1f1b", 1, 2, 4) == [
+        ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)
+    ]
+    assert stage_order("gpipe", 0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert bubble_fraction(2, 4) == pytest.approx(0.2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_pipeline_on_two_gpus_matches():  # pragma: no cover - GPU machines only
+    torch.manual_seed(2)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model, reference = mlp(), mlp()
+    ref_outs, ref_grads = train_reference(reference, [(x, y)], lr=0.1)
+    with LocalPipeline(split_stages(model, 2), ["/gpu:0", "/gpu:1"], n_microbatches=4,
+                       loss_fn=F.cross_entropy) as pipe:
+        result = pipe.step(x.cuda(0), y.cuda(0))
+    assert (result.outputs.cpu() - ref_outs[0]).abs().max() < 1e-5
