@@ -1,6 +1,6 @@
 """The layers of DESIGN.md import one way, downward; and nothing unpickles or evaluates data.
 
-launch > session > worker > ps > wire > cluster. Modules at the package top (errors,
+launch > session > parallel > worker > ps > wire > cluster. Modules at the package top (errors,
 environment, version, and the facades __init__ / optim / __main__) are shared by all layers.
 """
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "tensorfleet"
-LAYERS = ["cluster", "wire", "ps", "worker", "session", "launch"]
+#: parallel (in-graph replicas, pipelines) drives workers' devices; sessions plug it in as modes.
+LAYERS = ["cluster", "wire", "ps", "worker", "parallel", "session", "launch"]
 SHARED = {"errors", "environment", "version"}
 #: Side packages that only the top layers may use (data for examples, not the runtime).
 SIDE = {"datasets": 0}

@@ -20,8 +20,13 @@ from tensorfleet.parallel.stages import split_microbatches, split_stages, stage_
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64),
-        nn.Tanh(), nn.Linear(64, 10),
+        nn.Linear(32, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 10),
     )
 
 
@@ -48,7 +53,9 @@ def test_pipeline_matches_the_unsplit_model_for_5_steps(schedule, boundaries):
     ref_outs, ref_grads = train_reference(reference, batches, lr=0.1)
     stages = split_stages(model, boundaries=boundaries)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with LocalPipeline(stages, n_microbatches=4, loss_fn=F.cross_entropy, schedule=schedule) as pipe:
+    with LocalPipeline(
+        stages, n_microbatches=4, loss_fn=F.cross_entropy, schedule=schedule
+    ) as pipe:
         for step, (x, y) in enumerate(batches):
             result = pipe.step(x, y)
             assert (result.outputs - ref_outs[step]).abs().max() < 1e-5
@@ -92,7 +99,9 @@ def test_a_stuck_stage_fails_at_the_deadline_naming_what_was_awaited():
 
     stages = [nn.Sequential(nn.Linear(4, 4), Stuck()), nn.Sequential(nn.Linear(4, 2))]
     try:
-        with LocalPipeline(stages, n_microbatches=2, loss_fn=F.cross_entropy, timeout_s=0.5) as pipe:
+        with LocalPipeline(
+            stages, n_microbatches=2, loss_fn=F.cross_entropy, timeout_s=0.5
+        ) as pipe:
             with pytest.raises(
                 PipelineFailed,
                 match=r"stage 1 waited 0.5 s for the activations of micro-batch 0 from stage 0",
@@ -127,18 +136,36 @@ def test_bad_input_is_refused_with_the_fix():
             pipe.step(torch.randn(6, 32), torch.zeros(6, dtype=torch.long))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="asks for a GPU"):
-            LocalPipeline(copy.deepcopy(stages), ["/gpu:0", "/gpu:1"], n_microbatches=2,
-                          loss_fn=F.cross_entropy)
+            LocalPipeline(
+                copy.deepcopy(stages),
+                ["/gpu:0", "/gpu:1"],
+                n_microbatches=2,
+                loss_fn=F.cross_entropy,
+            )
 
 
 def test_balanced_boundaries_and_schedules():
     assert stage_boundaries(mlp(), 7) == [1, 2, 3, 4, 5, 6]
     assert len(split_stages(mlp(), 3)) == 3
     assert stage_order("1f1b", 0, 2, 4) == [
-        ("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)
+        ("F", 0),
+        ("F", 1),
+        ("B", 0),
+        ("F", 2),
+        ("B", 1),
+        ("F", 3),
+        ("B", 2),
+        ("B", 3),
     ]
     assert stage_order("1f1b", 1, 2, 4) == [
-        ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+        ("F", 3),
+        ("B", 3),
     ]
     assert stage_order("gpipe", 0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
     assert bubble_fraction(2, 4) == pytest.approx(0.2)
@@ -150,7 +177,8 @@ def test_pipeline_on_two_gpus_matches():  # pragma: no cover - GPU machines only
     x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
     model, reference = mlp(), mlp()
     ref_outs, ref_grads = train_reference(reference, [(x, y)], lr=0.1)
-    with LocalPipeline(split_stages(model, 2), ["/gpu:0", "/gpu:1"], n_microbatches=4,
-                       loss_fn=F.cross_entropy) as pipe:
+    with LocalPipeline(
+        split_stages(model, 2), ["/gpu:0", "/gpu:1"], n_microbatches=4, loss_fn=F.cross_entropy
+    ) as pipe:
         result = pipe.step(x.cuda(0), y.cuda(0))
     assert (result.outputs.cpu() - ref_outs[0]).abs().max() < 1e-5

@@ -15,7 +15,9 @@ from tensorfleet.parallel.replicas import InGraphReplicas
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5))
+    return nn.Sequential(
+        nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 5)
+    )
 
 
 def cnn() -> nn.Module:
@@ -75,7 +77,10 @@ def test_replicas_follow_the_master_after_an_update():
     torch.manual_seed(4)
     x, y = torch.randn(16, 20), torch.randint(0, 5, (16,))
     model, ref = mlp(), mlp()
-    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt, opt_ref = (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(ref.parameters(), lr=0.1),
+    )
     with InGraphReplicas(model, 2) as engine:
         for _ in range(5):
             engine.step(ce, x, y)
@@ -123,7 +128,9 @@ def test_bad_input_is_named():
             engine.step(ce, torch.randn(2, 20), torch.zeros(2, dtype=torch.long))
         with pytest.raises(ParallelConfigError, match="differ in their first dimension"):
             engine.step(ce, torch.randn(6, 20), torch.zeros(5, dtype=torch.long))
-        with pytest.raises(ReplicaFailed, match=r"replica 0 on /device:CPU:0 failed .*mat1 and mat2"):
+        with pytest.raises(
+            ReplicaFailed, match=r"replica 0 on /device:CPU:0 failed .*mat1 and mat2"
+        ):
             engine.step(ce, torch.randn(6, 3), torch.zeros(6, dtype=torch.long))
         with pytest.raises(ReplicaFailed, match="loss_fn must return a scalar tensor"):
             engine.step(lambda m, x: m(x), torch.randn(6, 20))

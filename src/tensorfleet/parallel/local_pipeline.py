@@ -96,7 +96,9 @@ class LocalPipeline:
             raise ParallelConfigError(
                 f"{len(stages)} stages but {len(specs)} devices: give one device per stage"
             )
-        self.stages = [place(s, d, soft_placement=soft_placement) for s, d in zip(stages, specs, strict=True)]
+        self.stages = [
+            place(s, d, soft_placement=soft_placement) for s, d in zip(stages, specs, strict=True)
+        ]
         self.specs = [d if isinstance(d, DeviceSpec) else DeviceSpec.parse(d) for d in specs]
         self.devices = [torch_device(d, soft_placement=soft_placement) for d in self.specs]
         self.n_microbatches = n_microbatches
@@ -262,4 +264,3 @@ class _Step:
         self.position: dict[int, str] = {}
         self.failure: tuple[int, BaseException] | None = None
         self.lock = threading.Lock()
-

@@ -125,7 +125,9 @@ class InGraphReplicas:
         if self._closed:
             raise ParallelConfigError("this InGraphReplicas is closed; create a new one")
         if not batch:
-            raise ParallelConfigError("step() needs the batch tensors to split, e.g. step(loss_fn, x, y)")
+            raise ParallelConfigError(
+                "step() needs the batch tensors to split, e.g. step(loss_fn, x, y)"
+            )
         total = batch[0].shape[0]
         if any(t.shape[0] != total for t in batch):
             raise ParallelConfigError(

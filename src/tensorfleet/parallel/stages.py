@@ -69,9 +69,11 @@ def split_stages(
         cuts = stage_boundaries(model, num_stages)  # type: ignore[arg-type]
     else:
         cuts = list(boundaries)
-        if any(isinstance(b, bool) or not isinstance(b, int) for b in cuts) or any(
-            not 0 < b < layers for b in cuts
-        ) or cuts != sorted(set(cuts)):
+        if (
+            any(isinstance(b, bool) or not isinstance(b, int) for b in cuts)
+            or any(not 0 < b < layers for b in cuts)
+            or cuts != sorted(set(cuts))
+        ):
             raise ParallelConfigError(
                 f"boundaries {list(boundaries)} must be strictly increasing layer indices in "
                 f"1..{layers - 1} (the model has {layers} layers); e.g. [{layers // 2}] for two stages"
@@ -88,7 +90,11 @@ def split_microbatches(tensor: torch.Tensor, n_microbatches: int) -> list[torch.
 
 def check_microbatches(batch_size: int, n_microbatches: int) -> int:
     """The micro-batch size; :class:`ParallelConfigError` unless the batch divides evenly."""
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+    if (
+        isinstance(n_microbatches, bool)
+        or not isinstance(n_microbatches, int)
+        or n_microbatches < 1
+    ):
         raise ParallelConfigError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
     if batch_size % n_microbatches:
         lower = batch_size - batch_size % n_microbatches

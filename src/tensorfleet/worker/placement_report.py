@@ -108,7 +108,9 @@ def placement_report(
     )
     lines = [title]
     if not any(r.asked for r in rows):
-        header = PlacementRow(*[getattr(header, f) for f in ("kind", "name", "detail", "stored_on", "task", "device")])
+        header = PlacementRow(
+            *[getattr(header, f) for f in ("kind", "name", "detail", "stored_on", "task", "device")]
+        )
     for row in [header, *rows]:
         cells = [row.kind, row.name, row.detail, row.stored_on, row.task, row.device]
         text = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
