@@ -53,6 +53,21 @@ _EXPORTS = {
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
     "ClientTimeouts": "tensorfleet.worker.client",
     "torch_device": "tensorfleet.worker.device",
+    "SoftPlacementWarning": "tensorfleet.worker.device",
+    "device": "tensorfleet.worker.device_scope",
+    "place": "tensorfleet.worker.device_scope",
+    "placement_report": "tensorfleet.worker.placement_report",
+    "TaskResources": "tensorfleet.cluster.resources",
+    "plan_resources": "tensorfleet.cluster.resources",
+    "apply_task_resources": "tensorfleet.worker.task_resources",
+    "InGraphReplicas": "tensorfleet.parallel.replicas",
+    "LocalPipeline": "tensorfleet.parallel.local_pipeline",
+    "RemotePipelineStage": "tensorfleet.parallel.remote_pipeline",
+    "join_process_group": "tensorfleet.parallel.remote_pipeline",
+    "split_stages": "tensorfleet.parallel.stages",
+    "ParallelConfigError": "tensorfleet.parallel.errors",
+    "PipelineFailed": "tensorfleet.parallel.errors",
+    "ReplicaFailed": "tensorfleet.parallel.errors",
 }
 _SUBMODULES = {"optim"}
 
@@ -62,6 +77,7 @@ if TYPE_CHECKING:
     from tensorfleet import optim
     from tensorfleet.cluster.device import DeviceSpec
     from tensorfleet.cluster.resolver import ResolvedTask, resolve_task
+    from tensorfleet.cluster.resources import TaskResources, plan_resources
     from tensorfleet.cluster.spec import ClusterSpec, TaskId
     from tensorfleet.errors import (
         AuthenticationError,
@@ -77,6 +93,11 @@ if TYPE_CHECKING:
         ServiceRestarted,
         TensorfleetError,
     )
+    from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed, ReplicaFailed
+    from tensorfleet.parallel.local_pipeline import LocalPipeline
+    from tensorfleet.parallel.remote_pipeline import RemotePipelineStage, join_process_group
+    from tensorfleet.parallel.replicas import InGraphReplicas
+    from tensorfleet.parallel.stages import split_stages
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
     from tensorfleet.session.checkpoints import export_checkpoint, load_checkpoint
     from tensorfleet.session.hooks import (
@@ -93,7 +114,10 @@ if TYPE_CHECKING:
     from tensorfleet.summaries.plot import plot_metrics
     from tensorfleet.summaries.summary_writer import SummaryWriter
     from tensorfleet.worker.client import ClientTimeouts
-    from tensorfleet.worker.device import torch_device
+    from tensorfleet.worker.device import SoftPlacementWarning, torch_device
+    from tensorfleet.worker.device_scope import device, place
+    from tensorfleet.worker.placement_report import placement_report
+    from tensorfleet.worker.task_resources import apply_task_resources
 
 
 def __getattr__(name: str) -> Any:

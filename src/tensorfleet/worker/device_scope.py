@@ -50,8 +50,14 @@ _hook_handle: object | None = None
 
 def current_device_spec() -> DeviceSpec:
     """The merged spec of this thread's enclosing ``tfl.device`` scopes (empty outside any)."""
-    stack: list[DeviceSpec] = getattr(_state, "stack", [])
-    return stack[-1] if stack else DeviceSpec()
+    stack: list[tuple[DeviceSpec, TaskId | None]] = getattr(_state, "stack", [])
+    return stack[-1][0] if stack else DeviceSpec()
+
+
+def _scope_task(task: TaskId | str | None) -> TaskId | str | None:
+    """``task`` if given, else the task an enclosing scope was checked against."""
+    stack: list[tuple[DeviceSpec, TaskId | None]] = getattr(_state, "stack", [])
+    return task if task is not None or not stack else stack[-1][1]
 
 
 @contextmanager
@@ -69,11 +75,11 @@ def device(
     process's task (default: from ``TF_CONFIG`` or Slurm, needed only when a spec names one).
     """
     merged = current_device_spec().merge(spec)
-    _check_task(merged, task)
+    checked = _check_task(merged, _scope_task(task))
     resolved = torch_device(merged, cuda_device_count, soft_placement=soft_placement)
-    stack: list[DeviceSpec] = getattr(_state, "stack", None) or []
+    stack: list[tuple[DeviceSpec, TaskId | None]] = getattr(_state, "stack", None) or []
     _state.stack = stack
-    stack.append(merged)
+    stack.append((merged, checked))
     _install_tagging_hook()
     try:
         with resolved:
@@ -94,7 +100,7 @@ def place(
     """Move ``module`` to ``spec`` (merged with the enclosing scope), tag it for the placement
     report, and return it. Same checks as :func:`device`."""
     merged = current_device_spec().merge(spec)
-    _check_task(merged, task)
+    _check_task(merged, _scope_task(task))
     resolved = torch_device(merged, cuda_device_count, soft_placement=soft_placement)
     module.to(resolved)
     for sub in module.modules():
@@ -107,16 +113,17 @@ def requested_device(module: nn.Module) -> DeviceSpec | None:
     return getattr(module, PLACEMENT_ATTR, None)
 
 
-def _check_task(spec: DeviceSpec, task: TaskId | str | None) -> None:
+def _check_task(spec: DeviceSpec, task: TaskId | str | None) -> TaskId | None:
+    """This process's task once checked against ``spec`` (None: the spec names no task)."""
     if not spec.names_task:
-        return
+        return None
     if spec.replica not in (None, 0):
         raise ClusterConfigError(
             f"device {spec.to_string()!r} names replica {spec.replica}; tensorfleet tasks are "
             "all replica 0 (between-graph replication): drop the '/replica:' part"
         )
     if spec.job is None and spec.task is None:
-        return
+        return None
     here = _local_task(task, spec)
     if (spec.job is not None and spec.job != here.job) or (
         spec.task is not None and spec.task != here.index
@@ -127,6 +134,7 @@ def _check_task(spec: DeviceSpec, task: TaskId | str | None) -> None:
             "split the model into pipeline stages (tensorfleet.parallel), or drop the "
             "'/job:'/'/task:' part"
         )
+    return here
 
 
 def _local_task(task: TaskId | str | None, spec: DeviceSpec) -> TaskId:
@@ -147,7 +155,7 @@ def _local_task(task: TaskId | str | None, spec: DeviceSpec) -> TaskId:
 def _tag(module: nn.Module, name: str, param: object) -> None:
     stack = getattr(_state, "stack", None)
     if stack:  # only modules built by this thread inside a scope
-        object.__setattr__(module, PLACEMENT_ATTR, stack[-1])
+        object.__setattr__(module, PLACEMENT_ATTR, stack[-1][0])
 
 
 def _install_tagging_hook() -> None:
