@@ -94,3 +94,23 @@ def test_a_stage_that_dies_is_named_by_the_other(tmp_path, dying):
     assert f"PIPELINE FAILED: stage {survivor} (worker:{survivor}) of 2" in out, report
     assert "the pipeline broke in step 2" in out, report
     assert f"stage {dying} (worker:{dying})" in out, report
+
+
+@pytest.mark.timeout(120)
+def test_the_leader_updates_the_whole_model_and_sends_each_stage_its_values(tmp_path):
+    """One pipeline as one ps replica: gradients gathered to stage 0, values sent back."""
+    results = run_stages(tmp_path, ["--exchange"], ["--exchange"])
+    report = "\n".join(f"--- stage {i} (exit {rc}):\n{out}" for i, (rc, out) in enumerate(results))
+    assert all(rc == 0 for rc, _ in results), report
+    leader = load_file(tmp_path / "stage0.safetensors")
+    follower = load_file(tmp_path / "stage1.safetensors")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in make_batches(5, 32):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    for name, p in model.named_parameters():
+        assert (leader[f"leader/{name}"] - p.detach()).abs().max() < 1e-5, name
+        if name.split(".")[0] in ("4", "6"):  # stage 1's layers: values sent back
+            assert (follower[f"param/{name}"] - p.detach()).abs().max() < 1e-5, name
