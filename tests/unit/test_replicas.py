@@ -146,3 +146,35 @@ def test_gpu_replicas_match():  # pragma: no cover - GPU machines only
         engine.step(ce, x, y)
     for p, g in zip(model.parameters(), grads_ref, strict=True):
         assert (p.grad - g).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicated_module_in_a_step_closure_matches_one_replica(replicas):
+    """The closure API: loss on the wrapper's output, loss.backward() -> the master's grads."""
+    from tensorfleet.parallel.replicas import ReplicatedModule
+
+    torch.manual_seed(7)
+    x, y = torch.randn(9, 1, 8, 8), torch.randint(0, 3, (9,))
+    model = cnn()
+    loss_ref, grads_ref = reference_grads(model, ce, x, y)
+    x_grad_model = copy.deepcopy(model)
+    with InGraphReplicas(model, replicas) as engine:
+        wrapper = ReplicatedModule(engine)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(wrapper(x), y)
+            loss.backward()
+        assert abs(loss.item() - loss_ref) < 1e-5
+        for (name, p), g in zip(model.named_parameters(), grads_ref, strict=True):
+            assert (p.grad - g).abs().max().item() < 1e-5, name
+        # gradients reach a differentiable input too
+        xr = x.clone().requires_grad_(True)
+        F.cross_entropy(wrapper(xr), y).backward()
+        xq = x.clone().requires_grad_(True)
+        F.cross_entropy(x_grad_model(xq), y).backward()
+        assert (xr.grad - xq.grad).abs().max().item() < 1e-5
+        with torch.no_grad():
+            assert torch.allclose(wrapper(x), model(x))
+    assert [n for n, _ in wrapper.named_parameters()] == [
+        f"module.{n}" for n, _ in model.named_parameters()
+    ]

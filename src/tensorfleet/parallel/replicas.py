@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from torch import nn
@@ -141,24 +142,8 @@ class InGraphReplicas:
         shards = [torch.tensor_split(t, n) for t in batch]
         sizes = [s.shape[0] for s in shards[0]]
         self.broadcast()
-        futures = [
-            self._pool.submit(
-                self._run_replica,
-                i,
-                loss_fn,
-                [shard[i].to(self.devices[i], non_blocking=True) for shard in shards],
-            )
-            for i in range(n)
-        ]
-        losses = []
-        for i, future in enumerate(futures):
-            try:
-                losses.append(future.result())
-            except Exception as exc:
-                raise ReplicaFailed(
-                    f"in-graph replica {i} on {self.specs[i].to_string()} failed on its shard of "
-                    f"{sizes[i]} samples: {type(exc).__name__}: {exc}"
-                ) from exc
+        inputs = [[shard[i].to(self.devices[i], non_blocking=True) for shard in shards] for i in range(n)]
+        losses = self._run_all(lambda i: self._run_replica(i, loss_fn, inputs[i]), sizes)
         weights = [s / total for s in sizes] if self.loss_reduction == "mean" else [1.0] * n
         self._combine(weights, [s / total for s in sizes])
         master_device = self._master_params[0].device if self._master_params else "cpu"
@@ -166,6 +151,29 @@ class InGraphReplicas:
             (w * loss.to(master_device) for w, loss in zip(weights, losses, strict=True)),
             torch.zeros((), device=master_device),
         )
+
+    def _run_all(self, fn: Callable[[int], Any], sizes: list[int]) -> list[Any]:
+        """``fn(i)`` for every replica at once, in the replica threads; the first failure is
+        raised as :class:`ReplicaFailed` naming the replica, its device and shard size."""
+        futures = [self._pool.submit(fn, i) for i in range(len(self.replicas))]
+        results = []
+        for i, future in enumerate(futures):
+            try:
+                results.append(future.result())
+            except Exception as exc:
+                raise ReplicaFailed(
+                    f"in-graph replica {i} on {self.specs[i].to_string()} failed on its shard of "
+                    f"{sizes[i]} samples: {type(exc).__name__}: {exc}"
+                ) from exc
+        return results
+
+    def _summed_grads(self) -> list[torch.Tensor | None]:
+        """Each master parameter's gradient: the sum of the replicas' (None if none has one)."""
+        self._combine([1.0] * len(self.replicas), None)
+        grads = [p.grad for p in self._master_params]
+        for p in self._master_params:
+            p.grad = None  # returned to autograd, which accumulates it
+        return grads
 
     def _run_replica(
         self, index: int, loss_fn: ShardLoss, shard: list[torch.Tensor]
@@ -181,7 +189,7 @@ class InGraphReplicas:
         loss.backward()
         return loss.detach()
 
-    def _combine(self, grad_weights: list[float], buffer_weights: list[float]) -> None:
+    def _combine(self, grad_weights: list[float], buffer_weights: list[float] | None) -> None:
         with torch.no_grad():
             replica_params = [list(r.parameters()) for r in self.replicas]
             for k, master in enumerate(self._master_params):
@@ -193,6 +201,13 @@ class InGraphReplicas:
                     part = grad.to(master.device) * w
                     combined = part if combined is None else combined.add_(part)
                 master.grad = combined
+        if buffer_weights is not None:
+            self._combine_buffers(buffer_weights)
+
+    def _combine_buffers(self, buffer_weights: list[float]) -> None:
+        """Float buffers (BatchNorm's running statistics): the shard-weighted mean; counters:
+        replica 0's (every replica counted the same)."""
+        with torch.no_grad():
             replica_buffers = [list(r.buffers()) for r in self.replicas]
             for k, master in enumerate(self._master_buffers):
                 if master.is_floating_point():
@@ -203,3 +218,90 @@ class InGraphReplicas:
                     master.copy_(mean)
                 else:  # counters such as num_batches_tracked: every replica counted the same
                     master.copy_(replica_buffers[0][k].to(master.device))
+
+
+class ReplicatedModule(nn.Module):
+    """In-graph replication behind an ordinary module, for the step-closure API.
+
+    ``wrapper(x)`` splits ``x`` along its first dimension, runs every replica's forward at
+    once (one thread each) and returns the outputs concatenated on the master's device; the
+    caller computes any loss on them; ``loss.backward()`` then runs every replica's backward
+    at once and the master's parameters receive the sum of the replicas' gradients (the
+    loss's own weighting is already in the gradient of each output slice), so the gradients
+    are exactly those of the whole batch through the master. The model must return one
+    tensor whose first dimension is the batch.
+
+    Without grad mode (evaluation) the master runs the batch itself. ``wrapper.module`` is
+    the master, so ``state_dict`` and ``parameters()`` are the model's.
+    """
+
+    def __init__(self, replicas: InGraphReplicas) -> None:
+        super().__init__()
+        self.module = replicas.model
+        object.__setattr__(self, "replicas", replicas)  # not a submodule: no duplicate params
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.module(x)
+        engine: InGraphReplicas = self.replicas  # type: ignore[assignment]
+        params = engine._master_params
+        return _ReplicaFunction.apply(engine, x, *params)
+
+
+class _ReplicaFunction(torch.autograd.Function):
+    """Forward: the replicas' forwards in threads. Backward: their backwards in threads, and
+    the summed parameter gradients (and the input's gradient) returned to autograd."""
+
+    @staticmethod
+    def forward(ctx, engine: InGraphReplicas, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        n = len(engine.replicas)
+        if x.shape[0] < n:
+            raise ParallelConfigError(
+                f"a batch of {x.shape[0]} cannot feed {n} replicas: use a batch of at least {n}"
+            )
+        engine.broadcast()
+        shards = torch.tensor_split(x, n)
+        wants_input_grad = ctx.needs_input_grad[1]
+
+        def run(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            replica = engine.replicas[i]
+            replica.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                inp = shards[i].to(engine.devices[i]).detach()
+                if wants_input_grad:
+                    inp.requires_grad_(True)
+                out = replica(inp)
+            if not isinstance(out, torch.Tensor) or out.shape[:1] != inp.shape[:1]:
+                raise ParallelConfigError(
+                    "a replicated model must return one tensor whose first dimension is the "
+                    f"batch; replica {i} returned {type(out).__name__}"
+                    + (f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else "")
+                )
+            return inp, out
+
+        results = engine._run_all(run, [s.shape[0] for s in shards])
+        sizes = [s.shape[0] for s in shards]
+        ctx.engine, ctx.results, ctx.sizes = engine, results, sizes
+        total = x.shape[0]
+        engine._combine_buffers([s / total for s in sizes])
+        device = params[0].device if params else x.device
+        return torch.cat([out.detach().to(device) for _, out in results])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        engine: InGraphReplicas = ctx.engine
+        pieces = torch.split(grad_out, ctx.sizes)
+
+        def run(i: int) -> None:
+            inp, out = ctx.results[i]
+            torch.autograd.backward(out, pieces[i].to(out.device))
+
+        engine._run_all(run, ctx.sizes)
+        grads = engine._summed_grads()
+        input_grad = None
+        if ctx.needs_input_grad[1]:
+            input_grad = torch.cat(
+                [inp.grad.to(grad_out.device) for inp, _ in ctx.results]  # type: ignore[union-attr]
+            )
+        ctx.results = None  # free the replicas' graphs
+        return (None, input_grad, *grads)
