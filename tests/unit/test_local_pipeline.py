@@ -182,3 +182,31 @@ def test_pipeline_on_two_gpus_matches():  # pragma: no cover - GPU machines only
     ) as pipe:
         result = pipe.step(x.cuda(0), y.cuda(0))
     assert (result.outputs.cpu() - ref_outs[0]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("boundaries", [[4], [2, 5]], ids=["2-stages", "3-stages"])
+def test_pipelined_module_in_a_step_closure_matches_the_unsplit_model(boundaries):
+    from tensorfleet.parallel.local_pipeline import PipelinedModule
+
+    torch.manual_seed(3)
+    batches = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(5)]
+    model, reference = mlp(), mlp()
+    ref_outs, ref_grads = train_reference(reference, batches, lr=0.1)
+    pipe = LocalPipeline(split_stages(model, boundaries=boundaries), n_microbatches=4, loss_fn=None)
+    wrapper = PipelinedModule(model, pipe)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pipe:
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            out = wrapper(x)
+            F.cross_entropy(out, y).backward()
+            assert (out.detach() - ref_outs[step]).abs().max() < 1e-5
+            for name, p in model.named_parameters():
+                assert (p.grad - ref_grads[step][name]).abs().max() < 1e-5, (step, name)
+            opt.step()
+        with torch.no_grad():
+            assert torch.allclose(wrapper(batches[0][0]), reference(batches[0][0]), atol=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (p - q).abs().max() < 1e-5
+    with pytest.raises(ParallelConfigError, match="needs loss_fn"):
+        pipe.step(torch.randn(4, 32), torch.zeros(4, dtype=torch.long))

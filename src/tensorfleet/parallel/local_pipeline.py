@@ -74,7 +74,7 @@ class LocalPipeline:
         devices: Sequence[str | DeviceSpec] | None = None,
         *,
         n_microbatches: int,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
         schedule: str = "1f1b",
         loss_reduction: str = "mean",
         soft_placement: bool = False,
@@ -130,27 +130,48 @@ class LocalPipeline:
 
     def step(self, x: torch.Tensor, target: torch.Tensor) -> PipelineResult:
         """Forward and backward of the batch ``(x, target)`` through every stage."""
+        if self.loss_fn is None:
+            raise ParallelConfigError(
+                "step(x, target) needs loss_fn; without one use PipelinedModule (the loss is "
+                "computed by the caller)"
+            )
+        if target.shape[0] != x.shape[0]:
+            raise ParallelConfigError(
+                f"inputs and targets differ in batch size: {x.shape[0]} and {target.shape[0]}"
+            )
+        run = self._start(x, target)
+        count = len(self.stages)
+        self._run_phase(
+            run,
+            [stage_order(self.schedule, s, count, self.n_microbatches) for s in range(count)],
+        )
+        total = sum(run.losses)
+        return PipelineResult(total.detach(), torch.cat(run.outputs))
+
+    def _start(self, x: torch.Tensor, target: torch.Tensor | None) -> _Step:
+        """A new step's state after the checks; zeroes the stages' gradients."""
         if self._closed or self._broken:
             raise ParallelConfigError(
                 "this LocalPipeline is closed or a stage failed in an earlier step; create a new one"
             )
         n = self.n_microbatches
         check_microbatches(x.shape[0], n)
-        if target.shape[0] != x.shape[0]:
-            raise ParallelConfigError(
-                f"inputs and targets differ in batch size: {x.shape[0]} and {target.shape[0]}"
-            )
         for stage in self.stages:
             stage.zero_grad(set_to_none=True)
         count = len(self.stages)
-        run = _Step(
+        return _Step(
             xs=list(torch.chunk(x, n)),
-            targets=list(torch.chunk(target, n)),
+            targets=list(torch.chunk(target, n)) if target is not None else [],
             forward_in=[queue.SimpleQueue() for _ in range(count)],
             backward_in=[queue.SimpleQueue() for _ in range(count)],
             deadline=time.monotonic() + self.timeout_s,
         )
-        futures = [self._pool.submit(self._run_stage, s, run) for s in range(count)]
+
+    def _run_phase(self, run: _Step, orders: list[list[tuple[str, int]]]) -> None:
+        """Every stage runs its ``orders[s]`` in its thread; the first failure is raised."""
+        count = len(self.stages)
+        run.deadline = time.monotonic() + self.timeout_s
+        futures = [self._pool.submit(self._run_stage, s, run, orders[s]) for s in range(count)]
         # Return as soon as a stage fails: a stage stuck in its own computation cannot be
         # interrupted, but it must not hold the caller (it finds the abort when it resumes).
         _, pending = wait(
@@ -174,12 +195,10 @@ class LocalPipeline:
                 f"started, at {[run.position.get(s, 'its start') for s in stuck]}: stuck or too "
                 "slow (raise timeout_s if only slow)"
             )
-        total = sum(run.losses)
-        return PipelineResult(total.detach(), torch.cat(run.outputs))
 
-    def _run_stage(self, s: int, run: _Step) -> None:
+    def _run_stage(self, s: int, run: _Step, order: list[tuple[str, int]]) -> None:
         try:
-            self._stage_body(s, run)
+            self._stage_body(s, run, order)
         except _Aborted:
             raise
         except BaseException as exc:
@@ -190,38 +209,42 @@ class LocalPipeline:
                 q.put(_Abort())
             raise
 
-    def _stage_body(self, s: int, run: _Step) -> None:
+    def _stage_body(self, s: int, run: _Step, order: list[tuple[str, int]]) -> None:
         stage, device = self.stages[s], self.devices[s]
         last = s == len(self.stages) - 1
+        with_loss = last and self.loss_fn is not None
         n = self.n_microbatches
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        for kind, m in stage_order(self.schedule, s, len(self.stages), n):
+        saved = run.saved[s]
+        for kind, m in order:
             run.position[s] = f"the {'forward' if kind == 'F' else 'backward'} of micro-batch {m}"
             if kind == "F":
                 if s == 0:
-                    inp = run.xs[m].to(device)
-                    out = stage(inp)
                     held: torch.Tensor | None = None
+                    out = stage(run.xs[m].to(device))
                 else:
                     received = self._receive(run.forward_in[s], run, s, m, "activations", s - 1)
                     held = received.to(device).requires_grad_(received.is_floating_point())
                     out = stage(held)
-                if last:
-                    loss = self.loss_fn(out, run.targets[m].to(device))
+                if with_loss:
+                    loss = self.loss_fn(out, run.targets[m].to(device))  # type: ignore[misc]
                     if self.loss_reduction == "mean":
                         loss = loss / n
                     run.losses[m] = loss.detach()
                     run.outputs[m] = out.detach()
                     saved[m] = (held, loss)
+                elif last:
+                    run.outputs[m] = out.detach()
+                    saved[m] = (held, out)
                 else:
                     saved[m] = (held, out)
                     run.forward_in[s + 1].put((m, out.detach().contiguous()))
             else:
                 held, out = saved.pop(m)
-                if last:
+                if with_loss:
                     out.backward()
                 else:
-                    grad = self._receive(run.backward_in[s], run, s, m, "gradients", s + 1)
+                    source = s + 1 if not last else "the caller"
+                    grad = self._receive(run.backward_in[s], run, s, m, "gradients", source)
                     out.backward(grad.to(out.device))
                 if s > 0:
                     g = held.grad if held is not None and held.grad is not None else None
@@ -230,7 +253,7 @@ class LocalPipeline:
                     run.backward_in[s - 1].put((m, g))
 
     def _receive(
-        self, q: queue.SimpleQueue, run: _Step, s: int, m: int, what: str, source: int
+        self, q: queue.SimpleQueue, run: _Step, s: int, m: int, what: str, source: int | str
     ) -> torch.Tensor:
         remaining = run.deadline - time.monotonic()
         try:
@@ -238,7 +261,7 @@ class LocalPipeline:
         except queue.Empty:
             raise PipelineFailed(
                 f"pipeline stage {s} waited {self.timeout_s:g} s for the {what} of micro-batch "
-                f"{m} from stage {source}, which never came (stage {source} is stuck or too "
+                f"{m} from {_name(source)}, which never came ({_name(source)} is stuck or too "
                 "slow: raise timeout_s if it is only slow)"
             ) from None
         if isinstance(item, _Abort):
@@ -262,5 +285,74 @@ class _Step:
         self.losses: list[torch.Tensor] = [torch.zeros(())] * n
         self.outputs: list[torch.Tensor] = [torch.zeros(())] * n
         self.position: dict[int, str] = {}
+        self.saved: list[dict[int, tuple[torch.Tensor | None, torch.Tensor]]] = [
+            {} for _ in range(len(self.forward_in))
+        ]
         self.failure: tuple[int, BaseException] | None = None
         self.lock = threading.Lock()
+
+
+def _name(source: int | str) -> str:
+    return f"stage {source}" if isinstance(source, int) else str(source)
+
+
+class PipelinedModule(nn.Module):
+    """A GPipe pipeline behind an ordinary module, for the step-closure API.
+
+    ``wrapper(x)`` runs every micro-batch's forward through the stages (one thread per stage,
+    stages overlapping) and returns the last stage's outputs concatenated; the caller
+    computes the loss on them; ``loss.backward()`` runs every micro-batch's backward through
+    the stages, overlapping again, and the stages' parameters (the model's own) receive the
+    gradients of the whole batch. The loss is computed after the whole forward, so the
+    schedule is GPipe; :meth:`LocalPipeline.step` with a ``loss_fn`` also offers 1F1B.
+
+    ``pipeline`` is a :class:`LocalPipeline` built with ``loss_fn=None``. ``wrapper.module``
+    is the model whose parameters the stages share (for ``state_dict``). Without grad mode
+    the stages run one after the other on the whole batch.
+    """
+
+    def __init__(self, model: nn.Module, pipeline: LocalPipeline) -> None:
+        super().__init__()
+        if pipeline.loss_fn is not None:
+            raise ParallelConfigError(
+                "PipelinedModule needs a LocalPipeline built with loss_fn=None: the caller "
+                "computes the loss on the wrapper's output"
+            )
+        self.module = model
+        object.__setattr__(self, "pipeline", pipeline)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pipeline: LocalPipeline = self.pipeline  # type: ignore[assignment]
+        if not torch.is_grad_enabled():
+            for stage, device in zip(pipeline.stages, pipeline.devices, strict=True):
+                x = stage(x.to(device))
+            return x
+        params = [p for stage in pipeline.stages for p in stage.parameters() if p.requires_grad]
+        return _PipelineFunction.apply(pipeline, x, *params)
+
+
+class _PipelineFunction(torch.autograd.Function):
+    """Forward: every micro-batch's forward, pipelined. Backward: every backward, pipelined;
+    the stages' parameters get their gradients from the stage threads' own autograd, so
+    nothing is returned for them."""
+
+    @staticmethod
+    def forward(
+        ctx, pipeline: LocalPipeline, x: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:  # type: ignore[override]
+        run = pipeline._start(x, None)
+        count, n = len(pipeline.stages), pipeline.n_microbatches
+        pipeline._run_phase(run, [[("F", m) for m in range(n)] for _ in range(count)])
+        ctx.pipeline, ctx.run, ctx.n_params = pipeline, run, len(params)
+        return torch.cat(run.outputs)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        pipeline: LocalPipeline = ctx.pipeline
+        run: _Step = ctx.run
+        count, n = len(pipeline.stages), pipeline.n_microbatches
+        for m, piece in enumerate(torch.chunk(grad_out, n)):
+            run.backward_in[count - 1].put((m, piece))
+        pipeline._run_phase(run, [[("B", m) for m in range(n)] for _ in range(count)])
+        ctx.run = None
+        return (None, None, *([None] * ctx.n_params))

@@ -142,7 +142,9 @@ class InGraphReplicas:
         shards = [torch.tensor_split(t, n) for t in batch]
         sizes = [s.shape[0] for s in shards[0]]
         self.broadcast()
-        inputs = [[shard[i].to(self.devices[i], non_blocking=True) for shard in shards] for i in range(n)]
+        inputs = [
+            [shard[i].to(self.devices[i], non_blocking=True) for shard in shards] for i in range(n)
+        ]
         losses = self._run_all(lambda i: self._run_replica(i, loss_fn, inputs[i]), sizes)
         weights = [s / total for s in sizes] if self.loss_reduction == "mean" else [1.0] * n
         self._combine(weights, [s / total for s in sizes])
@@ -253,7 +255,9 @@ class _ReplicaFunction(torch.autograd.Function):
     the summed parameter gradients (and the input's gradient) returned to autograd."""
 
     @staticmethod
-    def forward(ctx, engine: InGraphReplicas, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(
+        ctx, engine: InGraphReplicas, x: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:  # type: ignore[override]
         n = len(engine.replicas)
         if x.shape[0] < n:
             raise ParallelConfigError(
