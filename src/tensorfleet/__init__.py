@@ -92,8 +92,8 @@ if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
     from tensorfleet.summaries.plot import plot_metrics
     from tensorfleet.summaries.summary_writer import SummaryWriter
-    from tensorfleet.worker.timeouts import ClientTimeouts
     from tensorfleet.worker.device import torch_device
+    from tensorfleet.worker.timeouts import ClientTimeouts
 
 
 def __getattr__(name: str) -> Any:
