@@ -117,9 +117,9 @@ class Updater(Protocol):
     """Whether stopping and checkpoints must be agreed by all workers (:meth:`agree`) because
     :meth:`save` and the loop's end are collective. False: the chief saves whenever it likes."""
 
-    def connect(self, device: torch.device) -> None:
+    def connect(self, device: torch.device | None = None) -> None:
         """Reach the rest of the cluster (``device``: where the model lives, which picks e.g.
-        the collective backend). Nothing to do in one process."""
+        the collective backend; None: the CPU). Nothing to do in one process."""
         ...
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -131,11 +131,12 @@ class Updater(Protocol):
         nothing)."""
         ...
 
-    def restore(self, checkpoints: CheckpointSource | None) -> Restored:
+    def restore(self, checkpoints: CheckpointSource | None, resume: bool = True) -> Restored:
         """Bring the variables to where training starts, once, after :meth:`register`: the
-        newest checkpoint of ``checkpoints`` where this mode resumes from one (None: never
-        restore), else the chief's initial values (the others wait for them or adopt them).
-        The source is kept for restores later in training (a ps that restarts empty)."""
+        newest checkpoint of ``checkpoints`` where this mode resumes from one (None, or
+        ``resume`` False: do not resume), else the chief's initial values (the others wait
+        for them or adopt them). *Collective* where :attr:`collective`. The source is kept
+        for restores later in training (a ps that restarts empty), even without ``resume``."""
         ...
 
     def pull(self) -> Progress:
@@ -154,12 +155,12 @@ class Updater(Protocol):
         part in each step still takes part (with zero gradients)."""
         ...
 
-    def agree(self, stop: bool, checkpoint: bool) -> tuple[bool, bool]:
+    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         """*Collective* where :attr:`collective`: whether any worker wants to stop and
         whether any wants a checkpoint now. Elsewhere returns its arguments."""
         ...
 
-    def save(self, data: DataPosition | None) -> SavedState | None:
+    def save(self, data: DataPosition | None = None) -> SavedState | None:
         """The checkpoint's content now (``data``: this worker's current data position;
         modes that record positions with each exchange use those). *Collective* where
         :attr:`collective`: there every worker calls it and the chief gets the content, the
