@@ -14,7 +14,7 @@ import socket
 
 from tensorfleet.errors import ConfigError
 
-#: Local clusters bind loopback only (see DESIGN.md: "local clusters bind loopback only").
+#: Local clusters bind loopback only (docs/architecture.md, "Choices and why").
 LOOPBACK = "127.0.0.1"
 
 
