@@ -219,13 +219,18 @@ class ParameterClient:
             timeout_s,
             buffers=[fused.gather(i, values=True) for i in shards],
             shards=shards,
+            abort_when_silent=False,  # a busy shard answers no heartbeat meanwhile
         )
 
     def _wait_ready(self, shards: Sequence[int], timeout_s: float) -> list[Reply]:
         shards = list(shards)
         try:
             return self._shards.call(
-                "wait_ready", [self._wait_bodies[i] for i in shards], timeout_s, shards=shards
+                "wait_ready",
+                [self._wait_bodies[i] for i in shards],
+                timeout_s,
+                shards=shards,
+                abort_when_silent=False,  # the shard may be busy creating the variables
             )
         except DeadlineExceeded as exc:
             raise DeadlineExceeded(
@@ -284,7 +289,11 @@ class ParameterClient:
             for shard, op in enumerate(ops)
         ]
         self._shards.call(
-            ops, bodies, self.timeouts.step_s, buffers=[[document] for document in documents]
+            ops,
+            bodies,
+            self.timeouts.step_s,
+            buffers=[[document] for document in documents],
+            abort_when_silent=False,  # a shard restoring its state answers nothing else
         )
 
     # -- recovery -------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ wait_ready, pull, push, save, restore, end, wait_done, done, stats) goes through
 before any is waited on (the transfers overlap), each wait has a deadline a little longer
 than the request's own (the ps gives up first and says why, so its explanation is what the
 user sees), and a wait ends at once with :class:`~tensorfleet.errors.ConnectionLost` when
-the heartbeat says the shard fell silent or restarted, instead of sitting out the deadline.
+the heartbeat says the shard fell silent or restarted, instead of sitting out the deadline
+(except for the requests that keep a shard too busy to answer heartbeats: creating or
+restoring its variables, and the wait for that; their deadline decides).
 """
 
 from __future__ import annotations
@@ -41,12 +43,19 @@ class ShardFanout:
         timeout_s: float,
         buffers: Sequence[Sequence[Any] | None] | None = None,
         shards: Sequence[int] | None = None,
+        abort_when_silent: bool = True,
     ) -> list[Reply]:
         """Send ``op`` with ``body`` (one for all, or one per shard in ``shards`` order, as
         are ``op`` and ``buffers`` when sequences) to each of ``shards`` (default: all), then
         wait for every reply. Returns the replies in ``shards`` order. Raises what the first
         failing wait raises (RemoteError and its typed subclasses, DeadlineExceeded,
-        ConnectionLost)."""
+        ConnectionLost).
+
+        ``abort_when_silent`` False: wait out the deadline even while the shard answers no
+        heartbeat. For the requests that keep a shard busy without a reply to anything else
+        (creating or restoring its variables; the first creation also loads torch's
+        optimizer code) and for the wait for them: a silence then means the shard is
+        working for us, and the deadline, not the silence, must decide."""
         targets = list(range(self.num_shards)) if shards is None else list(shards)
         ops = [op] * len(targets) if isinstance(op, str) else list(op)
         bodies = [body] * len(targets) if isinstance(body, dict) else list(body)
@@ -63,9 +72,13 @@ class ShardFanout:
             self.channels[shard].wait(
                 request_id,
                 timeout_s + ANSWER_MARGIN_S,
-                abort=lambda shard=shard: self._heartbeat.trouble(
-                    shard, self.channels[shard].server_session
-                ),
+                abort=(
+                    lambda shard=shard: self._heartbeat.trouble(
+                        shard, self.channels[shard].server_session
+                    )
+                )
+                if abort_when_silent
+                else None,
             )
             for shard, request_id in zip(targets, ids, strict=True)
         ]
