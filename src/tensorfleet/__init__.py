@@ -51,7 +51,7 @@ _EXPORTS = {
     "TrainingSession": "tensorfleet.session.training_session",
     "plot_metrics": "tensorfleet.summaries.plot",
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
-    "ClientTimeouts": "tensorfleet.worker.client",
+    "ClientTimeouts": "tensorfleet.worker.timeouts",
     "torch_device": "tensorfleet.worker.device",
     "SoftPlacementWarning": "tensorfleet.worker.device",
     "device": "tensorfleet.worker.device_scope",
@@ -113,11 +113,11 @@ if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
     from tensorfleet.summaries.plot import plot_metrics
     from tensorfleet.summaries.summary_writer import SummaryWriter
-    from tensorfleet.worker.client import ClientTimeouts
     from tensorfleet.worker.device import SoftPlacementWarning, torch_device
     from tensorfleet.worker.device_scope import device, place
     from tensorfleet.worker.placement_report import placement_report
     from tensorfleet.worker.task_resources import apply_task_resources
+    from tensorfleet.worker.timeouts import ClientTimeouts
 
 
 def __getattr__(name: str) -> Any:

@@ -387,7 +387,7 @@ def test_malformed_rule_on_the_wire_is_refused(
     _hello(channel)
     body = {"variables": VARIABLES, "rule": rule}
     buffers = [as_buffer(v) for v in _initial_values()]
-    with pytest.raises(RemoteError, match=f"ValueError: .*{match}"):
+    with pytest.raises(RemoteError, match=f"RequestRefused: .*{match}"):
         channel.call("create", body, buffers, TIMEOUT_S)
     assert _create(channel) == {"created": True, "global_step": 0, "data": None}
 

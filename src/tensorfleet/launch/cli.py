@@ -175,18 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--liveness-timeout",
         type=float,
-        default=15.0,
+        default=None,
         metavar="S",
         help="a worker not heard from for S seconds is lost: it stops holding back sync "
-        "steps and the staleness bound, and a restarted copy may take its place (default: 15)",
+        "steps and the staleness bound, and a restarted copy may take its place "
+        "(default: ServerConfig.liveness_timeout_s)",
     )
     server.add_argument(
         "--end-grace",
         type=float,
-        default=60.0,
+        default=None,
         metavar="S",
         help="after the chief ends training, wait up to S seconds for the other workers "
-        "(default: 60)",
+        "(default: ServerConfig.end_grace_s)",
     )
     server.set_defaults(handler=_server)
 
@@ -314,10 +315,16 @@ def _server(args: argparse.Namespace) -> int:
             task.job,
             task.index,
             secret=load_secret(secret_file=args.secret_file),
-            config=ServerConfig(
+            config=ServerConfig(  # options not given keep the config's own defaults
                 encrypt=True if args.encrypt else None,
-                liveness_timeout_s=args.liveness_timeout,
-                end_grace_s=args.end_grace,
+                **{
+                    field: value
+                    for field, value in (
+                        ("liveness_timeout_s", args.liveness_timeout),
+                        ("end_grace_s", args.end_grace),
+                    )
+                    if value is not None
+                },
             ),
         )
     except (

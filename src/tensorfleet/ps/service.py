@@ -42,7 +42,16 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import (
+    IdentityInUse,
+    NotInitialized,
+    ProtocolError,
+    RemoteDeadlineExceeded,
+    RemoteError,
+    RemoteProtocolError,
+    RequestRefused,
+    WorkerLost,
+)
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.shard_checkpoint import (
     ShardState,
@@ -236,15 +245,15 @@ class ParameterService:
             self.stats["unknown_op"] += 1
             self.socket.fail(
                 request,
-                "ProtocolError",
+                RemoteProtocolError.code,
                 f"unknown operation {request.op!r}; known: {sorted(self._handlers)}",
             )
             return
         try:
             handler(request)
-        except (ProtocolError, ValueError) as exc:
+        except (RemoteError, ProtocolError, ValueError) as exc:
             self.stats["refused"] += 1
-            self.socket.fail(request, type(exc).__name__, str(exc))
+            self.socket.fail(request, refusal_code(exc), str(exc))
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -468,7 +477,9 @@ class ParameterService:
             for held in [h for h in self._held if h[1] == task]:
                 self._held.remove(held)
                 self.socket.fail(
-                    held[0], "ValueError", f"{task} said it is done; its held push is dropped"
+                    held[0],
+                    RequestRefused.code,
+                    f"{task} said it is done; its held push is dropped",
                 )
             self.gate.leave(task)
             self._release_held()
@@ -597,7 +608,7 @@ class ParameterService:
                 and task not in self.done_workers
             ):
                 age = time.monotonic() - heard
-                raise ValueError(
+                raise IdentityInUse(
                     f"{task} is already running in another process (heard from {age:.1f} s "
                     "ago): two processes with one task identity would corrupt training. Stop "
                     "the other one; a restarted task is let in "
@@ -650,7 +661,7 @@ class ParameterService:
             self.aggregator.withdraw(contribution.task)
             self.socket.fail(
                 contribution.request,
-                "WorkerLost",
+                WorkerLost.code,
                 f"step {self.aggregator.step} needs gradients from {names}, not heard from for "
                 f"{self.config.liveness_timeout_s:g} s (dead or cut off), and lost_worker='fail'. "
                 "Restart it (tensorfleet launch --max-restarts N), or train with "
@@ -700,7 +711,7 @@ class ParameterService:
 
     def _require_initialized(self) -> None:
         if not self.store.initialized:
-            raise ValueError(
+            raise NotInitialized(
                 f"ps:{self.config.shard_index} has no variables yet: the chief has not created them"
             )
 
@@ -715,7 +726,7 @@ class ParameterService:
             self._held = [h for h in self._held if h[0] is not request]
             self.socket.fail(
                 request,
-                "DeadlineExceeded",
+                RemoteDeadlineExceeded.code,
                 f"{task} is {self.gate.gap(task)} steps ahead of the slowest live worker(s) "
                 f"{', '.join(self.gate.slowest())} (max_staleness={self.gate.max_staleness}) and "
                 "they did not catch up in time: are they still running?",
@@ -728,12 +739,23 @@ class ParameterService:
                 self.aggregator.withdraw(contribution.task)
                 self.socket.fail(
                     contribution.request,
-                    "DeadlineExceeded",
+                    RemoteDeadlineExceeded.code,
                     f"step {self.aggregator.step} still waits for gradients from {missing} "
                     f"({self.aggregator.needed(self._departed_workers())} of {len(self.config.worker_tasks)} needed): "
                     "are they still running? Backup workers (replicas_to_aggregate < workers) let "
                     "training go on without the slowest",
                 )
+
+
+def refusal_code(exc: Exception) -> str:
+    """The code a refusal caused by ``exc`` carries on the wire: a :class:`RemoteError`'s own
+    code (the ps raises the class the client will raise), ``ProtocolError`` for a request it
+    cannot understand, ``RequestRefused`` for content that does not fit (a ``ValueError``)."""
+    if isinstance(exc, RemoteError):
+        return exc.code
+    if isinstance(exc, ProtocolError):
+        return RemoteProtocolError.code
+    return RequestRefused.code
 
 
 def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None:
