@@ -63,3 +63,14 @@ def host_cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)
+
+
+#: Stages per pipeline when the workers run pipelines across tasks (the launcher's
+#: ``--pipeline-stages``): worker i is stage i % S of pipeline i // S. Unset: no pipelines.
+PIPELINE_STAGES_VAR = "TENSORFLEET_PIPELINE_STAGES"
+
+
+def pipeline_stages_requested(environ_: Mapping[str, str] | None = None) -> str | None:
+    """The raw ``TENSORFLEET_PIPELINE_STAGES`` (None when unset or empty)."""
+    value = (environ() if environ_ is None else environ_).get(PIPELINE_STAGES_VAR, "").strip()
+    return value or None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 
 
-class ParallelConfigError(TensorfleetError, ValueError):
+class ParallelConfigError(ConfigError):
     """A replica or pipeline set-up the engine cannot run: too many stages for the model's
     layers, a batch that does not split into the micro-batches, a device list that is empty."""
 

@@ -268,7 +268,9 @@ class LocalPipeline:
             raise _Aborted()
         got, tensor = item
         if got != m:  # the schedules guarantee the order; a mismatch is a bug of ours
-            raise RuntimeError(f"stage {s} expected micro-batch {m} from stage {source}, got {got}")
+            raise PipelineFailed(
+                f"stage {s} expected micro-batch {m} from {_name(source)}, got {got}"
+            )
         return tensor
 
 

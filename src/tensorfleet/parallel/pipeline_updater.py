@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
+from tensorfleet.errors import UsageError
 from tensorfleet.parallel.driven_pipeline import PipelineLeader, PipelinePlan, serve_stage
 from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed
 from tensorfleet.parallel.remote_pipeline import (
@@ -86,37 +87,53 @@ class PipelineLeaderUpdater:
         self,
         inner: Any,
         pipeline: PipelineCluster,
-        model: nn.Module,
         n_microbatches: int,
         *,
         timeout_s: float = 60.0,
     ) -> None:
-        if not isinstance(model, nn.Sequential):
-            raise ParallelConfigError(
-                f"a pipeline across tasks cuts an nn.Sequential into stages; got {type(model).__name__}"
-            )
         self.inner = inner
         self.discipline = getattr(inner, "discipline", None)
         self.collective = getattr(inner, "collective", False)
         self.pipeline = pipeline
-        self.model = model
         self.n_microbatches = n_microbatches
         self.timeout_s = timeout_s
+        self._group: dist.ProcessGroup | None = None
+        self._device: torch.device | None = None
         self._leader: PipelineLeader | None = None
 
     def connect(self, device: torch.device | None = None) -> None:
+        """The mode's connection, then the pipelines' process group (collective with the
+        other stages, which join it in :func:`serve_pipeline_stage`)."""
         self.inner.connect(device)
-        group = self.pipeline.join(self.timeout_s)
+        self._device = device
+        self._group = self.pipeline.join(self.timeout_s)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Cut ``model`` (balanced by parameters), tell the stages, and return the pipeline as
+        the module the step closure calls."""
+        if not isinstance(model, nn.Sequential):
+            raise ParallelConfigError(
+                "a pipeline across tasks cuts an nn.Sequential into stages; got "
+                f"{type(model).__name__}: write the model as nn.Sequential(...) of its layers"
+            )
         plan = PipelinePlan(
-            tuple(stage_boundaries(self.model, self.pipeline.num_stages)),  # type: ignore[arg-type]
+            tuple(stage_boundaries(model, self.pipeline.num_stages)),
             self.n_microbatches,
             self.pipeline.stage_names,
         )
-        self._leader = PipelineLeader(self.model, plan, group=group, device=device)  # type: ignore[arg-type]
+        self._leader = PipelineLeader(model, plan, group=self._group, device=self._device)
         self._leader.configure()
+        return self.inner.wrap(self._leader.module())
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return self.inner.wrap(self._require().module())
+    def stage_tasks(self) -> dict[str, str]:
+        """The task computing each layer (by module name) of the model, for the report."""
+        leader = self._require()
+        tasks = [name.split("(")[-1].rstrip(")") for name in leader.plan.stage_names]
+        return {
+            name: tasks[s]
+            for s, stage in enumerate(leader.stages)
+            for name, _ in stage.named_children()
+        }
 
     def register(self, named_params: Any, rule: Any) -> None:
         self.inner.register(named_params, rule)
@@ -175,25 +192,30 @@ class PipelineLeaderUpdater:
 
     def _require(self) -> PipelineLeader:
         if self._leader is None:
-            raise RuntimeError("connect() the pipeline leader's updater first")
+            raise UsageError("connect() and wrap() the pipeline leader's updater first")
         return self._leader
 
 
 def serve_pipeline_stage(
-    cluster: ClusterSpec,
-    task: TaskId,
+    server: Any,
     model: nn.Sequential,
-    num_stages: int,
     *,
     device: torch.device | None = None,
     timeout_s: float = 60.0,
 ) -> int:
     """Run this worker's stage of its pipeline until the leader ends training; the number of
-    steps served. For the workers that are not a pipeline's stage 0."""
-    pipeline = PipelineCluster(cluster, task, num_stages)
+    steps served. For the workers that are not a pipeline's stage 0: ``server`` is this task's
+    :class:`~tensorfleet.session.server.Server` (its cluster, task and ``pipeline_stages``),
+    ``model`` the same model the leader builds (its values come from the leader)."""
+    pipeline = PipelineCluster(server.cluster, server.task, server.pipeline_stages)
+    if pipeline.num_stages < 2:
+        raise ParallelConfigError(
+            f"{server.task} runs no pipeline (pipeline_stages is 1): launch with "
+            "--pipeline-stages S, or set TENSORFLEET_PIPELINE_STAGES on every task"
+        )
     if pipeline.is_leader:
         raise ParallelConfigError(
-            f"{task} leads pipeline {pipeline.position.pipeline}: it trains with a "
+            f"{server.task} leads pipeline {pipeline.position.pipeline}: it trains with a "
             "TrainingSession; serve_pipeline_stage is for the other stages"
         )
     group = pipeline.join(timeout_s)
@@ -204,6 +226,13 @@ def serve_pipeline_stage(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def pipeline_stage_of(server: Any) -> int:
+    """This worker's stage in its pipeline (0: it leads and trains; 0 too without pipelines)."""
+    if server.pipeline_stages < 2 or server.task.job != WORKER_JOB:
+        return 0
+    return server.task.index % server.pipeline_stages
 
 
 def _control(progress: Any) -> StageControl:

@@ -47,6 +47,10 @@ class ServerConfig:
     resources: TaskResources | None = None
     """This task's thread budget and GPU memory cap, applied to torch when the server is
     created; None: what the launcher set in the environment (nothing set: torch's defaults)."""
+    pipeline_stages: int | None = None
+    """Stages per pipeline when the workers run pipelines across tasks (worker i is stage
+    i % S of pipeline i // S; only each pipeline's stage 0 trains through the ps). None:
+    ``TENSORFLEET_PIPELINE_STAGES`` (unset: 1, no pipelines). Every task must agree."""
 
 
 class Server:
@@ -78,6 +82,8 @@ class Server:
         )
         self.resources: AppliedResources = apply_task_resources(self.config.resources)
         """The threads and GPUs torch uses in this task, after applying the resources."""
+        self.pipeline_stages = _pipeline_stages(self.config.pipeline_stages, self.cluster)
+        """Stages per pipeline across the worker tasks (1: no pipelines)."""
         self.outcome: ServiceOutcome | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -103,8 +109,12 @@ class Server:
 
     @property
     def worker_tasks(self) -> list[TaskId]:
-        """Every task that trains: the chief job's (if any) and the workers."""
-        return self.cluster.training_tasks()
+        """Every task that trains through the ps or the all-reduce: the chief job's (if any)
+        and the workers; with pipelines across tasks, each pipeline's stage 0 only."""
+        tasks = self.cluster.training_tasks()
+        if self.pipeline_stages > 1:
+            return [t for t in tasks if t.index % self.pipeline_stages == 0]
+        return tasks
 
     def _start_parameter_service(self) -> None:
         started = threading.Event()
@@ -166,3 +176,33 @@ class Server:
     def stop(self) -> None:
         """Ask the service to end now (used by tests and signal handlers)."""
         self._stop.set()
+
+
+def _pipeline_stages(configured: int | None, cluster: ClusterSpec) -> int:
+    """The stages per pipeline: ``configured``, else the environment's, else 1; the workers
+    must form whole pipelines."""
+    raw: object = configured
+    if raw is None:
+        raw = environment.pipeline_stages_requested()
+        if raw is None:
+            return 1
+    where = (
+        f"{environment.PIPELINE_STAGES_VAR}={raw!r}"
+        if configured is None
+        else f"pipeline_stages={raw!r}"
+    )
+    try:
+        stages = int(raw)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        stages = 0
+    if isinstance(raw, bool) or stages < 1 or (isinstance(raw, float) and raw != stages):
+        raise ClusterConfigError(f"{where} is not an integer >= 1 (stages per pipeline)")
+    if stages > 1:
+        workers = cluster.num_tasks(WORKER_JOB) if WORKER_JOB in cluster.jobs else 0
+        if "chief" in cluster.jobs or workers % stages:
+            raise ClusterConfigError(
+                f"{where}: the {workers} worker task(s) do not form whole pipelines of {stages} "
+                "stages (and pipelines need no 'chief' job): use a number of workers that is a "
+                f"multiple of {stages}"
+            )
+    return stages

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from tensorfleet.errors import (
 )
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
+from tensorfleet.session.device_engines import placement_table
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
 from tensorfleet.session.server import Server
 from tensorfleet.session.update_modes import UpdateSettings, build_updater, update_mode
@@ -81,6 +82,13 @@ class TrainingSession:
     ``lost_worker`` (sync mode): when a worker stops sending heartbeats for the ps's liveness
     timeout, ``"shrink"`` goes on with the live workers, ``"fail"`` stops training with an
     error naming it. See docs/reliability.md for what happens on each kind of failure.
+
+    Several devices or tasks per step (docs/devices.md): ``replica_devices=["/cpu:0",
+    "/cpu:1"]`` replicates the model in this task (in-graph replication), ``stage_devices``
+    splits an ``nn.Sequential`` into one stage per device with ``microbatches`` micro-batches
+    (GPipe), and a server with ``pipeline_stages`` > 1 makes this worker the leader of a
+    pipeline across tasks. ``sess.model`` is then the engine; the gradients are still pushed
+    once per step as ``mode`` says. ``soft_placement`` lets a missing GPU fall back to the CPU.
     """
 
     def __init__(
@@ -106,6 +114,10 @@ class TrainingSession:
         restore: bool = True,
         data: DataPosition | None = None,
         lost_worker: str = "shrink",
+        replica_devices: Sequence[str] | None = None,
+        stage_devices: Sequence[str] | None = None,
+        microbatches: int = 4,
+        soft_placement: bool = False,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -118,6 +130,10 @@ class TrainingSession:
             log_placement=log_placement,
             timeouts=timeouts,
             lost_worker=lost_worker,
+            replica_devices=tuple(replica_devices) if replica_devices is not None else None,
+            stage_devices=tuple(stage_devices) if stage_devices is not None else None,
+            microbatches=microbatches,
+            soft_placement=soft_placement,
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
         if not isinstance(optimizer, UpdateRule):
@@ -140,6 +156,7 @@ class TrainingSession:
             else None
         )
         self._restore = restore
+        self._log_placement = log_placement
         self._data = data
         hooks = list(hooks)
         if self.checkpoints is not None:
@@ -188,7 +205,10 @@ class TrainingSession:
         self._started = True
         try:
             self._updater.connect(next(self.model.parameters()).device)
-            self.model = self._updater.wrap(self.model)
+            model = self.model
+            self.model = self._updater.wrap(model)
+            if self._log_placement and self.is_chief:
+                print(placement_table(self._updater, model, self.task_name), flush=True)
             self._updater.register(self._named_params, self.rule)
             restored = self._updater.restore(
                 _SessionCheckpoints(self) if self.checkpoints is not None else None,

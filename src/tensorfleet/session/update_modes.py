@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tensorfleet.errors import ClusterConfigError, ConfigError
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.update_discipline import UpdateDiscipline
+from tensorfleet.session.device_engines import with_device_engine
 from tensorfleet.session.server import Server
 from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
@@ -43,6 +44,10 @@ class UpdateSettings:
     log_placement: bool = False
     timeouts: ClientTimeouts | None = None
     lost_worker: str = "shrink"
+    replica_devices: tuple[str, ...] | None = None
+    stage_devices: tuple[str, ...] | None = None
+    microbatches: int = 4
+    soft_placement: bool = False
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -105,8 +110,10 @@ def build_updater(
     """The updater for ``settings.mode`` on ``server``'s task (this process without one)."""
     mode = update_mode(settings)
     if server is None:
-        return LocalUpdater(settings.ema_decay)
-    return mode.build(server, named_params, settings)
+        updater: Updater = LocalUpdater(settings.ema_decay)
+    else:
+        updater = mode.build(server, named_params, settings)
+    return with_device_engine(updater, server, settings)
 
 
 # -- the built-in modes ---------------------------------------------------------------------------
@@ -140,8 +147,7 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         for name, p in named_params
     ]
     plan = plan_placement(specs, shards, settings.placement, settings.partition_threshold_bytes)
-    if settings.log_placement and server.is_chief:
-        print(plan.report(), flush=True)
+    # log_placement: the session prints the whole table once the model is wrapped
     return PsUpdater(
         server.ps_addresses,
         server.secret,

@@ -17,7 +17,7 @@ task running it, so the report of one pipeline lists every stage's task.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -46,8 +46,10 @@ def placement_rows(
     plan: PlacementPlan | None = None,
     task: str = "local",
     stage_tasks: Mapping[str, str] | None = None,
+    replica_devices: Sequence[str] | None = None,
 ) -> list[PlacementRow]:
-    """The report's rows: every trainable variable, then every module holding parameters."""
+    """The report's rows: every trainable variable, then every module holding parameters.
+    ``replica_devices``: the model computes on each of these (in-graph replicas)."""
     shards: dict[str, list[str]] = {}
     if plan is not None:
         for shard in plan.shards:
@@ -72,6 +74,8 @@ def placement_rows(
         if not own:
             continue
         actual = _spec_of(own[0].device)
+        if replica_devices:
+            actual = ",".join(replica_devices)
         asked = requested_device(module)
         rows.append(
             PlacementRow(
@@ -93,9 +97,12 @@ def placement_report(
     plan: PlacementPlan | None = None,
     task: str = "local",
     stage_tasks: Mapping[str, str] | None = None,
+    replica_devices: Sequence[str] | None = None,
 ) -> str:
     """The table as text, one row per variable and per module (see the module docstring)."""
-    rows = placement_rows(model, plan=plan, task=task, stage_tasks=stage_tasks)
+    rows = placement_rows(
+        model, plan=plan, task=task, stage_tasks=stage_tasks, replica_devices=replica_devices
+    )
     header = PlacementRow("kind", "name", "shape/type", "stored on", "task", "device", "asked")
     widths = [
         max(len(getattr(r, f)) for r in [header, *rows])
