@@ -65,6 +65,8 @@ _EXPORTS = {
     "RemotePipelineStage": "tensorfleet.parallel.remote_pipeline",
     "join_process_group": "tensorfleet.parallel.remote_pipeline",
     "split_stages": "tensorfleet.parallel.stages",
+    "serve_pipeline_stage": "tensorfleet.parallel.pipeline_updater",
+    "pipeline_stage_of": "tensorfleet.parallel.pipeline_updater",
     "ParallelConfigError": "tensorfleet.parallel.errors",
     "PipelineFailed": "tensorfleet.parallel.errors",
     "ReplicaFailed": "tensorfleet.parallel.errors",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
     )
     from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed, ReplicaFailed
     from tensorfleet.parallel.local_pipeline import LocalPipeline
+    from tensorfleet.parallel.pipeline_updater import pipeline_stage_of, serve_pipeline_stage
     from tensorfleet.parallel.remote_pipeline import RemotePipelineStage, join_process_group
     from tensorfleet.parallel.replicas import InGraphReplicas
     from tensorfleet.parallel.stages import split_stages

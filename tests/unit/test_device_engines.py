@@ -15,7 +15,9 @@ from tensorfleet.errors import ConfigError
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

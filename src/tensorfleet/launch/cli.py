@@ -33,7 +33,11 @@ from tensorfleet.launch.local_cluster import (
     LocalCluster,
 )
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
-from tensorfleet.launch.resource_flags import add_resource_flags, task_environments
+from tensorfleet.launch.resource_flags import (
+    add_pipeline_flags,
+    add_resource_flags,
+    task_environments,
+)
 from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain prefixed lines only, even on a terminal (no live task view)",
     )
     add_resource_flags(launch)
+    add_pipeline_flags(launch)
     launch.add_argument(
         "command",
         nargs=argparse.REMAINDER,

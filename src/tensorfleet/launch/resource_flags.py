@@ -14,6 +14,7 @@ import argparse
 
 from tensorfleet import environment
 from tensorfleet.cluster.resources import parse_visible_devices, plan_resources
+from tensorfleet.errors import ClusterConfigError
 
 
 def add_resource_flags(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,35 @@ def add_resource_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_pipeline_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--pipeline-stages`` to the ``launch`` sub-command."""
+    parser.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        metavar="S",
+        help="run the workers as pipelines of S stages across tasks: worker i is stage i %% S of "
+        "pipeline i // S (--workers must be a multiple of S); stage 0 trains, the others "
+        "serve their stage (sets TENSORFLEET_PIPELINE_STAGES; default: 1, no pipelines)",
+    )
+
+
+def pipeline_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The variable every task gets for ``--pipeline-stages`` (refused unless the workers
+    form whole pipelines)."""
+    stages = getattr(args, "pipeline_stages", 1)
+    if stages < 1:
+        raise ClusterConfigError(f"--pipeline-stages must be >= 1, got {stages}")
+    if stages == 1:
+        return {}
+    if args.workers % stages:
+        raise ClusterConfigError(
+            f"--workers {args.workers} do not form whole pipelines of --pipeline-stages {stages}: "
+            f"use a multiple of {stages} workers ({stages} per pipeline)"
+        )
+    return {environment.PIPELINE_STAGES_VAR: str(stages)}
+
+
 def task_environments(
     args: argparse.Namespace, num_ps: int, num_workers: int
 ) -> dict[str, dict[str, str]]:
@@ -74,7 +104,8 @@ def task_environments(
         inter_op_threads=args.inter_op_threads,
         thread_budget_enabled=not args.no_thread_budget,
     )
-    return {name: resources.to_env() for name, resources in plan.items()}
+    pipelines = pipeline_environment(args)
+    return {name: {**resources.to_env(), **pipelines} for name, resources in plan.items()}
 
 
 def _host_gpus() -> tuple[int, ...]:

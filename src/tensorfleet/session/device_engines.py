@@ -83,17 +83,28 @@ def placement_table(updater: Any, model: Any, task: str) -> str:
     where the engine (if any) computes each module."""
     from tensorfleet.worker.placement_report import placement_report
 
-    plan, stage_tasks, replicas = None, None, None
+    plan, stage_tasks, replicas, stage_devices = None, None, None, None
     layer = updater
     while layer is not None:
         plan = plan or getattr(layer, "plan", None)
         if isinstance(layer, ReplicaUpdater) and layer.engine is not None:
             replicas = [s.to_string() for s in layer.engine.specs]
+        if isinstance(layer, LocalPipelineUpdater) and layer.pipeline is not None:
+            stage_devices = {
+                name: spec.to_string()
+                for stage, spec in zip(layer.pipeline.stages, layer.pipeline.specs, strict=True)
+                for name, _ in stage.named_children()
+            }
         if isinstance(layer, PipelineLeaderUpdater):
             stage_tasks = layer.stage_tasks()
         layer = getattr(layer, "inner", None)
     return placement_report(
-        model, plan=plan, task=task, stage_tasks=stage_tasks, replica_devices=replicas
+        model,
+        plan=plan,
+        task=task,
+        stage_tasks=stage_tasks,
+        replica_devices=replicas,
+        stage_devices=stage_devices,
     )
 
 

@@ -47,9 +47,12 @@ def placement_rows(
     task: str = "local",
     stage_tasks: Mapping[str, str] | None = None,
     replica_devices: Sequence[str] | None = None,
+    stage_devices: Mapping[str, str] | None = None,
 ) -> list[PlacementRow]:
     """The report's rows: every trainable variable, then every module holding parameters.
-    ``replica_devices``: the model computes on each of these (in-graph replicas)."""
+    ``replica_devices``: the model computes on each of these (in-graph replicas);
+    ``stage_devices``: the logical device of each module-name prefix (a pipeline's stages:
+    ``/cpu:1`` is its own thread although torch has one CPU device)."""
     shards: dict[str, list[str]] = {}
     if plan is not None:
         for shard in plan.shards:
@@ -76,6 +79,8 @@ def placement_rows(
         actual = _spec_of(own[0].device)
         if replica_devices:
             actual = ",".join(replica_devices)
+        elif stage_devices:
+            actual = _task_of(name, actual, stage_devices)
         asked = requested_device(module)
         rows.append(
             PlacementRow(
@@ -98,10 +103,16 @@ def placement_report(
     task: str = "local",
     stage_tasks: Mapping[str, str] | None = None,
     replica_devices: Sequence[str] | None = None,
+    stage_devices: Mapping[str, str] | None = None,
 ) -> str:
     """The table as text, one row per variable and per module (see the module docstring)."""
     rows = placement_rows(
-        model, plan=plan, task=task, stage_tasks=stage_tasks, replica_devices=replica_devices
+        model,
+        plan=plan,
+        task=task,
+        stage_tasks=stage_tasks,
+        replica_devices=replica_devices,
+        stage_devices=stage_devices,
     )
     header = PlacementRow("kind", "name", "shape/type", "stored on", "task", "device", "asked")
     widths = [
