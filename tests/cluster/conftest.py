@@ -79,8 +79,10 @@ def run_local_cluster(
     worker_command: Sequence[str],
     timeout_s: float,
     grace_period: float = 10.0,
+    env: dict[str, str] | None = None,
 ) -> ClusterRun:
-    """Run a cluster to the end (or ``timeout_s``); always stop every process."""
+    """Run a cluster to the end (or ``timeout_s``); always stop every process. ``env``: more
+    variables for every task."""
     output = RecordingOutput()
     cluster = LocalCluster(
         num_ps,
@@ -88,7 +90,7 @@ def run_local_cluster(
         list(worker_command),
         output=output,
         grace_period=grace_period,
-        env={"PYTHONPATH": os.pathsep.join(sys.path)},
+        env={"PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},
     )
     try:
         cluster.start()
