@@ -69,7 +69,7 @@ def placement_rows(
                 str(list(param.shape)),
                 ",".join(sorted(set(shards.get(name, [])))) or "local",
                 _task_of(name, task, stage_tasks),
-                _spec_of(param.device),
+                _task_of(name, _spec_of(param.device), stage_devices),
             )
         )
     for name, module in model.named_modules():
