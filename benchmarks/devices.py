@@ -1,6 +1,6 @@
 """Devices benchmarks, each against a baseline measured in the same run.
 
-1. **Thread budget** (``budget``): the CNN example on a local 1 ps + 3 worker cluster, global
+1. **Thread budget** (``budget``): the example's CNN on a local 1 ps + 3 worker cluster, global
    steps/s with the launcher's per-task thread budget (the host's cores divided among the 4
    tasks, at least 1 each) vs. every task using every core (torch's default: the
    oversubscription the budget replaces). Alternating pairs, median of the ratios.
@@ -69,18 +69,21 @@ def batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def cnn_run(steps: int, budget: bool) -> float:
-    """Global steps/s of the example on 1 ps + 3 workers, with or without the budget."""
+    """Global steps/s of the CNN (the chief's, after a warm-up) on 1 ps + 3 workers, async,
+    with or without the budget."""
     cores = environment.host_cpu_count()
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = Path(tmp) / "metrics.json"
-        command = [sys.executable, str(ROOT / "examples" / "mnist_cnn.py"), "--steps", str(steps),
-                   "--metrics-json", str(metrics)]  # fmt: skip
+        result = Path(tmp) / "result.json"
+        command = [sys.executable, __file__, "--child", "cnn", "--steps", str(steps),
+                   "--out", str(result)]  # fmt: skip
         task_env = None
         if budget:
             task_env = {n: r.to_env() for n, r in plan_resources(1, 3, host_cores=cores).items()}
         else:  # every task uses every core: what a script without thread settings gets
             command += ["--threads", str(cores)]
-        cluster = LocalCluster(1, 3, command, task_env=task_env, output=Output(), grace_period=20)
+        cluster = LocalCluster(
+            1, 3, command, ps_command=command, task_env=task_env, output=Output(), grace_period=20
+        )
         try:
             cluster.start()
             code = cluster.wait(timeout=1800)
@@ -90,7 +93,43 @@ def cnn_run(steps: int, budget: bool) -> float:
             raise RuntimeError(
                 f"the cluster run failed ({code}): {cluster.recent_lines('worker:0')}"
             )
-        return json.loads(metrics.read_text())["steady_global_steps_per_s"]
+        return json.loads(result.read_text())["global_steps_per_s"]
+
+
+def cnn_child(steps: int, threads: int | None, out: str) -> int:
+    """One task of the CNN run: a ps serves; a worker trains the example's CNN (async, Adam
+    1e-4, batch 50) and the chief writes its steady global steps/s to ``out``."""
+    import tensorfleet as tfl
+    from tensorfleet.datasets import BatchStream, load_mnist, normalize
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from mnist_cnn import ClassicCNN
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        torch.set_num_interop_threads(threads)
+    task = tfl.resolve_task(argv=[])
+    server = tfl.Server(task.cluster, task.job, task.index)  # applies a budget, if any
+    if task.job == "ps":
+        server.join()
+        return 0
+    images, labels = load_mnist("fashion-mnist", None, "train")
+    batches = BatchStream(normalize(images), labels, 50, shard_index=task.index, num_shards=3)
+    torch.manual_seed(0)
+    model = ClassicCNN()
+    warmup, start_step, start = 30, None, 0.0
+    with tfl.TrainingSession(
+        server, model, optimizer=tfl.optim.Adam(lr=1e-4), hooks=[tfl.StopAtStep(steps)]
+    ) as sess:
+        while not sess.should_stop():
+            x, y = next(batches)
+            result = sess.step(lambda x=x, y=y: F.cross_entropy(model(x), y))
+            if start_step is None and result.global_step >= warmup:
+                start_step, start = result.global_step, time.perf_counter()
+        if sess.is_chief and start_step is not None:
+            rate = (sess.global_step - start_step) / (time.perf_counter() - start)
+            Path(out).write_text(json.dumps({"global_steps_per_s": rate}))
+    return 0
 
 
 def budget_rows(steps: int, pairs: int) -> dict:
@@ -279,7 +318,11 @@ def main() -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rendezvous", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child == "cnn":
+        return cnn_child(args.steps, args.threads, args.out)
     if args.child:
         return child(args.child, args.rank, args.rendezvous, args.steps)
 
