@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from tensorfleet.errors import (
     AuthenticationError,
     ClusterConfigError,
+    ConfigError,
     ConnectionLost,
     DeadlineExceeded,
     ProtocolError,
@@ -402,7 +403,7 @@ class Channel:
         :class:`RequestRefused`). ``abort`` is asked every quarter second while waiting; a
         reason it returns ends the wait with :class:`ConnectionLost`."""
         if request_id not in self._pending and request_id not in self._arrived:
-            raise ValueError(
+            raise ConfigError(
                 f"request {request_id} was not sent on this channel or was already awaited"
             )
         deadline = time.monotonic() + timeout_s
