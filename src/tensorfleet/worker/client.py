@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import zmq
 
+from tensorfleet import environment
 from tensorfleet.errors import DeadlineExceeded, IdentityInUse, RemoteError, ServiceRestarted
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.placement import PlacementPlan
@@ -135,6 +136,9 @@ class ParameterClient:
         self.timeouts = timeouts or ClientTimeouts()
         self.instance = secrets.token_hex(8)
         """This process's claim to the task identity (the ps refuses a second live one)."""
+        self.takeover = environment.predecessor_dead()
+        """Whether the hello asks the ps to hand this process the identity at once (the
+        launcher says the previous process of this task is dead)."""
         self.is_chief = False
         self.restore_shards: Callable[[list[int]], bool] | None = None
         self.restored_data: dict[str, Any] | None = None
@@ -196,6 +200,7 @@ class ParameterClient:
             "version": __version__,
             "task": self.task_name,
             "instance": self.instance,
+            "takeover": self.takeover,
         }
         for channel in self._channels:
             channel.forget_pending()
