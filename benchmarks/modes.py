@@ -10,6 +10,10 @@ all-reduce against DistributedDataParallel used directly, and a straggler.
 * straggler: 4 workers, worker 3 computing 4x slower, for sync and for sync with one backup,
   each against the same run without the straggler.
 
+Every tensorfleet run is the benchmark driver ``benchmarks/cnn_training.py`` (the example's
+training, its ``--straggler`` flags and its ``--metrics-json`` figures) on a local cluster,
+through ``throughput.example_run``.
+
     .venv/bin/python benchmarks/modes.py [--samples 45000]
 
 Writes benchmarks/results/modes.json and .md.

@@ -134,7 +134,7 @@ class _Watch(Output):
 
 def _cluster(logdir: Path, steps: int, output: _Watch) -> LocalCluster:
     command = [
-        sys.executable, str(ROOT / "examples" / "mnist_cnn.py"),
+        sys.executable, str(ROOT / "benchmarks" / "cnn_training.py"),
         "--steps", str(steps), "--log-every", "10", "--logdir", str(logdir),
         "--checkpoint-steps", "100", "--train-limit", "6000", "--test-limit", "500",
     ]  # fmt: skip

@@ -68,7 +68,7 @@ def example_run(steps: int, num_ps: int, num_workers: int, extra: tuple[str, ...
         metrics = Path(tmp) / "metrics.json"
         command = [
             sys.executable,
-            str(ROOT / "examples" / "mnist_cnn.py"),
+            str(ROOT / "benchmarks" / "cnn_training.py"),
             "--steps",
             str(steps),
             "--metrics-json",

@@ -51,7 +51,7 @@ _EXPORTS = {
     "TrainingSession": "tensorfleet.session.training_session",
     "plot_metrics": "tensorfleet.summaries.plot",
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
-    "ClientTimeouts": "tensorfleet.worker.client",
+    "ClientTimeouts": "tensorfleet.worker.timeouts",
     "torch_device": "tensorfleet.worker.device",
 }
 _SUBMODULES = {"optim"}
@@ -92,8 +92,8 @@ if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
     from tensorfleet.summaries.plot import plot_metrics
     from tensorfleet.summaries.summary_writer import SummaryWriter
-    from tensorfleet.worker.client import ClientTimeouts
     from tensorfleet.worker.device import torch_device
+    from tensorfleet.worker.timeouts import ClientTimeouts
 
 
 def __getattr__(name: str) -> Any:

@@ -126,6 +126,11 @@ class CheckpointError(TensorfleetError):
     """A checkpoint cannot be written, found, verified or restored."""
 
 
+class CheckpointMismatch(CheckpointError, ValueError):
+    """A checkpoint document cannot be read, or does not fit this model (another shape, dtype,
+    parameter or update rule); nothing was changed."""
+
+
 class NonFiniteError(TensorfleetError, ArithmeticError):
     """A loss or gradient was NaN or infinite and the NaN guard was told to stop."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import pytest
 
 from tensorfleet.launch.local_cluster import LocalCluster
 from tensorfleet.launch.output import Output
+from tests.processes import process_alive
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -23,18 +24,32 @@ class RecordingOutput(Output):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self.lines: list[tuple[str, str]] = []
 
     def line(self, task: str, text: str) -> None:
-        with self._lock:
+        with self._changed:
             self.lines.append((task, text))
+            self._changed.notify_all()
 
     def task_exited(self, task: str, status: str, ok: bool) -> None:
         self.message(f"{task} ended: {status}")
 
     def message(self, text: str, level: str = "info") -> None:
-        with self._lock:
+        with self._changed:
             self.lines.append(("launcher", f"{level}: {text}"))
+            self._changed.notify_all()
+
+    def wait_for(
+        self, predicate: Callable[[list[tuple[str, str]]], bool], what: str, timeout_s: float
+    ) -> None:
+        """Wait (woken by each new line, not polling) until ``predicate(lines)``; an
+        AssertionError naming ``what``, with the transcript, after ``timeout_s``."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: predicate(self.lines), timeout_s):
+                raise AssertionError(
+                    f"not seen within {timeout_s} s: {what}\n{self._transcript_unlocked()}"
+                )
 
     def of(self, task: str) -> list[str]:
         with self._lock:
@@ -42,7 +57,10 @@ class RecordingOutput(Output):
 
     def transcript(self) -> str:
         with self._lock:
-            return "\n".join(f"[{name}] {text}" for name, text in self.lines[-400:])
+            return self._transcript_unlocked()
+
+    def _transcript_unlocked(self) -> str:
+        return "\n".join(f"[{name}] {text}" for name, text in self.lines[-400:])
 
 
 @dataclass
@@ -81,21 +99,9 @@ def run_local_cluster(
     finally:
         cluster.stop()
     run = ClusterRun(returncode, output, dict(cluster.pids))
-    leftovers = [name for name, pid in run.pids.items() if _alive(pid)]
+    leftovers = [name for name, pid in run.pids.items() if process_alive(pid)]
     assert not leftovers, f"processes left behind: {leftovers}\n{run}"
     return run
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/stat")
-    try:
-        return status.read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tensorfleet.launch.local_cluster import LocalCluster
-from tests.cluster.conftest import PROGRAMS, RecordingOutput, _alive
+from tests.cluster.conftest import PROGRAMS, RecordingOutput
+from tests.processes import process_alive
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -31,31 +32,12 @@ ACCURACY = 0.9
 
 
 class WatchedOutput(RecordingOutput):
-    """Recording output that wakes waiters on every line (events, not sleeps)."""
+    """Recording output that waits for lines with this module's deadline."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._changed = threading.Condition(self._lock)
-
-    def line(self, task: str, text: str) -> None:
-        with self._changed:
-            self.lines.append((task, text))
-            self._changed.notify_all()
-
-    def message(self, text: str, level: str = "info") -> None:
-        with self._changed:
-            self.lines.append(("launcher", f"{level}: {text}"))
-            self._changed.notify_all()
-
-    def wait_for(self, predicate: Callable[[list[tuple[str, str]]], bool], what: str) -> None:
-        with self._changed:
-            if not self._changed.wait_for(lambda: predicate(self.lines), LINE_TIMEOUT_S):
-                raise AssertionError(
-                    f"not seen within {LINE_TIMEOUT_S} s: {what}\n{self.transcript_unlocked()}"
-                )
-
-    def transcript_unlocked(self) -> str:
-        return "\n".join(f"[{name}] {text}" for name, text in self.lines[-400:])
+    def wait_for(  # type: ignore[override]
+        self, predicate: Callable[[list[tuple[str, str]]], bool], what: str
+    ) -> None:
+        super().wait_for(predicate, what, LINE_TIMEOUT_S)
 
     def progress(self) -> list[tuple[int, str, int]]:
         """(line index, task, global step) of every progress line, in order."""
@@ -161,7 +143,7 @@ def fault_cluster(tmp_path: Path) -> Iterator[Callable[..., FaultRun]]:
             for pid in [task.pid, *task.previous_pids]
             if pid is not None
         ]
-        leftovers = [pid for pid in pids if _alive(pid)]
+        leftovers = [pid for pid in pids if process_alive(pid)]
         assert not leftovers, f"processes left behind: {leftovers}\n{run.output.transcript()}"
 
 

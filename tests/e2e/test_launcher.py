@@ -27,6 +27,7 @@ from tensorfleet.errors import DeadlineExceeded, LaunchError
 from tensorfleet.launch.cli import main
 from tensorfleet.launch.local_cluster import LocalCluster
 from tensorfleet.launch.output import Output, PlainOutput
+from tests.processes import process_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -59,20 +60,6 @@ def reported_pids(text: str) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead; the init of a container may be slow to reap it
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def assert_all_gone(pids: Iterable[int], context: str, timeout: float = 5.0) -> None:
     """Every process in ``pids`` exits within ``timeout`` (SIGKILL is delivered
     asynchronously), waiting on pidfds rather than polling where the kernel has them."""
@@ -89,7 +76,9 @@ def assert_all_gone(pids: Iterable[int], context: str, timeout: float = 5.0) -> 
                 poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
             finally:
                 os.close(fd)
-        assert not _alive(pid), f"process {pid} is still running after the launcher\n{context}"
+        assert not process_alive(pid), (
+            f"process {pid} is still running after the launcher\n{context}"
+        )
 
 
 @pytest.fixture

@@ -54,11 +54,14 @@ class RunningService:
         return dict(self.service.socket.rejected)
 
 
-def serve_in_thread(config: ServiceConfig, secret: bytes) -> RunningService:
-    """Bind a service for ``config`` to a free loopback port, signing with ``secret``, and
-    serve it in a (daemon) thread. A crash of serve() is kept in ``result["error"]`` for
-    :func:`stop_services` to report."""
-    address = f"127.0.0.1:{free_port()}"
+def serve_in_thread(
+    config: ServiceConfig, secret: bytes, address: str | None = None
+) -> RunningService:
+    """Bind a service for ``config`` to ``address`` (default: a free loopback port), signing
+    with ``secret``, and serve it in a (daemon) thread; the same address again after
+    :func:`stop_services` is a restarted ps. A crash of serve() is kept in ``result["error"]``
+    for :func:`stop_services` to report."""
+    address = address or f"127.0.0.1:{free_port()}"
     service = ParameterService(ServiceSocket(address, secret, config.limits), config)
     stop = threading.Event()
     result: dict[str, Any] = {}

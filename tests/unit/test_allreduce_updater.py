@@ -66,7 +66,7 @@ def test_connect_wrap_register_push_pull_update_the_model_like_torch_optim() -> 
         updater.connect()
         assert dist.is_initialized() and dist.get_world_size() == 1
         wrapped = updater.wrap(model)
-        assert updater.register(list(model.named_parameters()), None, Momentum(0.1, 0.9), True) == 0
+        updater.register(list(model.named_parameters()), Momentum(0.1, 0.9))
         assert updater.pull().global_step == 0
         for step in range(3):
             wrapped.zero_grad(set_to_none=True)
@@ -86,7 +86,7 @@ def test_connect_wrap_register_push_pull_update_the_model_like_torch_optim() -> 
         ):
             assert torch.equal(ours, theirs), name
         assert not torch.equal(model[0].weight, _model()[0].weight)  # it did train
-        updater.finish(declare_end=True)  # a barrier of one
+        updater.finish(None)  # a barrier of one
     finally:
         updater.close()
     assert not dist.is_initialized()
@@ -97,7 +97,7 @@ def test_register_before_wrap_is_refused() -> None:
     try:
         updater.connect()
         with pytest.raises(RuntimeError, match=r"wrap\(\) the model before register\(\)"):
-            updater.register(list(_model().named_parameters()), None, SGD(0.1), True)
+            updater.register(list(_model().named_parameters()), SGD(0.1))
     finally:
         updater.close()
 
@@ -108,7 +108,7 @@ def test_push_pull_after_a_forward_that_bypassed_the_wrapper_says_to_use_sess_mo
     try:
         updater.connect()
         wrapped = updater.wrap(model)
-        updater.register(list(model.named_parameters()), None, SGD(0.1), True)
+        updater.register(list(model.named_parameters()), SGD(0.1))
         before = [p.detach().clone() for p in model.parameters()]
         _loss(model, 0).backward()  # the inner model, not the DDP wrapper
         with pytest.raises(TensorfleetError) as excinfo:
@@ -145,7 +145,7 @@ def test_the_moving_average_matches_a_hand_computed_one() -> None:
     try:
         updater.connect()
         wrapped = updater.wrap(model)
-        updater.register(list(model.named_parameters()), None, SGD(0.5), True)
+        updater.register(list(model.named_parameters()), SGD(0.5))
         average = {name: p.detach().clone() for name, p in model.named_parameters()}
         for step in range(3):
             wrapped.zero_grad(set_to_none=True)
@@ -253,7 +253,7 @@ def test_a_checkpoint_of_the_replica_restores_parameters_optimizer_state_and_dat
     try:
         updater.connect()
         wrapped = updater.wrap(model)
-        updater.register(list(model.named_parameters()), None, Momentum(0.1, 0.9), True)
+        updater.register(list(model.named_parameters()), Momentum(0.1, 0.9))
 
         def step(number: int) -> None:
             wrapped.zero_grad(set_to_none=True)
@@ -264,7 +264,7 @@ def test_a_checkpoint_of_the_replica_restores_parameters_optimizer_state_and_dat
             step(number)
         positions = updater.gather_data({"epoch": 1, "offset": 24}, ["worker:0"])
         assert positions == {"worker:0": {"epoch": 1, "offset": 24}}
-        global_step, (document,) = updater.save(positions)
+        global_step, (document,) = updater.save_replica(positions)
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         step(3)
         after_uninterrupted = {k: v.clone() for k, v in model.state_dict().items()}

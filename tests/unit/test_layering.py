@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md import one way, downward; and nothing unpickles or evaluates data.
+"""The layers of docs/architecture.md import one way, downward; and nothing unpickles or evaluates data.
 
 launch > session > worker > ps > wire > cluster. Modules at the package top (errors,
 environment, version, and the facades __init__ / optim / __main__) are shared by all layers.
@@ -58,7 +58,9 @@ def test_layer_imports_only_lower_layers(layer: str) -> None:
             if target in SHARED or target in allowed:
                 continue
             offenders.append(f"{path.relative_to(PACKAGE)} imports {name}")
-    assert not offenders, "imports against the layering of DESIGN.md:\n" + "\n".join(offenders)
+    assert not offenders, "imports against the layering of docs/architecture.md:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_every_module_belongs_to_a_layer() -> None:

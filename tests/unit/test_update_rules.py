@@ -144,7 +144,8 @@ def test_local_updater_matches_torch_optim_and_counts_steps() -> None:
     updater = LocalUpdater()
     with pytest.raises(RuntimeError, match="register"):
         updater.push_pull()
-    assert updater.register(list(local.items()), None, Momentum(0.1, 0.9), is_chief=True) == 0
+    updater.register(list(local.items()), Momentum(0.1, 0.9))
+    assert updater.pull().global_step == 0
     optimizer = torch.optim.SGD(list(reference.values()), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         gradients = _values(seed=100 + step)

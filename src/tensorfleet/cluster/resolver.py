@@ -87,17 +87,14 @@ class ResolvedTask:
 
     @property
     def is_chief(self) -> bool:
-        """Whether this task is the chief: task 0 of job ``"chief"`` when the cluster has that
-        job (Kubeflow's and TensorFlow's convention), otherwise ``worker:0``."""
-        chief_job = "chief" if "chief" in self.cluster.jobs else "worker"
-        return self.job == chief_job and self.index == 0
+        """Whether this task is the chief (:meth:`ClusterSpec.chief_task`)."""
+        return self.task_id == self.cluster.chief_task()
 
     @property
     def num_workers(self) -> int:
         """How many tasks train the model: those of the ``"worker"`` job plus those of the
         ``"chief"`` job (which, as in TensorFlow, trains as well as leading)."""
-        jobs = self.cluster.jobs
-        return sum(self.cluster.num_tasks(job) for job in ("chief", "worker") if job in jobs)
+        return len(self.cluster.training_tasks())
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,11 @@ JOB_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _HOSTNAME_RE = re.compile(r"[A-Za-z0-9._-]+")
 _DIGITS_RE = re.compile(r"[0-9]+")
 
+#: The job whose task 0 leads training when the cluster has it (else ``worker:0`` does).
+CHIEF_JOB = "chief"
+#: The job of the tasks that train.
+WORKER_JOB = "worker"
+
 _EXAMPLE = '{"ps": ["ps0:2222"], "worker": ["worker0:2222", "worker1:2222"]}'
 
 
@@ -304,6 +309,22 @@ class ClusterSpec:
         for job, tasks in self._jobs.items():
             for index in tasks:
                 yield TaskId(job, index)
+
+    def chief_task(self) -> TaskId:
+        """The chief, the one rule every layer uses: task 0 of job ``"chief"`` when the
+        cluster has that job (TensorFlow's and Kubeflow's convention), otherwise ``worker:0``.
+        The chief creates (or restores) the variables, saves checkpoints and declares the end
+        of training; in all-reduce mode it is rank 0 and the rendezvous."""
+        return TaskId(CHIEF_JOB, 0) if CHIEF_JOB in self._jobs else TaskId(WORKER_JOB, 0)
+
+    def training_tasks(self) -> list[TaskId]:
+        """Every task that trains, in rank order: the chief job's (if any), then the workers."""
+        return [
+            TaskId(job, index)
+            for job in (CHIEF_JOB, WORKER_JOB)
+            if job in self._jobs
+            for index in self.task_indices(job)
+        ]
 
     def _job(self, job_name: str) -> dict[int, str]:
         try:

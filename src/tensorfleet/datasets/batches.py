@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorfleet.errors import ConfigError
+
 #: What a stream can batch: a torch tensor or a numpy array, indexed along its first dim.
 Array = torch.Tensor | np.ndarray
 
@@ -64,7 +66,7 @@ class BatchStream:
     ) -> None:
         num_examples = len(images)
         if len(labels) != num_examples:
-            raise ValueError(
+            raise ConfigError(
                 f"images and labels differ in length: {num_examples} images, {len(labels)} labels"
             )
         _check_int("batch_size", batch_size, minimum=1)
@@ -72,18 +74,18 @@ class BatchStream:
         _check_int("seed", seed, minimum=0)
         _check_int("shard_index", shard_index, minimum=0)
         if shard_index >= num_shards:
-            raise ValueError(
+            raise ConfigError(
                 f"shard_index {shard_index} out of range for num_shards={num_shards} "
                 f"(expected 0 .. {num_shards - 1}); it is usually the worker's task index"
             )
         if num_shards > num_examples:
-            raise ValueError(
+            raise ConfigError(
                 f"more shards than examples: num_shards={num_shards}, {num_examples} examples; "
                 "some workers would get no data. Use fewer workers or a larger data set"
             )
         shard_size = len(range(shard_index, num_examples, num_shards))
         if batch_size > shard_size:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size {batch_size} is larger than this worker's shard of {shard_size} "
                 f"examples ({num_examples} examples over {num_shards} shards); no full batch "
                 "can be made. Use a smaller batch_size or fewer workers"
@@ -191,14 +193,14 @@ class BatchStream:
         """
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"batch stream state lacks {', '.join(missing)}; expected keys "
                 f"{', '.join(STATE_KEYS)} as state_dict() returns them"
             )
         for key in ("seed", "shard_index", "num_shards", "num_examples"):
             _check_int(key, state[key], minimum=0)
             if state[key] != getattr(self, f"_{key}"):
-                raise ValueError(
+                raise ConfigError(
                     f"batch stream state is for {key}={state[key]} but this stream has "
                     f"{key}={getattr(self, f'_{key}')}; restoring it would hand out other "
                     "batches than the ones due. Create the stream with the same arguments"
@@ -210,12 +212,14 @@ class BatchStream:
         try:
             epoch, offset = position
         except (TypeError, ValueError):
-            raise ValueError(f"position must be a pair (epoch, offset), got {position!r}") from None
+            raise ConfigError(
+                f"position must be a pair (epoch, offset), got {position!r}"
+            ) from None
         _check_int("epoch", epoch, minimum=0)
         _check_int("offset", offset, minimum=0)
         epoch_length = self.batches_per_epoch * self._batch_size
         if offset > epoch_length:
-            raise ValueError(
+            raise ConfigError(
                 f"offset {offset} is past the end of an epoch of {epoch_length} examples "
                 f"({self.batches_per_epoch} batches of {self._batch_size})"
             )
@@ -259,6 +263,6 @@ def _take(data: Any, picked: np.ndarray) -> Any:
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     """Raise ``ValueError`` unless ``value`` is an int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+        raise ConfigError(f"{name} must be at least {minimum}, got {value}")

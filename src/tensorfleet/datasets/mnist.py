@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from tensorfleet import environment
-from tensorfleet.errors import DatasetError
+from tensorfleet.errors import ConfigError, DatasetError
 
 #: Height and width of every image, in pixels.
 IMAGE_SIZE = 28
@@ -337,7 +337,7 @@ def load_mnist(
     """
     info = dataset_info(dataset)
     if split not in SPLIT_FILES:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
+        raise ConfigError(f"unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
     names = SPLIT_FILES[split]
     if data_dir is not None:
         candidates = [Path(data_dir).expanduser()]
@@ -381,9 +381,9 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8:
         kind = images.dtype if isinstance(images, torch.Tensor) else type(images).__name__
-        raise ValueError(f"normalize expects a torch.uint8 tensor of images, got {kind}")
+        raise ConfigError(f"normalize expects a torch.uint8 tensor of images, got {kind}")
     if images.dim() != 3:
-        raise ValueError(
+        raise ConfigError(
             f"normalize expects images of shape [N, H, W], got shape {tuple(images.shape)}"
         )
     return images.to(torch.float32).div_(255.0).unsqueeze(1)

@@ -312,10 +312,16 @@ def _server(args: argparse.Namespace) -> int:
             task.job,
             task.index,
             secret=load_secret(secret_file=args.secret_file),
-            config=ServerConfig(
+            config=ServerConfig(  # options not given keep the config's own defaults
                 encrypt=True if args.encrypt else None,
-                liveness_timeout_s=args.liveness_timeout,
-                end_grace_s=args.end_grace,
+                **{
+                    field: value
+                    for field, value in (
+                        ("liveness_timeout_s", args.liveness_timeout),
+                        ("end_grace_s", args.end_grace),
+                    )
+                    if value is not None
+                },
             ),
         )
     except (

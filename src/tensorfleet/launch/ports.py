@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import socket
 
-#: Local clusters bind loopback only (see DESIGN.md: "local clusters bind loopback only").
+from tensorfleet.errors import ConfigError
+
+#: Local clusters bind loopback only (docs/architecture.md, "Choices and why").
 LOOPBACK = "127.0.0.1"
 
 
@@ -23,7 +25,7 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     address of this machine.
     """
     if count < 0:
-        raise ValueError(f"count of ports must be >= 0, got {count}")
+        raise ConfigError(f"count of ports must be >= 0, got {count}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets: list[socket.socket] = []
     try:

@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tensorfleet.errors import CheckpointError, ProtocolError
+from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.version import __version__
 
@@ -75,7 +75,7 @@ class CheckpointDirectory:
 
     def __init__(self, root: str | os.PathLike[str], keep: int = 5) -> None:
         if keep < 1:
-            raise ValueError(f"keep must be >= 1 checkpoint, got {keep}")
+            raise ConfigError(f"keep must be >= 1 checkpoint, got {keep}")
         self.root = Path(root)
         self.keep = keep
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorfleet.errors import DeadlineExceeded, NonFiniteError, ServiceRestarted
+from tensorfleet.errors import ConfigError, DeadlineExceeded, NonFiniteError, ServiceRestarted
 
 if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
@@ -81,9 +81,9 @@ class StopAtStep(Hook):
 
     def __init__(self, last_step: int | None = None, num_steps: int | None = None) -> None:
         if (last_step is None) == (num_steps is None):
-            raise ValueError("give exactly one of last_step and num_steps")
+            raise ConfigError("give exactly one of last_step and num_steps")
         if (last_step if last_step is not None else num_steps) < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"steps must be >= 0, got last_step={last_step}, num_steps={num_steps}"
             )
         self._last_step = last_step
@@ -119,7 +119,7 @@ class LoggingHook(Hook):
         print_fn: Callable[[str], None] = print,
     ) -> None:
         if every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+            raise ConfigError(f"every_n_steps must be positive, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.formatter = formatter or (
             lambda s, r: f"{s.task_name}: global step {r.global_step}, loss {r.loss:.4f}"
@@ -143,11 +143,11 @@ class CheckpointHook(Hook):
 
     def __init__(self, every_n_steps: int | None = None, every_n_secs: float | None = None) -> None:
         if every_n_steps is None and every_n_secs is None:
-            raise ValueError("give every_n_steps, every_n_secs, or both")
+            raise ConfigError("give every_n_steps, every_n_secs, or both")
         if every_n_steps is not None and every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+            raise ConfigError(f"every_n_steps must be positive, got {every_n_steps}")
         if every_n_secs is not None and not every_n_secs > 0:
-            raise ValueError(f"every_n_secs must be positive, got {every_n_secs}")
+            raise ConfigError(f"every_n_secs must be positive, got {every_n_secs}")
         self.every_n_steps = every_n_steps
         self.every_n_secs = every_n_secs
         self._last_step = 0
@@ -188,9 +188,9 @@ class NanGuard(Hook):
 
     def __init__(self, action: str = "stop", max_consecutive: int = 100) -> None:
         if action not in ("stop", "skip"):
-            raise ValueError(f"action must be 'stop' or 'skip', got {action!r}")
+            raise ConfigError(f"action must be 'stop' or 'skip', got {action!r}")
         if max_consecutive < 1:
-            raise ValueError(f"max_consecutive must be >= 1, got {max_consecutive}")
+            raise ConfigError(f"max_consecutive must be >= 1, got {max_consecutive}")
         self.action = action
         self.max_consecutive = max_consecutive
         self.skipped = 0

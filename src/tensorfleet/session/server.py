@@ -79,9 +79,7 @@ class Server:
     @property
     def is_chief(self) -> bool:
         """Whether this task is the chief (worker 0, or chief 0 when the cluster has that job)."""
-        if "chief" in self.cluster.jobs:
-            return self.task == TaskId("chief", 0)
-        return self.task == TaskId(WORKER_JOB, 0)
+        return self.task == self.cluster.chief_task()
 
     @property
     def ps_addresses(self) -> list[str]:
@@ -93,11 +91,7 @@ class Server:
     @property
     def worker_tasks(self) -> list[TaskId]:
         """Every task that trains: the chief job's (if any) and the workers."""
-        tasks = []
-        for job in ("chief", WORKER_JOB):
-            if job in self.cluster.jobs:
-                tasks.extend(TaskId(job, i) for i in self.cluster.task_indices(job))
-        return tasks
+        return self.cluster.training_tasks()
 
     def _start_parameter_service(self) -> None:
         started = threading.Event()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tensorfleet.errors import ConfigError, ConfigTypeError, UsageError
 from tensorfleet.session.hooks import Hook, StepResult
 from tensorfleet.summaries.summary_writer import SummaryWriter
 
@@ -63,11 +64,11 @@ class SummaryHook(Hook):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
-            raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
+            raise ConfigTypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
         if every_n_steps <= 0:
-            raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+            raise ConfigError(f"every_n_steps must be positive, got {every_n_steps}")
         if metrics is not None and not callable(metrics):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"metrics must be a function of the StepResult, got {type(metrics).__name__}"
             )
         self.logdir = Path(logdir)
@@ -89,13 +90,13 @@ class SummaryHook(Hook):
 
     def after_step(self, session: TrainingSession, result: StepResult) -> None:
         if self._writer is None:
-            raise RuntimeError("SummaryHook.after_step() before begin(): the session calls begin")
+            raise UsageError("SummaryHook.after_step() before begin(): the session calls begin")
         self._add("loss", result.loss)
         if self.metrics is not None:
             extra = self.metrics(result)
             clash = BUILTIN_TAGS & extra.keys()
             if clash:
-                raise ValueError(
+                raise ConfigError(
                     f"metrics returned tag(s) {sorted(clash)}, which SummaryHook writes itself; "
                     "rename them"
                 )
@@ -103,7 +104,7 @@ class SummaryHook(Hook):
                 try:
                     self._add(tag, float(value))
                 except (TypeError, ValueError) as exc:
-                    raise TypeError(
+                    raise ConfigTypeError(
                         f"metrics returned {value!r} for {tag!r}; give a number "
                         "(e.g. tensor.item())"
                     ) from exc

@@ -31,6 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, BinaryIO
 
+from tensorfleet.errors import ConfigError, ConfigTypeError
+
 #: The first record of every event file names the format version.
 FILE_VERSION = "brain.Event:2"
 _FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
@@ -142,22 +144,24 @@ def check_scalars(step: int, values: Mapping[str, float]) -> tuple[int, dict[str
     ``ValueError`` for an empty or non-string tag or a step outside int64.
     """
     if isinstance(step, bool) or not hasattr(step, "__index__"):
-        raise TypeError(f"step must be an integer (the global step), got {step!r}")
+        raise ConfigTypeError(f"step must be an integer (the global step), got {step!r}")
     step = step.__index__()
     if not _INT64_MIN <= step <= _INT64_MAX:
-        raise ValueError(f"step must fit in an int64, got {step}")
+        raise ConfigError(f"step must fit in an int64, got {step}")
     if not isinstance(values, Mapping):
-        raise TypeError(f"values must be a mapping of tag -> number, got {type(values).__name__}")
+        raise ConfigTypeError(
+            f"values must be a mapping of tag -> number, got {type(values).__name__}"
+        )
     checked: dict[str, float] = {}
     for tag, value in values.items():
         if not isinstance(tag, str) or not tag:
-            raise ValueError(f"a tag must be a non-empty string, got {tag!r}")
+            raise ConfigError(f"a tag must be a non-empty string, got {tag!r}")
         if isinstance(value, (str, bytes)):
-            raise TypeError(f"value of {tag!r} must be a number, got the string {value!r}")
+            raise ConfigTypeError(f"value of {tag!r} must be a number, got the string {value!r}")
         try:
             checked[tag] = float(value)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"value of {tag!r} must be a number (e.g. float(loss)), got "
                 f"{type(value).__name__}: {exc}"
             ) from exc
@@ -210,7 +214,7 @@ class EventFileWriter:
 
     def _write(self, event: bytes) -> None:
         if self._file.closed:
-            raise ValueError(f"event file {self.path} is closed")
+            raise ConfigError(f"event file {self.path} is closed")
         self._file.write(tfrecord(event))
         self._file.flush()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tensorfleet.errors import ConfigError
 from tensorfleet.summaries.event_file import check_scalars, close_durably
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,10 @@ def _parse_record(line: bytes) -> dict[str, Any]:
     """One line as a record, or ``ValueError`` saying what is wrong with it."""
     record = json.loads(line)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
     if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+        raise ConfigError(f"expected a JSON object, got {type(record).__name__}")
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool):
-        raise ValueError(f'expected an integer "step", got {step!r}')
+        raise ConfigError(f'expected an integer "step", got {step!r}')
     return record
 
 
@@ -67,12 +68,12 @@ class MetricsLog:
         step, checked = check_scalars(step, values)
         clash = RESERVED_KEYS & checked.keys()
         if clash:
-            raise ValueError(
+            raise ConfigError(
                 f"tag(s) {sorted(clash)} are reserved in metrics records; rename them "
                 "(e.g. 'train/step')"
             )
         if self._file.closed:
-            raise ValueError(f"metrics log {self.path} is closed")
+            raise ConfigError(f"metrics log {self.path} is closed")
         record: dict[str, Any] = {
             "step": step,
             "wall_time": time.time() if wall_time is None else float(wall_time),
@@ -123,7 +124,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     line,
                 )
                 break
-            raise ValueError(
+            raise ConfigError(
                 f"{path}, line {number}: not a metrics record ({exc}); the file is damaged: "
                 "fix or delete that line"
             ) from exc

@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.summaries.metrics_log import RESERVED_KEYS, read_metrics
 from tensorfleet.summaries.summary_writer import METRICS_FILE
 
@@ -51,7 +51,7 @@ def plot_metrics(
             steps.append(record["step"])
             values.append(math.nan if value is None else float(value))  # null: a gap
     if not series:
-        raise ValueError(
+        raise ConfigError(
             f"metrics file {str(metrics_path)!r} holds no values to plot: {_HOW_TO_GET_METRICS}"
         )
 

@@ -4,9 +4,9 @@ process group (gloo on CPU, NCCL on GPU) from the cluster spec, the model is wra
 bucket), and every worker applies the same update to its own replica. Rank = worker index;
 rank 0 is the chief. The rendezvous is the chief's address in the cluster spec.
 
-Same interface as :class:`~tensorfleet.worker.client.ParameterClient`, plus :meth:`wrap`.
-
-Checkpoints are collective: every replica holds the same parameters and optimizer state, so
+It implements the :class:`~tensorfleet.worker.updater.Updater` protocol; :meth:`wrap` is
+where the model becomes its DDP wrapper, and the loop's end and checkpoints are collective
+(``collective = True``): every replica holds the same parameters and optimizer state, so
 the chief's replica is the checkpoint; the workers' data positions are gathered to it
 (:meth:`gather_data`) at a step all of them agreed on (:meth:`agree`). A restore is
 broadcast from the chief (:meth:`restore_collectively`), so the checkpoint directory needs
@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,16 +26,33 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tensorfleet.errors import ProtocolError, TensorfleetError
-from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.errors import (
+    CheckpointError,
+    ConfigError,
+    DeadlineExceeded,
+    ProtocolError,
+    TensorfleetError,
+    UsageError,
+)
 from tensorfleet.ps.shard_checkpoint import MAX_WORKER_DATA_BYTES, check_worker_data
+from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.worker.client import ClientTimeouts, Progress
 from tensorfleet.worker.moving_average import MovingAverage
+from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.replica_state import (
     decode_replica,
     encode_replica,
     optimizer_state_template,
+)
+from tensorfleet.worker.timeouts import ClientTimeouts
+from tensorfleet.worker.updater import (
+    CheckpointSource,
+    DataPosition,
+    NamedParams,
+    Restored,
+    SavedState,
+    whole_placement,
+    zero_gradients,
 )
 
 #: Outcomes of the chief's look at the checkpoint, broadcast before any state is.
@@ -43,7 +60,11 @@ _NO_CHECKPOINT, _RESTORING, _UNUSABLE = 0, 1, 2
 
 
 class AllReduceUpdater:
-    """One worker of an all-reduce group."""
+    """One worker of an all-reduce group. ``task_names``: every worker's task name by rank
+    (their data positions are saved under these names; default ``worker:<rank>``)."""
+
+    discipline: UpdateDiscipline | None = None
+    collective = True
 
     def __init__(
         self,
@@ -52,9 +73,22 @@ class AllReduceUpdater:
         world_size: int,
         timeouts: ClientTimeouts | None = None,
         ema_decay: float | None = None,
+        task_names: Sequence[str] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a group of {world_size} workers")
+            raise ConfigError(
+                f"rank {rank} is outside a group of {world_size} workers: give 0 <= rank < "
+                f"{world_size}"
+            )
+        self.task_names = (
+            list(task_names)
+            if task_names is not None
+            else [f"worker:{r}" for r in range(world_size)]
+        )
+        if len(self.task_names) != world_size:
+            raise ConfigError(
+                f"{len(self.task_names)} task names for a group of {world_size} workers"
+            )
         self.rendezvous_address = rendezvous_address
         self.rank = rank
         self.world_size = world_size
@@ -69,11 +103,14 @@ class AllReduceUpdater:
         self._named_params: list[tuple[str, torch.Tensor]] = []
         self._rule: UpdateRule | None = None
 
-    def connect(self, device_type: str = "cpu") -> None:
-        """Join the process group (waits up to ``connect_s`` for every worker to arrive)."""
+    def connect(self, device: torch.device | None = None) -> None:
+        """Join the process group (waits up to ``connect_s`` for every worker to arrive):
+        NCCL when the model is on a GPU, gloo otherwise."""
+        device_type = device.type if device is not None else "cpu"
         if dist.is_initialized():
-            raise TensorfleetError(
-                "a torch.distributed process group already exists in this process"
+            raise UsageError(
+                "a torch.distributed process group already exists in this process: one "
+                "all-reduce session per process"
             )
         backend = "nccl" if device_type == "cuda" else "gloo"
         try:
@@ -85,7 +122,7 @@ class AllReduceUpdater:
                 timeout=datetime.timedelta(seconds=self.timeouts.connect_s),
             )
         except (RuntimeError, dist.DistStoreError) as exc:
-            raise TensorfleetError(
+            raise DeadlineExceeded(
                 f"worker {self.rank} could not join the all-reduce group of {self.world_size} at "
                 f"{self.rendezvous_address} within {self.timeouts.connect_s:.0f} s: {exc}. Are all "
                 "workers started, and is the chief's address reachable?"
@@ -102,21 +139,36 @@ class AllReduceUpdater:
     def _note_forward(self, module: nn.Module, args: object) -> None:
         self._forward_seen = True
 
-    def register(
-        self,
-        named_params: Sequence[tuple[str, torch.Tensor]],
-        plan: PlacementPlan | None,
-        rule: UpdateRule,
-        is_chief: bool,
-    ) -> int:
+    def register(self, named_params: NamedParams, rule: UpdateRule) -> None:
         if self._wrapped is None:
-            raise RuntimeError("wrap() the model before register()")
+            raise UsageError("wrap() the model before register()")
         params = [p for _, p in named_params]
         self._named_params, self._rule = list(named_params), rule
         self._optimizer = rule.build(params)
         if self._ema_decay is not None:
             self._moving_average = MovingAverage(named_params, self._ema_decay)
-        return self._global_step
+
+    def restore(self, checkpoints: CheckpointSource | None, resume: bool = True) -> Restored:
+        """*Collective*: the chief reads the newest valid checkpoint and every replica takes
+        it. Without one (or without ``checkpoints``, or ``resume``), training starts from the
+        chief's initial values, which DDP broadcast when it wrapped the model. Every worker
+        must pass a source alike (they run the same command)."""
+        if checkpoints is None or not resume:
+            return Restored(self._global_step)
+        checkpoint = checkpoints.newest() if self.rank == 0 else None
+        if checkpoint is not None:
+            checkpoints.restoring(checkpoint)
+        try:
+            data = self.restore_collectively(
+                None if checkpoint is None else checkpoint.documents[0],
+                0 if checkpoint is None else checkpoint.global_step,
+                self.task_names[self.rank],
+            )
+        except TensorfleetError as exc:
+            raise CheckpointError(
+                f"{exc}. Start fresh (restore=False) or point checkpoint_dir elsewhere"
+            ) from None
+        return Restored(self._global_step, data)
 
     def pull(self) -> Progress:
         return Progress(self._global_step, stop=False)
@@ -130,7 +182,7 @@ class AllReduceUpdater:
         """Apply the update: DDP has already averaged the gradients during backward. (``data``
         is not kept per step here: the positions are gathered when a checkpoint is taken.)"""
         if not self._forward_seen:
-            raise TensorfleetError(
+            raise UsageError(
                 "mode 'allreduce': this step's forward pass did not go through the DDP wrapper, so "
                 "the gradients were not averaged across workers. Compute the loss with "
                 "`sess.model(x)`, not with the model you passed to TrainingSession"
@@ -141,6 +193,16 @@ class AllReduceUpdater:
             self._moving_average.update()
         self._global_step += 1
         return Progress(self._global_step, stop=False, made_step=self.rank == 0)
+
+    def exchange(self, step: int, data: DataPosition | None) -> Progress:
+        return self.push_pull(step=step, data=data)
+
+    def skip(self, step: int) -> Progress:
+        """Every replica must take part in each step: the gradients are zeroed (the averaged
+        gradient is the same on all replicas, so they all skip alike) and no optimizer step
+        is taken."""
+        zero_gradients(self._named_params)
+        return self.pull()
 
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         """Whether any worker wants to stop, and whether any wants a checkpoint now: every
@@ -173,10 +235,20 @@ class AllReduceUpdater:
                 positions[task_names[rank]] = json.loads(raw[8 : 8 + length])
         return positions
 
-    def save(self, worker_data: dict[str, dict[str, Any]]) -> tuple[int, list[bytearray]]:
-        """The chief's replica (every replica is the same) as one checkpoint document."""
+    def save(self, data: DataPosition | None = None) -> SavedState | None:
+        """*Collective*: every worker sends its data position to the chief, which returns its
+        replica (all replicas are the same) as the checkpoint; the others get None."""
+        positions = self.gather_data(data, self.task_names)
+        if self.rank != 0:
+            return None
+        global_step, documents = self.save_replica(positions)
+        return SavedState(global_step, documents, whole_placement(self._named_params))
+
+    def save_replica(self, worker_data: dict[str, dict[str, Any]]) -> tuple[int, list[bytearray]]:
+        """This replica (every replica is the same) as one checkpoint document, with the
+        workers' data positions ``worker_data`` by task name."""
         if self._optimizer is None or self._rule is None:
-            raise RuntimeError("register() the model before saving")
+            raise UsageError("register() the model before saving")
         document = encode_replica(
             self._named_params,
             self._optimizer,
@@ -196,7 +268,7 @@ class AllReduceUpdater:
         worker with an error instead of leaving them waiting. Returns this worker's data
         position from the checkpoint (None when none was saved)."""
         if self._optimizer is None or self._rule is None:
-            raise RuntimeError("register() the model before restoring")
+            raise UsageError("register() the model before restoring")
         state, problem = None, ""
         outcome = torch.tensor([_NO_CHECKPOINT, 0], dtype=torch.int64)
         if self.rank == 0 and document is not None:
@@ -206,14 +278,14 @@ class AllReduceUpdater:
                 if state.optimizer and {k: set(v) for k, v in state.optimizer.items()} != {
                     k: set(v) for k, v in template.items()
                 }:
-                    raise ValueError(f"its optimizer state does not fit rule {self._rule.name!r}")
+                    raise ConfigError(f"its optimizer state does not fit rule {self._rule.name!r}")
                 outcome = torch.tensor([_RESTORING, global_step], dtype=torch.int64)
             except (ValueError, ProtocolError) as exc:
                 problem = str(exc)
                 outcome = torch.tensor([_UNUSABLE, 0], dtype=torch.int64)
         dist.broadcast(outcome, src=0)
         if int(outcome[0]) == _UNUSABLE:
-            raise TensorfleetError(
+            raise CheckpointError(
                 f"the checkpoint cannot be restored: {problem}"
                 if self.rank == 0
                 else "the chief could not restore its checkpoint (its output says why)"
@@ -264,13 +336,22 @@ class AllReduceUpdater:
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         if self._moving_average is None:
-            raise ValueError("no moving average is kept: pass ema_decay to the TrainingSession")
+            raise ConfigError("no moving average is kept: pass ema_decay to the TrainingSession")
         return self._moving_average.state()
 
-    def finish(self, declare_end: bool) -> None:
-        """Wait for every worker at the end, so that none tears the group down early."""
+    def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
+        """*Collective*: the final checkpoint (every worker takes part), then wait for every
+        worker at the end, so that none tears the group down early. After a failure: nothing
+        (the others would wait in vain; their next collective fails instead)."""
+        if failed:
+            return
+        if before_done is not None:
+            before_done()
         if self._own_group and dist.is_initialized():
             dist.barrier()
+
+    def stats(self) -> list[dict[str, Any]]:
+        return []
 
     def close(self) -> None:
         if self._own_group and dist.is_initialized():

@@ -1,17 +1,22 @@
 """The worker's side of the parameter servers: one channel per shard, fused buffers, every
-shard in parallel.
+shard in parallel, and recovery from a ps that fails or restarts at any moment.
 
 A training step is one round trip per shard: the gradients of that shard's variables go out
-as one buffer per dtype and the new values come back in the reply (``push`` with
-``want_values``), so a step costs one latency, not two. All shards are sent to before any is
-waited on, so the transfers overlap.
+as one buffer per dtype (:mod:`~tensorfleet.worker.fused_parameters`) and the new values come
+back in the reply (``push`` with ``want_values``), so a step costs one latency, not two. Every
+request goes through :class:`~tensorfleet.worker.shard_fanout.ShardFanout`: all shards are
+sent to before any is waited on, and a wait on a shard the heartbeat reports silent or
+restarted ends at once.
 
-Failures: a heartbeat thread (:mod:`tensorfleet.worker.heartbeat`) tells the shards this task
-is alive and notices a shard that falls silent or restarts. A step whose exchange fails that
-way is dropped (never applied twice) and the client recovers: it says hello again with
-back-off until the shard answers (up to ``ClientTimeouts.recover_s``); a restarted shard that
-lost its variables is restored by the chief (from the newest checkpoint, through the
-``restore_shards`` callback the session installs), and the other workers wait for that.
+Failures: every operation (pull, push, save, restore, the end of training, stats, the moving
+average) that fails because a ps restarted (:class:`~tensorfleet.errors.ServiceRestarted`),
+went silent (:class:`~tensorfleet.errors.ConnectionLost`) or did not answer in time
+(:class:`~tensorfleet.errors.DeadlineExceeded`) recovers and is tried again: the client says
+hello again with back-off until every shard answers (up to ``ClientTimeouts.recover_s``); a
+restarted shard that lost its variables is restored by the chief (from the newest checkpoint,
+through the ``restore_shards`` callback its updater installs), and the other workers wait for
+that. A push is never tried again (it could be applied twice): its step is dropped. Decisions
+are made on the error's type, never on its text.
 """
 
 from __future__ import annotations
@@ -20,92 +25,43 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import zmq
 
 from tensorfleet import environment
-from tensorfleet.errors import DeadlineExceeded, IdentityInUse, RemoteError, ServiceRestarted
-from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    IdentityInUse,
+    NotInitialized,
+    ProtocolError,
+    RemoteError,
+    ServiceRestarted,
+    UsageError,
+)
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
-from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
 from tensorfleet.wire.transport import Channel, Reply
+from tensorfleet.worker.fused_parameters import FusedParameters
 from tensorfleet.worker.heartbeat import Heartbeat
+from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.shard_fanout import ANSWER_MARGIN_S, ShardFanout
+from tensorfleet.worker.timeouts import ClientTimeouts
+
+__all__ = ["ANSWER_MARGIN_S", "ClientTimeouts", "ParameterClient", "Progress"]
 
 log = logging.getLogger("tensorfleet.worker")
 
-#: Extra seconds a client waits beyond a request's own deadline for the server's explanation.
-ANSWER_MARGIN_S = 2.0
+T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class ClientTimeouts:
-    """Deadlines of the worker's waits on the parameter servers, in seconds."""
-
-    connect_s: float = 60.0
-    """For every ps to answer ``hello`` (they may still be starting)."""
-    initialize_s: float = 300.0
-    """For the chief to create the variables (a non-chief waits this long)."""
-    step_s: float = 120.0
-    """For one push+pull round trip."""
-    recover_s: float = 300.0
-    """For a failed or restarted ps to come back (and be restored) before the worker fails."""
-    heartbeat_s: float = 1.0
-    """Between two heartbeats to each ps."""
-    ps_silence_s: float = 10.0
-    """A wait on a ps that has not answered heartbeats for this long is given up (and the
-    client recovers) instead of lasting the whole step deadline."""
-    finish_s: float = 120.0
-    """For the chief, at the end: how long to wait for the other workers to finish."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "connect_s",
-            "initialize_s",
-            "step_s",
-            "recover_s",
-            "heartbeat_s",
-            "ps_silence_s",
-            "finish_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(
-                    f"ClientTimeouts.{name} must be positive, got {getattr(self, name)}"
-                )
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What the parameter servers said about training after a pull or push."""
-
-    global_step: int
-    stop: bool
-    """The chief has declared training over."""
-    made_step: bool = True
-    """This worker's push completed the global step (exactly one worker per step)."""
-    dropped: bool = False
-    """sync: this worker's gradients came too late for their step and were dropped (or the
-    step was lost to a ps failure and the client recovered)."""
-    recovered: bool = False
-    """The exchange failed (a ps died, restarted or was cut off) and the client recovered."""
-
-
-@dataclass(frozen=True)
-class _Member:
-    """One model tensor (or a row range of it) inside one shard's fused buffer."""
-
-    param: torch.Tensor
-    row_start: int
-    row_stop: int
-    whole: bool
-    offset: int
-    numel: int
+#: Failures after which the client recovers and tries again: the ps restarted, fell silent,
+#: did not answer in time, or answered from a new process that has no variables yet.
+RECOVERABLE = (ServiceRestarted, DeadlineExceeded, NotInitialized)
 
 
 class ParameterClient:
@@ -115,10 +71,10 @@ class ParameterClient:
     that), then :meth:`pull` / :meth:`push_pull` each step, and :meth:`finish`.
     Not thread-safe: one training thread owns it (the heartbeat thread has its own sockets).
 
-    ``restore_shards`` (set by the chief's session) is called with the indices of shards that
-    came back without their variables; it must bring every shard to one checkpoint (see
-    :meth:`restore`) and return True, or return False when there is no checkpoint (the
-    client then re-creates those shards from the chief's current values).
+    ``restore_shards`` (set by the chief's updater) is asked, when shards came back without
+    their variables, for the checkpoint to bring every shard to: its global step and shard
+    documents, or None when there is none (the client then re-creates those shards from the
+    chief's current values).
     """
 
     def __init__(
@@ -131,7 +87,7 @@ class ParameterClient:
         encrypt: bool = False,
     ) -> None:
         if not ps_addresses:
-            raise ValueError("a ParameterClient needs at least one ps address")
+            raise ConfigError("a ParameterClient needs at least one ps address, got none")
         self.task_name = task_name
         self.timeouts = timeouts or ClientTimeouts()
         self.instance = secrets.token_hex(8)
@@ -140,23 +96,16 @@ class ParameterClient:
         """Whether the hello asks the ps to hand this process the identity at once (the
         launcher says the previous process of this task is dead)."""
         self.is_chief = False
-        self.restore_shards: Callable[[list[int]], bool] | None = None
+        self.restore_shards: Callable[[], tuple[int, Sequence[bytes]] | None] | None = None
         self.restored_data: dict[str, Any] | None = None
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)
-        self._channels = [
+        channels = [
             Channel(
                 address, secret, f"ps:{i}", limits=limits, context=self._context, encrypt=encrypt
             )
             for i, address in enumerate(ps_addresses)
         ]
-        self._members: list[list[list[_Member]]] = []  # shard -> group -> members
-        self._layouts: list[FusedLayout] = []
-        self._send_buffers: list[list[torch.Tensor]] = []
-        self._variable_names: dict[str, str] = {}
-        self._create_bodies: list[dict[str, Any]] = []
-        self._initialized: list[bool] = []
-        self._wait_bodies: list[dict[str, Any]] = []
         self._heartbeat = Heartbeat(
             ps_addresses,
             secret,
@@ -167,10 +116,21 @@ class ParameterClient:
             silence_s=self.timeouts.ps_silence_s,
             encrypt=encrypt,
         )
+        self._shards = ShardFanout(channels, self._heartbeat)
+        self._fused: FusedParameters | None = None
+        self._create_bodies: list[dict[str, Any]] = []
+        self._wait_bodies: list[dict[str, Any]] = []
+        self._initialized: list[bool] = []
 
     @property
     def num_shards(self) -> int:
-        return len(self._channels)
+        return self._shards.num_shards
+
+    @property
+    def _task(self) -> dict[str, str]:
+        return {"task": self.task_name}
+
+    # -- connecting and initializing ------------------------------------------------------------
 
     def connect(self) -> list[bool]:
         """Say hello to every shard (checks versions and the secret) and start the heartbeat.
@@ -202,10 +162,10 @@ class ParameterClient:
             "instance": self.instance,
             "takeover": self.takeover,
         }
-        for channel in self._channels:
+        for channel in self._shards.channels:
             channel.forget_pending()
             channel.server_session = None
-        return self._all("hello", [body] * self.num_shards, None, timeout_s)
+        return self._shards.call("hello", body, timeout_s)
 
     def register(
         self,
@@ -222,46 +182,15 @@ class ParameterClient:
         that checkpoint; everyone else waits until the variables exist and checks that its
         model matches. Returns the global step."""
         if plan.num_shards != self.num_shards:
-            raise ValueError(
-                f"placement plan for {plan.num_shards} shards, but the cluster has {self.num_shards} ps tasks"
+            raise ConfigError(
+                f"placement plan for {plan.num_shards} shards, but the cluster has "
+                f"{self.num_shards} ps tasks: plan for as many shards as ps tasks"
             )
-        params = dict(named_params)
-        self._layouts, self._members, self._send_buffers = [], [], []
-        self._variable_names = {
-            s.stored_name: s.variable.name for shard in plan.shards for s in shard
-        }
-        for shard in plan.shards:
-            layout = FusedLayout.of(
-                [StoredVariable(s.stored_name, s.shape, s.variable.dtype) for s in shard]
-            )
-            by_name = {s.stored_name: s for s in shard}
-            groups = []
-            for group in layout.groups:
-                members = []
-                for var, offset in group.members:
-                    piece = by_name[var.name]
-                    members.append(
-                        _Member(
-                            params[piece.variable.name],
-                            piece.row_start,
-                            piece.row_stop,
-                            piece.is_whole,
-                            offset,
-                            var.numel,
-                        )
-                    )
-                groups.append(members)
-            self._layouts.append(layout)
-            self._members.append(groups)
-            self._send_buffers.append(
-                [torch.empty(g.numel, dtype=DTYPES[g.dtype]) for g in layout.groups]
-            )
-
-        variables = [[v.to_wire() for v in layout.variables] for layout in self._layouts]
+        self._fused = FusedParameters(named_params, plan)
         self.is_chief = is_chief
         self._create_bodies = [
             {
-                "variables": variables[i],
+                "variables": self._fused.variables(i),
                 "rule": rule.to_wire(),
                 "owns_global_step": i == 0,
                 "discipline": (discipline or UpdateDiscipline()).to_wire(),
@@ -270,15 +199,15 @@ class ParameterClient:
             for i in range(self.num_shards)
         ]
         self._wait_bodies = [
-            {"variables": variables[i], "task": self.task_name} for i in range(self.num_shards)
+            {"variables": self._fused.variables(i), "task": self.task_name}
+            for i in range(self.num_shards)
         ]
         if is_chief and resume is not None:
             fresh = [i for i, ready in enumerate(self._initialized) if not ready]
             self.restore(resume[1], resume[0], fresh)
             replies = self._wait_ready(range(self.num_shards), self.timeouts.connect_s)
         elif is_chief:
-            buffers = [self._gather(i, values=True) for i in range(self.num_shards)]
-            replies = self._all("create", self._create_bodies, buffers, self.timeouts.connect_s)
+            replies = self._create(range(self.num_shards), self.timeouts.connect_s)
             if not replies[0].body.get("created"):
                 log.info("%s: variables already exist on the ps; adopting them", self.task_name)
         else:
@@ -286,17 +215,28 @@ class ParameterClient:
         self.restored_data = replies[0].body.get("data")
         return int(replies[0].body.get("global_step", 0))
 
+    def _create(self, shards: Sequence[int], timeout_s: float) -> list[Reply]:
+        """The chief creates ``shards``' variables from its current values."""
+        fused = self._bound()
+        return self._shards.call(
+            "create",
+            [self._create_bodies[i] for i in shards],
+            timeout_s,
+            buffers=[fused.gather(i, values=True) for i in shards],
+            shards=shards,
+            abort_when_silent=False,  # a busy shard answers no heartbeat meanwhile
+        )
+
     def _wait_ready(self, shards: Sequence[int], timeout_s: float) -> list[Reply]:
         shards = list(shards)
-        ids = [
-            self._channels[i].send("wait_ready", self._wait_bodies[i], None, timeout_s)
-            for i in shards
-        ]
         try:
-            return [
-                self._channels[i].wait(request_id, timeout_s + ANSWER_MARGIN_S)
-                for i, request_id in zip(shards, ids, strict=True)
-            ]
+            return self._shards.call(
+                "wait_ready",
+                [self._wait_bodies[i] for i in shards],
+                timeout_s,
+                shards=shards,
+                abort_when_silent=False,  # the shard may be busy creating the variables
+            )
         except DeadlineExceeded as exc:
             raise DeadlineExceeded(
                 f"{self.task_name}: the chief has not initialized the variables within "
@@ -308,13 +248,13 @@ class ParameterClient:
 
     def save(self) -> tuple[int, list[memoryview]]:
         """Every shard's state as a safetensors document, and the global step (shard 0's)."""
-        replies = self._all(
-            "save", [{"task": self.task_name}] * self.num_shards, None, self.timeouts.step_s
+        replies = self._recovering(
+            lambda: self._shards.call("save", self._task, self.timeouts.step_s)
         )
         documents = []
         for shard, reply in enumerate(replies):
             if len(reply.buffers) != 1:
-                raise RuntimeError(
+                raise ProtocolError(
                     f"ps:{shard} answered 'save' with {len(reply.buffers)} buffers, expected 1"
                 )
             documents.append(memoryview(reply.buffers[0]))  # written as received: no copy
@@ -325,34 +265,49 @@ class ParameterClient:
     ) -> None:
         """Bring every shard to one checkpoint: shards in ``fresh`` (restarted, no variables)
         are created from their document, the others take it over their current state; all
-        of them take ``global_step``."""
+        of them take ``global_step``. A ps that restarts meanwhile is recovered, and the
+        restore tried again."""
         if len(documents) != self.num_shards:
-            raise ValueError(f"{len(documents)} shard documents for {self.num_shards} ps tasks")
-        ops, bodies = [], []
-        for shard in range(self.num_shards):
-            if shard in fresh:
-                ops.append("create")
-                bodies.append(
-                    {**self._create_bodies[shard], "restore": True, "global_step": global_step}
-                )
-            else:
-                ops.append("restore")
-                bodies.append({"task": self.task_name, "global_step": global_step})
-        ids = [
-            channel.send(op, body, [documents[shard]], self.timeouts.step_s)
-            for shard, (channel, op, body) in enumerate(
-                zip(self._channels, ops, bodies, strict=True)
+            raise ConfigError(
+                f"{len(documents)} shard documents for {self.num_shards} ps tasks: restore a "
+                "checkpoint of as many shards as ps tasks"
             )
+        first = True
+
+        def attempt() -> None:
+            nonlocal first
+            # After a recovery every shard has its variables again (the chief restored or
+            # re-created them): from then on they all take the documents over their state.
+            creating, first = (fresh if first else ()), False
+            self._restore_now(documents, global_step, creating)
+
+        self._recovering(attempt)
+
+    def _restore_now(
+        self, documents: Sequence[bytes], global_step: int, fresh: Sequence[int]
+    ) -> None:
+        ops = ["create" if shard in fresh else "restore" for shard in range(self.num_shards)]
+        bodies = [
+            {**self._create_bodies[shard], "restore": True, "global_step": global_step}
+            if op == "create"
+            else {"task": self.task_name, "global_step": global_step}
+            for shard, op in enumerate(ops)
         ]
-        for channel, request_id in zip(self._channels, ids, strict=True):
-            channel.wait(request_id, self.timeouts.step_s + ANSWER_MARGIN_S)
+        self._shards.call(
+            ops,
+            bodies,
+            self.timeouts.step_s,
+            buffers=[[document] for document in documents],
+            abort_when_silent=False,  # a shard restoring its state answers nothing else
+        )
 
     # -- recovery -------------------------------------------------------------------------------
 
-    def recover(self, failure: Exception) -> None:
+    def recover(self, failure: Exception, reinitialize: bool = True) -> None:
         """After an exchange failed (a ps died, restarted, or was cut off): say hello again,
         with back-off, until every shard answers; have restarted shards restored (the chief)
-        or wait until they are (the others). DeadlineExceeded after ``recover_s``."""
+        or wait until they are (the others; not when ``reinitialize`` is False, e.g. for a
+        worker that only says it is done). DeadlineExceeded after ``recover_s``."""
         log.warning("%s: %s; recovering", self.task_name, failure)
         deadline = time.monotonic() + self.timeouts.recover_s
         delay, last = 0.5, failure
@@ -360,7 +315,7 @@ class ParameterClient:
             try:
                 replies = self._hello(min(10.0, max(1.0, deadline - time.monotonic())))
                 fresh = [i for i, r in enumerate(replies) if r.body.get("initialized") is not True]
-                if fresh:
+                if fresh and reinitialize and self._fused is not None:
                     self._reinitialize(fresh, deadline)
                 log.warning(
                     "%s: recovered%s", self.task_name, f" (ps {fresh} restored)" if fresh else ""
@@ -380,42 +335,45 @@ class ParameterClient:
         )
 
     def _reinitialize(self, fresh: list[int], deadline: float) -> None:
-        if self.is_chief:
-            if self.restore_shards is not None and self.restore_shards(fresh):
-                return
-            log.warning(
-                "%s: ps %s restarted without variables and there is no checkpoint to restore; "
-                "re-creating them from the chief's current values (their optimizer state is lost)",
-                self.task_name,
-                fresh,
-            )
-            ids = [
-                self._channels[i].send(
-                    "create",
-                    self._create_bodies[i],
-                    self._gather(i, values=True),
-                    self.timeouts.step_s,
-                )
-                for i in fresh
-            ]
-            for i, request_id in zip(fresh, ids, strict=True):
-                self._channels[i].wait(request_id, self.timeouts.step_s + ANSWER_MARGIN_S)
-        else:
+        if not self.is_chief:
             self._wait_ready(fresh, min(30.0, max(1.0, deadline - time.monotonic())))
+            return
+        checkpoint = self.restore_shards() if self.restore_shards is not None else None
+        if checkpoint is not None:
+            self._restore_now(checkpoint[1], checkpoint[0], fresh)
+            return
+        log.warning(
+            "%s: ps %s restarted without variables and there is no checkpoint to restore; "
+            "re-creating them from the chief's current values (their optimizer state is lost)",
+            self.task_name,
+            fresh,
+        )
+        self._create(fresh, self.timeouts.step_s)
+
+    def _recovering(self, attempt: Callable[[], T], reinitialize: bool = True) -> T:
+        """``attempt()``, recovering and trying again while it fails with a RECOVERABLE
+        error, up to ``recover_s`` after the first failure (then the last error is raised;
+        a recovery that cannot reach the ps raises DeadlineExceeded itself)."""
+        deadline: float | None = None
+        while True:
+            try:
+                return attempt()
+            except RECOVERABLE as exc:
+                now = time.monotonic()
+                deadline = now + self.timeouts.recover_s if deadline is None else deadline
+                if now >= deadline:
+                    raise
+                self.recover(exc, reinitialize)
+
+    # -- training -------------------------------------------------------------------------------
 
     def pull(self) -> Progress:
         """Bring the current values of every variable into the model (recovering first if a
         ps fails on the way)."""
-        try:
-            replies = self._all(
-                "pull", [{"task": self.task_name}] * self.num_shards, None, self.timeouts.step_s
-            )
-        except (ServiceRestarted, DeadlineExceeded) as exc:
-            self.recover(exc)
-            replies = self._all(
-                "pull", [{"task": self.task_name}] * self.num_shards, None, self.timeouts.step_s
-            )
-        self._scatter_values(replies)
+        replies = self._recovering(
+            lambda: self._shards.call("pull", self._task, self.timeouts.step_s)
+        )
+        self._scatter(replies)
         return self._progress(replies)
 
     def push_pull(
@@ -427,8 +385,9 @@ class ParameterClient:
         """Send the model's gradients to every shard and bring the values returned into the
         model: one round trip per shard, all shards at once. ``data`` (this worker's data
         position after the batch of these gradients) goes to shard 0, which keeps it for
-        checkpoints. When a ps fails during the exchange the step is dropped, the client
-        recovers and pulls, and the progress says ``recovered``."""
+        checkpoints. When a ps fails during the exchange the step is dropped (never sent
+        twice), the client recovers and pulls, and the progress says ``recovered``."""
+        fused = self._bound()
         bodies = [
             {
                 "count_step": count_step and i == 0,
@@ -439,53 +398,58 @@ class ParameterClient:
             }
             for i in range(self.num_shards)
         ]
-        buffers = [self._gather(i, values=False) for i in range(self.num_shards)]
+        buffers = [fused.gather(i, values=False) for i in range(self.num_shards)]
         try:
-            replies = self._all("push", bodies, buffers, self.timeouts.step_s)
-        except (ServiceRestarted, DeadlineExceeded) as exc:
+            replies = self._shards.call("push", bodies, self.timeouts.step_s, buffers=buffers)
+        except RECOVERABLE as exc:
             self.recover(exc)
             progress = self.pull()
             return Progress(
                 progress.global_step, progress.stop, made_step=False, dropped=True, recovered=True
             )
-        self._scatter_values(replies)
+        self._scatter(replies)
         return self._progress(replies)
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         """The moving average the shards keep, as fresh tensors by parameter name."""
-        bodies = [{"moving_average": True}] * self.num_shards
-        replies = self._all("pull", bodies, None, self.timeouts.step_s)
-        averages: dict[str, torch.Tensor] = {}
-        for shard, reply in enumerate(replies):
-            layout = self._layouts[shard]
-            for group, members, buffer in zip(
-                layout.groups, self._members[shard], reply.buffers, strict=True
-            ):
-                flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
-                for m, (var, _) in zip(members, group.members, strict=True):
-                    name = self._variable_names[var.name]
-                    target = averages.setdefault(
-                        name, torch.empty(m.param.shape, dtype=m.param.dtype)
-                    )
-                    piece = target if m.whole else target[m.row_start : m.row_stop]
-                    piece.copy_(flat[m.offset : m.offset + m.numel].view(piece.shape))
-        return averages
+        replies = self._recovering(
+            lambda: self._shards.call("pull", {"moving_average": True}, self.timeouts.step_s)
+        )
+        return self._bound().assemble([reply.buffers for reply in replies])
 
-    def finish(self, declare_end: bool, before_done: Callable[[], None] | None = None) -> list[str]:
+    def stats(self) -> list[dict]:
+        """Each shard's counters (pushes, rejected messages, ...)."""
+        replies = self._recovering(lambda: self._shards.call("stats", {}, self.timeouts.connect_s))
+        return [r.body for r in replies]
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def finish(
+        self, declare_end: bool, before_done: Callable[[], object] | None = None
+    ) -> list[str]:
         """Tell every shard this worker is done. The chief first declares training over, waits
         (up to ``finish_s``, within the ps's grace period) until every other live worker is
         done, and runs ``before_done`` (the final checkpoint) while the shards still serve.
-        Returns the workers still running when the chief stopped waiting."""
+        Returns the workers still running when the chief stopped waiting. A ps that restarts
+        meanwhile is recovered and the step that failed tried again."""
         running: list[str] = []
         if declare_end:
-            replies = self._all(
-                "end", [{"task": self.task_name}] * self.num_shards, None, self.timeouts.connect_s
+            replies = self._recovering(
+                lambda: self._shards.call("end", self._task, self.timeouts.connect_s)
             )
             grace = min(float(r.body.get("grace_s", 60.0)) for r in replies)
             wait_s = max(0.5, min(self.timeouts.finish_s, grace - 10.0))
-            replies = self._all(
-                "wait_done", [{"task": self.task_name}] * self.num_shards, None, wait_s
-            )
+
+            first = True
+
+            def wait_done() -> list[Reply]:
+                nonlocal first
+                if not first:  # a restarted ps has forgotten that training ended: say it again
+                    self._shards.call("end", self._task, self.timeouts.connect_s)
+                first = False
+                return self._shards.call("wait_done", self._task, wait_s)
+
+            replies = self._recovering(wait_done)
             running = sorted({t for r in replies for t in r.body.get("running", [])})
             if running:
                 log.warning(
@@ -496,84 +460,30 @@ class ParameterClient:
                 )
             if before_done is not None:
                 before_done()
-        self._all(
-            "done", [{"task": self.task_name}] * self.num_shards, None, self.timeouts.connect_s
+        # A worker that only says it is done needs no variables on a restarted ps.
+        self._recovering(
+            lambda: self._shards.call("done", self._task, self.timeouts.connect_s),
+            reinitialize=self.is_chief,
         )
         return running
 
-    def stats(self) -> list[dict]:
-        """Each shard's counters (pushes, rejected messages, ...)."""
-        return [
-            r.body
-            for r in self._all("stats", [{}] * self.num_shards, None, self.timeouts.connect_s)
-        ]
-
     def close(self) -> None:
         self._heartbeat.stop()
-        for channel in self._channels:
+        for channel in self._shards.channels:
             channel.close()
         self._context.term()
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _all(
-        self, op: str, bodies: list[dict], buffers: list[list] | None, timeout_s: float
-    ) -> list[Reply]:
-        ids = [
-            ch.send(op, body, buffers[i] if buffers else None, timeout_s)
-            for i, (ch, body) in enumerate(zip(self._channels, bodies, strict=True))
-        ]
-        # A ps gives up on a request it holds at timeout_s and says why; wait a little longer
-        # than that, so that its explanation, not a bare timeout, is what the user sees.
-        # Meanwhile the heartbeat may say the ps is gone or restarted: then stop waiting.
-        return [
-            ch.wait(
-                request_id,
-                timeout_s + ANSWER_MARGIN_S,
-                abort=(
-                    lambda shard=shard, ch=ch: self._heartbeat.trouble(shard, ch.server_session)
-                ),
-            )
-            for shard, (ch, request_id) in enumerate(zip(self._channels, ids, strict=True))
-        ]
+    def _bound(self) -> FusedParameters:
+        if self._fused is None:
+            raise UsageError("register() the model's parameters with the client first")
+        return self._fused
 
-    def _gather(self, shard: int, values: bool) -> list[memoryview]:
-        """Pack the shard's values or gradients into its send buffers (one copy per tensor)."""
-        out = []
-        for members, flat in zip(self._members[shard], self._send_buffers[shard], strict=True):
-            pieces = []
-            for m in members:
-                source = m.param.detach() if values else m.param.grad
-                if source is None:
-                    source = torch.zeros_like(m.param)
-                if not m.whole:
-                    source = source[m.row_start : m.row_stop]
-                pieces.append(source.reshape(-1).cpu())  # a copy only for GPU tensors
-            torch.cat(pieces, out=flat)
-            out.append(as_buffer(flat))
-        return out
-
-    def _scatter_values(self, replies: list[Reply]) -> None:
-        with torch.no_grad():
-            for shard, reply in enumerate(replies):
-                layout = self._layouts[shard]
-                if len(reply.buffers) != len(layout.groups):
-                    raise RuntimeError(
-                        f"ps:{shard} sent {len(reply.buffers)} value buffers, expected {len(layout.groups)}"
-                    )
-                for group, members, buffer in zip(
-                    layout.groups, self._members[shard], reply.buffers, strict=True
-                ):
-                    flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
-                    for m in members:
-                        values = flat[m.offset : m.offset + m.numel]
-                        if m.whole and m.param.device.type == "cpu":
-                            # Adopt the received memory as the parameter's storage: no copy.
-                            # The tensor keeps the received frame alive; nothing else uses it.
-                            m.param.data = values.view(m.param.shape)
-                        else:
-                            target = m.param if m.whole else m.param[m.row_start : m.row_stop]
-                            target.copy_(values.view(target.shape))  # to the GPU, or into a slice
+    def _scatter(self, replies: list[Reply]) -> None:
+        fused = self._bound()
+        for shard, reply in enumerate(replies):
+            fused.scatter(shard, reply.buffers)
 
     @staticmethod
     def _progress(replies: list[Reply]) -> Progress:

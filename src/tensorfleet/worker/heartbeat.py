@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION
 from tensorfleet.wire.transport import Channel
@@ -45,7 +45,7 @@ class Heartbeat:
         encrypt: bool = False,
     ) -> None:
         if interval_s <= 0 or silence_s <= interval_s:
-            raise ValueError(
+            raise ConfigError(
                 f"heartbeat interval ({interval_s} s) must be > 0 and below the silence limit "
                 f"({silence_s} s)"
             )

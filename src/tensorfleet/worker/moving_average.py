@@ -8,13 +8,15 @@ from collections.abc import Sequence
 
 import torch
 
+from tensorfleet.errors import ConfigError
+
 
 class MovingAverage:
     """``average = decay * average + (1 - decay) * parameter`` after every update."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.Tensor]], decay: float) -> None:
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
+            raise ConfigError(f"ema_decay must be in (0, 1), got {decay}")
         self.decay = decay
         self._params = list(named_params)
         self._averages = {name: p.detach().clone() for name, p in self._params}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import CheckpointMismatch, ProtocolError
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard, encode_shard
 from tensorfleet.ps.store import check_optimizer_state, reference_optimizer_state
@@ -64,14 +64,14 @@ def encode_replica(
 def decode_replica(
     document: bytes | bytearray | memoryview, named_params: NamedParams
 ) -> ShardState:
-    """A replica's document, checked against this model (ValueError naming the difference)."""
+    """A replica's document, checked against this model (:class:`CheckpointMismatch` naming the difference)."""
     try:
         state = decode_shard(document)
     except ProtocolError as exc:
-        raise ValueError(f"the checkpoint cannot be read: {exc}") from None
+        raise CheckpointMismatch(f"the checkpoint cannot be read: {exc}") from None
     difference = replica_layout(named_params).describe_difference(state.layout)
     if difference is not None:
-        raise ValueError(f"the checkpoint does not match the model: {difference}")
+        raise CheckpointMismatch(f"the checkpoint does not match the model: {difference}")
     return state
 
 

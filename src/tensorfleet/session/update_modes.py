@@ -1,0 +1,186 @@
+"""The update modes a :class:`~tensorfleet.session.training_session.TrainingSession` can
+train in, and the one place that turns ``mode=`` into an
+:class:`~tensorfleet.worker.updater.Updater`.
+
+Each mode is an :class:`UpdateMode` registered under its name: which session options it
+accepts, whether each worker clips its own gradient, and a ``build`` function that checks
+the cluster fits the mode and returns the updater. The session looks the mode up here and
+never branches on it. A new mode (in-graph replicas, pipelines, sparse tables, ...) is a new
+``Updater`` implementation plus one :func:`register_update_mode` call at the end of this
+module (docs/architecture.md, "Adding an update mode"). Without a server every mode trains
+in this one process (:class:`~tensorfleet.worker.local_updater.LocalUpdater`), so the same
+script runs alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tensorfleet.errors import ClusterConfigError, ConfigError
+from tensorfleet.ps.placement import VariableSpec, plan_placement
+from tensorfleet.ps.update_discipline import UpdateDiscipline
+from tensorfleet.session.server import Server
+from tensorfleet.wire.tensors import dtype_name
+from tensorfleet.worker.allreduce_updater import AllReduceUpdater
+from tensorfleet.worker.local_updater import LocalUpdater
+from tensorfleet.worker.ps_updater import PsUpdater
+from tensorfleet.worker.timeouts import ClientTimeouts
+from tensorfleet.worker.updater import NamedParams, Updater
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The session's arguments that shape how updates are made (see ``TrainingSession``)."""
+
+    mode: str = "async"
+    replicas_to_aggregate: int | None = None
+    max_staleness: int | None = None
+    clip_grad_norm: float | None = None
+    ema_decay: float | None = None
+    placement: str = "greedy"
+    partition_threshold_bytes: int | None = None
+    log_placement: bool = False
+    timeouts: ClientTimeouts | None = None
+    lost_worker: str = "shrink"
+
+
+UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
+"""Builds a mode's updater for ``server``'s task (checking the cluster fits the mode)."""
+
+
+@dataclass(frozen=True)
+class UpdateMode:
+    """One way to update: its name, the mode-specific options it accepts, where gradients
+    are clipped, and how its updater is built."""
+
+    name: str
+    build: UpdaterFactory
+    options: frozenset[str] = frozenset()
+    """Which of the mode-specific session options (:data:`MODE_OPTIONS`) it accepts."""
+    clips_on_worker: bool = True
+    """Each worker clips its own gradient (False: the mode clips the aggregate itself)."""
+
+
+#: Session options that only some modes accept; a mode lists those it takes in ``options``.
+MODE_OPTIONS = ("replicas_to_aggregate", "max_staleness")
+
+_MODES: dict[str, UpdateMode] = {}
+
+
+def register_update_mode(mode: UpdateMode) -> None:
+    """Make ``mode`` available as ``TrainingSession(mode=mode.name)``."""
+    if mode.name in _MODES:
+        raise ConfigError(f"update mode {mode.name!r} is registered already")
+    unknown = set(mode.options) - set(MODE_OPTIONS)
+    if unknown:
+        raise ConfigError(f"update mode {mode.name!r} names unknown options {sorted(unknown)}")
+    _MODES[mode.name] = mode
+
+
+def mode_names() -> tuple[str, ...]:
+    """The registered modes, in registration order."""
+    return tuple(_MODES)
+
+
+def update_mode(settings: UpdateSettings) -> UpdateMode:
+    """The registered mode ``settings.mode``, after checking the options fit it (ConfigError
+    naming the option, the modes that take it, and the mode given)."""
+    mode = _MODES.get(settings.mode)
+    if mode is None:
+        raise ConfigError(f"mode must be one of {mode_names()}, got {settings.mode!r}")
+    for option in MODE_OPTIONS:
+        value = getattr(settings, option)
+        if value is not None and option not in mode.options:
+            takers = " or ".join(repr(m.name) for m in _MODES.values() if option in m.options)
+            raise ConfigError(
+                f"{option}={value} only applies to mode {takers}, not {settings.mode!r}"
+            )
+    return mode
+
+
+def build_updater(
+    server: Server | None, named_params: NamedParams, settings: UpdateSettings
+) -> Updater:
+    """The updater for ``settings.mode`` on ``server``'s task (this process without one)."""
+    mode = update_mode(settings)
+    if server is None:
+        return LocalUpdater(settings.ema_decay)
+    return mode.build(server, named_params, settings)
+
+
+# -- the built-in modes ---------------------------------------------------------------------------
+
+
+def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSettings) -> Updater:
+    """``async`` and ``sync``: the variables live on the ps shards, which apply the updates."""
+    mode, shards = settings.mode, len(server.ps_addresses)
+    if not shards:
+        raise ClusterConfigError(
+            f"mode {mode!r} trains through parameter servers, but the cluster has no 'ps' job: "
+            "add ps tasks (tensorfleet launch --ps 1), or use mode='allreduce'"
+        )
+    if mode == "sync" and settings.clip_grad_norm is not None and shards > 1:
+        raise ConfigError(
+            "clip_grad_norm in mode 'sync' clips the aggregated gradient on the ps, which needs "
+            f"its norm across all shards; that works with one ps task, and this cluster has "
+            f"{shards}. Use one ps task, or mode 'async' (each worker clips "
+            "its own gradient), or 'allreduce'"
+        )
+    discipline = UpdateDiscipline(
+        mode=mode,
+        replicas_to_aggregate=settings.replicas_to_aggregate,
+        max_staleness=settings.max_staleness,
+        clip_norm=settings.clip_grad_norm if mode == "sync" else None,
+        ema_decay=settings.ema_decay,
+        lost_worker=settings.lost_worker,
+    )
+    specs = [
+        VariableSpec(name, tuple(p.shape), dtype_name(p.dtype), p.element_size())
+        for name, p in named_params
+    ]
+    plan = plan_placement(specs, shards, settings.placement, settings.partition_threshold_bytes)
+    if settings.log_placement and server.is_chief:
+        print(plan.report(), flush=True)
+    return PsUpdater(
+        server.ps_addresses,
+        server.secret,
+        str(server.task),
+        is_chief=server.is_chief,
+        plan=plan,
+        discipline=discipline,
+        timeouts=settings.timeouts,
+        encrypt=server.encrypt,
+    )
+
+
+def _allreduce_updater(
+    server: Server, named_params: NamedParams, settings: UpdateSettings
+) -> Updater:
+    """``allreduce``: no ps; the workers average gradients with torch.distributed."""
+    if server.ps_addresses:
+        raise ClusterConfigError(
+            f"mode 'allreduce' needs no ps tasks, but the cluster has {len(server.ps_addresses)}: "
+            "they would wait for workers that never come. Launch with --ps 0"
+        )
+    workers = server.worker_tasks
+    chief = server.cluster.chief_task()
+    return AllReduceUpdater(
+        server.cluster.task_address(chief.job, chief.index),
+        workers.index(server.task),
+        len(workers),
+        settings.timeouts,
+        settings.ema_decay,
+        task_names=[str(t) for t in workers],
+    )
+
+
+register_update_mode(
+    UpdateMode("async", _ps_updater, options=frozenset({"max_staleness"}), clips_on_worker=True)
+)
+register_update_mode(
+    UpdateMode(
+        "sync", _ps_updater, options=frozenset({"replicas_to_aggregate"}), clips_on_worker=False
+    )
+)
+register_update_mode(UpdateMode("allreduce", _allreduce_updater, clips_on_worker=True))

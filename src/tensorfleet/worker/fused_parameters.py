@@ -1,0 +1,152 @@
+"""``FusedParameters``: the model's parameters bound to the ps shards' fused buffers.
+
+Each shard holds its variables (whole tensors, or row ranges of partitioned ones) as one
+flat buffer per dtype (:class:`~tensorfleet.ps.layout.FusedLayout`), so a step sends one
+buffer per dtype per shard instead of one message per tensor. This module packs the model's
+values or gradients into those buffers (one copy per tensor) and unpacks the values that come
+back into the model (none for whole CPU tensors: the received memory becomes the
+parameter's storage). It knows nothing of the network; the client sends what it packs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorfleet.errors import ConfigError, ProtocolError
+from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One model tensor (or a row range of it) inside one shard's fused buffer."""
+
+    param: torch.Tensor
+    row_start: int
+    row_stop: int
+    whole: bool
+    offset: int
+    numel: int
+
+
+class FusedParameters:
+    """The binding of ``named_params`` to ``plan``'s shards: what to send, where to put
+    what comes back."""
+
+    def __init__(
+        self, named_params: Sequence[tuple[str, torch.Tensor]], plan: PlacementPlan
+    ) -> None:
+        params = dict(named_params)
+        missing = sorted({s.variable.name for shard in plan.shards for s in shard} - set(params))
+        if missing:
+            raise ConfigError(
+                f"the placement plan names parameters the model does not have: {missing}"
+            )
+        self.layouts: list[FusedLayout] = []
+        self._members: list[list[list[_Member]]] = []  # shard -> group -> members
+        self._send_buffers: list[list[torch.Tensor]] = []
+        self._variable_names = {
+            s.stored_name: s.variable.name for shard in plan.shards for s in shard
+        }
+        for shard in plan.shards:
+            layout = FusedLayout.of(
+                [StoredVariable(s.stored_name, s.shape, s.variable.dtype) for s in shard]
+            )
+            by_name = {s.stored_name: s for s in shard}
+            groups = []
+            for group in layout.groups:
+                members = []
+                for var, offset in group.members:
+                    piece = by_name[var.name]
+                    members.append(
+                        _Member(
+                            params[piece.variable.name],
+                            piece.row_start,
+                            piece.row_stop,
+                            piece.is_whole,
+                            offset,
+                            var.numel,
+                        )
+                    )
+                groups.append(members)
+            self.layouts.append(layout)
+            self._members.append(groups)
+            self._send_buffers.append(
+                [torch.empty(g.numel, dtype=DTYPES[g.dtype]) for g in layout.groups]
+            )
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.layouts)
+
+    def variables(self, shard: int) -> list[dict[str, Any]]:
+        """The shard's variables as the ps's ``create`` / ``wait_ready`` expect them."""
+        return [v.to_wire() for v in self.layouts[shard].variables]
+
+    def gather(self, shard: int, values: bool) -> list[memoryview]:
+        """Pack the shard's values or gradients into its send buffers (one copy per tensor;
+        a missing gradient is sent as zeros)."""
+        out = []
+        for members, flat in zip(self._members[shard], self._send_buffers[shard], strict=True):
+            pieces = []
+            for m in members:
+                source = m.param.detach() if values else m.param.grad
+                if source is None:
+                    source = torch.zeros_like(m.param)
+                if not m.whole:
+                    source = source[m.row_start : m.row_stop]
+                pieces.append(source.reshape(-1).cpu())  # a copy only for GPU tensors
+            torch.cat(pieces, out=flat)
+            out.append(as_buffer(flat))
+        return out
+
+    def scatter(self, shard: int, buffers: Sequence[Any]) -> None:
+        """Put the values a shard sent (one buffer per dtype group) into the model."""
+        layout = self.layouts[shard]
+        self._check_count(shard, buffers)
+        with torch.no_grad():
+            for group, members, buffer in zip(
+                layout.groups, self._members[shard], buffers, strict=True
+            ):
+                flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
+                for m in members:
+                    values = flat[m.offset : m.offset + m.numel]
+                    if m.whole and m.param.device.type == "cpu":
+                        # Adopt the received memory as the parameter's storage: no copy.
+                        # The tensor keeps the received frame alive; nothing else uses it.
+                        m.param.data = values.view(m.param.shape)
+                    else:
+                        target = m.param if m.whole else m.param[m.row_start : m.row_stop]
+                        target.copy_(values.view(target.shape))  # to the GPU, or into a slice
+
+    def assemble(self, shard_buffers: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+        """Fresh tensors by parameter name from every shard's buffers (e.g. the moving
+        average), leaving the model alone."""
+        tensors: dict[str, torch.Tensor] = {}
+        for shard, buffers in enumerate(shard_buffers):
+            layout = self.layouts[shard]
+            self._check_count(shard, buffers)
+            for group, members, buffer in zip(
+                layout.groups, self._members[shard], buffers, strict=True
+            ):
+                flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
+                for m, (var, _) in zip(members, group.members, strict=True):
+                    name = self._variable_names[var.name]
+                    target = tensors.setdefault(
+                        name, torch.empty(m.param.shape, dtype=m.param.dtype)
+                    )
+                    piece = target if m.whole else target[m.row_start : m.row_stop]
+                    piece.copy_(flat[m.offset : m.offset + m.numel].view(piece.shape))
+        return tensors
+
+    def _check_count(self, shard: int, buffers: Sequence[Any]) -> None:
+        expected = len(self.layouts[shard].groups)
+        if len(buffers) != expected:
+            raise ProtocolError(
+                f"ps:{shard} sent {len(buffers)} value buffers, expected {expected}"
+            )

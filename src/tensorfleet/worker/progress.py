@@ -1,0 +1,26 @@
+"""``Progress``: what a worker learns about training from each exchange, in every mode.
+
+Its own module so that every updater (and the :mod:`~tensorfleet.worker.updater` protocol)
+can return it without importing the parameter-server client.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the parameter servers (or the replicas) said about training after a pull or
+    exchange."""
+
+    global_step: int
+    stop: bool
+    """The chief has declared training over."""
+    made_step: bool = True
+    """This worker's push completed the global step (exactly one worker per step)."""
+    dropped: bool = False
+    """sync: this worker's gradients came too late for their step and were dropped (or the
+    step was lost to a ps failure and the client recovered)."""
+    recovered: bool = False
+    """The exchange failed (a ps died, restarted or was cut off) and the client recovered."""

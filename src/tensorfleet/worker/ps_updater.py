@@ -1,0 +1,160 @@
+"""``PsUpdater``: the parameter-server modes (``async``, ``sync``) as an
+:class:`~tensorfleet.worker.updater.Updater`.
+
+It owns what is particular to training through parameter servers, on top of the wire-level
+:class:`~tensorfleet.worker.client.ParameterClient`: the placement plan (which shard holds
+which variable), the update discipline the shards apply, who restores the shards (the chief:
+at start when they are empty, and whenever one restarts empty during training), and what a
+vetoed update means per discipline (async: push nothing; sync: push zeros, because every
+step waits for its quota of workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tensorfleet.errors import UsageError
+from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.ps.update_discipline import UpdateDiscipline
+from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.wire.message import Limits
+from tensorfleet.worker.client import ParameterClient
+from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.timeouts import ClientTimeouts
+from tensorfleet.worker.updater import (
+    CheckpointSource,
+    DataPosition,
+    NamedParams,
+    Restored,
+    SavedState,
+    zero_gradients,
+)
+
+
+class PsUpdater:
+    """One worker training through the ps shards at ``ps_addresses`` with ``plan`` and
+    ``discipline``; ``is_chief``: this worker creates (or restores) the variables, saves the
+    checkpoints and declares the end of training."""
+
+    collective = False
+
+    def __init__(
+        self,
+        ps_addresses: Sequence[str],
+        secret: bytes,
+        task_name: str,
+        *,
+        is_chief: bool,
+        plan: PlacementPlan,
+        discipline: UpdateDiscipline,
+        timeouts: ClientTimeouts | None = None,
+        encrypt: bool = False,
+        limits: Limits | None = None,
+    ) -> None:
+        self.client = ParameterClient(
+            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt
+        )
+        self.is_chief = is_chief
+        self.plan = plan
+        self.discipline: UpdateDiscipline | None = discipline
+        self._initialized: list[bool] = []
+        self._named_params: list[tuple[str, torch.Tensor]] = []
+        self._rule: UpdateRule | None = None
+
+    def connect(self, device: torch.device | None = None) -> None:
+        """Say hello to every shard (the device does not matter: values travel via the CPU)."""
+        self._initialized = self.client.connect()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def register(self, named_params: NamedParams, rule: UpdateRule) -> None:
+        self._named_params, self._rule = list(named_params), rule
+
+    def restore(self, checkpoints: CheckpointSource | None, resume: bool = True) -> Restored:
+        """The chief creates the variables, or, when the shards started empty and ``resume``,
+        brings them to the newest checkpoint; the others wait for that. With
+        ``checkpoints``, the chief also restores from them any shard that restarts empty
+        later. Every worker gets back its data position as the ps recorded it."""
+        if self._rule is None:
+            raise UsageError("register() the model before restore()")
+        resume_from = None
+        if self.is_chief and checkpoints is not None:
+            if resume and not all(self._initialized):
+                resume_from = checkpoints.newest()  # the ps tasks started empty: resume
+                if resume_from is not None:
+                    checkpoints.restoring(resume_from)
+            self.client.restore_shards = lambda: self._checkpoint_for_restarted(checkpoints)
+        global_step = self.client.register(
+            self._named_params,
+            self.plan,
+            self._rule,
+            self.is_chief,
+            self.discipline,
+            resume=None
+            if resume_from is None
+            else (resume_from.global_step, resume_from.documents),
+        )
+        return Restored(global_step, self.client.restored_data)
+
+    @staticmethod
+    def _checkpoint_for_restarted(
+        checkpoints: CheckpointSource,
+    ) -> tuple[int, Sequence[bytes]] | None:
+        checkpoint = checkpoints.newest()
+        if checkpoint is None:
+            return None
+        checkpoints.restoring(checkpoint)
+        return checkpoint.global_step, checkpoint.documents
+
+    def pull(self) -> Progress:
+        return self.client.pull()
+
+    def exchange(self, step: int, data: DataPosition | None) -> Progress:
+        return self.client.push_pull(step=step, data=data)
+
+    def skip(self, step: int) -> Progress:
+        """async: push nothing and pull the newest values. sync: every step waits for its
+        quota of workers, so this worker takes part with zero gradients."""
+        if self.discipline is not None and self.discipline.mode == "async":
+            pulled = self.client.pull()
+            return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
+        zero_gradients(self._named_params)
+        return self.client.push_pull(step=step)
+
+    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
+        return stop, checkpoint
+
+    def save(self, data: DataPosition | None = None) -> SavedState:
+        """Every shard's state (the ps recorded each worker's data position with its
+        pushes), and where each stored tensor belongs in the model."""
+        global_step, documents = self.client.save()
+        placement = {
+            piece.stored_name: {
+                "param": piece.variable.name,
+                "rows": None if piece.is_whole else [piece.row_start, piece.row_stop],
+                "shard": piece.shard,
+            }
+            for shard in self.plan.shards
+            for piece in shard
+        }
+        return SavedState(global_step, documents, placement)
+
+    def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
+        """Tell the shards this worker is done; the chief declares the end, waits for the
+        others and runs ``before_done`` meanwhile (not after a failure: then it only tells
+        them, so that they do not wait for it)."""
+        self.client.finish(declare_end=self.is_chief, before_done=None if failed else before_done)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def stats(self) -> list[dict[str, Any]]:
+        return self.client.stats()
+
+    def moving_average(self) -> dict[str, torch.Tensor]:
+        return self.client.moving_average()

@@ -1,0 +1,84 @@
+"""``ShardFanout``: the one way the worker talks to its parameter servers, "send to every
+shard, wait for all, give up early on a silent ps".
+
+Every operation of :class:`~tensorfleet.worker.client.ParameterClient` (hello, create,
+wait_ready, pull, push, save, restore, end, wait_done, done, stats) goes through
+:meth:`ShardFanout.call`, so all of them behave alike on failure: every shard is sent to
+before any is waited on (the transfers overlap), each wait has a deadline a little longer
+than the request's own (the ps gives up first and says why, so its explanation is what the
+user sees), and a wait ends at once with :class:`~tensorfleet.errors.ConnectionLost` when
+the heartbeat says the shard fell silent or restarted, instead of sitting out the deadline
+(except for the requests that keep a shard too busy to answer heartbeats: creating or
+restoring its variables, and the wait for that; their deadline decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tensorfleet.errors import UsageError
+from tensorfleet.wire.transport import Channel, Reply
+from tensorfleet.worker.heartbeat import Heartbeat
+
+#: Extra seconds a client waits beyond a request's own deadline for the server's explanation.
+ANSWER_MARGIN_S = 2.0
+
+
+class ShardFanout:
+    """One request per shard (all of them, or ``shards``), sent together, awaited together."""
+
+    def __init__(self, channels: Sequence[Channel], heartbeat: Heartbeat) -> None:
+        self.channels = list(channels)
+        self._heartbeat = heartbeat
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.channels)
+
+    def call(
+        self,
+        op: str | Sequence[str],
+        body: dict[str, Any] | Sequence[dict[str, Any]],
+        timeout_s: float,
+        buffers: Sequence[Sequence[Any] | None] | None = None,
+        shards: Sequence[int] | None = None,
+        abort_when_silent: bool = True,
+    ) -> list[Reply]:
+        """Send ``op`` with ``body`` (one for all, or one per shard in ``shards`` order, as
+        are ``op`` and ``buffers`` when sequences) to each of ``shards`` (default: all), then
+        wait for every reply. Returns the replies in ``shards`` order. Raises what the first
+        failing wait raises (RemoteError and its typed subclasses, DeadlineExceeded,
+        ConnectionLost).
+
+        ``abort_when_silent`` False: wait out the deadline even while the shard answers no
+        heartbeat. For the requests that keep a shard busy without a reply to anything else
+        (creating or restoring its variables; the first creation also loads torch's
+        optimizer code) and for the wait for them: a silence then means the shard is
+        working for us, and the deadline, not the silence, must decide."""
+        targets = list(range(self.num_shards)) if shards is None else list(shards)
+        ops = [op] * len(targets) if isinstance(op, str) else list(op)
+        bodies = [body] * len(targets) if isinstance(body, dict) else list(body)
+        sends = [None] * len(targets) if buffers is None else list(buffers)
+        if not len(ops) == len(bodies) == len(sends) == len(targets):
+            raise UsageError(  # the caller's sequences must align with the shards
+                f"{len(targets)} shards, {len(ops)} ops, {len(bodies)} bodies, {len(sends)} buffers"
+            )
+        ids = [
+            self.channels[shard].send(o, b, list(s) if s is not None else None, timeout_s)
+            for shard, o, b, s in zip(targets, ops, bodies, sends, strict=True)
+        ]
+        return [
+            self.channels[shard].wait(
+                request_id,
+                timeout_s + ANSWER_MARGIN_S,
+                abort=(
+                    lambda shard=shard: self._heartbeat.trouble(
+                        shard, self.channels[shard].server_session
+                    )
+                )
+                if abort_when_silent
+                else None,
+            )
+            for shard, request_id in zip(targets, ids, strict=True)
+        ]

@@ -1,0 +1,127 @@
+"""A ps that restarts while the worker saves a checkpoint or ends training does not end the
+worker with an error: the client recovers (says hello again, the chief re-creates the empty
+shard) and the interrupted operation completes on the new ps process. The ps "restart" is a
+real service stopped and started again on the same address, in a thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from tensorfleet.ps.placement import VariableSpec, plan_placement
+from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
+from tensorfleet.ps.update_rules import SGD
+from tensorfleet.worker.client import ParameterClient
+from tensorfleet.worker.timeouts import ClientTimeouts
+
+from .service_harness import RunningService, serve_in_thread, stop_services
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"client-recovery-unit-test-secret-0000000"
+CONFIG = ServiceConfig(shard_index=0, worker_tasks=("worker:0",))
+TIMEOUTS = ClientTimeouts(
+    connect_s=10.0,
+    initialize_s=10.0,
+    step_s=10.0,
+    recover_s=30.0,
+    heartbeat_s=0.5,
+    ps_silence_s=5.0,  # a silent ps is noticed within seconds (generous: the machine is shared)
+)
+
+
+class _RecoveryStarted(logging.Handler):
+    """Sets ``event`` when the client logs that it is recovering."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().endswith("; recovering"):
+            self.event.set()
+
+
+@pytest.fixture
+def restarted_ps() -> Iterator[Callable[[RunningService], None]]:
+    """Arms a restart: the given ps is stopped now, and started again (empty, same address)
+    as soon as the client says it is recovering from its silence."""
+    handler = _RecoveryStarted()
+    logger = logging.getLogger("tensorfleet.worker")
+    logger.addHandler(handler)
+    started: list[RunningService] = []
+    threads: list[threading.Thread] = []
+
+    def arm(old: RunningService) -> None:
+        stop_services([old])
+
+        def restart() -> None:
+            if handler.event.wait(20.0):
+                started.append(serve_in_thread(CONFIG, SECRET, old.address))
+
+        thread = threading.Thread(target=restart, daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    arm.started = started  # type: ignore[attr-defined]
+    try:
+        yield arm
+    finally:
+        logger.removeHandler(handler)
+        handler.event.set()
+        for thread in threads:
+            thread.join(25.0)
+        stop_services(started)
+
+
+def _chief() -> tuple[RunningService, ParameterClient, list[tuple[str, torch.nn.Parameter]]]:
+    service = serve_in_thread(CONFIG, SECRET)
+    model = [("w", torch.nn.Parameter(torch.ones(3, 2))), ("b", torch.nn.Parameter(torch.zeros(2)))]
+    plan = plan_placement([VariableSpec(n, tuple(p.shape), "float32", 4) for n, p in model], 1)
+    client = ParameterClient([service.address], SECRET, "worker:0", TIMEOUTS)
+    client.connect()
+    client.register(model, plan, SGD(lr=0.5), is_chief=True)
+    for _, param in model:
+        param.grad = torch.ones_like(param)
+    assert client.push_pull().global_step == 1
+    return service, client, model
+
+
+def test_a_ps_restart_during_save_is_recovered_and_the_save_completes(
+    restarted_ps: Callable[[RunningService], None],
+) -> None:
+    service, client, model = _chief()
+    try:
+        restarted_ps(service)  # the ps dies now; it comes back while save() waits on it
+        global_step, documents = client.save()
+        assert len(documents) == 1 and len(documents[0]) > 0
+        # The new ps was re-created from the chief's current values, which the save holds.
+        assert torch.equal(model[0][1].detach(), torch.full((3, 2), 0.5))
+        assert client.pull().global_step == global_step
+        client.finish(declare_end=True)
+    finally:
+        client.close()
+    (new,) = restarted_ps.started  # type: ignore[attr-defined]
+    assert new.outcome() == ServiceOutcome("finished", global_step)
+
+
+def test_a_ps_restart_during_the_chiefs_end_of_training_is_recovered(
+    restarted_ps: Callable[[RunningService], None],
+) -> None:
+    service, client, _ = _chief()
+    final_checkpoints: list[int] = []
+    try:
+        restarted_ps(service)  # the ps dies as training ends; it comes back during finish()
+        running = client.finish(
+            declare_end=True, before_done=lambda: final_checkpoints.append(client.save()[0])
+        )
+        assert running == []
+    finally:
+        client.close()
+    assert len(final_checkpoints) == 1  # the final checkpoint was written once, on the new ps
+    (new,) = restarted_ps.started  # type: ignore[attr-defined]
+    assert new.outcome().reason == "finished"
