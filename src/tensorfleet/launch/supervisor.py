@@ -363,6 +363,7 @@ class ClusterSupervisor:
         when it was never started). Idempotent. Call it from the thread that calls
         :meth:`wait`; other threads and signal handlers use :meth:`interrupt`."""
         if not self._started:
+            self.backend.close()
             return None
         if self._result is None:
             if self._phase not in (_TERMINATING, _KILLING):
@@ -373,6 +374,7 @@ class ClusterSupervisor:
             finally:
                 self._kill_process_groups(quiet=True)
         self._kill_process_groups(quiet=True)
+        self.backend.close()
         return self._result
 
     def __enter__(self) -> ClusterSupervisor:

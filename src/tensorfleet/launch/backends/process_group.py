@@ -9,7 +9,9 @@ line by line.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
@@ -21,10 +23,16 @@ READER_DRAIN_TIMEOUT = 0.5
 
 
 def start_process_group(
-    command: Sequence[str], env: Mapping[str, str], cwd: str | os.PathLike[str] | None
+    command: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str] | None,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` in a new session (its own process group) with stdout and stderr
-    merged into one pipe and no stdin. Raises ``OSError`` when it cannot be started."""
+    merged into one pipe and no stdin. Raises ``OSError`` when it cannot be started.
+
+    ``die_with_parent`` (Linux): the kernel sends the child SIGKILL when its parent dies, so
+    a task started by a Ray actor cannot outlive a killed actor."""
     return subprocess.Popen(
         list(command),
         stdin=subprocess.DEVNULL,
@@ -33,7 +41,17 @@ def start_process_group(
         env=dict(env),
         cwd=cwd,
         start_new_session=True,
+        preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
     )
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask for SIGKILL when the parent dies (prctl
+    PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def pump_lines(pipe: IO[bytes], on_line: Callable[[str], None]) -> None:
