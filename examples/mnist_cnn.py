@@ -76,6 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--log-every", type=int, default=100, help="print a progress line every N global steps"
     )
     p.add_argument(
+        "--progress-secs",
+        type=float,
+        default=10.0,
+        help="the chief prints its progress (step, bar, steps/s, time left) every S seconds",
+    )
+    p.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: 2 alone, 1 in a cluster)"
     )
     p.add_argument("--seed", type=int, default=0)
@@ -203,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     hooks: list[tfl.Hook] = [
         tfl.StopAtStep(last_step=args.steps),
         tfl.LoggingHook(args.log_every, progress_line, print_fn=lambda s: print(s, flush=True)),
+        tfl.ProgressHook(args.progress_secs),  # chief only; the last step is StopAtStep's
     ]
     checkpoints: dict[str, object] = {}
     is_chief = server is None or server.is_chief

@@ -107,7 +107,8 @@ class ProgressHook(Hook):
             self._next_at = now + self.every_n_secs
 
     def end(self, session: TrainingSession) -> None:
-        self._report(self.clock(), session.global_step)
+        if self.latest is None or self.latest.step != session.global_step:
+            self._report(self.clock(), session.global_step)
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
@@ -156,7 +157,9 @@ class ProgressHook(Hook):
             TextColumn("{task.fields[rate]}"),
             TimeRemainingColumn(),
         )
-        self._rich_task = self._rich.add_task("training", total=self.last_step, completed=step, rate="")
+        self._rich_task = self._rich.add_task(
+            "training", total=self.last_step, completed=step, rate=""
+        )
         self._rich.start()
 
     def _update_rich(self, step: int) -> None:

@@ -43,10 +43,15 @@ class TaskRunner:
         self._exited_at: float | None = None
 
     def node_address(self) -> str:
-        """This node's IP address, as Ray knows it."""
+        """This node's IP address as it is registered in the Ray cluster (what the other
+        nodes reach it by), else the address Ray finds for this machine."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+                return str(node["NodeManagerAddress"])
+        return str(ray.util.get_node_ip_address())
 
     def reserve_address(self) -> str:
         """``ip:port``: this node's IP and a TCP port free on it now, for the task to listen
