@@ -188,7 +188,7 @@ class RestartPolicy:
         """
         kind = failure_kind(returncode)
         if kind is None:
-            raise ValueError("exit 0 is not a failure; nothing to decide")
+            raise LaunchConfigError("exit 0 is not a failure; nothing to decide")
         recent = [k for t, k in history if self.window_s is None or now - t < self.window_s]
         used = sum(1 for k in recent if k == kind)
         limit = self.limit(kind)

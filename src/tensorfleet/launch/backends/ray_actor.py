@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 
+from tensorfleet.errors import LaunchError
 from tensorfleet.launch.backends.process_group import (
     READER_DRAIN_TIMEOUT,
     killpg,
@@ -67,7 +68,7 @@ class TaskRunner:
         """Start ``command`` with ``variables`` added to this node's environment; its pid.
         Raises ``OSError`` (through Ray) when it cannot be started."""
         if self._process is not None and self._process.poll() is None:
-            raise RuntimeError(f"this task's process {self._process.pid} is still running")
+            raise LaunchError(f"this task's process {self._process.pid} is still running")
         env = dict(os.environ)
         env.update(variables)
         process = start_process_group(command, env, cwd, die_with_parent=True)
@@ -89,7 +90,7 @@ class TaskRunner:
         hold the pipe open); None while it runs."""
         process = self._process
         if process is None:
-            raise RuntimeError("no process was started by this actor")
+            raise LaunchError("no process was started by this actor")
         deadline = time.monotonic() + max_wait
         out: list[str] = []
         while not self._eof and len(out) < MAX_LINES_PER_READ:
