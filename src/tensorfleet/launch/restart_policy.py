@@ -42,10 +42,11 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tensorfleet import environment
 from tensorfleet.errors import LaunchConfigError
 
 #: Set to "1" in the environment of a restarted task: its predecessor is known dead.
-PREDECESSOR_DEAD_VAR = "TENSORFLEET_PREDECESSOR_DEAD"
+PREDECESSOR_DEAD_VAR = environment.PREDECESSOR_DEAD_VAR
 
 #: Restarts of one task killed by signals, within :data:`DEFAULT_WINDOW_S`.
 DEFAULT_SIGNAL_RESTARTS = 10

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from tensorfleet.errors import AuthenticationError, ProtocolError
+from tensorfleet.errors import AuthenticationError, ConfigError, ProtocolError
 from tensorfleet.wire.auth import Buffer, MessageSigner, MessageVerifier
 
 #: Version of the framing and of the operations; both sides must speak the same one.
@@ -57,7 +57,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_buffers", "max_header_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"Limits.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass
