@@ -108,7 +108,7 @@ def test_the_example_trains_on_a_ray_cluster(ray_address: str) -> None:
     assert "starting 1 ps and 2 worker task(s) on ray" in text, text
     assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+ \(global step \d+", text, re.M), text
     assert re.search(r"^\[worker:0\] \[progress\] global step \d+/40 ", text, re.M), text
-    assert re.search(r"^\[ps:0\] ", text, re.M) and re.search(r"^\[worker:1\] ", text, re.M)
+    assert re.search(r"^\[ps:0\] ps:0: ", text, re.M), text  # the ps's own log, prefixed
     for task in ("ps:0", "worker:0", "worker:1"):
         assert f"[launcher] {task} ended: exited 0" in text, text
 
