@@ -45,6 +45,7 @@ _EXPORTS = {
     "LoggingHook": "tensorfleet.session.hooks",
     "StepResult": "tensorfleet.session.hooks",
     "StopAtStep": "tensorfleet.session.hooks",
+    "ProgressHook": "tensorfleet.session.progress_hook",
     "Server": "tensorfleet.session.server",
     "ServerConfig": "tensorfleet.session.server",
     "SummaryHook": "tensorfleet.session.summary_hook",
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
         StepResult,
         StopAtStep,
     )
+    from tensorfleet.session.progress_hook import ProgressHook
     from tensorfleet.session.server import Server, ServerConfig
     from tensorfleet.session.summary_hook import SummaryHook
     from tensorfleet.session.training_session import TrainingSession

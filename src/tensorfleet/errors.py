@@ -141,3 +141,8 @@ class DatasetError(TensorfleetError, FileNotFoundError):
 
 class LaunchError(TensorfleetError):
     """The local launcher could not start or supervise the cluster."""
+
+
+class LaunchConfigError(LaunchError, ValueError):
+    """An argument of the launcher is invalid (a negative restart limit, a Ray address that
+    does not answer); raised before anything starts."""
