@@ -1,5 +1,6 @@
 """The ``tensorfleet`` command line: ``launch`` a local cluster, run a ps ``server`` task,
-``plot`` the metrics a ``SummaryHook`` wrote, or ``export`` a checkpoint's model.
+``plot`` the metrics a ``SummaryHook`` wrote, ``export`` a checkpoint's model, or describe a
+cluster for a cluster manager (``slurm``: an sbatch script; ``k8s render``: manifests).
 
 ::
 
@@ -33,6 +34,7 @@ from tensorfleet.launch.local_cluster import (
     LocalCluster,
 )
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
+from tensorfleet.launch.renderers import kubernetes, slurm
 from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
@@ -221,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the exponential moving average (runs with ema_decay) instead",
     )
     export.set_defaults(handler=_export)
+    slurm.add_command(commands)
+    kubernetes.add_command(commands)
     return parser
 
 
