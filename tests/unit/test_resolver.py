@@ -221,7 +221,11 @@ def test_flags_that_agree_with_tf_config_are_fine():
         (("ps", 0), None, "the flags say this task is worker:1 of"),
         (("ps", 0), None, "but TF_CONFIG says ps:0 of"),
         (("worker", 1), {"worker": ["a:1", "b:1"]}, 'TF_CONFIG says worker:1 of {"worker": ["a:1"'),
-        (("worker", 2), None, "drop the --job_name/--task_index/--cluster flags, or unset TF_CONFIG"),
+        (
+            ("worker", 2),
+            None,
+            "drop the --job_name/--task_index/--cluster flags, or unset TF_CONFIG",
+        ),
     ],
 )
 def test_flags_that_disagree_with_tf_config_are_refused(environ_task, environ_cluster, fragment):

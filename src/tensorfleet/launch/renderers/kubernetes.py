@@ -344,9 +344,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--name", default="tensorfleet", help="prefix of every object (default: tensorfleet)"
     )
     render.add_argument("--namespace", default="default", help="(default: default)")
-    render.add_argument(
-        "--port", type=int, default=2222, help="port of every task (default: 2222)"
-    )
+    render.add_argument("--port", type=int, default=2222, help="port of every task (default: 2222)")
     render.add_argument("--worker-cpu", default="2", metavar="Q", help="(default: 2)")
     render.add_argument("--worker-memory", default="4Gi", metavar="Q", help="(default: 4Gi)")
     render.add_argument(
@@ -401,7 +399,9 @@ def _render(args: argparse.Namespace) -> int:
         try:
             ps_command = shlex.split(args.ps_command)
         except ValueError as exc:
-            raise ClusterConfigError(f"cannot split --ps-command {args.ps_command!r}: {exc}") from None
+            raise ClusterConfigError(
+                f"cannot split --ps-command {args.ps_command!r}: {exc}"
+            ) from None
     shape = ClusterShape(args.ps, args.workers)
     ps_resources = Resources(args.ps_cpu, args.ps_memory)
     worker_resources = Resources(args.worker_cpu, args.worker_memory, args.worker_gpus)
