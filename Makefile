@@ -12,7 +12,7 @@ DEMO_STEPS ?= 3000
 MODE ?= async
 DEMO_PS := $(if $(filter allreduce,$(MODE)),0,1)
 
-.PHONY: setup data demo test test-fast lint bench fuzz clean
+.PHONY: setup data demo test test-fast lint bench fuzz docs clean
 
 setup: $(VENV)/.installed
 
@@ -21,7 +21,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m pip install -q -e '.[test,plot,docs]'
 	touch $@
 
 data:
@@ -56,6 +56,10 @@ bench: setup data
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/wire.py
 	$(PY) benchmarks/modes.py
+
+# The documentation site (mkdocs.yml) at http://127.0.0.1:8000; `make test` builds it strictly.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # A long fuzz run of the frame decoder and the ps request handler (docs/security.md).
 FUZZ_EXAMPLES ?= 20000

@@ -17,6 +17,9 @@ SECRET_FILE_VAR = "TENSORFLEET_SECRET_FILE"
 TF_CONFIG_VAR = "TF_CONFIG"
 #: Set by the launcher: how many ps tasks a Slurm allocation reserves (first ranks).
 SLURM_NUM_PS_VAR = "TENSORFLEET_SLURM_NUM_PS"
+#: Set by the script ``tensorfleet slurm`` writes: how many worker tasks the cluster shape has,
+#: so that a Slurm step with fewer (or more) tasks than ps + workers fails at once.
+SLURM_NUM_WORKERS_VAR = "TENSORFLEET_SLURM_NUM_WORKERS"
 #: Port of the first task on each node of a Slurm job; the task of local rank r listens on
 #: this port + r (default 2222).
 SLURM_BASE_PORT_VAR = "TENSORFLEET_SLURM_BASE_PORT"

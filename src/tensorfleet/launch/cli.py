@@ -1,6 +1,7 @@
 """The ``tensorfleet`` command line: ``launch`` a cluster (its options live in
 :mod:`tensorfleet.launch.launch_command`), run a ps ``server`` task, ``plot`` the metrics a
-``SummaryHook`` wrote, or ``export`` a checkpoint's model.
+``SummaryHook`` wrote, ``export`` a checkpoint's model, or describe a cluster for a cluster
+manager (``slurm``: an sbatch script; ``k8s render``: manifests).
 
 ::
 
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
+from tensorfleet.launch.renderers import kubernetes, slurm
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.version import __version__
 
@@ -133,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the exponential moving average (runs with ema_decay) instead",
     )
     export.set_defaults(handler=_export)
+    slurm.add_command(commands)
+    kubernetes.add_command(commands)
     return parser
 
 
