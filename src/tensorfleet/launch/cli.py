@@ -1,5 +1,6 @@
 """The ``tensorfleet`` command line: ``launch`` a local cluster, run a ps ``server`` task,
-``plot`` the metrics a ``SummaryHook`` wrote, or ``export`` a checkpoint's model.
+``plot`` the metrics a ``SummaryHook`` wrote, ``export`` a checkpoint's model, or run a
+hyperparameter ``sweep`` (registered by :mod:`tensorfleet.patterns.sweep_cli`).
 
 ::
 
@@ -7,6 +8,7 @@
     tensorfleet server --cluster cluster.json --job ps --task 0 --secret-file secret
     tensorfleet plot runs/cnn -o curves.png
     tensorfleet export runs/cnn/checkpoints model.safetensors
+    tensorfleet sweep sweep.yaml --dir runs/sweep
 
 Errors tensorfleet raises on purpose are printed as one line, ``tensorfleet: error: ...``,
 with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
@@ -33,6 +35,7 @@ from tensorfleet.launch.local_cluster import (
     LocalCluster,
 )
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
+from tensorfleet.patterns.sweep_cli import add_sweep_command
 from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
@@ -221,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the exponential moving average (runs with ema_decay) instead",
     )
     export.set_defaults(handler=_export)
+    add_sweep_command(commands)
     return parser
 
 
