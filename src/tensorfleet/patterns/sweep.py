@@ -294,9 +294,9 @@ class Sweep:
 
     def _argv(self, params: dict[str, Any]) -> list[str]:
         if self.config.command is not None:
-            program = [
-                arg.format(**{k: str(v) for k, v in params.items()}) for arg in self.config.command
-            ]
+            values = {k: str(v) for k, v in params.items()}
+            values["python"] = sys.executable
+            program = [arg.format(**values) for arg in self.config.command]
         else:
             assert self.config.entry is not None
             program = [

@@ -44,7 +44,8 @@ class SweepConfig:
     entry: str | None = None
     """A Python function ``module:function`` called with the trial (one process per trial)."""
     command: list[str] | None = None
-    """Or a program; ``{name}`` in an argument is replaced by the parameter's value."""
+    """Or a program; ``{name}`` in an argument is replaced by the parameter's value, and
+    ``{python}`` by the sweep's own Python interpreter."""
     direction: str = "minimize"
     search: str = "grid"
     trials: int | None = None
@@ -91,9 +92,14 @@ class SweepConfig:
                 raise SweepConfigError(
                     f"command must be a non-empty list of strings, got {self.command!r}"
                 )
+            if "python" in self.parameters:
+                raise SweepConfigError(
+                    "a parameter may not be called 'python': {python} in a command is the "
+                    "sweep's interpreter"
+                )
             for arg in self.command:
                 for name in _PLACEHOLDER.findall(arg):
-                    if name not in self.parameters:
+                    if name not in self.parameters and name != "python":
                         raise SweepConfigError(
                             f"command argument {arg!r} names {{{name}}}, which is not a parameter "
                             f"of the space ({sorted(self.parameters)})"
