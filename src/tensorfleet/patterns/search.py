@@ -56,11 +56,13 @@ class Search(Protocol):
 
 
 class IndexedSearch:
-    """Grid or random search: trial ``n`` is the n-th configuration of a fixed sequence;
+    """Grid, random or listed configurations: trial ``n`` is the n-th configuration of a fixed sequence;
     ``done`` numbers (recorded in the sweep directory) are not run again."""
 
     def __init__(self, config: SweepConfig, done: Iterable[int]) -> None:
-        if config.search == "grid":
+        if config.search == "list":
+            self._configs = [dict(c) for c in config.configurations or []]
+        elif config.search == "grid":
             self._configs = list(grid(config.parameters))
         else:
             self._configs = [

@@ -27,7 +27,7 @@ from typing import Any
 
 from tensorfleet.patterns.search_space import Parameter, SweepConfigError, grid_size, parse_space
 
-SEARCHES = ("grid", "random", "optuna")
+SEARCHES = ("grid", "random", "optuna", "list")
 DIRECTIONS = ("minimize", "maximize")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
@@ -48,6 +48,10 @@ class SweepConfig:
     ``{python}`` by the sweep's own Python interpreter."""
     direction: str = "minimize"
     search: str = "grid"
+    """``grid``, ``random``, ``optuna``, or ``list`` (the given ``configurations``, in order)."""
+    configurations: list[dict[str, Any]] | None = None
+    """search: list runs exactly these configurations (ensemble members, folds); the space
+    may then be left out (each parameter becomes a choice of the values it takes)."""
     trials: int | None = None
     """How many trials (random and optuna search; a grid runs all its points)."""
     slots: int = 1
@@ -73,6 +77,10 @@ class SweepConfig:
 
     def validate(self) -> None:
         """Raise :class:`SweepConfigError` for anything that would fail later."""
+        if self.configurations is not None:
+            self._derive_space()
+        elif self.search == "list":
+            raise SweepConfigError("search: list needs configurations (a list of mappings)")
         self.parameters = parse_space(self.space)
         if (self.entry is None) == (self.command is None):
             raise SweepConfigError(
@@ -117,7 +125,9 @@ class SweepConfig:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise SweepConfigError(f"{label} must be an integer >= {low}, got {value!r}")
-        if self.search == "grid":
+        if self.search == "list":
+            pass
+        elif self.search == "grid":
             if self.trials is not None and self.trials != grid_size(self.parameters):
                 raise SweepConfigError(
                     f"a grid search runs its {grid_size(self.parameters)} points; trials="
@@ -139,10 +149,40 @@ class SweepConfig:
                 f"name must be letters, digits, '_', '.', '-', got {self.name!r}"
             )
 
+    def _derive_space(self) -> None:
+        configs = self.configurations
+        if (
+            not isinstance(configs, list)
+            or not configs
+            or not all(isinstance(c, dict) and c for c in configs)
+        ):
+            raise SweepConfigError(
+                f"configurations must be a non-empty list of non-empty mappings, got {configs!r}"
+            )
+        keys = set(configs[0])
+        for number, config in enumerate(configs):
+            if set(config) != keys:
+                raise SweepConfigError(
+                    f"configuration {number} has the parameters {sorted(config)}, the first one "
+                    f"{sorted(keys)}: every configuration must name the same parameters"
+                )
+        if self.search != "list":
+            raise SweepConfigError(f"configurations need search: list, got search: {self.search!r}")
+        values: dict[str, list[Any]] = {k: [] for k in configs[0]}
+        for config in configs:
+            for k, v in config.items():
+                if v not in values[k]:
+                    values[k].append(v)
+        self.space = {k: {"type": "choice", "values": v} for k, v in values.items()}
+
     @property
     def total_trials(self) -> int:
         """How many trials the sweep runs to an end."""
-        return grid_size(self.parameters) if self.search == "grid" else int(self.trials or 0)
+        if self.search == "grid":
+            return grid_size(self.parameters)
+        if self.search == "list":
+            return len(self.configurations or [])
+        return int(self.trials or 0)
 
     def describe(self) -> dict[str, Any]:
         """The configuration as stored with the sweep (to refuse resuming another one)."""
@@ -151,6 +191,7 @@ class SweepConfig:
             "metric": self.metric,
             "direction": self.direction,
             "search": self.search,
+            "configurations": self.configurations,
             "trials": self.total_trials,
             "seed": self.seed,
             "sampler": self.sampler,

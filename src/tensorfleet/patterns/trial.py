@@ -67,6 +67,11 @@ class Trial:
         metric is the trial's result. In a trial of several workers, report from the chief."""
         write_metrics(self.directory, metrics, step)
 
+    def save_tensors(self, name: str, tensors: Mapping[str, Any]) -> Path:
+        """Keep tensors for the sweep's caller (an ensemble's predictions, a fold's validation
+        indices) as ``name.safetensors`` in the trial's directory; returns its path."""
+        return save_trial_tensors(self.directory, name, tensors)
+
     def should_stop(self) -> bool:
         """Whether the sweep asked this trial to stop (it was pruned): finish the step and
         return (or raise :class:`TrialPruned`); the process is signalled shortly after."""
@@ -187,3 +192,29 @@ def is_chief_process() -> bool:
     is the chief (worker 0) of the trial's cluster."""
     task = resolve_task(allow_none=True, argv=[])
     return task is None or (task.job == "worker" and task.index == 0)
+
+
+def save_trial_tensors(directory: Path, name: str, tensors: Mapping[str, Any]) -> Path:
+    """Write ``tensors`` (name -> torch tensor) to ``directory/name.safetensors`` atomically."""
+    from safetensors.torch import save_file
+
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"tensor file name {name!r} must be letters, digits, '_' or '-'")
+    path = directory / f"{name}.safetensors"
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+def load_trial_tensors(directory: Path, name: str) -> dict[str, Any]:
+    """The tensors a trial kept with :meth:`Trial.save_tensors` (safetensors: no code runs)."""
+    from safetensors.torch import load_file
+
+    path = directory / f"{name}.safetensors"
+    try:
+        return load_file(str(path))
+    except (OSError, ValueError) as exc:
+        raise TensorfleetError(
+            f"cannot read the tensors {path} a trial should have kept: {exc}"
+        ) from exc
