@@ -187,9 +187,13 @@ def evaluate(policy: Policy, episodes: int, seed: int = 10_000) -> float:
     return total / episodes
 
 
-def run_learner(address: str, secret: bytes, settings: Settings, log=print, on_update=None) -> dict:
+def run_learner(
+    address: str, secret: bytes, settings: Settings, log=print, on_update=None, may_stop=None
+) -> dict:
     """Serve the queue at ``address``, train until the target or the step budget; return the
-    figures (steps, seconds, evaluation, samples/s, staleness drops)."""
+    figures (steps, seconds, evaluation, samples/s, staleness drops). ``on_update(version,
+    queue)`` is called after each update; ``may_stop(queue)``, when given, must also be true
+    for the target to end training (tests use both)."""
     torch.set_num_threads(1)
     learner = Learner(settings)
     started = time.monotonic()
@@ -223,7 +227,11 @@ def run_learner(address: str, secret: bytes, settings: Settings, log=print, on_u
                     f"{learner.recent_mean():.1f} dropped stale {queue.dropped_stale} "
                     f"({learner.steps / (time.monotonic() - started):.0f} samples/s)"
                 )
-            if learner.recent_mean() >= settings.target and learner.steps - last_check >= 5_000:
+            if (
+                learner.recent_mean() >= settings.target
+                and learner.steps - last_check >= 5_000
+                and (may_stop is None or may_stop(queue))
+            ):
                 last_check = learner.steps
                 evaluation = evaluate(learner.policy, settings.eval_episodes)
                 log(
@@ -270,7 +278,8 @@ def run_actor(address: str, secret: bytes, name: str, seed: int, settings: Setti
             snapshot = client.newest_weights()  # every rollout: the newest weights, if any
             if snapshot is not None:
                 policy.load_state_dict(snapshot.tensors)
-    except DeadlineExceeded:  # the learner is done (ConnectionLost too)
+    except DeadlineExceeded as exc:  # the learner is done (ConnectionLost too)
+        print(f"{name}: the learner is gone ({exc}); {client.pushed} rollouts pushed", flush=True)
         return 0
     finally:
         client.close()

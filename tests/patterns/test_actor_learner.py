@@ -179,7 +179,13 @@ def test_cartpole_actors_and_a_learner_reach_the_test_target_with_an_actor_repla
     lines: list[str] = []
     try:
         figures = example.run_learner(
-            address, SECRET, settings, log=lines.append, on_update=on_update
+            address,
+            SECRET,
+            settings,
+            log=lines.append,
+            on_update=on_update,
+            # Reaching the target ends training only once the replacement's batches came in.
+            may_stop=lambda queue: queue.accepted_by["actor-2"] > 0,
         )
     finally:
         for process in actors.values():

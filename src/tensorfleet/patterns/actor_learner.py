@@ -51,6 +51,9 @@ from tensorfleet.wire.transport import Channel, Request, ServiceSocket
 
 #: How often the serving thread wakes to admit held pushes once the queue has room.
 SERVE_TICK_S = 0.005
+#: A held push is answered "full" this long before its deadline, so that the answer reaches
+#: the actor before the actor stops waiting (its wait started before the learner's clock).
+HELD_PUSH_MARGIN_S = 1.0
 #: The most rows one batch may carry.
 MAX_ROWS = 1 << 20
 
@@ -291,7 +294,7 @@ class SampleQueueServer:
     def _admit_held(self, service: ServiceSocket, held: deque[tuple[Request, SampleBatch]]) -> None:
         while held:
             request, batch = held[0]
-            if time.monotonic() >= request.deadline - 0.05:
+            if time.monotonic() >= request.deadline - HELD_PUSH_MARGIN_S:
                 held.popleft()
                 service.reply(request, {"accepted": False, "full": True})
                 continue
