@@ -21,7 +21,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,plot,docs]'
+	$(PY) -m pip install -q -e '.[test,plot,docs,sweep,rl]'
 	touch $@
 
 data:

@@ -1,7 +1,8 @@
 """The ``tensorfleet`` command line: ``launch`` a cluster (its options live in
 :mod:`tensorfleet.launch.launch_command`), run a ps ``server`` task, ``plot`` the metrics a
 ``SummaryHook`` wrote, ``export`` a checkpoint's model, or describe a cluster for a cluster
-manager (``slurm``: an sbatch script; ``k8s render``: manifests).
+manager (``slurm``: an sbatch script; ``k8s render``: manifests), or run a hyperparameter
+``sweep`` (registered by :mod:`tensorfleet.patterns.sweep_cli`).
 
 ::
 
@@ -9,6 +10,7 @@ manager (``slurm``: an sbatch script; ``k8s render``: manifests).
     tensorfleet server --cluster cluster.json --job ps --task 0 --secret-file secret
     tensorfleet plot runs/cnn -o curves.png
     tensorfleet export runs/cnn/checkpoints model.safetensors
+    tensorfleet sweep sweep.yaml --dir runs/sweep
 
 Errors tensorfleet raises on purpose are printed as one line, ``tensorfleet: error: ...``,
 with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
@@ -26,6 +28,7 @@ from collections.abc import Callable, Sequence
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
+from tensorfleet.patterns.sweep_cli import add_sweep_command
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.version import __version__
 
@@ -137,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(handler=_export)
     slurm.add_command(commands)
     kubernetes.add_command(commands)
+    add_sweep_command(commands)
     return parser
 
 
