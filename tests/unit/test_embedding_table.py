@@ -129,3 +129,13 @@ def test_bad_ids_and_missing_attachment_are_explained() -> None:
         table(torch.tensor([1, 12]))
     with pytest.raises(SparseGradientError, match="int64 tensor, got list.*hash_ids=True"):
         table(["alice"])
+
+
+def test_the_documented_example_runs(capsys) -> None:
+    """docs/sparse.md's first example, as written (the public names and the printed line)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sparse.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/sparse.md", "exec"), {})  # noqa: S102 - our own document
+    assert capsys.readouterr().out.strip() == "[10, 999999] 144 bytes"
