@@ -53,6 +53,11 @@ _EXPORTS = {
     "plot_metrics": "tensorfleet.summaries.plot",
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
     "ClientTimeouts": "tensorfleet.worker.timeouts",
+    "EmbeddingTable": "tensorfleet.worker.embedding_table",
+    "LocalRowSource": "tensorfleet.worker.embedding_table",
+    "RowInitializer": "tensorfleet.ps.row_initializer",
+    "CpuSyncBatchNorm": "tensorfleet.worker.sync_batch_norm",
+    "convert_sync_batchnorm": "tensorfleet.worker.sync_batch_norm",
     "torch_device": "tensorfleet.worker.device",
 }
 _SUBMODULES = {"optim"}
@@ -79,6 +84,7 @@ if TYPE_CHECKING:
         TensorfleetError,
     )
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
+    from tensorfleet.ps.row_initializer import RowInitializer
     from tensorfleet.session.checkpoints import export_checkpoint, load_checkpoint
     from tensorfleet.session.hooks import (
         CheckpointHook,
@@ -95,6 +101,8 @@ if TYPE_CHECKING:
     from tensorfleet.summaries.plot import plot_metrics
     from tensorfleet.summaries.summary_writer import SummaryWriter
     from tensorfleet.worker.device import torch_device
+    from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+    from tensorfleet.worker.sync_batch_norm import CpuSyncBatchNorm, convert_sync_batchnorm
     from tensorfleet.worker.timeouts import ClientTimeouts
 
 
