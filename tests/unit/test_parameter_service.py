@@ -254,8 +254,11 @@ def test_hello_reports_shard_version_and_initialization(
 @pytest.mark.parametrize(
     ("overrides", "seen"),
     [
-        ({"version": "9.9.9"}, "runs tensorfleet 9.9.9 (protocol 1)"),
-        ({"protocol": 2}, f"runs tensorfleet {__version__} (protocol 2)"),
+        ({"version": "9.9.9"}, f"runs tensorfleet 9.9.9 (protocol {wire.PROTOCOL_VERSION})"),
+        (
+            {"protocol": wire.PROTOCOL_VERSION + 1},
+            f"runs tensorfleet {__version__} (protocol {wire.PROTOCOL_VERSION + 1})",
+        ),
         ({"version": None}, "runs tensorfleet None"),
     ],
 )
