@@ -36,7 +36,6 @@ from tensorfleet.ps.update_rules import SGD  # noqa: E402
 from tensorfleet.wire.secret import generate_secret  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
-
 PS_PROGRAM = r"""
 import cProfile, sys, torch
 torch.set_num_threads(1)  # as `tensorfleet server` (--threads 1)
@@ -96,7 +95,9 @@ def main() -> int:
             weight = torch.nn.Parameter(torch.randn(numel))
             weight.grad = torch.randn_like(weight) * 1e-6
             plan = plan_placement([VariableSpec("weight", (numel,), "float32", 4)], 1)
-            client = ParameterClient([ps_address], secret.encode(), "worker:0", encrypt=args.encrypt)
+            client = ParameterClient(
+                [ps_address], secret.encode(), "worker:0", encrypt=args.encrypt
+            )
             client.connect()
             client.register([("weight", weight)], plan, SGD(lr=0.1), is_chief=True)
             call = client.push_pull if args.op == "push_pull" else client.pull
@@ -137,7 +138,9 @@ def main() -> int:
                 f"{r['cumulative_ms_per_round']:.3f} | {r['calls_per_round']:.1f} |"
             )
     heading = f"{result['benchmark']}: {result['ms_per_round']:.2f} ms per round (under cProfile), {result['date']}"
-    write_results(f"wire_profile_{args.op}" + ("_encrypted" if args.encrypt else ""), result, heading, table)
+    write_results(
+        f"wire_profile_{args.op}" + ("_encrypted" if args.encrypt else ""), result, heading, table
+    )
     print(heading)
     return 0
 

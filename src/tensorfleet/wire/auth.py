@@ -253,7 +253,9 @@ class MessageVerifier:
                 return False
             return True
 
-        bad = [job[0] for job, ok in zip(jobs, _in_parallel(jobs, run, total), strict=True) if not ok]
+        bad = [
+            job[0] for job, ok in zip(jobs, _in_parallel(jobs, run, total), strict=True) if not ok
+        ]
         if bad:
             raise AuthenticationError(
                 f"payload authentication failed in chunk {bad[0]} of {len(jobs)}: the payload "

@@ -103,7 +103,10 @@ def encode(
     header_bytes = msgpack.packb(header, use_bin_type=True)
     counter = signer.next_counter()
     tags = signer.chunk_tags(counter, buffers)
-    return [*sign_frames(signer, kind, counter, header_bytes, tags), *(buffers if in_frames else [])]
+    return [
+        *sign_frames(signer, kind, counter, header_bytes, tags),
+        *(buffers if in_frames else []),
+    ]
 
 
 def sign_frames(
@@ -193,7 +196,9 @@ def decode(
         if resolve is None:
             raise ProtocolError("a message with its buffers in shared memory, where none is set up")
         if len(views) != FIXED_FRAMES:
-            raise ProtocolError("a message with its buffers in shared memory also has buffer frames")
+            raise ProtocolError(
+                "a message with its buffers in shared memory also has buffer frames"
+            )
         buffers = [memoryview(b) for b in resolve(header, sizes)]
     else:
         buffers = views[FIXED_FRAMES:]
