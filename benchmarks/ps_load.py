@@ -196,7 +196,8 @@ def _worker(args: argparse.Namespace) -> int:
         args.ps,
         load_secret(),
         f"worker:{args.index}",
-        timeouts=ClientTimeouts(connect_s=120, initialize_s=120, finish_s=60),
+        # Generous: on a loaded machine a starting ps can be silent for seconds (imports).
+        timeouts=ClientTimeouts(connect_s=120, initialize_s=120, finish_s=60, ps_silence_s=60),
     )
     try:
         client.connect()
