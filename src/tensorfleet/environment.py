@@ -42,6 +42,18 @@ def encryption_requested(environ_: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+#: Set to "1" by a launcher in the environment of a task it restarts after the task's
+#: previous process died (it saw it exit): the task's hello then asks the ps to let it take
+#: over its identity at once (``"takeover": true``) instead of after the liveness timeout.
+PREDECESSOR_DEAD_VAR = "TENSORFLEET_PREDECESSOR_DEAD"
+
+
+def predecessor_dead(environ_: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TENSORFLEET_PREDECESSOR_DEAD`` says this task's previous process is dead."""
+    value = (environ() if environ_ is None else environ_).get(PREDECESSOR_DEAD_VAR, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 def environ() -> Mapping[str, str]:
     """The current process environment, read-only by convention."""
     return os.environ

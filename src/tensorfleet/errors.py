@@ -12,7 +12,22 @@ class TensorfleetError(Exception):
     """Base class of every error tensorfleet raises on purpose."""
 
 
-class ClusterConfigError(TensorfleetError, ValueError):
+class ConfigError(TensorfleetError, ValueError):
+    """An argument or setting is invalid (out of range, unknown, or not allowed with another
+    one); the message names it, the value seen and what is allowed."""
+
+
+class ConfigTypeError(TensorfleetError, TypeError):
+    """An argument is of the wrong type (e.g. a ``torch.optim`` optimizer where a tensorfleet
+    update rule is expected); the message names the type expected."""
+
+
+class UsageError(TensorfleetError, RuntimeError):
+    """An API was called out of order or in the wrong state (e.g. ``step()`` before the
+    session started, ``save()`` before ``register()``); the message says the right order."""
+
+
+class ClusterConfigError(ConfigError):
     """A cluster spec, task identity, address or device string is malformed or inconsistent."""
 
 

@@ -390,7 +390,7 @@ def test_malformed_rule_on_the_wire_is_refused(
     _hello(channel)
     body = {"variables": VARIABLES, "rule": rule}
     buffers = [as_buffer(v) for v in _initial_values()]
-    with pytest.raises(RemoteError, match=f"ValueError: .*{match}"):
+    with pytest.raises(RemoteError, match=f"RequestRefused: .*{match}"):
         channel.call("create", body, buffers, TIMEOUT_S)
     assert _create(channel) == {"created": True, "global_step": 0, "data": None}
 
@@ -772,7 +772,7 @@ def test_done_from_every_worker_finishes_the_service(
     service: RunningService, chief: Channel, connect: Callable[..., Channel]
 ) -> None:
     _push(chief, _gradients())
-    with pytest.raises(RemoteError, match=r"'done' from unknown task 'worker:9'"):
+    with pytest.raises(RemoteError, match=r"ProtocolError: done from unknown task 'worker:9'"):
         chief.call("done", {"task": "worker:9"}, timeout_s=TIMEOUT_S)
     assert chief.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S).body == {}
     assert chief.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S).body == {}

@@ -309,23 +309,23 @@ def _other_rule(document: bytes) -> bytes:
         (
             _other_shard,
             2,
-            r"refused 'restore': ValueError: the checkpoint's document is of ps:1, this is ps:0",
+            r"refused 'restore': RequestRefused: the checkpoint's document is of ps:1, this is ps:0",
         ),
         (
             _other_variables,
             2,
-            r"refused 'restore': ValueError: the checkpoint does not match the variables: "
+            r"refused 'restore': RequestRefused: the checkpoint does not match the variables: "
             r"variable 'w' is not on this shard",
         ),
         (
             _other_shape,
             2,
-            r"ValueError: the checkpoint does not match the variables: variable 'b' is \[4\]",
+            r"RequestRefused: the checkpoint does not match the variables: variable 'b' is \[4\]",
         ),
         (
             _other_rule,
             2,
-            r"ValueError: the checkpoint was made with rule 'sgd', this shard applies 'adam'",
+            r"RequestRefused: the checkpoint was made with rule 'sgd', this shard applies 'adam'",
         ),
         (
             lambda document: b"garbage",
@@ -387,9 +387,13 @@ def test_save_and_restore_before_create_are_refused(cluster: Callable[..., Runni
     source = _ps(cluster)
     document, _ = _trained(source)
     channel = _ps(cluster)
-    with pytest.raises(RemoteError, match=r"refused 'save': ValueError: ps:0 has no variables yet"):
+    with pytest.raises(
+        RemoteError, match=r"refused 'save': NotInitialized: ps:0 has no variables yet"
+    ):
         _save(channel)
-    with pytest.raises(RemoteError, match=r"refused 'restore': ValueError: ps:0 has no variables"):
+    with pytest.raises(
+        RemoteError, match=r"refused 'restore': NotInitialized: ps:0 has no variables"
+    ):
         _restore(channel, document, 2)
 
 
@@ -422,11 +426,11 @@ def _adam_state_without_step(document: bytes) -> bytes:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (_other_shard, r"refused 'create': ValueError: the checkpoint's document is of ps:1"),
-        (_other_variables, r"refused 'create': ValueError: the checkpoint does not match"),
+        (_other_shard, r"refused 'create': RequestRefused: the checkpoint's document is of ps:1"),
+        (_other_variables, r"refused 'create': RequestRefused: the checkpoint does not match"),
         (
             _other_rule,
-            r"refused 'create': ValueError: the checkpoint was made with rule 'sgd', this "
+            r"refused 'create': RequestRefused: the checkpoint was made with rule 'sgd', this "
             r"shard applies 'adam'",
         ),
         (
@@ -435,7 +439,7 @@ def _adam_state_without_step(document: bytes) -> bytes:
         ),
         (
             _adam_state_without_step,
-            r"refused 'create': ValueError: the checkpoint's optimizer state does not fit rule "
+            r"refused 'create': RequestRefused: the checkpoint's optimizer state does not fit rule "
             r"'adam'",
         ),
     ],

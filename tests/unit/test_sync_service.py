@@ -565,7 +565,7 @@ def test_pulling_a_moving_average_that_is_not_kept_is_refused(
     ps = cluster(WORKERS[:1])
     channel = _worker(cluster, ps, "worker:0")
     _create(channel, UpdateDiscipline())
-    with pytest.raises(RemoteError, match=r"ValueError: this shard keeps no moving average"):
+    with pytest.raises(RemoteError, match=r"RequestRefused: this shard keeps no moving average"):
         channel.call("pull", {"moving_average": True}, timeout_s=TIMEOUT_S)
 
 

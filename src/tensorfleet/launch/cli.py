@@ -33,6 +33,7 @@ from tensorfleet.launch.local_cluster import (
     LocalCluster,
 )
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
+from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
@@ -173,18 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--liveness-timeout",
         type=float,
-        default=15.0,
+        default=ServiceSettings.liveness_timeout_s,
         metavar="S",
         help="a worker not heard from for S seconds is lost: it stops holding back sync "
-        "steps and the staleness bound, and a restarted copy may take its place (default: 15)",
+        "steps and the staleness bound, and a restarted copy may take its place "
+        "(default: %(default)g)",
     )
     server.add_argument(
         "--end-grace",
         type=float,
-        default=60.0,
+        default=ServiceSettings.end_grace_s,
         metavar="S",
         help="after the chief ends training, wait up to S seconds for the other workers "
-        "(default: 60)",
+        "(default: %(default)g)",
     )
     server.set_defaults(handler=_server)
 

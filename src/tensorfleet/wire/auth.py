@@ -46,7 +46,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tensorfleet.errors import AuthenticationError
+from tensorfleet.errors import AuthenticationError, ConfigError
 
 SESSION_ID_BYTES = 16
 TAG_BYTES = 16
@@ -67,7 +67,7 @@ _POOL_LOCK = threading.Lock()
 def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
     """The 256-bit key of one sender session in one direction."""
     if role not in _ROLES:
-        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+        raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
     hkdf = HKDF(
         algorithm=hashes.SHA256(),
         length=32,
@@ -187,7 +187,7 @@ class MessageVerifier:
 
     def __init__(self, secret: bytes, role: str, max_sessions: int = 4096) -> None:
         if role not in _ROLES:
-            raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+            raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
         self._secret = secret
         self._role = role
         self._max_sessions = max_sessions

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from tensorfleet.errors import AuthenticationError, ProtocolError
+from tensorfleet.errors import AuthenticationError, ConfigError, ProtocolError
 from tensorfleet.wire.auth import (
     TAG_BYTES,
     Buffer,
@@ -75,7 +75,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_buffers", "max_header_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"Limits.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass

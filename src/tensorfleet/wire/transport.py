@@ -29,11 +29,13 @@ from zmq.utils.monitor import recv_monitor_message
 from tensorfleet.errors import (
     AuthenticationError,
     ClusterConfigError,
+    ConfigError,
     ConnectionLost,
     DeadlineExceeded,
     ProtocolError,
     RemoteError,
     ServiceRestarted,
+    remote_error_class,
 )
 from tensorfleet.wire import message as wire
 from tensorfleet.wire import shared_memory as shm
@@ -57,8 +59,10 @@ ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 5000
 #: A client send that cannot be queued for this long fails (a send never blocks forever).
 SEND_TIMEOUT_MS = 10_000
-#: Error type of the answer to a request addressed to an earlier incarnation of a service.
-STALE_SESSION = "StaleSession"
+#: Error code of the answer to a request addressed to an earlier incarnation of a service.
+STALE_SESSION = ServiceRestarted.code
+#: At most this many characters of a refusal's code are shown in the client's message.
+MAX_CODE_CHARS = 64
 #: How often a waiting client checks its abort condition (e.g. a ps silent for too long).
 ABORT_CHECK_S = 0.25
 
@@ -126,7 +130,9 @@ def reply_header(request: Request, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def failure_header(request: Request, error_type: str, text: str) -> dict[str, Any]:
-    """The header of an error answer to ``request`` (the client raises it as RemoteError)."""
+    """The header of an error answer to ``request``. ``error_type`` is the refusal's *code*
+    (a :class:`~tensorfleet.errors.RemoteError` subclass's ``code``); the client raises
+    ``remote_error_class(code)`` with ``text`` in its message."""
     return {
         "re": request.request_id,
         "to": request.session_id,
@@ -291,7 +297,8 @@ class ServiceSocket:
         return self._send(request, reply_header(request, body), buffers or [])
 
     def fail(self, request: Request, error_type: str, text: str) -> None:
-        """Answer ``request`` with an error the client raises as :class:`RemoteError`."""
+        """Answer ``request`` with a refusal: ``error_type`` is its code (e.g.
+        ``IdentityInUse.code``), which the client raises as ``remote_error_class(code)``."""
         self._send(request, failure_header(request, error_type, text), [])
 
     def _send(
@@ -469,11 +476,13 @@ class Channel:
         abort: Callable[[], str | None] | None = None,
     ) -> Reply:
         """The reply to ``request_id``, or :class:`DeadlineExceeded` after ``timeout_s``.
-        An error answer is raised as :class:`RemoteError` (:class:`ServiceRestarted` when the
-        service restarted since the hello). ``abort`` is asked every quarter second while
-        waiting; a reason it returns ends the wait with :class:`ConnectionLost`."""
+        A refusal is raised as the :class:`RemoteError` subclass of its code
+        (:func:`~tensorfleet.errors.remote_error_class`: e.g. :class:`ServiceRestarted` when
+        the service restarted since the hello, :class:`IdentityInUse`,
+        :class:`RequestRefused`). ``abort`` is asked every quarter second while waiting; a
+        reason it returns ends the wait with :class:`ConnectionLost`."""
         if request_id not in self._pending and request_id not in self._arrived:
-            raise ValueError(
+            raise ConfigError(
                 f"request {request_id} was not sent on this channel or was already awaited"
             )
         deadline = time.monotonic() + timeout_s
@@ -567,16 +576,25 @@ class Channel:
             if self._pending[re] == "hello":
                 self.server_session = msg.session_id
             self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
-        elif header.get("error_type") == STALE_SESSION:
-            self._arrived[re] = ServiceRestarted(
-                f"{self.peer_name} at {self.address} restarted since this task said hello "
-                f"(its answer to '{self._pending[re]}')"
-            )
         else:
-            self._arrived[re] = RemoteError(
-                f"{self.peer_name} at {self.address} refused '{self._pending[re]}': "
-                f"{header.get('error_type', 'Error')}: {header.get('error', 'no explanation given')}"
+            self._arrived[re] = self._refusal(header, self._pending[re])
+
+    def _refusal(self, header: dict[str, Any], op: str) -> RemoteError:
+        """The typed exception for a refusal: the class registered for its code (plain
+        :class:`RemoteError` for a code this version does not know), its message naming the
+        peer, the operation, the code and the server's explanation."""
+        code = header.get("error_type")
+        cls = remote_error_class(code)
+        if cls is ServiceRestarted:
+            return ServiceRestarted(
+                f"{self.peer_name} at {self.address} restarted since this task said hello "
+                f"(its answer to '{op}')"
             )
+        label = code[:MAX_CODE_CHARS] if isinstance(code, str) and code else "Error"
+        return cls(
+            f"{self.peer_name} at {self.address} refused '{op}': "
+            f"{label}: {header.get('error', 'no explanation given')}"
+        )
 
     def _note_reply_placement(self, header: dict[str, Any]) -> None:
         """Use shared memory with a service that said (in its hello) it is on this host."""

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import zmq
 
-from tensorfleet.errors import DeadlineExceeded, RemoteError, ServiceRestarted
+from tensorfleet import environment
+from tensorfleet.errors import DeadlineExceeded, IdentityInUse, RemoteError, ServiceRestarted
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -135,6 +136,9 @@ class ParameterClient:
         self.timeouts = timeouts or ClientTimeouts()
         self.instance = secrets.token_hex(8)
         """This process's claim to the task identity (the ps refuses a second live one)."""
+        self.takeover = environment.predecessor_dead()
+        """Whether the hello asks the ps to hand this process the identity at once (the
+        launcher says the previous process of this task is dead)."""
         self.is_chief = False
         self.restore_shards: Callable[[list[int]], bool] | None = None
         self.restored_data: dict[str, Any] | None = None
@@ -171,16 +175,17 @@ class ParameterClient:
     def connect(self) -> list[bool]:
         """Say hello to every shard (checks versions and the secret) and start the heartbeat.
         Returns which shards have their variables already. A shard that refuses because
-        another live process holds this task's identity is asked again until
-        ``connect_s`` has passed (the predecessor of a restarted task falls silent)."""
+        another live process holds this task's identity (:class:`IdentityInUse`) is asked
+        again until ``connect_s`` has passed (the predecessor of a restarted task falls
+        silent)."""
         deadline = time.monotonic() + self.timeouts.connect_s
         delay = 0.5
         while True:
             try:
                 replies = self._hello(max(1.0, deadline - time.monotonic()))
                 break
-            except RemoteError as exc:
-                if "already running" not in str(exc) or time.monotonic() + delay > deadline:
+            except IdentityInUse as exc:
+                if time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s: %s; asking again in %.1f s", self.task_name, exc, delay)
                 time.sleep(delay)
@@ -195,6 +200,7 @@ class ParameterClient:
             "version": __version__,
             "task": self.task_name,
             "instance": self.instance,
+            "takeover": self.takeover,
         }
         for channel in self._channels:
             channel.forget_pending()
