@@ -76,6 +76,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--op", choices=("push_pull", "pull"), default="push_pull")
     parser.add_argument("--encrypt", action="store_true")
+    parser.add_argument(
+        "--shared-memory", choices=("0", "1"), default="0", help="the same-host fast path"
+    )
     parser.add_argument("--limit", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -86,7 +89,11 @@ def main() -> int:
         ps = subprocess.Popen(
             [sys.executable, "-c", PS_PROGRAM, ps_address, secret]
             + ["1" if args.encrypt else "0", str(server_profile)],
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            env={
+                **os.environ,
+                "PYTHONPATH": str(ROOT / "src"),
+                "TENSORFLEET_SHARED_MEMORY": args.shared_memory,
+            },
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -95,6 +102,7 @@ def main() -> int:
             weight = torch.nn.Parameter(torch.randn(numel))
             weight.grad = torch.randn_like(weight) * 1e-6
             plan = plan_placement([VariableSpec("weight", (numel,), "float32", 4)], 1)
+            os.environ["TENSORFLEET_SHARED_MEMORY"] = args.shared_memory  # the client's channels
             client = ParameterClient(
                 [ps_address], secret.encode(), "worker:0", encrypt=args.encrypt
             )
@@ -122,7 +130,8 @@ def main() -> int:
     ps_rows = [r for r in ps_rows if "poll" not in r["function"]][: args.limit]
     result = {
         "benchmark": f"profile of {args.op} of {args.megabytes:g} MB"
-        + (" (encrypted)" if args.encrypt else ""),
+        + (" (encrypted)" if args.encrypt else "")
+        + (" through shared memory" if args.shared_memory == "1" else " over TCP"),
         "rounds": args.rounds,
         "ms_per_round": elapsed * 1e3 / args.rounds,
         "client": client_rows,
@@ -139,7 +148,12 @@ def main() -> int:
             )
     heading = f"{result['benchmark']}: {result['ms_per_round']:.2f} ms per round (under cProfile), {result['date']}"
     write_results(
-        f"wire_profile_{args.op}" + ("_encrypted" if args.encrypt else ""), result, heading, table
+        f"wire_profile_{args.op}"
+        + ("_encrypted" if args.encrypt else "")
+        + ("_shared_memory" if args.shared_memory == "1" else ""),
+        result,
+        heading,
+        table,
     )
     print(heading)
     return 0

@@ -7,6 +7,7 @@ that the checks after authentication are reached."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import msgpack
@@ -401,3 +402,41 @@ def test_notice_errors_explain_what_to_do() -> None:
     protocol = notice_error(decode_notice(encode_notice("protocol", "v2 here")), "ps:1")
     assert isinstance(protocol, ProtocolError)
     assert str(protocol) == "ps:1 refused our messages: v2 here"
+
+
+# -- chunk tags ------------------------------------------------------------------------------
+
+
+def test_large_payloads_are_authenticated_chunk_by_chunk_on_two_threads() -> None:
+    from tensorfleet.wire.auth import CHUNK_BYTES, PARALLEL_MIN_BYTES, TAG_BYTES
+
+    signer, verifier = _request_pair()
+    payload = bytearray(os.urandom(PARALLEL_MIN_BYTES + CHUNK_BYTES + 7))  # 4 chunks
+    frames = encode(KIND_REQUEST, {"op": "push"}, [payload, b"tail"], signer)
+    assert memoryview(frames[2]).nbytes == 5 * TAG_BYTES  # 4 chunks + the small buffer
+    message = decode(frames, KIND_REQUEST, verifier, Limits())
+    assert bytes(message.buffers[0]) == bytes(payload)
+
+    tampered = [bytes(f) for f in encode(KIND_REQUEST, {"op": "push"}, [payload], signer)]
+    changed = bytearray(tampered[3])
+    changed[2 * CHUNK_BYTES + 1] ^= 0x40  # in the third chunk
+    with pytest.raises(AuthenticationError, match="chunk 3 of 4"):
+        decode([*tampered[:3], bytes(changed)], KIND_REQUEST, verifier, Limits())
+
+
+def test_chunk_tags_swapped_between_chunks_are_refused() -> None:
+    from tensorfleet.wire.auth import CHUNK_BYTES, TAG_BYTES
+
+    signer, verifier = _request_pair()
+    same = b"\x07" * CHUNK_BYTES  # two identical chunks: only the index tells them apart
+    frames = [bytes(f) for f in encode(KIND_REQUEST, {}, [same * 2], signer)]
+    tags = frames[2]
+    assert tags[:TAG_BYTES] != tags[TAG_BYTES:]  # the nonce includes the chunk's index
+
+
+def test_truncated_chunk_tags_are_a_protocol_error() -> None:
+    signer, verifier = _request_pair()
+    frames = _hand_signed(signer, msgpack.packb({"sizes": [3]}), [b"abc"])
+    short = [frames[0], frames[1], frames[2][:-1], frames[3]]
+    with pytest.raises((ProtocolError, AuthenticationError)):
+        decode(short, KIND_REQUEST, verifier, Limits())
