@@ -31,6 +31,10 @@ DATA_DIR_VAR = "TENSORFLEET_DATA_DIR"
 HOME_VAR = "HOME"
 
 
+#: "0" to send every payload through ZeroMQ, also between tasks on one host (the default
+#: uses shared memory there: tensorfleet.wire.shared_memory).
+SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
+
 #: "1" to encrypt all traffic between tasks with ZeroMQ CURVE (every task must agree).
 ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"
 

@@ -614,8 +614,12 @@ class ParameterService:
         }
 
     def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
-        slot, values = self._snapshots.take()
         body = {**self._progress(), **(extra or {})}
+        if self.socket.replies_in_shared_memory(request):
+            # Copied into the requester's shared memory before reply() returns: no snapshot.
+            self.socket.reply(request, body, [as_buffer(t) for t in self.store.live_values()])
+            return
+        slot, values = self._snapshots.take()
         tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
         self._snapshots.sent(slot, tracker)
 

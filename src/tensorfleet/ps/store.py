@@ -75,6 +75,11 @@ class VariableStore:
         store keeps changing)."""
         return [flat.clone() for flat in self._flats]
 
+    def live_values(self) -> list[torch.Tensor]:
+        """The current values themselves, one flat tensor per group: to be read at once
+        (the next update changes them), never kept."""
+        return list(self._flats)
+
     def snapshot_into(self, targets: list[torch.Tensor]) -> None:
         """Copy the current values into ``targets`` (tensors shaped like :meth:`snapshot`'s)."""
         for target, flat in zip(targets, self._flats, strict=True):
