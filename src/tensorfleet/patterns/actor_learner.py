@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import DeadlineExceeded, RemoteError, TensorfleetError
+from tensorfleet.errors import ConfigError, DeadlineExceeded, RemoteError, TensorfleetError
 from tensorfleet.patterns.broadcast import Snapshot, WeightSubscriber
 from tensorfleet.wire.tensors import (
     DTYPES,
@@ -146,7 +146,7 @@ class SampleQueueServer:
         encrypt: bool = False,
     ) -> None:
         if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+            raise ConfigError(f"capacity must be >= 1, got {capacity}")
         self.address = address
         self.spec = dict(spec)
         self.capacity = capacity

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import zmq
 
-from tensorfleet.errors import DeadlineExceeded, ProtocolError, TensorfleetError
+from tensorfleet.errors import ConfigError, DeadlineExceeded, ProtocolError, TensorfleetError
 from tensorfleet.session.hooks import Hook, StepResult
 from tensorfleet.wire.message import Limits
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer, parse_dtype, parse_shape
@@ -341,7 +341,7 @@ class PublishWeights(Hook):
 
     def __init__(self, publisher: WeightPublisher, every_n_steps: int = 100) -> None:
         if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+            raise ConfigError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.publisher = publisher
         self.every_n_steps = every_n_steps
         self._last = -1

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.patterns.search_space import SweepConfigError
 from tensorfleet.patterns.sweep import run_sweep
 from tensorfleet.patterns.sweep_config import SweepConfig
@@ -45,7 +45,7 @@ def keep_predictions(trial: Trial, probs: torch.Tensor, labels: torch.Tensor) ->
     """Keep a member's class probabilities ``[N, C]`` and the true ``labels`` ``[N]`` for the
     ensemble; return the member's accuracy (report it, or return it from the entry point)."""
     if probs.ndim != 2 or labels.ndim != 1 or probs.shape[0] != labels.shape[0]:
-        raise ValueError(
+        raise ConfigError(
             f"probs must be [N, C] and labels [N]; got {list(probs.shape)} and {list(labels.shape)}"
         )
     trial.save_tensors(PREDICTIONS, {"probs": probs.float(), "labels": labels.long()})

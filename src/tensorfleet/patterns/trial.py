@@ -27,7 +27,7 @@ from typing import Any
 
 from tensorfleet import environment
 from tensorfleet.cluster.resolver import resolve_task
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 
 #: The trial's directory, set by the sweep for every trial process.
 TRIAL_DIR_VAR = "TENSORFLEET_TRIAL_DIR"
@@ -98,19 +98,19 @@ def current_trial(environ: Mapping[str, str] | None = None) -> Trial:
 def write_metrics(directory: Path, metrics: Mapping[str, float], step: int | None) -> None:
     """Append one metrics line to ``directory/metrics.jsonl`` (checked first)."""
     if not metrics:
-        raise ValueError("report() needs at least one metric, e.g. report(step, val_loss=0.3)")
+        raise ConfigError("report() needs at least one metric, e.g. report(step, val_loss=0.3)")
     clean = {}
     for name, value in metrics.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             try:
                 value = float(value)  # a 0-dim tensor or a numpy scalar
             except (TypeError, ValueError):
-                raise ValueError(f"metric {name!r} must be a number, got {value!r}") from None
+                raise ConfigError(f"metric {name!r} must be a number, got {value!r}") from None
         if not math.isfinite(value):
-            raise ValueError(f"metric {name!r} is {value}; report finite values only")
+            raise ConfigError(f"metric {name!r} is {value}; report finite values only")
         clean[name] = float(value)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
     line = (json.dumps({"step": step, "metrics": clean}) + "\n").encode()
     fd = os.open(directory / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -199,7 +199,7 @@ def save_trial_tensors(directory: Path, name: str, tensors: Mapping[str, Any]) -
     from safetensors.torch import save_file
 
     if not name.replace("_", "").replace("-", "").isalnum():
-        raise ValueError(f"tensor file name {name!r} must be letters, digits, '_' or '-'")
+        raise ConfigError(f"tensor file name {name!r} must be letters, digits, '_' or '-'")
     path = directory / f"{name}.safetensors"
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))

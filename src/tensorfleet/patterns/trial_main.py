@@ -20,6 +20,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tensorfleet.errors import ConfigError, ConfigTypeError
 from tensorfleet.patterns.trial import (
     ERROR_FILE,
     Trial,
@@ -36,12 +37,12 @@ def load_entry_point(entry: str) -> Callable[[Trial], Any]:
     """The function named by ``module:function`` (``function`` may be dotted)."""
     module_name, sep, qualname = entry.partition(":")
     if not sep or not module_name or not qualname:
-        raise ValueError(f"entry point {entry!r} must be 'module:function'")
+        raise ConfigError(f"entry point {entry!r} must be 'module:function'")
     target: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         target = getattr(target, part)
     if not callable(target):
-        raise TypeError(f"entry point {entry!r} is a {type(target).__name__}, not a function")
+        raise ConfigTypeError(f"entry point {entry!r} is a {type(target).__name__}, not a function")
     return target
 
 

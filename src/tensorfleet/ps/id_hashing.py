@@ -27,6 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tensorfleet.errors import ConfigError, ConfigTypeError
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
@@ -49,7 +51,7 @@ def _seed_mix(seed: int) -> np.uint64:
 def hash_int_ids(ids: torch.Tensor, num_rows: int, seed: int = 0) -> torch.Tensor:
     """Rows in ``[0, num_rows)`` of int64 ``ids`` (any shape; the result has the same shape)."""
     if ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"ids to hash must be int64 or int32, got {ids.dtype}")
+        raise ConfigTypeError(f"ids to hash must be int64 or int32, got {ids.dtype}")
     _check_rows(num_rows)
     raw = ids.detach().to(torch.int64).cpu().numpy().view(np.uint64)
     hashed = splitmix64(raw ^ _seed_mix(seed)) % np.uint64(num_rows)
@@ -70,4 +72,4 @@ def hash_string_ids(ids: Sequence[str | bytes], num_rows: int, seed: int = 0) ->
 
 def _check_rows(num_rows: int) -> None:
     if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 1:
-        raise ValueError(f"num_rows to hash into must be a positive int, got {num_rows!r}")
+        raise ConfigError(f"num_rows to hash into must be a positive int, got {num_rows!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 
 #: Bookkeeping bytes per row: the local-row -> slot index and the slot -> row id (int64 each).
 ROW_OVERHEAD_BYTES = 16
@@ -45,7 +45,7 @@ def parse_memory_size(text: str) -> int:
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(
+        raise ConfigError(
             f"--max-memory {text!r} is not a size; write e.g. 4GiB, 512MiB, 8G or a number of "
             f"bytes (units: {', '.join(u for u in _UNITS if u)})"
         )

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorfleet.errors import ConfigError
 from tensorfleet.ps.id_hashing import splitmix64
 
 KINDS = ("normal", "uniform", "zeros")
@@ -41,17 +42,17 @@ class RowInitializer:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"row initializer kind must be one of {KINDS}, got {self.kind!r}")
+            raise ConfigError(f"row initializer kind must be one of {KINDS}, got {self.kind!r}")
         if (
             not isinstance(self.scale, (int, float))
             or not math.isfinite(self.scale)
             or (self.scale < 0)
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"row initializer scale must be a finite number >= 0, got {self.scale!r}"
             )
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"row initializer seed must be an int, got {self.seed!r}")
+            raise ConfigError(f"row initializer seed must be an int, got {self.seed!r}")
 
     def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         """The initial values of rows ``ids`` (1-D int64): ``[len(ids), dim]`` of ``dtype``."""
@@ -79,5 +80,5 @@ class RowInitializer:
     @classmethod
     def from_wire(cls, data: object) -> RowInitializer:
         if not isinstance(data, dict):
-            raise ValueError(f"a row initializer is a map, got {type(data).__name__}")
+            raise ConfigError(f"a row initializer is a map, got {type(data).__name__}")
         return cls(str(data.get("kind")), data.get("scale"), data.get("seed"))

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tensorfleet.errors import ConfigError
 from tensorfleet.ps.row_initializer import RowInitializer
 
 SCHEMES = ("mod", "range")
@@ -46,16 +47,16 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise ValueError(
+            raise ConfigError(
                 f"table name must be 1..200 characters of letters, digits and _.-/, got "
                 f"{self.name!r}"
             )
         for key in ("num_rows", "dim"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"table {self.name!r}: {key} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"table {self.name!r}: {key} must be an int >= 1, got {value!r}")
         if self.dtype not in _DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"table {self.name!r}: dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
 
@@ -80,7 +81,7 @@ class TableSpec:
     def from_wire(cls, data: object) -> TableSpec:
         """Parse a spec from a peer or a checkpoint (ValueError when malformed)."""
         if not isinstance(data, dict):
-            raise ValueError(f"a table spec is a map, got {type(data).__name__}")
+            raise ConfigError(f"a table spec is a map, got {type(data).__name__}")
         try:
             return cls(
                 data["name"],
@@ -90,7 +91,7 @@ class TableSpec:
                 RowInitializer.from_wire(data["initializer"]),
             )
         except KeyError as exc:
-            raise ValueError(f"a table spec lacks {exc}") from None
+            raise ConfigError(f"a table spec lacks {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ class RowPartition:
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
-            raise ValueError(f"row partition scheme must be one of {SCHEMES}, got {self.scheme!r}")
+            raise ConfigError(f"row partition scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.num_shards < 1 or self.num_rows < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"a row partition needs rows and shards >= 1, got {self.num_rows} rows over "
                 f"{self.num_shards} shards"
             )
@@ -168,7 +169,7 @@ class RowPartition:
     @classmethod
     def from_manifest(cls, data: object) -> RowPartition:
         if not isinstance(data, dict):
-            raise ValueError(f"a row partition is a map, got {type(data).__name__}")
+            raise ConfigError(f"a row partition is a map, got {type(data).__name__}")
         return cls(int(data["num_rows"]), int(data["num_shards"]), str(data["scheme"]))
 
     def report(self, table: TableSpec, slot_count: int = 0) -> str:

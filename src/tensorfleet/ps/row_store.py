@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from tensorfleet.errors import CheckpointError
+from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -44,12 +44,12 @@ class RowStore:
         self, table: TableSpec, partition: RowPartition, shard: int, rule: SparseRowRule
     ) -> None:
         if partition.num_rows != table.num_rows:
-            raise ValueError(
+            raise ConfigError(
                 f"table {table.name!r} has {table.num_rows} rows, its partition "
                 f"{partition.num_rows}"
             )
         if not 0 <= shard < partition.num_shards:
-            raise ValueError(f"shard {shard} is not one of the {partition.num_shards} shards")
+            raise ConfigError(f"shard {shard} is not one of the {partition.num_shards} shards")
         self.table, self.partition, self.shard, self.rule = table, partition, shard, rule
         self.step = 0
         """Updates applied to the table (empty ones included: torch counts every step)."""
@@ -125,7 +125,7 @@ class RowStore:
             header = _read_metadata(document)
             meta = json.loads(header[METADATA_KEY])
             if meta.get("format") != TABLE_FORMAT:
-                raise ValueError(
+                raise ConfigError(
                     f"format {meta.get('format')!r}, this version reads {TABLE_FORMAT}"
                 )
             table = TableSpec.from_wire(meta["table"])
@@ -133,7 +133,7 @@ class RowStore:
             rule = SparseRowRule.from_wire(meta["rule"])
             shard, step = meta["shard"], meta["step"]
             if not isinstance(shard, int) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"shard {shard!r} and step {step!r} must be ints >= 0")
+                raise ConfigError(f"shard {shard!r} and step {step!r} must be ints >= 0")
             store = cls(table, partition, shard, rule)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"a table document cannot be read: {exc}") from None
@@ -253,5 +253,5 @@ def _read_metadata(document: bytes) -> dict[str, Any]:
     header = json.loads(bytes(document[8 : 8 + length]))
     metadata = header.get("__metadata__")
     if not isinstance(metadata, dict) or METADATA_KEY not in metadata:
-        raise ValueError(f"no {METADATA_KEY!r} metadata")
+        raise ConfigError(f"no {METADATA_KEY!r} metadata")
     return metadata

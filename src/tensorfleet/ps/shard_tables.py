@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorfleet.errors import CheckpointError, TensorfleetError
+from tensorfleet.errors import CheckpointError, ConfigError, TensorfleetError
 from tensorfleet.ps.memory_budget import check_fits, table_shard_bytes
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
@@ -39,7 +39,7 @@ class ShardTables:
         existing = self._stores.get(table.name)
         if existing is not None:
             if (existing.table, existing.partition, existing.rule) != (table, partition, rule):
-                raise ValueError(
+                raise ConfigError(
                     f"table {table.name!r} exists on ps:{self.shard} as "
                     f"{existing.table.to_wire()} ({existing.partition.scheme}, rule "
                     f"{existing.rule.name}); a worker asked for {table.to_wire()} "
@@ -48,7 +48,7 @@ class ShardTables:
                 )
             return False
         if partition.num_shards != self.num_shards:
-            raise ValueError(
+            raise ConfigError(
                 f"table {table.name!r} is partitioned over {partition.num_shards} shards, the "
                 f"cluster has {self.num_shards} ps tasks"
             )

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tensorfleet import environment
+from tensorfleet.errors import ConfigError
 from tensorfleet.session.hooks import Hook, StepResult, StopAtStep
 from tensorfleet.session.progress_report import ProgressReport, format_progress_line
 
@@ -64,11 +65,11 @@ class ProgressHook(Hook):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not every_n_secs > 0:
-            raise ValueError(f"every_n_secs must be positive, got {every_n_secs}")
+            raise ConfigError(f"every_n_secs must be positive, got {every_n_secs}")
         if last_step is not None and last_step < 0:
-            raise ValueError(f"last_step must be >= 0, got {last_step}")
+            raise ConfigError(f"last_step must be >= 0, got {last_step}")
         if display not in ("auto", "lines", "rich"):
-            raise ValueError(f"display must be 'auto', 'lines' or 'rich', got {display!r}")
+            raise ConfigError(f"display must be 'auto', 'lines' or 'rich', got {display!r}")
         self.every_n_secs = float(every_n_secs)
         self._last_step = last_step
         self._stop_hook: StopAtStep | None = None

@@ -32,6 +32,7 @@ from tensorfleet.errors import (
     ConfigError,
     ConnectionLost,
     DeadlineExceeded,
+    ListenError,
     ProtocolError,
     RemoteError,
     ServiceRestarted,
@@ -185,7 +186,7 @@ class ServiceSocket:
                 if exc.errno == zmq.EADDRINUSE
                 else "check that the host in the cluster spec is an address of this machine"
             )
-            raise OSError(
+            raise ListenError(
                 exc.errno, f"cannot listen on {address} ({endpoint}): {exc.strerror}; {hint}"
             ) from None
         self._signer = MessageSigner(secret, REPLY_ROLE)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
@@ -85,7 +85,7 @@ class EmbeddingTable(nn.Module):
     ) -> None:
         super().__init__()
         if dtype not in _TORCH_DTYPES:
-            raise ValueError(f"an EmbeddingTable is float32 or float64, got {dtype}")
+            raise ConfigError(f"an EmbeddingTable is float32 or float64, got {dtype}")
         self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
         self.table_name = name
         self.initializer = initializer or RowInitializer()

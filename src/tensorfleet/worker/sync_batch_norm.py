@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from tensorfleet.errors import ConfigError
+
 # torch 2.13 marks torch.distributed.nn.functional.all_reduce deprecated in favour of the
 # private _functional_collectives module; it still is the documented differentiable
 # all-reduce (its backward all-reduces the gradient), which is exactly what is needed here.
@@ -69,12 +71,12 @@ class CpuSyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input [N, C, ...], got {input.dim()}D input")
+            raise ConfigError(f"expected at least 2D input [N, C, ...], got {input.dim()}D input")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if input.shape[1] != self.num_features:
-            raise ValueError(
+            raise ConfigError(
                 f"CpuSyncBatchNorm has {self.num_features} features, the input has "
                 f"{input.shape[1]} channels (dim 1 of {list(input.shape)})"
             )
@@ -99,7 +101,7 @@ class CpuSyncBatchNorm(_BatchNorm):
         total, total_sq, n = stats[:channels], stats[channels : 2 * channels], stats[-1]
         n_value = float(n.detach())
         if n_value <= 1:
-            raise ValueError(
+            raise ConfigError(
                 f"expected more than 1 value per channel when training, got {int(n_value)} over "
                 f"all processes (input {list(input.shape)})"
             )

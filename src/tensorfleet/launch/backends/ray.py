@@ -37,7 +37,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tensorfleet.errors import LaunchConfigError, LaunchError
+from tensorfleet.errors import LaunchConfigError, LaunchError, ListenError
 from tensorfleet.launch.backends.base import Backend, ExitCallback, LineCallback, TaskProcess
 from tensorfleet.launch.backends.ray_actor import TaskRunner
 
@@ -191,7 +191,7 @@ class RayBackend(Backend):
             )
         except Exception as exc:  # the command cannot start there, or the actor is gone
             cause = getattr(exc, "cause", None) or exc
-            raise OSError(f"on Ray node {self._hosts.get(name, '?')}: {cause}") from exc
+            raise ListenError(f"on Ray node {self._hosts.get(name, '?')}: {cause}") from exc
         process = RayProcess(actor, int(pid), self._hosts.get(name, "?"), ray)
 
         def pump() -> None:

@@ -15,6 +15,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tensorfleet.errors import ConfigTypeError
+
 #: Keys written bare: what Kubernetes field names and label keys look like.
 _PLAIN_KEY_RE = re.compile(r"[A-Za-z][A-Za-z0-9_./-]*")
 #: Bare keys that YAML 1.1 readers would take for booleans or null.
@@ -35,7 +37,7 @@ def _scalar(value: Any) -> str:
         return str(value)
     if isinstance(value, str):
         return json.dumps(value)
-    raise TypeError(f"cannot write {type(value).__name__} {value!r} as YAML")
+    raise ConfigTypeError(f"cannot write {type(value).__name__} {value!r} as YAML")
 
 
 def _key(key: str) -> str:
@@ -85,5 +87,7 @@ def _sequence(items: Sequence[Any], indent: int) -> str:
         elif all(_is_scalar(inner) for inner in element):
             out.append(pad + "- [" + ", ".join(_scalar(inner) for inner in element) + "]\n")
         else:
-            raise TypeError("lists of lists of mappings are not written (manifests have none)")
+            raise ConfigTypeError(
+                "lists of lists of mappings are not written (manifests have none)"
+            )
     return "".join(out)
