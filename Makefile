@@ -12,7 +12,7 @@ DEMO_STEPS ?= 3000
 MODE ?= async
 DEMO_PS := $(if $(filter allreduce,$(MODE)),0,1)
 
-.PHONY: setup data demo test test-fast lint bench fuzz clean
+.PHONY: setup data demo test test-fast lint bench tf-reference fuzz docs clean
 
 setup: $(VENV)/.installed
 
@@ -21,7 +21,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m pip install -q -e '.[test,plot,docs,sweep,rl]'
 	touch $@
 
 data:
@@ -52,10 +52,22 @@ lint: setup
 	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
 
+# Every benchmark, then one table: benchmarks/results/bench.md (and bench.json). The
+# TensorFlow rows run when tensorflow-cpu installs into its own venv (.venv-tf), which never
+# touches the project's torch; otherwise they say why they are missing.
 bench: setup data
-	$(PY) benchmarks/throughput.py
-	$(PY) benchmarks/wire.py
-	$(PY) benchmarks/modes.py
+	-@$(MAKE) --no-print-directory tf-reference
+	$(PY) benchmarks/run_all.py
+
+tf-reference:
+	@if [ ! -x .venv-tf/bin/python ]; then \
+	  $(PYTHON) -m venv .venv-tf && .venv-tf/bin/pip install -q tensorflow-cpu numpy \
+	  || { echo "tensorflow-cpu could not be installed here: the TensorFlow rows will say so"; rm -rf .venv-tf; exit 1; }; \
+	fi
+
+# The documentation site (mkdocs.yml) at http://127.0.0.1:8000; `make test` builds it strictly.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 # A long fuzz run of the frame decoder and the ps request handler (docs/security.md).
 FUZZ_EXAMPLES ?= 20000
@@ -63,4 +75,4 @@ fuzz: setup
 	bash scripts/fuzz.sh $(FUZZ_EXAMPLES)
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-tf build dist src/*.egg-info .pytest_cache

@@ -1,16 +1,22 @@
-"""Push+pull of a 6.6 MB model through a real ps process, against a raw TCP echo.
+"""Push+pull of a model through a real ps process, against a raw TCP echo.
 
-Both in one run, each with its server in a separate process on localhost:
+For each model size, all in one run, each with its server in a separate process on
+localhost, measured in alternating batches (the machine's drift hits every kind alike):
 
-* ``raw_tcp_echo``: a plain socket server that receives 6.6 MB and sends 6.6 MB back
-  (no framing, no authentication, no update): the ceiling for one round trip;
-* ``tensorfleet_push_pull``: a ParameterClient pushing 6.6 MB of gradients to a
-  ``tensorfleet server`` ps, which authenticates them, applies SGD and sends the 6.6 MB of
+* ``raw_tcp_echo``: a plain socket server that receives the model's bytes and sends them
+  back (no framing, no authentication, no update): the ceiling for one round trip over TCP;
+* ``push_pull``: a ParameterClient pushing the gradients to a ``tensorfleet server`` ps over
+  TCP (``TENSORFLEET_SHARED_MEMORY=0``), which authenticates them, applies SGD and sends the
   new values back in the reply (what every training step does);
-* ``tensorfleet_pull``: values only (6.6 MB one way, a small request the other);
-* ``tensorfleet_push_pull_encrypted``: the push+pull with ZeroMQ CURVE encryption on.
+* ``pull``: values only (the model one way, a small request the other);
+* ``push_pull_encrypted``: the push+pull over TCP with ZeroMQ CURVE encryption on;
+* ``push_pull_shared_memory`` / ``pull_shared_memory``: the same, with the same-host fast
+  path (payloads in shared memory, the wire carrying headers and tags).
 
-    .venv/bin/python benchmarks/wire.py [--batches 10 --per-batch 10]
+Ratios are bytes per second against the raw echo of the same size (a pull moves half the
+bytes of an echo).
+
+    .venv/bin/python benchmarks/wire.py [--megabytes 8 32 --batches 10 --per-batch 10]
 
 Writes benchmarks/results/wire.json and .md.
 """
@@ -40,8 +46,7 @@ from tensorfleet.ps.update_rules import SGD  # noqa: E402
 from tensorfleet.wire.secret import generate_secret  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
-MODEL_BYTES = 6_600_000
-WARMUP = 10
+SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
 ECHO_SERVER = r"""
 import socket, sys
@@ -61,21 +66,22 @@ for _ in range(rounds):
 class RawEcho:
     """A plain TCP echo server in its own process, and the client end of it."""
 
-    def __init__(self, rounds: int) -> None:
+    def __init__(self, model_bytes: int, rounds: int) -> None:
+        self.model_bytes = model_bytes
         self.server = subprocess.Popen(
-            [sys.executable, "-c", ECHO_SERVER, str(MODEL_BYTES), str(rounds)],
+            [sys.executable, "-c", ECHO_SERVER, str(model_bytes), str(rounds)],
             stdout=subprocess.PIPE,
             text=True,
         )
         port = int(self.server.stdout.readline())
         self.conn = socket.create_connection(("127.0.0.1", port), timeout=60)
         self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.payload, self.back = os.urandom(MODEL_BYTES), bytearray(MODEL_BYTES)
+        self.payload, self.back = os.urandom(model_bytes), bytearray(model_bytes)
 
     def round_trip(self) -> None:
         self.conn.sendall(self.payload)
         view, got = memoryview(self.back), 0
-        while got < MODEL_BYTES:
+        while got < self.model_bytes:
             got += self.conn.recv_into(view[got:])
 
     def close(self) -> None:
@@ -84,9 +90,11 @@ class RawEcho:
 
 
 class TensorfleetPs:
-    """A real ``tensorfleet server`` ps process holding one 6.6 MB variable, and a client."""
+    """A real ``tensorfleet server`` ps process holding one variable, and a client."""
 
-    def __init__(self, encrypt: bool = False) -> None:
+    def __init__(
+        self, model_bytes: int, encrypt: bool = False, shared_memory: bool = False
+    ) -> None:
         secret = generate_secret()
         ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         tf_config = {
@@ -95,17 +103,20 @@ class TensorfleetPs:
         }
         env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TENSORFLEET_SECRET": secret}
         env["TENSORFLEET_ENCRYPT"] = "1" if encrypt else "0"
+        env[SHARED_MEMORY_VAR] = "1" if shared_memory else "0"
         self.ps = subprocess.Popen(
             [sys.executable, "-m", "tensorfleet", "server"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.weight = torch.nn.Parameter(torch.randn(MODEL_BYTES // 4))
+        self.weight = torch.nn.Parameter(torch.randn(model_bytes // 4))
         self.weight.grad = torch.randn_like(self.weight) * 1e-6
         plan = plan_placement([VariableSpec("weight", tuple(self.weight.shape), "float32", 4)], 1)
+        os.environ[SHARED_MEMORY_VAR] = env[SHARED_MEMORY_VAR]  # read by the client's channels
         self.client = ParameterClient([ps_address], secret.encode(), "worker:0", encrypt=encrypt)
         self.client.connect()
+        self.shared_memory = self.client._channels[0].uses_shared_memory
         self.client.register([("weight", self.weight)], plan, SGD(lr=0.1), is_chief=True)
 
     def push_pull(self) -> None:
@@ -125,17 +136,34 @@ class TensorfleetPs:
                 self.ps.kill()
 
 
-def interleaved(batches: int, per_batch: int) -> dict[str, list[float]]:
+#: Bytes each kind moves per round trip, in units of the model's size.
+MOVES = {
+    "raw_tcp_echo": 2,
+    "push_pull": 2,
+    "pull": 1,
+    "push_pull_encrypted": 2,
+    "push_pull_shared_memory": 2,
+    "pull_shared_memory": 1,
+}
+
+
+def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, list[float]]:
     """Seconds per round trip for each kind, measured in alternating batches so that the
     machine's drift (this is a shared 2-core VM) hits every kind alike."""
     torch.set_num_threads(1)
-    raw = RawEcho((batches + 1) * per_batch)
-    ours, encrypted = TensorfleetPs(), TensorfleetPs(encrypt=True)
+    raw = RawEcho(model_bytes, (batches + 1) * per_batch)
+    ours = TensorfleetPs(model_bytes)
+    encrypted = TensorfleetPs(model_bytes, encrypt=True)
+    local = TensorfleetPs(model_bytes, shared_memory=True)
+    if not local.shared_memory or ours.shared_memory:
+        raise RuntimeError("the shared-memory fast path was not chosen as asked")
     kinds = {
         "raw_tcp_echo": raw.round_trip,
-        "tensorfleet_push_pull": ours.push_pull,
-        "tensorfleet_pull": ours.pull,
-        "tensorfleet_push_pull_encrypted": encrypted.push_pull,
+        "push_pull": ours.push_pull,
+        "pull": ours.pull,
+        "push_pull_encrypted": encrypted.push_pull,
+        "push_pull_shared_memory": local.push_pull,
+        "pull_shared_memory": local.pull,
     }
     times: dict[str, list[float]] = {name: [] for name in kinds}
     try:
@@ -148,16 +176,18 @@ def interleaved(batches: int, per_batch: int) -> dict[str, list[float]]:
                         times[name].append(time.perf_counter() - start)
     finally:
         raw.close()
-        ours.close()
-        encrypted.close()
+        for ps in (ours, encrypted, local):
+            ps.close()
     return times
 
 
 def summary(times: list[float], bytes_moved: int) -> dict[str, float]:
     median = statistics.median(times)
+    ordered = sorted(times)
     return {
         "median_ms": median * 1e3,
-        "p90_ms": sorted(times)[int(len(times) * 0.9)] * 1e3,
+        "p10_ms": ordered[int(len(times) * 0.1)] * 1e3,
+        "p90_ms": ordered[int(len(times) * 0.9)] * 1e3,
         "gb_per_s": bytes_moved / median / 1e9,
     }
 
@@ -166,32 +196,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--megabytes", type=float, nargs="+", default=[8.0, 32.0])
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--per-batch", type=int, default=10)
     args = parser.parse_args()
-    times = interleaved(args.batches, args.per_batch)
-    rows = {
-        "raw_tcp_echo": summary(times["raw_tcp_echo"], 2 * MODEL_BYTES),
-        "tensorfleet_push_pull": summary(times["tensorfleet_push_pull"], 2 * MODEL_BYTES),
-        "tensorfleet_pull": summary(times["tensorfleet_pull"], MODEL_BYTES),
-        "tensorfleet_push_pull_encrypted": summary(
-            times["tensorfleet_push_pull_encrypted"], 2 * MODEL_BYTES
-        ),
-    }
-    for row in rows.values():
-        row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
+    sizes: dict[str, dict] = {}
+    table = [
+        "| MB | run | median ms | p10-p90 ms | GB/s | ratio vs raw TCP |",
+        "|---|---|---|---|---|---|",
+    ]
+    for megabytes in args.megabytes:
+        model_bytes = int(megabytes * 1e6) // 4 * 4
+        times = interleaved(model_bytes, args.batches, args.per_batch)
+        rows = {name: summary(t, MOVES[name] * model_bytes) for name, t in times.items()}
+        for name, row in rows.items():
+            row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
+            table.append(
+                f"| {megabytes:g} | {name} | {row['median_ms']:.2f} | "
+                f"{row['p10_ms']:.2f}-{row['p90_ms']:.2f} | {row['gb_per_s']:.2f} | "
+                f"{row['ratio_vs_raw_tcp']:.2f}x |"
+            )
+        sizes[f"{megabytes:g}"] = rows
     result = {
-        "benchmark": "6.6 MB push+pull round trip on localhost (median of rounds)",
+        "benchmark": "push+pull round trip on localhost vs a raw TCP echo (median of rounds)",
         "round_trips_per_kind": args.batches * args.per_batch,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "rows": rows,
+        "sizes": sizes,
     }
-    table = ["| run | median ms | p90 ms | GB/s | ratio vs raw TCP |", "|---|---|---|---|---|"]
-    for name, row in rows.items():
-        table.append(
-            f"| {name} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['gb_per_s']:.2f} | {row['ratio_vs_raw_tcp']:.2f}x |"
-        )
-    heading = f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, interleaved, {result['date']}"
+    heading = (
+        f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, "
+        f"interleaved, {result['date']}"
+    )
     write_results("wire", result, heading, table)
     return 0
 

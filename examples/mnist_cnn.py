@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--train-limit", type=int, default=None, help="use the first N training examples")
     add("--test-limit", type=int, default=None, help="evaluate on the first N test examples")
     add("--log-every", type=int, default=100, help="a progress line every N global steps")
+    add("--progress-secs", type=float, default=10.0, help="chief: a progress line every S s")
     add("--threads", type=int, default=None, help="torch threads (2 alone, 1 in a cluster)")
     add("--seed", type=int, default=0)
     add("--device", default="/cpu:0", help="where this worker computes, e.g. /gpu:0")
@@ -148,6 +149,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
         tfl.StopAtStep(last_step=args.steps),
         tfl.LoggingHook(args.log_every, progress_line, print_fn=lambda s: print(s, flush=True)),
         *extra_hooks,
+        tfl.ProgressHook(args.progress_secs),  # chief only; the last step is StopAtStep's
     ]
     checkpoints: dict[str, object] = {}
     if args.logdir is not None:

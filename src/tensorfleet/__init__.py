@@ -45,6 +45,7 @@ _EXPORTS = {
     "LoggingHook": "tensorfleet.session.hooks",
     "StepResult": "tensorfleet.session.hooks",
     "StopAtStep": "tensorfleet.session.hooks",
+    "ProgressHook": "tensorfleet.session.progress_hook",
     "Server": "tensorfleet.session.server",
     "ServerConfig": "tensorfleet.session.server",
     "SummaryHook": "tensorfleet.session.summary_hook",
@@ -52,6 +53,11 @@ _EXPORTS = {
     "plot_metrics": "tensorfleet.summaries.plot",
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
     "ClientTimeouts": "tensorfleet.worker.timeouts",
+    "EmbeddingTable": "tensorfleet.worker.embedding_table",
+    "LocalRowSource": "tensorfleet.worker.embedding_table",
+    "RowInitializer": "tensorfleet.ps.row_initializer",
+    "CpuSyncBatchNorm": "tensorfleet.worker.sync_batch_norm",
+    "convert_sync_batchnorm": "tensorfleet.worker.sync_batch_norm",
     "torch_device": "tensorfleet.worker.device",
     "SoftPlacementWarning": "tensorfleet.worker.device",
     "device": "tensorfleet.worker.device_scope",
@@ -102,6 +108,7 @@ if TYPE_CHECKING:
     from tensorfleet.parallel.replicas import InGraphReplicas
     from tensorfleet.parallel.stages import split_stages
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
+    from tensorfleet.ps.row_initializer import RowInitializer
     from tensorfleet.session.checkpoints import export_checkpoint, load_checkpoint
     from tensorfleet.session.hooks import (
         CheckpointHook,
@@ -111,6 +118,7 @@ if TYPE_CHECKING:
         StepResult,
         StopAtStep,
     )
+    from tensorfleet.session.progress_hook import ProgressHook
     from tensorfleet.session.server import Server, ServerConfig
     from tensorfleet.session.summary_hook import SummaryHook
     from tensorfleet.session.training_session import TrainingSession
@@ -118,7 +126,9 @@ if TYPE_CHECKING:
     from tensorfleet.summaries.summary_writer import SummaryWriter
     from tensorfleet.worker.device import SoftPlacementWarning, torch_device
     from tensorfleet.worker.device_scope import device, place
+    from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
     from tensorfleet.worker.placement_report import placement_report
+    from tensorfleet.worker.sync_batch_norm import CpuSyncBatchNorm, convert_sync_batchnorm
     from tensorfleet.worker.task_resources import apply_task_resources
     from tensorfleet.worker.timeouts import ClientTimeouts
 

@@ -17,6 +17,9 @@ SECRET_FILE_VAR = "TENSORFLEET_SECRET_FILE"
 TF_CONFIG_VAR = "TF_CONFIG"
 #: Set by the launcher: how many ps tasks a Slurm allocation reserves (first ranks).
 SLURM_NUM_PS_VAR = "TENSORFLEET_SLURM_NUM_PS"
+#: Set by the script ``tensorfleet slurm`` writes: how many worker tasks the cluster shape has,
+#: so that a Slurm step with fewer (or more) tasks than ps + workers fails at once.
+SLURM_NUM_WORKERS_VAR = "TENSORFLEET_SLURM_NUM_WORKERS"
 #: Port of the first task on each node of a Slurm job; the task of local rank r listens on
 #: this port + r (default 2222).
 SLURM_BASE_PORT_VAR = "TENSORFLEET_SLURM_BASE_PORT"
@@ -28,6 +31,10 @@ DATA_DIR_VAR = "TENSORFLEET_DATA_DIR"
 HOME_VAR = "HOME"
 
 
+#: "0" to send every payload through ZeroMQ, also between tasks on one host (the default
+#: uses shared memory there: tensorfleet.wire.shared_memory).
+SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
+
 #: "1" to encrypt all traffic between tasks with ZeroMQ CURVE (every task must agree).
 ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"
 
@@ -35,6 +42,18 @@ ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"
 def encryption_requested(environ_: Mapping[str, str] | None = None) -> bool:
     """Whether ``TENSORFLEET_ENCRYPT`` asks for encrypted traffic."""
     value = (environ() if environ_ is None else environ_).get(ENCRYPT_VAR, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+#: Set to "1" by a launcher in the environment of a task it restarts after the task's
+#: previous process died (it saw it exit): the task's hello then asks the ps to let it take
+#: over its identity at once (``"takeover": true``) instead of after the liveness timeout.
+PREDECESSOR_DEAD_VAR = "TENSORFLEET_PREDECESSOR_DEAD"
+
+
+def predecessor_dead(environ_: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TENSORFLEET_PREDECESSOR_DEAD`` says this task's previous process is dead."""
+    value = (environ() if environ_ is None else environ_).get(PREDECESSOR_DEAD_VAR, "")
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 

@@ -27,6 +27,11 @@ class UsageError(TensorfleetError, RuntimeError):
     session started, ``save()`` before ``register()``); the message says the right order."""
 
 
+class ListenError(TensorfleetError, OSError):
+    """A task cannot listen on (or start a process for) its address: the port is taken, the
+    host is not this machine's, or the node refused; the message names which and the fix."""
+
+
 class ClusterConfigError(ConfigError):
     """A cluster spec, task identity, address or device string is malformed or inconsistent."""
 
@@ -141,3 +146,8 @@ class DatasetError(TensorfleetError, FileNotFoundError):
 
 class LaunchError(TensorfleetError):
     """The local launcher could not start or supervise the cluster."""
+
+
+class LaunchConfigError(LaunchError, ValueError):
+    """An argument of the launcher is invalid (a negative restart limit, a Ray address that
+    does not answer); raised before anything starts."""

@@ -122,19 +122,13 @@ class RawPeer:
         }
 
     def signed(self, header_bytes: bytes, buffers: list[bytes]) -> list[bytes]:
-        """Frames carrying exactly these header bytes, with a valid MAC."""
+        """Frames carrying exactly these header bytes, with valid tags."""
         counter = self.signer.next_counter()
-        envelope = ENVELOPE.pack(
-            wire.MAGIC,
-            wire.PROTOCOL_VERSION,
-            wire.KIND_REQUEST,
-            self.signer.session_id,
-            counter,
-            len(header_bytes),
-            b"",
-        )[: wire.ENVELOPE_BYTES - 16]
-        tag = self.signer.tag(counter, [envelope, header_bytes, *buffers])
-        return [envelope + tag, header_bytes, *buffers]
+        tags = self.signer.chunk_tags(counter, buffers)
+        return [
+            *wire.sign_frames(self.signer, wire.KIND_REQUEST, counter, header_bytes, tags),
+            *buffers,
+        ]
 
     def send(self, frames: list[bytes]) -> None:
         self.socket.send_multipart(frames)

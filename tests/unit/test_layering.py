@@ -1,6 +1,10 @@
 """The layers of docs/architecture.md import one way, downward; and nothing unpickles or evaluates data.
 
-launch > session > parallel > worker > ps > wire > cluster. Modules at the package top (errors,
+launch > patterns > session > parallel > worker > ps > wire > cluster. ``parallel``
+(in-graph replicas, pipelines) drives a worker's devices; sessions plug it in. ``patterns`` (sweeps, ensembles,
+cross-validation, broadcast, actor/learner) composes sessions and the wire, and sits below
+``launch`` so that the launcher's CLI can register ``tensorfleet sweep``; a sweep whose trials
+are clusters runs the ``tensorfleet launch`` command as a child process, not launch's code. Modules at the package top (errors,
 environment, version, and the facades __init__ / optim / __main__) are shared by all layers.
 """
 
@@ -12,8 +16,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "tensorfleet"
-#: parallel (in-graph replicas, pipelines) drives workers' devices; sessions plug it in as modes.
-LAYERS = ["cluster", "wire", "ps", "worker", "parallel", "session", "launch"]
+LAYERS = ["cluster", "wire", "ps", "worker", "parallel", "session", "patterns", "launch"]
 SHARED = {"errors", "environment", "version"}
 #: Side packages that only the top layers may use (data for examples, not the runtime).
 SIDE = {"datasets": 0}

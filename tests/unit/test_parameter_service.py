@@ -254,8 +254,11 @@ def test_hello_reports_shard_version_and_initialization(
 @pytest.mark.parametrize(
     ("overrides", "seen"),
     [
-        ({"version": "9.9.9"}, "runs tensorfleet 9.9.9 (protocol 1)"),
-        ({"protocol": 2}, f"runs tensorfleet {__version__} (protocol 2)"),
+        ({"version": "9.9.9"}, f"runs tensorfleet 9.9.9 (protocol {wire.PROTOCOL_VERSION})"),
+        (
+            {"protocol": wire.PROTOCOL_VERSION + 1},
+            f"runs tensorfleet {__version__} (protocol {wire.PROTOCOL_VERSION + 1})",
+        ),
         ({"version": None}, "runs tensorfleet None"),
     ],
 )
@@ -712,8 +715,8 @@ def test_garbage_frames_do_not_crash_the_service(
         ),
         raw_peer(service.address).frames("pull", {}),  # not addressed to this service's session
     ]
-    other_protocol = [_envelope(protocol=wire.PROTOCOL_VERSION + 1), b"four"]
-    bad_tag = [_envelope(), b"four"]
+    other_protocol = [_envelope(protocol=wire.PROTOCOL_VERSION + 1), b"four", b""]
+    bad_tag = [_envelope(), b"four", b""]
     # Each kind on a connection of its own, so that every one is examined. Connections are
     # served fairly, not in order, so wait for the service's own counts (with a deadline).
     for frames in [*malformed, other_protocol, bad_tag]:
@@ -769,7 +772,7 @@ def test_done_from_every_worker_finishes_the_service(
     service: RunningService, chief: Channel, connect: Callable[..., Channel]
 ) -> None:
     _push(chief, _gradients())
-    with pytest.raises(RemoteError, match=r"'done' from unknown task 'worker:9'"):
+    with pytest.raises(RemoteError, match=r"ProtocolError: done from unknown task 'worker:9'"):
         chief.call("done", {"task": "worker:9"}, timeout_s=TIMEOUT_S)
     assert chief.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S).body == {}
     assert chief.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S).body == {}

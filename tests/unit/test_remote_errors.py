@@ -40,6 +40,9 @@ from .service_harness import RunningService, serve_in_thread, stop_services
 SECRET = b"remote-errors-unit-test-secret-000001"
 TIMEOUT_S = 5.0
 """Upper bound of every wait (they take milliseconds)."""
+CREATE_TIMEOUT_S = 60.0
+"""The first ``create`` of a process builds the first torch optimizer, which imports much of
+torch (seconds on a loaded machine)."""
 
 CODED = [
     ServiceRestarted,
@@ -157,7 +160,7 @@ def _create(channel: Channel, discipline: UpdateDiscipline) -> None:
         "discipline": discipline.to_wire(),
         "task": "worker:0",
     }
-    channel.call("create", body, [as_buffer(torch.zeros(2))], timeout_s=TIMEOUT_S)
+    channel.call("create", body, [as_buffer(torch.zeros(2))], timeout_s=CREATE_TIMEOUT_S)
 
 
 def test_the_service_sends_the_code_of_each_refusal(

@@ -205,8 +205,34 @@ def test_bad_arguments(args, fragment):
     ],
 )
 def test_flags(argv):
-    task = resolve(argv=argv, environ={"TF_CONFIG": tf_config("ps", 0)})
+    task = resolve(argv=argv)
     assert task == ResolvedTask(ClusterSpec(CLUSTER), "worker", 1, "flags")
+
+
+def test_flags_that_agree_with_tf_config_are_fine():
+    argv = ["--job_name=worker", "--task_index=1", f"--cluster={CLUSTER_JSON}"]
+    task = resolve(argv=argv, environ={"TF_CONFIG": tf_config("worker", 1)})
+    assert task == ResolvedTask(ClusterSpec(CLUSTER), "worker", 1, "flags")
+
+
+@pytest.mark.parametrize(
+    ("environ_task", "environ_cluster", "fragment"),
+    [
+        (("ps", 0), None, "the flags say this task is worker:1 of"),
+        (("ps", 0), None, "but TF_CONFIG says ps:0 of"),
+        (("worker", 1), {"worker": ["a:1", "b:1"]}, 'TF_CONFIG says worker:1 of {"worker": ["a:1"'),
+        (
+            ("worker", 2),
+            None,
+            "drop the --job_name/--task_index/--cluster flags, or unset TF_CONFIG",
+        ),
+    ],
+)
+def test_flags_that_disagree_with_tf_config_are_refused(environ_task, environ_cluster, fragment):
+    argv = ["--job_name=worker", "--task_index=1", f"--cluster={CLUSTER_JSON}"]
+    environ = {"TF_CONFIG": tf_config(*environ_task, cluster=environ_cluster)}
+    with raises(fragment):
+        resolve(argv=argv, environ=environ)
 
 
 def test_flags_cluster_from_file(tmp_path):
@@ -608,3 +634,22 @@ def test_custom_detectors():
     assert task.source == "fixed"
     with raises("Tried, in order:\n  - never: cannot be satisfied\nProvide one"):
         resolve(detectors=[Never()])
+
+
+def test_slurm_allocation_smaller_than_the_shape_names_both_numbers():
+    environ = slurm_env(0, TENSORFLEET_SLURM_NUM_PS="1", TENSORFLEET_SLURM_NUM_WORKERS="7")
+    with raises("allocation is smaller than the cluster shape: SLURM_NTASKS=7 but the shape is "
+                "1 ps + 7 workers = 8 tasks"):  # fmt: skip
+        resolve(environ=environ)
+
+
+def test_slurm_step_larger_than_the_shape_is_refused():
+    environ = slurm_env(0, TENSORFLEET_SLURM_NUM_WORKERS="3", SLURM_STEP_NUM_TASKS="7")
+    with raises("SLURM_STEP_NUM_TASKS=7 but the shape is 1 ps + 3 workers = 4 tasks"):
+        resolve(environ=environ)
+
+
+def test_slurm_allocation_that_fits_the_shape():
+    environ = slurm_env(2, TENSORFLEET_SLURM_NUM_PS="1", TENSORFLEET_SLURM_NUM_WORKERS="6")
+    task = resolve(environ=environ)
+    assert (task.job, task.index, task.cluster) == ("worker", 1, ClusterSpec(SLURM_CLUSTER))

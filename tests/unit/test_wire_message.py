@@ -7,6 +7,7 @@ that the checks after authentication are reached."""
 
 from __future__ import annotations
 
+import os
 import struct
 
 import msgpack
@@ -59,8 +60,9 @@ def _hand_signed(
     header_len = len(header_bytes) if declared_header_len is None else declared_header_len
     signed = ENVELOPE.pack(magic, protocol, kind, signer.session_id, counter, header_len, b"")
     signed = signed[: ENVELOPE_BYTES - 16]
-    tag = signer.tag(counter, [signed, header_bytes, *buffers])
-    return [signed + tag, header_bytes, *buffers]
+    tags = signer.chunk_tags(counter, buffers)
+    tag = signer.tag(counter, [signed, header_bytes, tags])
+    return [signed + tag, header_bytes, tags, *buffers]
 
 
 def _total(frames: list) -> int:
@@ -75,7 +77,7 @@ def test_round_trip_with_several_buffers_including_empty_ones() -> None:
     buffers = [b"abc", b"", bytearray(b"\x00" * 1000), memoryview(b"xyz"), b""]
     header = {"op": "push", "id": 7, "body": {"names": ["w", "b"], "nested": {"x": 1.5}}}
     frames = encode(KIND_REQUEST, header, buffers, signer)
-    assert len(frames) == 2 + len(buffers)
+    assert len(frames) == 3 + len(buffers)
     assert memoryview(frames[0]).nbytes == ENVELOPE_BYTES
 
     message = decode(frames, KIND_REQUEST, verifier, Limits())
@@ -99,7 +101,7 @@ def test_buffers_are_not_copied_on_either_side() -> None:
     signer, verifier = _request_pair()
     payload = bytearray(b"\x01" * 64)
     frames = encode(KIND_REQUEST, {}, [payload], signer)
-    assert frames[2] is payload
+    assert frames[3] is payload
     message = decode(frames, KIND_REQUEST, verifier, Limits())
     payload[0] = 0xFF  # the decoded buffer is a view of the received frame
     assert message.buffers[0][0] == 0xFF
@@ -125,11 +127,11 @@ def test_decoding_the_same_frames_twice_is_a_replay() -> None:
 # -- checks before authentication ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("count", [0, 1])
-def test_fewer_than_two_frames_is_a_protocol_error(count: int) -> None:
+@pytest.mark.parametrize("count", [0, 1, 2])
+def test_fewer_than_three_frames_is_a_protocol_error(count: int) -> None:
     _, verifier = _request_pair()
-    with pytest.raises(ProtocolError, match="at least 2 frames"):
-        decode([b"x" * ENVELOPE_BYTES][:count], KIND_REQUEST, verifier, Limits())
+    with pytest.raises(ProtocolError, match="at least 3 frames"):
+        decode([b"x" * ENVELOPE_BYTES, b"", b""][:count], KIND_REQUEST, verifier, Limits())
 
 
 def test_buffer_count_exactly_at_the_limit_is_accepted_one_more_is_not() -> None:
@@ -174,7 +176,7 @@ def test_envelope_of_the_wrong_size_is_a_protocol_error(size: int) -> None:
     frames = encode(KIND_REQUEST, {}, [], signer)
     envelope = (bytes(frames[0]) + b"\0")[:size]
     with pytest.raises(ProtocolError, match=f"envelope of {size} bytes, expected {ENVELOPE_BYTES}"):
-        decode([envelope, frames[1]], KIND_REQUEST, verifier, Limits())
+        decode([envelope, frames[1], frames[2]], KIND_REQUEST, verifier, Limits())
 
 
 def test_bad_magic_is_a_protocol_error() -> None:
@@ -261,7 +263,7 @@ def test_buffer_sizes_that_do_not_match_the_header_are_a_protocol_error(
     signer, verifier = _request_pair()
     header = {"op": "push"} if sizes is None else {"op": "push", "sizes": sizes}
     frames = _hand_signed(signer, msgpack.packb(header), buffers)
-    with pytest.raises(ProtocolError, match="do not match the header"):
+    with pytest.raises(ProtocolError, match="do not match the header|the header's sizes must be"):
         decode(frames, KIND_REQUEST, verifier, Limits())
 
 
@@ -269,7 +271,7 @@ def test_bytes_moved_between_buffers_are_caught_by_the_sizes_check() -> None:
     # The MAC covers the concatenation; the authenticated sizes make the split unambiguous.
     signer, verifier = _request_pair()
     frames = encode(KIND_REQUEST, {}, [b"abc", b"de"], signer)
-    resplit = [frames[0], frames[1], b"ab", b"cde"]
+    resplit = [frames[0], frames[1], frames[2], b"ab", b"cde"]
     with pytest.raises(ProtocolError, match=r"buffer sizes \[2, 3\] do not match"):
         decode(resplit, KIND_REQUEST, verifier, Limits())
 
@@ -284,7 +286,7 @@ def test_message_from_another_secret_is_an_authentication_error() -> None:
 
 _envelopes = st.tuples(
     st.sampled_from([MAGIC, b"XX"]),
-    st.sampled_from([PROTOCOL_VERSION, 0, 2]),
+    st.sampled_from([PROTOCOL_VERSION, 0, PROTOCOL_VERSION + 1]),
     st.sampled_from([KIND_REQUEST, KIND_REPLY, 9]),
     st.binary(min_size=16, max_size=16),
     st.sampled_from([0, 1, 2**64 - 1]) | st.integers(0, 2**64 - 1),
@@ -299,7 +301,8 @@ def _plausible_frames(draw: st.DrawFn) -> list[bytes]:
     buffers = draw(st.lists(st.binary(max_size=32), max_size=4))
     magic, protocol, kind, session, counter, tag = draw(_envelopes)
     envelope = ENVELOPE.pack(magic, protocol, kind, session, counter, len(header), tag)
-    return [envelope, header, *buffers]
+    tags = draw(st.binary(max_size=48))
+    return [envelope, header, tags, *buffers]
 
 
 @PROPERTY_SETTINGS
@@ -399,3 +402,41 @@ def test_notice_errors_explain_what_to_do() -> None:
     protocol = notice_error(decode_notice(encode_notice("protocol", "v2 here")), "ps:1")
     assert isinstance(protocol, ProtocolError)
     assert str(protocol) == "ps:1 refused our messages: v2 here"
+
+
+# -- chunk tags ------------------------------------------------------------------------------
+
+
+def test_large_payloads_are_authenticated_chunk_by_chunk_on_two_threads() -> None:
+    from tensorfleet.wire.auth import CHUNK_BYTES, PARALLEL_MIN_BYTES, TAG_BYTES
+
+    signer, verifier = _request_pair()
+    payload = bytearray(os.urandom(PARALLEL_MIN_BYTES + CHUNK_BYTES + 7))  # 4 chunks
+    frames = encode(KIND_REQUEST, {"op": "push"}, [payload, b"tail"], signer)
+    assert memoryview(frames[2]).nbytes == 5 * TAG_BYTES  # 4 chunks + the small buffer
+    message = decode(frames, KIND_REQUEST, verifier, Limits())
+    assert bytes(message.buffers[0]) == bytes(payload)
+
+    tampered = [bytes(f) for f in encode(KIND_REQUEST, {"op": "push"}, [payload], signer)]
+    changed = bytearray(tampered[3])
+    changed[2 * CHUNK_BYTES + 1] ^= 0x40  # in the third chunk
+    with pytest.raises(AuthenticationError, match="chunk 3 of 4"):
+        decode([*tampered[:3], bytes(changed)], KIND_REQUEST, verifier, Limits())
+
+
+def test_chunk_tags_swapped_between_chunks_are_refused() -> None:
+    from tensorfleet.wire.auth import CHUNK_BYTES, TAG_BYTES
+
+    signer, verifier = _request_pair()
+    same = b"\x07" * CHUNK_BYTES  # two identical chunks: only the index tells them apart
+    frames = [bytes(f) for f in encode(KIND_REQUEST, {}, [same * 2], signer)]
+    tags = frames[2]
+    assert tags[:TAG_BYTES] != tags[TAG_BYTES:]  # the nonce includes the chunk's index
+
+
+def test_truncated_chunk_tags_are_a_protocol_error() -> None:
+    signer, verifier = _request_pair()
+    frames = _hand_signed(signer, msgpack.packb({"sizes": [3]}), [b"abc"])
+    short = [frames[0], frames[1], frames[2][:-1], frames[3]]
+    with pytest.raises((ProtocolError, AuthenticationError)):
+        decode(short, KIND_REQUEST, verifier, Limits())

@@ -340,6 +340,9 @@ class SlurmDetector(TaskDetector):
       (``"2(x3),1"``: two ranks on each of the first three nodes, one on the fourth);
     - a task listens on ``TENSORFLEET_SLURM_BASE_PORT`` (default 2222) plus its rank on its
       node, so tasks sharing a node do not collide.
+    - when ``TENSORFLEET_SLURM_NUM_WORKERS`` is set (the script ``tensorfleet slurm`` writes
+      sets it), the step must have exactly that many workers plus the ps tasks; an
+      allocation smaller than that shape is an error naming both numbers.
 
     Other distributions (``--distribution=cyclic``, ``plane``, ``arbitrary``) place ranks
     differently and are refused; ``SLURM_LOCALID`` and ``SLURMD_NODENAME``, when set, are
@@ -360,7 +363,8 @@ class SlurmDetector(TaskDetector):
         if "SLURM_PROCID" not in env:
             return None
         rank = _env_int(env, "SLURM_PROCID")
-        ntasks = _env_int(env, _first_set(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"))
+        ntasks_var = _first_set(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+        ntasks = _env_int(env, ntasks_var)
         nodes_var = _first_set(env, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
         counts_var = _first_set(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
         nodes = _in_var(slurm.expand_hostlist, env, nodes_var)
@@ -380,6 +384,9 @@ class SlurmDetector(TaskDetector):
                 "describe the cluster with TF_CONFIG or --cluster"
             )
         num_ps = _env_int(env, environment.SLURM_NUM_PS_VAR, default=1 if ntasks >= 2 else 0)
+        if environment.SLURM_NUM_WORKERS_VAR in env:
+            num_workers = _env_int(env, environment.SLURM_NUM_WORKERS_VAR)
+            slurm.check_allocation(ntasks, num_ps, num_workers, ntasks_var)
         if num_ps >= ntasks:
             raise ClusterConfigError(
                 f"slurm: {environment.SLURM_NUM_PS_VAR}={num_ps} leaves no worker among "
@@ -450,6 +457,34 @@ DETECTORS: tuple[TaskDetector, ...] = (
 )
 
 
+def _check_flags_agree_with_tf_config(
+    task: ResolvedTask, request: ResolveRequest, chosen: Sequence[TaskDetector]
+) -> None:
+    """Raise :class:`ClusterConfigError` when the flags and ``TF_CONFIG`` both name a task and
+    disagree on the cluster or the task.
+
+    Flags win over ``TF_CONFIG`` only when they say the same thing: a process started by a
+    launcher or by Kubeflow (which set ``TF_CONFIG``) with leftover ``--job_name`` flags
+    would otherwise quietly run as another task than its neighbours expect.
+    """
+    if task.source != FlagsDetector.name:
+        return
+    for detector in chosen:
+        if isinstance(detector, TFConfigDetector):
+            other = detector.detect(request)
+            if other is None:
+                return
+            if (other.cluster, other.job, other.index) == (task.cluster, task.job, task.index):
+                return
+            raise ClusterConfigError(
+                f"the flags and {environment.TF_CONFIG_VAR} disagree: the flags say this task "
+                f"is {task.job}:{task.index} of {task.cluster.to_json()} but "
+                f"{environment.TF_CONFIG_VAR} says {other.job}:{other.index} of "
+                f"{other.cluster.to_json()}. Describe the task one way only: drop the "
+                f"--job_name/--task_index/--cluster flags, or unset {environment.TF_CONFIG_VAR}"
+            )
+
+
 @overload
 def resolve_task(
     cluster: ClusterLike | None = ...,
@@ -492,7 +527,8 @@ def resolve_task(
     answer: the explicit arguments (all three, or none), then the flags ``--job_name``,
     ``--task_index``, ``--cluster`` in ``argv`` (default ``sys.argv[1:]``), then ``TF_CONFIG``,
     then Slurm's environment (see :class:`SlurmDetector` for the layout rule). The answer is
-    checked: its job must be in the cluster and its index in the job.
+    checked: its job must be in the cluster and its index in the job. Flags and ``TF_CONFIG``
+    that are both present must name the same cluster and task, or an error names both.
 
     When no source says anything, returns ``None`` if ``allow_none`` (the caller then runs as
     a single process without a cluster), else raises :class:`ClusterConfigError` listing
@@ -512,6 +548,7 @@ def resolve_task(
     for detector in chosen:
         task = detector.detect(request)
         if task is not None:
+            _check_flags_agree_with_tf_config(task, request, chosen)
             return task
     if allow_none:
         return None

@@ -4,6 +4,8 @@ Slurm describes an allocation with strings such as ``SLURM_JOB_NODELIST="node[01
 and ``SLURM_TASKS_PER_NODE="2(x3),1"``. These functions turn them into plain lists, and
 :func:`block_layout` places ranks on nodes the way Slurm's default (block) distribution does,
 which is what :mod:`tensorfleet.cluster.resolver` needs to build a cluster from a Slurm job.
+:func:`check_allocation` compares the tasks of a step with the cluster shape a job script
+asked for, so that a too small allocation fails in every task before anything listens.
 """
 
 from __future__ import annotations
@@ -174,3 +176,27 @@ def block_layout(nodes: Sequence[str], tasks_per_node: Sequence[int]) -> list[tu
         for node, count in zip(nodes, tasks_per_node, strict=True)
         for local in range(count)
     ]
+
+
+def check_allocation(ntasks: int, num_ps: int, num_workers: int, where: str) -> None:
+    """Raise :class:`ClusterConfigError` unless a Slurm step of ``ntasks`` tasks holds exactly
+    the cluster shape ``num_ps`` ps + ``num_workers`` workers.
+
+    ``where`` names the variable that gave ``ntasks`` (e.g. ``"SLURM_NTASKS"``). Too few
+    tasks would leave a worker or a ps missing (the others would wait for it until their
+    deadlines); too many would train with workers the job script did not ask for.
+    """
+    wanted = num_ps + num_workers
+    if ntasks == wanted:
+        return
+    shape = f"{num_ps} ps + {num_workers} workers = {wanted} tasks"
+    if ntasks < wanted:
+        raise ClusterConfigError(
+            f"slurm: the allocation is smaller than the cluster shape: {where}={ntasks} but "
+            f"the shape is {shape}. Ask Slurm for {wanted} tasks (sbatch --ntasks={wanted}, "
+            f"srun -n {wanted}) or make the shape smaller"
+        )
+    raise ClusterConfigError(
+        f"slurm: the step has more tasks than the cluster shape: {where}={ntasks} but the "
+        f"shape is {shape}. Run srun -n {wanted}, or make the shape larger"
+    )

@@ -1,5 +1,8 @@
-"""The ``tensorfleet`` command line: ``launch`` a local cluster, run a ps ``server`` task,
-``plot`` the metrics a ``SummaryHook`` wrote, or ``export`` a checkpoint's model.
+"""The ``tensorfleet`` command line: ``launch`` a cluster (its options live in
+:mod:`tensorfleet.launch.launch_command`), run a ps ``server`` task, ``plot`` the metrics a
+``SummaryHook`` wrote, ``export`` a checkpoint's model, or describe a cluster for a cluster
+manager (``slurm``: an sbatch script; ``k8s render``: manifests), or run a hyperparameter
+``sweep`` (registered by :mod:`tensorfleet.patterns.sweep_cli`).
 
 ::
 
@@ -7,6 +10,7 @@
     tensorfleet server --cluster cluster.json --job ps --task 0 --secret-file secret
     tensorfleet plot runs/cnn -o curves.png
     tensorfleet export runs/cnn/checkpoints model.safetensors
+    tensorfleet sweep sweep.yaml --dir runs/sweep
 
 Errors tensorfleet raises on purpose are printed as one line, ``tensorfleet: error: ...``,
 with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
@@ -16,35 +20,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from types import FrameType
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from tensorfleet import environment
-from tensorfleet.errors import LaunchError, TensorfleetError
-from tensorfleet.launch.local_cluster import (
-    DEFAULT_GRACE_PERIOD,
-    DEFAULT_KILL_TIMEOUT,
-    LocalCluster,
-)
-from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
-from tensorfleet.launch.resource_flags import (
-    add_pipeline_flags,
-    add_resource_flags,
-    task_environments,
-)
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.launch.launch_command import add_launch_command
+from tensorfleet.launch.renderers import kubernetes, slurm
+from tensorfleet.patterns.sweep_cli import add_sweep_command
+from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.version import __version__
 
 #: Exit status for usage errors and tensorfleet errors (argparse's convention).
 USAGE_ERROR = 2
-#: Signals to the launcher that are forwarded to the tasks as SIGTERM. SIGHUP too: with the
-#: tasks in their own sessions, a closed terminal would otherwise orphan them.
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,87 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tensorfleet {__version__}")
     commands = parser.add_subparsers(dest="command_name", metavar="COMMAND")
 
-    launch = commands.add_parser(
-        "launch",
-        help="run a whole cluster on this machine",
-        description="Start --ps parameter-server tasks and --workers worker tasks on this "
-        "machine, each in its own process with TF_CONFIG and a fresh cluster secret, and "
-        "supervise them: prefixed output, a live view on a terminal, failures reported, "
-        "nothing left running. Worker tasks run COMMAND; ps tasks run the built-in parameter "
-        "server unless told otherwise.",
-        epilog="example: tensorfleet launch --ps 1 --workers 3 -- python train.py --lr 1e-3",
-    )
-    launch.add_argument(
-        "--ps",
-        type=int,
-        default=1,
-        metavar="N",
-        help="number of parameter-server tasks; 0 for all-reduce training (default: 1)",
-    )
-    launch.add_argument(
-        "--workers",
-        type=int,
-        default=2,
-        metavar="N",
-        help="number of worker tasks; worker 0 is the chief (default: 2)",
-    )
-    ps_mode = launch.add_mutually_exclusive_group()
-    ps_mode.add_argument(
-        "--ps-command",
-        metavar="CMD",
-        help="command line of each ps task, split like a shell would "
-        "(default: the built-in parameter server, `python -m tensorfleet server`)",
-    )
-    ps_mode.add_argument(
-        "--ps-runs-script",
-        action="store_true",
-        help="run COMMAND for the ps tasks too (TensorFlow style: the script calls "
-        "server.join() when its task is a ps)",
-    )
-    launch.add_argument(
-        "--grace-period",
-        type=float,
-        default=DEFAULT_GRACE_PERIOD,
-        metavar="SECONDS",
-        help="how long the ps tasks get to exit after every worker finished, and the other "
-        f"tasks after one failed, before SIGTERM (default: {DEFAULT_GRACE_PERIOD:g})",
-    )
-    launch.add_argument(
-        "--kill-timeout",
-        type=float,
-        default=DEFAULT_KILL_TIMEOUT,
-        metavar="SECONDS",
-        help=f"time between SIGTERM and SIGKILL (default: {DEFAULT_KILL_TIMEOUT:g})",
-    )
-    launch.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        metavar="N",
-        help="restart a failed task in place with the same identity (same TF_CONFIG, address "
-        "and secret) up to N times, after a back-off of 1 s doubling up to 10 s (default: 0: "
-        "a failure stops the cluster with a report)",
-    )
-    launch.add_argument(
-        "--encrypt",
-        action="store_true",
-        help="encrypt all traffic between tasks with ZeroMQ CURVE (sets TENSORFLEET_ENCRYPT=1 "
-        "for every task; keys are derived from the cluster secret)",
-    )
-    launch.add_argument(
-        "--no-live",
-        action="store_true",
-        help="plain prefixed lines only, even on a terminal (no live task view)",
-    )
-    add_resource_flags(launch)
-    add_pipeline_flags(launch)
-    launch.add_argument(
-        "command",
-        nargs=argparse.REMAINDER,
-        metavar="COMMAND ...",
-        help="the worker program and its arguments (put -- before it if it starts with -)",
-    )
-    launch.set_defaults(handler=_launch)
+    add_launch_command(commands)
 
     server = commands.add_parser(
         "server",
@@ -180,19 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--liveness-timeout",
         type=float,
-        default=None,
+        default=ServiceSettings.liveness_timeout_s,
         metavar="S",
         help="a worker not heard from for S seconds is lost: it stops holding back sync "
         "steps and the staleness bound, and a restarted copy may take its place "
-        "(default: ServerConfig.liveness_timeout_s)",
+        "(default: %(default)g)",
     )
     server.add_argument(
         "--end-grace",
         type=float,
-        default=None,
+        default=ServiceSettings.end_grace_s,
         metavar="S",
         help="after the chief ends training, wait up to S seconds for the other workers "
-        "(default: ServerConfig.end_grace_s)",
+        "(default: %(default)g)",
     )
     server.set_defaults(handler=_server)
 
@@ -229,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the exponential moving average (runs with ema_decay) instead",
     )
     export.set_defaults(handler=_export)
+    slurm.add_command(commands)
+    kubernetes.add_command(commands)
+    add_sweep_command(commands)
     return parser
 
 
@@ -251,55 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-
-
-def _launch(args: argparse.Namespace) -> int:
-    """``tensorfleet launch``: run the cluster until the workers are done; its exit status."""
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise LaunchError(
-            "no command to run: give the worker program after the options, e.g. "
-            "`tensorfleet launch --ps 1 --workers 2 -- python train.py`"
-        )
-    ps_command: list[str] | None = None
-    if args.ps_runs_script:
-        ps_command = command
-    elif args.ps_command is not None:
-        try:
-            ps_command = shlex.split(args.ps_command)
-        except ValueError as exc:
-            raise LaunchError(f"cannot split --ps-command {args.ps_command!r}: {exc}") from exc
-        if not ps_command:
-            raise LaunchError("--ps-command is empty; give the ps program and its arguments")
-
-    task_env = task_environments(args, args.ps, args.workers)  # refuses before anything starts
-    output: Output
-    if not args.no_live and sys.stdout.isatty():
-        live = LiveOutput()
-        output = PlainOutput() if live.console.is_dumb_terminal else live
-    else:
-        output = PlainOutput()
-    cluster = LocalCluster(
-        args.ps,
-        args.workers,
-        command,
-        ps_command=ps_command,
-        env={environment.ENCRYPT_VAR: "1"} if args.encrypt else None,
-        task_env=task_env,
-        grace_period=args.grace_period,
-        kill_timeout=args.kill_timeout,
-        output=output,
-        max_restarts=args.max_restarts,
-    )
-    with _forward_signals(cluster.interrupt), output:
-        try:
-            cluster.start()
-            return cluster.wait()
-        finally:
-            # Never leave a child behind, whatever happened above (even a bug of ours).
-            cluster.stop()
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -377,25 +240,3 @@ def _export(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     print(path)
     return 0
-
-
-@contextmanager
-def _forward_signals(interrupt: Callable[[int], None]) -> Iterator[None]:
-    """While inside, SIGINT/SIGTERM/SIGHUP to this process call ``interrupt(signum)`` instead
-    of killing it, so that the cluster stops its tasks first. Only the main thread can set
-    handlers; elsewhere (e.g. ``main()`` called from a test thread) this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        interrupt(signum)
-
-    previous: dict[int, Any] = {}
-    try:
-        for sig in FORWARDED_SIGNALS:
-            previous[sig] = signal.signal(sig, handler)
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)

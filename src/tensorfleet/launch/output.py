@@ -9,7 +9,11 @@ implementation is thread-safe.
   and the launcher's own messages as ``[launcher] ...`` lines on a second stream (stderr by
   default). It is what CI logs and pipes get.
 - :class:`LiveOutput` prints the same prefixed log through rich and keeps a live panel under
-  it with one row per task: name, state, latest line. It is what a terminal gets.
+  it with one row per task (name, state, latest line) and, once the chief prints progress
+  lines (:class:`~tensorfleet.session.progress_hook.ProgressHook`), a progress bar to the
+  last step with the global step, steps/s and the time left. It is what a terminal gets.
+  In a log (:class:`PlainOutput`) the chief's own progress line is that one plain line per
+  interval.
 - :class:`Output` itself shows nothing (benchmarks, tests that only read recent lines).
 """
 
@@ -22,11 +26,18 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TextIO
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress_bar import ProgressBar
 from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
+
+from tensorfleet.session.progress_report import (
+    ProgressReport,
+    format_duration,
+    parse_progress_line,
+)
 
 #: Prefix of the launcher's own lines, so they stand out from the tasks' lines.
 LAUNCHER_PREFIX = "[launcher]"
@@ -152,6 +163,8 @@ class LiveOutput(Output):
         self.refresh_per_second = refresh_per_second
         self._tasks: dict[str, _TaskView] = {}
         self._live: Live | None = None
+        #: The latest progress line of the chief, parsed (None before the first).
+        self.progress: ProgressReport | None = None
 
     def __enter__(self) -> LiveOutput:
         self._live = Live(
@@ -173,6 +186,9 @@ class LiveOutput(Output):
 
     def line(self, task: str, text: str) -> None:
         body = Text.from_ansi(text)
+        report = parse_progress_line(body.plain)
+        if report is not None:
+            self.progress = report
         view = self._tasks.get(task)
         if view is not None:
             view.latest = body.plain
@@ -202,4 +218,32 @@ class LiveOutput(Output):
             else:
                 state = Text(view.status, style="green" if view.ok else "bold red")
             table.add_row(Text(task, style=task_style(task)), state, Text(view.latest, style="dim"))
-        return Group(Rule("tensorfleet launch", style="dim"), table)
+        parts: list[RenderableType] = [Rule("tensorfleet launch", style="dim")]
+        if self.progress is not None:
+            parts.append(_progress_row(self.progress))
+        parts.append(table)
+        return Group(*parts)
+
+
+def _progress_row(report: ProgressReport) -> Table:
+    """``global step 1200/3000 [bar] 40%  41.2 steps/s  0:00:44 left`` as a rich row."""
+    row = Table.grid(expand=True, padding=(0, 1))
+    row.add_column(no_wrap=True)
+    row.add_column(ratio=1)
+    row.add_column(no_wrap=True)
+    rate = f"{report.steps_per_s:.1f} steps/s"
+    fraction = report.fraction
+    if fraction is None or report.last_step is None:
+        row.add_row(
+            Text(f"global step {report.step}", style="bold"),
+            Text("(no last step)", style="dim"),
+            Text(rate),
+        )
+        return row
+    eta = "?" if report.eta_s is None else format_duration(report.eta_s)
+    row.add_row(
+        Text(f"global step {report.step}/{report.last_step}", style="bold"),
+        ProgressBar(total=float(report.last_step), completed=float(report.step)),
+        Text(f"{fraction * 100:.0f}%  {rate}  {eta} left"),
+    )
+    return row

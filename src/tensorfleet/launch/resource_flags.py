@@ -85,12 +85,32 @@ def pipeline_environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def task_environments(
-    args: argparse.Namespace, num_ps: int, num_workers: int
+    args: argparse.Namespace, num_ps: int, num_workers: int, *, local: bool = True
 ) -> dict[str, dict[str, str]]:
     """Each task's resource variables by task name, from the parsed flags. Raises
-    :class:`~tensorfleet.errors.ClusterConfigError` for a request the host cannot meet."""
+    :class:`~tensorfleet.errors.ClusterConfigError` for a request the host cannot meet.
+    ``local``: every task runs on this host; otherwise (the Ray backend) the tasks' hosts are
+    unknown here, so only explicit thread counts and the pipelines apply, and GPUs are the
+    backend's to give (``--ray-gpus-per-task``)."""
     if num_ps < 0 or num_workers < 1:
-        return {}  # LocalCluster refuses these counts with its own message
+        return {}  # the supervisor refuses these counts with its own message
+    pipelines = pipeline_environment(args)
+    if not local:
+        if args.gpus_per_worker or args.gpu_memory_fraction is not None:
+            raise ClusterConfigError(
+                "--gpus-per-worker and --gpu-memory-fraction plan the GPUs of this host; with "
+                "the Ray backend the tasks run elsewhere: use --ray-gpus-per-task"
+            )
+        threads = {
+            name: value
+            for name, value in (
+                (environment.INTRA_OP_THREADS_VAR, args.intra_op_threads),
+                (environment.INTER_OP_THREADS_VAR, args.inter_op_threads),
+            )
+            if value is not None
+        }
+        names = [f"ps:{i}" for i in range(num_ps)] + [f"worker:{i}" for i in range(num_workers)]
+        return {name: {**{k: str(v) for k, v in threads.items()}, **pipelines} for name in names}
     host_gpus: tuple[int, ...] = ()
     if args.gpus_per_worker or args.gpu_memory_fraction is not None:
         host_gpus = _host_gpus()
@@ -104,7 +124,6 @@ def task_environments(
         inter_op_threads=args.inter_op_threads,
         thread_budget_enabled=not args.no_thread_budget,
     )
-    pipelines = pipeline_environment(args)
     return {name: {**resources.to_env(), **pipelines} for name, resources in plan.items()}
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tensorfleet.errors import ConfigError
+
 STRATEGIES = ("greedy", "round_robin")
 
 
@@ -105,16 +107,16 @@ def plan_placement(
 ) -> PlacementPlan:
     """Place ``variables`` (in model order) on ``num_shards`` shards."""
     if num_shards < 1:
-        raise ValueError(f"need at least one ps shard to place variables on, got {num_shards}")
+        raise ConfigError(f"need at least one ps shard to place variables on, got {num_shards}")
     if strategy not in STRATEGIES:
-        raise ValueError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
+        raise ConfigError(f"placement strategy must be one of {STRATEGIES}, got {strategy!r}")
     if partition_threshold_bytes is not None and partition_threshold_bytes <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"partition_threshold_bytes must be positive, got {partition_threshold_bytes}"
         )
     names = [v.name for v in variables]
     if len(set(names)) != len(names):
-        raise ValueError(f"variable names must be unique, got duplicates in {names}")
+        raise ConfigError(f"variable names must be unique, got duplicates in {names}")
 
     pieces: list[tuple[VariableSpec, int, int, str]] = []  # variable, row start, row stop, name
     for var in variables:

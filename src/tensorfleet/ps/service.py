@@ -24,11 +24,14 @@ is lost after the chief's ``end``), or ``end_grace_s`` after the chief said ``en
 no worker has been heard from for ``idle_timeout_s`` (so a ps never outlives its cluster by
 more than that).
 
-Liveness: every request naming a worker task (and the workers' heartbeats, one a second)
-marks it alive. A worker not heard from for ``liveness_timeout_s`` is lost: it no longer
-holds back the staleness gate, a sync step either goes on without it or is refused naming
-it (``lost_worker``), and a second process claiming a live worker's identity is refused
-(so no second chief can appear by accident). A lost worker that comes back counts again.
+Which workers are alive, lost or done, and which process holds each task's identity, is
+the :class:`~tensorfleet.ps.worker_roster.WorkerRoster`'s (its docstring states the rules);
+the service acts on what it reports: a lost worker no longer holds back the staleness gate,
+and a sync step either goes on without it or is refused naming it (``lost_worker``). What a
+save sends and what a restore must pass is :mod:`tensorfleet.ps.checkpoint_handling`'s.
+
+A refusal carries a code (:func:`refusal_code`) that the client raises as its
+:class:`~tensorfleet.errors.RemoteError` subclass.
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import zmq
 
 from tensorfleet.errors import (
+    ConfigError,
     IdentityInUse,
     NotInitialized,
     ProtocolError,
@@ -52,18 +56,17 @@ from tensorfleet.errors import (
     RequestRefused,
     WorkerLost,
 )
+from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
-from tensorfleet.ps.shard_checkpoint import (
-    ShardState,
-    check_worker_data,
-    decode_shard,
-    encode_shard,
-)
+from tensorfleet.ps.service_settings import ServiceSettings
+from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
+from tensorfleet.ps.snapshot_pool import SnapshotPool
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
@@ -76,26 +79,41 @@ MAX_VARIABLES_PER_SHARD = 100_000
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Settings of one parameter-server shard."""
+    """Everything one parameter-server shard is started with: which shard it is, the cluster's
+    workers, and its :class:`ServiceSettings` (whose defaults and checks these fields take)."""
 
     shard_index: int
     """This shard's index in the ps job."""
     worker_tasks: tuple[str, ...]
     """Names of the worker tasks (``worker:0`` ...) that must say ``done`` before the ps ends."""
-    idle_timeout_s: float = 1800.0
+    idle_timeout_s: float = ServiceSettings.idle_timeout_s
     """End (with an error) when no valid request arrived for this long."""
-    end_grace_s: float = 60.0
+    end_grace_s: float = ServiceSettings.end_grace_s
     """After the chief's ``end``, how long to wait for the other workers' ``done``."""
-    liveness_timeout_s: float = 15.0
+    liveness_timeout_s: float = ServiceSettings.liveness_timeout_s
     """A worker not heard from (requests or heartbeats) for this long is lost."""
-    limits: Limits = Limits()
+    limits: Limits = ServiceSettings.limits
 
     def __post_init__(self) -> None:
-        if self.idle_timeout_s <= 0 or self.end_grace_s < 0 or self.liveness_timeout_s <= 0:
-            raise ValueError(
-                "idle_timeout_s and liveness_timeout_s must be > 0 and end_grace_s >= 0, got "
-                f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}"
-            )
+        self.settings  # noqa: B018 (checks the settings: ConfigError)
+
+    @property
+    def settings(self) -> ServiceSettings:
+        """The shard's settings (timeouts and limits), checked."""
+        return ServiceSettings(
+            idle_timeout_s=self.idle_timeout_s,
+            end_grace_s=self.end_grace_s,
+            liveness_timeout_s=self.liveness_timeout_s,
+            limits=self.limits,
+        )
+
+    @classmethod
+    def for_shard(
+        cls, shard_index: int, worker_tasks: Sequence[str], settings: ServiceSettings
+    ) -> ServiceConfig:
+        """The config of shard ``shard_index`` of a cluster with ``worker_tasks``, with
+        ``settings`` (a :class:`ServiceSettings` or a subclass such as ``ServerConfig``)."""
+        return cls(shard_index, tuple(worker_tasks), **settings.settings_fields())
 
 
 @dataclass(frozen=True)
@@ -111,39 +129,6 @@ class ServiceOutcome:
         return self.reason in ("finished", "ended", "stopped")
 
 
-class SnapshotPool:
-    """Reusable buffers for the values sent in replies.
-
-    A reply's buffers go out without a copy, so they must not change until ZeroMQ has sent
-    them. A fresh copy per reply would do, but allocating (and page-faulting) megabytes per
-    reply costs more than copying into memory that is already mapped. A buffer is reused
-    once the tracker of the reply that carried it says it has left.
-    """
-
-    def __init__(self, store: VariableStore, max_buffers: int = 8) -> None:
-        self._store = store
-        self._max_buffers = max_buffers
-        self._entries: list[tuple[list[torch.Tensor], zmq.MessageTracker | None]] = []
-
-    def take(self) -> tuple[int, list[torch.Tensor]]:
-        """A snapshot of the store's values and its slot (give it back to :meth:`sent`)."""
-        for slot, (tensors, tracker) in enumerate(self._entries):
-            if tracker is None or tracker.done:
-                self._store.snapshot_into(tensors)
-                self._entries[slot] = (tensors, None)
-                return slot, tensors
-        tensors = self._store.snapshot()
-        if len(self._entries) < self._max_buffers:
-            self._entries.append((tensors, None))
-            return len(self._entries) - 1, tensors
-        return -1, tensors  # every pooled buffer is in flight: this one is used once
-
-    def sent(self, slot: int, tracker: zmq.MessageTracker | None) -> None:
-        """Record the tracker of the reply carrying slot ``slot`` (None: nothing holds it)."""
-        if slot >= 0:
-            self._entries[slot] = (self._entries[slot][0], tracker)
-
-
 class ParameterService:
     """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
 
@@ -154,7 +139,9 @@ class ParameterService:
         self._snapshots = SnapshotPool(self.store)
         self.global_step = 0
         self.owns_global_step = False
-        self.done_workers: set[str] = set()
+        self.roster = WorkerRoster(
+            config.worker_tasks, config.liveness_timeout_s, shard=f"ps:{config.shard_index}"
+        )
         self.end_declared_at: float | None = None
         self.stats: Counter[str] = Counter()
         self._waiting_for_init: list[Request] = []
@@ -163,12 +150,6 @@ class ParameterService:
         self.gate: StalenessGate | None = None
         self._held: list[tuple[Request, str, list[torch.Tensor]]] = []
         """async pushes held back by the staleness gate, in arrival order."""
-        self._started_at = time.monotonic()
-        self.heard: dict[str, float] = {}
-        """When each worker task was last heard from (monotonic seconds)."""
-        self.instances: dict[str, str] = {}
-        """The process (client instance id) that holds each worker task's identity."""
-        self.lost_workers: set[str] = set()
         self.worker_data: dict[str, dict] = {}
         """Each worker's last reported data position (saved in checkpoints)."""
         self._waiting_for_done: list[Request] = []
@@ -187,6 +168,16 @@ class ParameterService:
             "stats": self._stats,
         }
 
+    @property
+    def done_workers(self) -> set[str]:
+        """Workers that said ``done`` (the roster's)."""
+        return self.roster.done
+
+    @property
+    def lost_workers(self) -> set[str]:
+        """Workers not heard from for ``liveness_timeout_s`` (the roster's)."""
+        return self.roster.lost
+
     def serve(self, stop: threading.Event | None = None) -> ServiceOutcome:
         """Run the request loop until training is over (or ``stop`` is set)."""
         while True:
@@ -204,14 +195,9 @@ class ParameterService:
         now = time.monotonic()
         if stop is not None and stop.is_set():
             return "stopped"
-        if self.config.worker_tasks and self.done_workers >= set(self.config.worker_tasks):
+        if self.roster.all_done:
             return "finished"
-        if (
-            self.end_declared_at is not None
-            and self.config.worker_tasks
-            and self.done_workers | self.lost_workers >= set(self.config.worker_tasks)
-            and self.done_workers
-        ):
+        if self.end_declared_at is not None and self.roster.all_done_or_lost:
             return "finished"  # training is over and whoever is not done is gone
         if (
             self.end_declared_at is not None
@@ -237,9 +223,14 @@ class ParameterService:
         return None
 
     def _handle(self, request: Request) -> None:
-        task = request.body.get("task")
-        if request.op != "hello" and isinstance(task, str) and task in self.config.worker_tasks:
-            self.heard[task] = time.monotonic()
+        if request.op != "hello":
+            try:
+                self.roster.admit(request.session_id)
+            except IdentityInUse as exc:  # its identity was taken over: not heard, not served
+                self.stats["refused"] += 1
+                self.socket.fail(request, exc.code, str(exc))
+                return
+            self.roster.heard_from(request.body.get("task"))
         handler = self._handlers.get(request.op)
         if handler is None:
             self.stats["unknown_op"] += 1
@@ -265,7 +256,12 @@ class ParameterService:
                 f"(protocol {protocol}), ps:{self.config.shard_index} runs {__version__} "
                 f"(protocol {PROTOCOL_VERSION}); install the same tensorfleet version on every task"
             )
-        self._claim_identity(request.body.get("task"), request.body.get("instance"))
+        self.roster.claim(
+            request.body.get("task"),
+            request.body.get("instance"),
+            request.session_id,
+            takeover=request.body.get("takeover") is True,
+        )
         self.socket.reply(
             request,
             {
@@ -283,7 +279,7 @@ class ParameterService:
         if self.store.initialized:
             difference = layout.describe_difference(self.store.layout)
             if difference is not None:
-                raise ValueError(f"variables already created with another layout: {difference}")
+                raise ConfigError(f"variables already created with another layout: {difference}")
             self.socket.reply(
                 request,
                 {
@@ -297,11 +293,14 @@ class ParameterService:
         discipline = UpdateDiscipline.from_wire(request.body.get("discipline"))
         checkpoint: ShardState | None = None
         if request.body.get("restore") is True:
-            checkpoint = self._checkpoint_from(request, layout)
-            values = [
-                torch.cat([checkpoint.values[var.name].reshape(-1) for var, _ in group.members])
-                for group in layout.groups
-            ]
+            checkpoint = checkpoint_handling.checked_checkpoint(
+                self.config.shard_index,
+                request.body,
+                request.buffers,
+                layout,
+                UpdateRule.from_wire(request.body.get("rule")).name,
+            )
+            values = checkpoint_handling.group_values(layout, checkpoint)
         else:
             values = _group_tensors(layout, request.buffers, "initial values")
         aggregator = gate = None
@@ -317,9 +316,7 @@ class ParameterService:
             self.store.keep_moving_average(discipline.ema_decay)
         if checkpoint is not None:
             try:
-                self.store.restore(
-                    checkpoint.values, checkpoint.ema, checkpoint.optimizer, checkpoint.version
-                )
+                checkpoint_handling.restore_into(self.store, checkpoint)
             except ValueError:
                 self.store = VariableStore()  # nothing of the refused create remains
                 self._snapshots = SnapshotPool(self.store)
@@ -352,7 +349,7 @@ class ParameterService:
             return
         difference = expected.describe_difference(self.store.layout)
         if difference is not None:
-            raise ValueError(
+            raise ConfigError(
                 f"the model of {request.body.get('task', 'this worker')} does not match the chief's: {difference}"
             )
         self.socket.reply(
@@ -445,9 +442,7 @@ class ParameterService:
 
     def _departed_workers(self) -> set[str]:
         """Workers a sync step does not wait for: done, and lost when shrinking."""
-        if self.discipline.lost_worker == "shrink":
-            return self.done_workers | self.lost_workers
-        return self.done_workers
+        return self.roster.departed(including_lost=self.discipline.lost_worker == "shrink")
 
     def _answer_push(self, request: Request, made_step: bool, dropped: bool = False) -> None:
         extra = {"made_step": made_step, "dropped": dropped}
@@ -457,20 +452,12 @@ class ParameterService:
             self.socket.reply(request, {**self._progress(), **extra})
 
     def _worker_of(self, request: Request) -> str:
-        task = request.body.get("task")
-        if not isinstance(task, str) or task not in self.config.worker_tasks:
-            raise ProtocolError(
-                f"push from unknown task {task!r}; workers are {list(self.config.worker_tasks)}"
-            )
-        return task
+        """The worker task that sent ``request`` (ProtocolError for any other name)."""
+        return self.roster.worker_of(request.op, request.body.get("task"))
 
     def _done(self, request: Request) -> None:
-        task = request.body.get("task")
-        if not isinstance(task, str) or task not in self.config.worker_tasks:
-            raise ValueError(
-                f"'done' from unknown task {task!r}; workers are {list(self.config.worker_tasks)}"
-            )
-        self.done_workers.add(task)
+        task = self._worker_of(request)
+        self.roster.mark_done(task)
         self.socket.reply(request, {})
         if self.gate is not None:
             # A push of this worker still held would put it back among the live clocks.
@@ -496,17 +483,10 @@ class ParameterService:
     def _answer_wait_done(self, expired: bool = False) -> None:
         now = time.monotonic()
         for request in list(self._waiting_for_done):
-            running = self._running_workers(exclude=request.body.get("task"))
+            running = self.roster.running(exclude=request.body.get("task"))
             if not running or expired and request.deadline <= now:
                 self._waiting_for_done.remove(request)
                 self.socket.reply(request, {"running": running})
-
-    def _running_workers(self, exclude: object = None) -> list[str]:
-        return [
-            t
-            for t in self.config.worker_tasks
-            if t != exclude and t not in self.done_workers and t not in self.lost_workers
-        ]
 
     def _heartbeat(self, request: Request) -> None:
         self._worker_of(request)
@@ -515,19 +495,9 @@ class ParameterService:
     def _save(self, request: Request) -> None:
         """The shard's state as one safetensors document (a checkpoint's shard file)."""
         self._require_initialized()
-        values, ema, optimizer = self.store.checkpoint_parts(copy=False)  # copied by encode
-        document = encode_shard(
-            shard=self.config.shard_index,
-            global_step=self.global_step,
-            version=self.store.version,
-            rule=self.store.rule.to_wire(),
-            layout=self.store.layout,
-            values=values,
-            ema=ema,
-            optimizer=optimizer,
-            worker_data=self.worker_data,
+        document = checkpoint_handling.save_document(
+            self.config.shard_index, self.store, self.global_step, self.worker_data
         )
-        self.stats["saves"] += 1
         self.socket.reply(
             request,
             {"global_step": self.global_step, "version": self.store.version},
@@ -538,41 +508,16 @@ class ParameterService:
         """Take the state of a shard document (every shard of a run is restored to the same
         checkpoint by the chief). Checked before anything changes."""
         self._require_initialized()
-        checkpoint = self._checkpoint_from(request, self.store.layout)
-        self.store.restore(
-            checkpoint.values, checkpoint.ema, checkpoint.optimizer, checkpoint.version
+        checkpoint = checkpoint_handling.checked_checkpoint(
+            self.config.shard_index,
+            request.body,
+            request.buffers,
+            self.store.layout,
+            self.store.rule.name,
         )
+        checkpoint_handling.restore_into(self.store, checkpoint)
         self._take_progress(request.body.get("global_step"), checkpoint)
         self.socket.reply(request, self._progress())
-
-    def _checkpoint_from(self, request: Request, layout: FusedLayout) -> ShardState:
-        if len(request.buffers) != 1:
-            raise ProtocolError(
-                f"a restore carries one shard document, got {len(request.buffers)} buffers"
-            )
-        checkpoint = decode_shard(request.buffers[0])
-        if checkpoint.shard != self.config.shard_index:
-            raise ValueError(
-                f"the checkpoint's document is of ps:{checkpoint.shard}, this is ps:{self.config.shard_index}"
-            )
-        difference = layout.describe_difference(checkpoint.layout)
-        if difference is not None:
-            raise ValueError(f"the checkpoint does not match the variables: {difference}")
-        rule = UpdateRule.from_wire(checkpoint.rule)
-        applied = (
-            self.store.rule.name
-            if self.store.initialized
-            else UpdateRule.from_wire(request.body.get("rule")).name
-        )
-        if rule.name != applied:
-            raise ValueError(
-                f"the checkpoint was made with rule {rule.name!r}, this shard applies {applied!r}: "
-                "restore it with the same optimizer, or start fresh"
-            )
-        step = request.body.get("global_step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ProtocolError(f"a restore needs the checkpoint's global_step, got {step!r}")
-        return checkpoint
 
     def _take_progress(self, global_step: int, checkpoint: ShardState) -> None:
         """After a restore: the global step of the checkpoint (the same on every shard), the
@@ -593,66 +538,31 @@ class ParameterService:
             global_step,
         )
 
-    def _claim_identity(self, task: object, instance: object) -> None:
-        """Refuse a second process claiming the identity of a worker that is still alive;
-        a hello from a worker task marks it alive (a new process of a finished one: back)."""
-        if not isinstance(task, str) or task not in self.config.worker_tasks:
-            return
-        if isinstance(instance, str) and 0 < len(instance) <= 64:
-            holder, heard = self.instances.get(task), self.heard.get(task)
-            if (
-                holder is not None
-                and holder != instance
-                and heard is not None
-                and task not in self.lost_workers
-                and task not in self.done_workers
-            ):
-                age = time.monotonic() - heard
-                raise IdentityInUse(
-                    f"{task} is already running in another process (heard from {age:.1f} s "
-                    "ago): two processes with one task identity would corrupt training. Stop "
-                    "the other one; a restarted task is let in "
-                    f"{self.config.liveness_timeout_s:g} s after its predecessor fell silent"
-                )
-            if holder is not None and holder != instance:
-                self.done_workers.discard(task)  # a new process of a finished task: it is back
-            self.instances[task] = instance
-        self.heard[task] = time.monotonic()
-        self.lost_workers.discard(task)
-
     def _check_liveness(self) -> None:
-        """Mark workers silent for ``liveness_timeout_s`` as lost (and found again)."""
-        now = time.monotonic()
-        limit = self.config.liveness_timeout_s
-        lost = {
-            task
-            for task, heard in self.heard.items()
-            if now - heard > limit and task not in self.done_workers
-        }
-        for task in sorted(lost - self.lost_workers):
+        """Act on the workers the roster found lost (or back) since the last check."""
+        change = self.roster.check_liveness()
+        for task in change.newly_lost:
             log.warning(
                 "ps:%d: %s has not been heard from for %g s: lost (dead, or cut off)%s",
                 self.config.shard_index,
                 task,
-                limit,
+                self.config.liveness_timeout_s,
                 ""
                 if self.aggregator is None
                 else f"; sync steps {'go on without it' if self.discipline.lost_worker == 'shrink' else 'fail'}",
             )
             if self.gate is not None:
                 self.gate.leave(task)
-        for task in sorted(self.lost_workers - lost):
+        for task in change.back:
             log.warning("ps:%d: %s is back", self.config.shard_index, task)
-        changed = lost != self.lost_workers
-        self.lost_workers = lost
-        if self.gate is not None and changed:
+        if self.gate is not None and change.changed:
             self._release_held()
-        if self.aggregator is not None and lost:
+        if self.aggregator is not None and self.roster.lost:
             if self.discipline.lost_worker == "fail":
-                self._fail_sync_step(lost)
-            elif changed:
+                self._fail_sync_step(self.roster.lost)
+            elif change.changed:
                 self._complete_sync_step(last_task=None)
-        if self._waiting_for_done and changed:
+        if self._waiting_for_done and change.changed:
             self._answer_wait_done()
 
     def _fail_sync_step(self, lost: set[str]) -> None:
@@ -704,8 +614,12 @@ class ParameterService:
         }
 
     def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
-        slot, values = self._snapshots.take()
         body = {**self._progress(), **(extra or {})}
+        if self.socket.replies_in_shared_memory(request):
+            # Copied into the requester's shared memory before reply() returns: no snapshot.
+            self.socket.reply(request, body, [as_buffer(t) for t in self.store.live_values()])
+            return
+        slot, values = self._snapshots.take()
         tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
         self._snapshots.sent(slot, tracker)
 

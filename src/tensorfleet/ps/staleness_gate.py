@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorfleet.errors import ConfigError
+
 
 @dataclass
 class StalenessGate:
@@ -31,7 +33,7 @@ class StalenessGate:
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
     def join(self, task: str) -> None:
         """A worker is live; it starts at the slowest live clock."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tensorfleet.errors import ConfigError, UsageError
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.tensors import DTYPES
@@ -35,13 +36,13 @@ class VariableStore:
     def create(self, layout: FusedLayout, rule: UpdateRule, values: list[torch.Tensor]) -> None:
         """Take ownership of the initial values (one flat tensor per group, copied)."""
         if self.initialized:
-            raise RuntimeError("variables already created")
+            raise UsageError("variables already created")
         if len(values) != len(layout.groups):
-            raise ValueError(f"{len(values)} value buffers for {len(layout.groups)} dtype groups")
+            raise ConfigError(f"{len(values)} value buffers for {len(layout.groups)} dtype groups")
         flats = []
         for group, value in zip(layout.groups, values, strict=True):
             if value.dtype != DTYPES[group.dtype] or value.numel() != group.numel:
-                raise ValueError(
+                raise ConfigError(
                     f"initial values for the {group.dtype} group have {value.numel()} {value.dtype} elements, expected {group.numel}"
                 )
             flats.append(value.detach().clone().reshape(-1))
@@ -66,13 +67,18 @@ class VariableStore:
     def moving_average_snapshot(self) -> list[torch.Tensor]:
         """A copy of the moving average, one flat tensor per group."""
         if self._ema is None:
-            raise ValueError("this shard keeps no moving average (ema_decay was not set)")
+            raise ConfigError("this shard keeps no moving average (ema_decay was not set)")
         return [flat.clone() for flat in self._ema]
 
     def snapshot(self) -> list[torch.Tensor]:
         """A copy of the current values, one flat tensor per group (safe to send while the
         store keeps changing)."""
         return [flat.clone() for flat in self._flats]
+
+    def live_values(self) -> list[torch.Tensor]:
+        """The current values themselves, one flat tensor per group: to be read at once
+        (the next update changes them), never kept."""
+        return list(self._flats)
 
     def snapshot_into(self, targets: list[torch.Tensor]) -> None:
         """Copy the current values into ``targets`` (tensors shaped like :meth:`snapshot`'s)."""
@@ -89,7 +95,7 @@ class VariableStore:
         state, to be copied before the store changes (the ps encodes them at once)."""
         take = (lambda t: t.clone()) if copy else (lambda t: t)
         if self._optimizer is None:
-            raise RuntimeError("variables not created yet")
+            raise UsageError("variables not created yet")
         values, ema = {}, None if self._ema is None else {}
         for index, (group, views) in enumerate(zip(self.layout.groups, self._views, strict=True)):
             for (var, offset), view in zip(group.members, views, strict=True):
@@ -123,7 +129,7 @@ class VariableStore:
         The optimizer state is loaded through ``load_state_dict`` of a fresh optimizer, so a
         state torch refuses leaves this store unchanged (ValueError)."""
         if self._optimizer is None:
-            raise RuntimeError("variables not created yet")
+            raise UsageError("variables not created yet")
         check_optimizer_state(self.rule, self._ordered_variables(), self._params(), optimizer)
         fresh = self.rule.build(self._params())
         by_name = dict(
@@ -137,7 +143,7 @@ class VariableStore:
                 {"state": state, "param_groups": fresh.state_dict()["param_groups"]}
             )
         except (ValueError, KeyError, RuntimeError, TypeError) as exc:
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint's optimizer state does not fit rule {self.rule.name!r}: {exc}"
             ) from None
         with torch.no_grad():
@@ -163,7 +169,7 @@ class VariableStore:
     def apply(self, gradients: list[torch.Tensor]) -> None:
         """Apply one update from flat gradients (one per group, already validated in size)."""
         if self._optimizer is None:
-            raise RuntimeError("variables not created yet")
+            raise UsageError("variables not created yet")
         for group, views, grad in zip(self.layout.groups, self._views, gradients, strict=True):
             for (var, offset), view in zip(group.members, views, strict=True):
                 view.grad = grad[offset : offset + var.numel].view(var.shape)
@@ -197,7 +203,7 @@ def _check_applicable(rule: UpdateRule, dtypes: list[torch.dtype]) -> None:
             optimizer.step()
     except (RuntimeError, OverflowError) as exc:
         names = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
-        raise ValueError(
+        raise ConfigError(
             f"update rule {rule.name!r} with {rule.hyperparameters} cannot update {names} "
             f"variables: {type(exc).__name__}: {exc}"
         ) from None
@@ -235,12 +241,12 @@ def check_optimizer_state(
         for key, tensor in optimizer.get(var.name, {}).items():
             want = expected.get(key)
             if want is None:
-                raise ValueError(
+                raise ConfigError(
                     f"the checkpoint has optimizer state {key!r} for {var.name!r}, which rule "
                     f"{rule.name!r} does not keep (it keeps {sorted(expected) or 'nothing'})"
                 )
             if tuple(tensor.shape) != tuple(want.shape):
-                raise ValueError(
+                raise ConfigError(
                     f"optimizer state {key!r} of {var.name!r} is {list(tensor.shape)} in the "
                     f"checkpoint, rule {rule.name!r} keeps it as {list(want.shape)}"
                 )

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tensorfleet.errors import ConfigError
+
 
 @dataclass
 class Contribution:
@@ -45,7 +47,7 @@ class SyncAggregator:
 
     def __post_init__(self) -> None:
         if not 1 <= self.replicas_to_aggregate <= len(self.worker_order):
-            raise ValueError(
+            raise ConfigError(
                 f"replicas_to_aggregate must be between 1 and the number of workers "
                 f"({len(self.worker_order)}), got {self.replicas_to_aggregate}"
             )

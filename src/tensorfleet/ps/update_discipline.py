@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import ConfigError, ProtocolError
 
 MODES = ("async", "sync")
 #: What a sync shard does when a worker stops sending heartbeats: go on with the live
@@ -37,23 +37,23 @@ class UpdateDiscipline:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.replicas_to_aggregate is not None and (
             self.mode != "sync" or self.replicas_to_aggregate < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"replicas_to_aggregate={self.replicas_to_aggregate} needs mode 'sync' and a value >= 1"
             )
         if self.max_staleness is not None and (self.mode != "async" or self.max_staleness < 0):
-            raise ValueError(
+            raise ConfigError(
                 f"max_staleness={self.max_staleness} needs mode 'async' and a value >= 0"
             )
         if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}")
+            raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+            raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.lost_worker not in LOST_WORKER_POLICIES:
-            raise ValueError(
+            raise ConfigError(
                 f"lost_worker must be one of {LOST_WORKER_POLICIES}, got {self.lost_worker!r}"
             )
 

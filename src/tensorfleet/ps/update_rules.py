@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tensorfleet.errors import ConfigError
+
 OptimizerFactory = Callable[[Sequence[torch.Tensor], dict[str, Any]], torch.optim.Optimizer]
 
 
@@ -32,7 +34,7 @@ class UpdateRule:
     def __post_init__(self) -> None:
         spec = _RULES.get(self.name)
         if spec is None:
-            raise ValueError(f"unknown update rule {self.name!r}; known: {sorted(_RULES)}")
+            raise ConfigError(f"unknown update rule {self.name!r}; known: {sorted(_RULES)}")
         spec.validate(self.hyperparameters)
 
     def to_wire(self) -> dict[str, Any]:
@@ -47,7 +49,9 @@ class UpdateRule:
             or not isinstance(data.get("name"), str)
             or not isinstance(data.get("hyperparameters"), dict)
         ):
-            raise ValueError(f"an update rule is {{name: str, hyperparameters: map}}, got {data!r}")
+            raise ConfigError(
+                f"an update rule is {{name: str, hyperparameters: map}}, got {data!r}"
+            )
         hyper = {
             k: tuple(v) if isinstance(v, list) else v for k, v in data["hyperparameters"].items()
         }
@@ -62,7 +66,7 @@ class UpdateRule:
         except (TypeError, IndexError, KeyError) as exc:
             # e.g. Adam(betas=(0.9,)) raises IndexError inside torch; a ps answers ValueError
             # with a refusal instead of letting it end the service loop.
-            raise ValueError(
+            raise ConfigError(
                 f"update rule {self.name!r} cannot be built with {self.hyperparameters}: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
@@ -77,9 +81,11 @@ class _RuleSpec:
         for key, value in hyper.items():
             types = self.allowed.get(key)
             if types is None:
-                raise ValueError(f"unknown hyperparameter {key!r}; allowed: {sorted(self.allowed)}")
+                raise ConfigError(
+                    f"unknown hyperparameter {key!r}; allowed: {sorted(self.allowed)}"
+                )
             if isinstance(value, bool) and bool not in types:
-                raise ValueError(f"hyperparameter {key}={value!r} must be a number")
+                raise ConfigError(f"hyperparameter {key}={value!r} must be a number")
             if isinstance(value, tuple):
                 # Tuple hyperparameters (Adam's betas) are pairs of numbers.
                 if (
@@ -89,13 +95,13 @@ class _RuleSpec:
                         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
                     )
                 ):
-                    raise ValueError(
+                    raise ConfigError(
                         f"hyperparameter {key}={value!r} has the wrong type: it must be a pair of numbers"
                     )
             elif isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"hyperparameter {key}={value!r} must be a finite number")
+                raise ConfigError(f"hyperparameter {key}={value!r} must be a finite number")
             elif not isinstance(value, types):
-                raise ValueError(
+                raise ConfigError(
                     f"hyperparameter {key}={value!r} has the wrong type ({type(value).__name__})"
                 )
 

@@ -18,7 +18,7 @@ from tensorfleet.cluster.resources import TaskResources
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
 from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
-from tensorfleet.wire.message import Limits
+from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.transport import ServiceSocket
 from tensorfleet.worker.task_resources import AppliedResources, apply_task_resources
@@ -30,17 +30,11 @@ WORKER_JOB = "worker"
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    """Settings of a task's server."""
+class ServerConfig(ServiceSettings):
+    """Settings of a task's server: a ps shard's :class:`ServiceSettings` (timeouts and
+    limits, with their defaults and checks: ``idle_timeout_s``, ``end_grace_s``,
+    ``liveness_timeout_s``, ``limits``) and whether to encrypt its traffic."""
 
-    idle_timeout_s: float = 1800.0
-    """A ps ends when no worker has sent a valid request for this long."""
-    end_grace_s: float = 60.0
-    """After the chief declares training over, how long a ps waits for the other workers."""
-    liveness_timeout_s: float = 15.0
-    """A worker not heard from (requests or heartbeats) for this long is lost."""
-    limits: Limits = Limits()
-    """Message size and count limits the ps enforces."""
     encrypt: bool | None = None
     """Encrypt traffic with ZeroMQ CURVE (keys derived from the secret); None: from
     ``TENSORFLEET_ENCRYPT``. Every task of a cluster must agree."""
@@ -118,13 +112,8 @@ class Server:
 
     def _start_parameter_service(self) -> None:
         started = threading.Event()
-        config = ServiceConfig(
-            shard_index=self.task.index,
-            worker_tasks=tuple(str(t) for t in self.worker_tasks),
-            idle_timeout_s=self.config.idle_timeout_s,
-            end_grace_s=self.config.end_grace_s,
-            liveness_timeout_s=self.config.liveness_timeout_s,
-            limits=self.config.limits,
+        config = ServiceConfig.for_shard(
+            self.task.index, [str(t) for t in self.worker_tasks], self.config
         )
 
         def run() -> None:

@@ -18,21 +18,36 @@ times (sign and verify, both ways). Measured on this project's machine, HMAC-SHA
 1.75 GB/s (15 ms per push+pull, more than the whole raw TCP round trip), AES-256-GMAC at
 19.6 GB/s (1.4 ms). Both are standard MACs with 128-bit tags; key derivation and the header
 use SHA-256 through HKDF.
+
+Payloads are authenticated in chunks of :data:`CHUNK_BYTES`, each with its own GMAC tag under
+the message's counter and the chunk's index (nonce = index || counter: unique per key, since
+the counter never repeats and the index is unique within a message); the message's own tag
+covers the envelope, the header and the list of chunk tags. Why chunks and not one tag over
+everything (the first version): one tag must be computed by one thread after the last byte
+is in place, and verified before the header may be parsed. With chunk tags, (a) the header is
+verified and parsed first, so a payload can live outside the frames (shared memory, see
+:mod:`tensorfleet.wire.shared_memory`) and still be verified before use; (b) the chunks are
+signed and verified on two threads at once (OpenSSL runs without the GIL): measured here,
+8 MB in 0.35 ms on one thread, 0.2 ms on two (when a second core is free; on a busy machine
+the calling thread does the chunks the helper has not taken). A chunk moved to another position, another
+message or another session fails its tag; a truncated payload fails the size checks.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tensorfleet.errors import AuthenticationError
+from tensorfleet.errors import AuthenticationError, ConfigError
 
 SESSION_ID_BYTES = 16
 TAG_BYTES = 16
@@ -42,11 +57,18 @@ _ROLES = (REQUEST_ROLE, REPLY_ROLE)
 
 Buffer = bytes | bytearray | memoryview
 
+#: Payload bytes covered by one chunk tag.
+CHUNK_BYTES = 1 << 20
+#: Payloads at least this large are signed and verified on two threads.
+PARALLEL_MIN_BYTES = 2 << 20
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
 
 def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
     """The 256-bit key of one sender session in one direction."""
     if role not in _ROLES:
-        raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+        raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
     hkdf = HKDF(
         algorithm=hashes.SHA256(),
         length=32,
@@ -70,8 +92,70 @@ def derive_curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
-def _nonce(counter: int) -> bytes:
-    return b"\x00\x00\x00\x00" + struct.pack(">Q", counter)
+def _nonce(counter: int, index: int = 0) -> bytes:
+    """Index 0 is the message's own tag; chunks use 1, 2, ..."""
+    return struct.pack(">IQ", index, counter)
+
+
+def chunk_spans(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(buffer index, start, stop) of every chunk of buffers of ``sizes``, in order: each
+    buffer is cut into pieces of :data:`CHUNK_BYTES` (an empty buffer has no chunk)."""
+    return [
+        (i, start, min(start + CHUNK_BYTES, size))
+        for i, size in enumerate(sizes)
+        for start in range(0, size, CHUNK_BYTES)
+    ]
+
+
+def _in_parallel(jobs: list, run, total_bytes: int) -> list:
+    """``run(job)`` for every job, on this thread and (for large payloads) one helper that
+    takes jobs from the same list. This thread never waits for the helper to start: on a
+    busy machine it may do every job itself, and then waits only for a job the helper is in
+    the middle of (a chunk, tens of microseconds)."""
+    if total_bytes < PARALLEL_MIN_BYTES or len(jobs) < 2:
+        return [run(job) for job in jobs]
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorfleet-mac")
+    results: list = [None] * len(jobs)
+    lock, finished = threading.Lock(), threading.Event()
+    state = {"next": 0, "done": 0, "error": None}
+
+    def work() -> None:
+        while True:
+            with lock:
+                index = state["next"]
+                if index >= len(jobs):
+                    return
+                state["next"] = index + 1
+            try:
+                results[index] = run(jobs[index])
+            except BaseException as exc:  # re-raised on the calling thread
+                state["error"] = exc
+            with lock:
+                state["done"] += 1
+                if state["done"] == len(jobs):
+                    finished.set()
+
+    _POOL.submit(work)
+    work()
+    finished.wait()
+    if state["error"] is not None:
+        raise state["error"]
+    return results
+
+
+def _bytes_view(buffer: Buffer) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _chunk_jobs(buffers: Sequence[Buffer]) -> tuple[list[tuple[int, memoryview]], int]:
+    views = [_bytes_view(b) for b in buffers]
+    spans = chunk_spans([v.nbytes for v in views])
+    jobs = [(index + 1, views[b][start:stop]) for index, (b, start, stop) in enumerate(spans)]
+    return jobs, sum(v.nbytes for v in views)
 
 
 class MessageSigner:
@@ -98,6 +182,27 @@ class MessageSigner:
         encryptor.finalize()
         return encryptor.tag
 
+    def chunk_tags(self, counter: int, buffers: Sequence[Buffer]) -> bytes:
+        """The tags of every chunk of ``buffers`` (see :func:`chunk_spans`), concatenated."""
+        jobs, total = _chunk_jobs(buffers)
+        key = self._key
+
+        def run(job: tuple[int, memoryview]) -> bytes:
+            encryptor = Cipher(algorithms.AES(key), modes.GCM(_nonce(counter, job[0]))).encryptor()
+            encryptor.authenticate_additional_data(job[1])
+            encryptor.finalize()
+            return encryptor.tag
+
+        return b"".join(_in_parallel(jobs, run, total))
+
+
+class VerifiedHeader:
+    """A message whose envelope and header verified, its payload not yet (see
+    :meth:`MessageVerifier.check` and :meth:`MessageVerifier.accept`)."""
+
+    def __init__(self, session_id: bytes, counter: int, key: bytes) -> None:
+        self.session_id, self.counter, self.key = session_id, counter, key
+
 
 class MessageVerifier:
     """The receiving side: checks tags and refuses replays, for any number of sessions.
@@ -108,7 +213,7 @@ class MessageVerifier:
 
     def __init__(self, secret: bytes, role: str, max_sessions: int = 4096) -> None:
         if role not in _ROLES:
-            raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+            raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
         self._secret = secret
         self._role = role
         self._max_sessions = max_sessions
@@ -118,6 +223,13 @@ class MessageVerifier:
     def verify(self, session_id: bytes, counter: int, tag: bytes, parts: Iterable[Buffer]) -> None:
         """Accept the message or raise :class:`AuthenticationError`; on success the counter is
         recorded so the same message is refused next time."""
+        self.accept(self.check(session_id, counter, tag, parts), b"", [])
+
+    def check(
+        self, session_id: bytes, counter: int, tag: bytes, parts: Iterable[Buffer]
+    ) -> VerifiedHeader:
+        """Verify the message's own tag (over ``parts``: envelope, header, chunk tags) or raise
+        :class:`AuthenticationError`. Nothing is recorded until :meth:`accept`."""
         if len(session_id) != SESSION_ID_BYTES or len(tag) != TAG_BYTES:
             raise AuthenticationError("malformed authentication fields")
         last = self._last_counter.get(session_id, 0)
@@ -139,7 +251,43 @@ class MessageVerifier:
                 "message authentication failed: the sender does not hold this cluster's secret "
                 "(or the message was altered)"
             ) from None
-        self._remember(session_id, key, counter)
+        return VerifiedHeader(session_id, counter, key)
+
+    def accept(
+        self, verified: VerifiedHeader, chunk_tags: Buffer, buffers: Sequence[Buffer]
+    ) -> None:
+        """Verify every chunk of ``buffers`` against ``chunk_tags`` (their count was checked by
+        the caller against the header), then record the counter: the message is accepted."""
+        jobs, total = _chunk_jobs(buffers)
+        tags = memoryview(chunk_tags)
+        if tags.nbytes != TAG_BYTES * len(jobs):
+            raise AuthenticationError(
+                f"{tags.nbytes // TAG_BYTES} chunk tags for {len(jobs)} chunks of payload"
+            )
+        key, counter = verified.key, verified.counter
+
+        def run(job: tuple[int, memoryview]) -> bool:
+            index, data = job
+            expected = bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES])
+            decryptor = Cipher(
+                algorithms.AES(key), modes.GCM(_nonce(counter, index), expected)
+            ).decryptor()
+            decryptor.authenticate_additional_data(data)
+            try:
+                decryptor.finalize()
+            except InvalidTag:
+                return False
+            return True
+
+        bad = [
+            job[0] for job, ok in zip(jobs, _in_parallel(jobs, run, total), strict=True) if not ok
+        ]
+        if bad:
+            raise AuthenticationError(
+                f"payload authentication failed in chunk {bad[0]} of {len(jobs)}: the payload "
+                "was altered (or the sender does not hold this cluster's secret)"
+            )
+        self._remember(verified.session_id, verified.key, verified.counter)
 
     def _remember(self, session_id: bytes, key: bytes, counter: int) -> None:
         self._keys[session_id] = key

@@ -2,41 +2,59 @@
 
 A message travels as ZeroMQ frames::
 
-    [envelope (48 bytes)] [header (msgpack map)] [buffer 0] [buffer 1] ...
+    [envelope (48 bytes)] [header (msgpack map)] [chunk tags] [buffer 0] [buffer 1] ...
 
 The envelope is fixed-size binary so that it can be checked before anything is parsed::
 
     magic "TF" | protocol u8 | kind u8 | session id (16) | counter u64 | header length u32 | tag (16)
 
-The MAC covers the envelope up to the tag, the header and every buffer. The header's own
-length is in the envelope and the buffers' lengths are in the header, so the concatenation
-is unambiguous. Buffers are raw tensor bytes, sent and received without copies; their
-dtypes and shapes are described in the header by whoever defines the operation.
+The envelope's tag covers the envelope up to the tag, the header and the chunk tags; each
+chunk of the buffers (:data:`~tensorfleet.wire.auth.CHUNK_BYTES`) has its own tag (see
+:mod:`tensorfleet.wire.auth`). The header's own length is in the envelope and the buffers'
+lengths are in the header (``sizes``), so the chunks are unambiguous. Buffers are raw tensor
+bytes, sent and received without copies; their dtypes and shapes are described in the header
+by whoever defines the operation. A header with a ``shm`` key carries no buffer frames: its
+buffers lie in shared memory (:mod:`tensorfleet.wire.shared_memory`), found by the
+transport's resolver, and are verified there like frames, before anyone uses them.
 
-Nothing is parsed before the MAC verifies: bytes from someone without the secret never
-reach msgpack. Even then, msgpack runs with limits and the header must be a map with
-string keys (see :func:`decode`).
+Nothing is parsed before the envelope's tag verifies: bytes from someone without the secret
+never reach msgpack. Even then, msgpack runs with limits and the header must be a map with
+string keys (see :func:`decode`). No buffer is handed out before its chunks verify.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from tensorfleet.errors import AuthenticationError, ProtocolError
-from tensorfleet.wire.auth import Buffer, MessageSigner, MessageVerifier
+from tensorfleet.errors import AuthenticationError, ConfigError, ProtocolError
+from tensorfleet.wire.auth import (
+    TAG_BYTES,
+    Buffer,
+    MessageSigner,
+    MessageVerifier,
+    chunk_spans,
+)
 
 #: Version of the framing and of the operations; both sides must speak the same one.
-PROTOCOL_VERSION = 1
+#: 2: chunk tags (version 1 had one tag over everything).
+PROTOCOL_VERSION = 2
 MAGIC = b"TF"
 KIND_REQUEST = 0
 KIND_REPLY = 1
 _ENVELOPE = struct.Struct(">2sBB16sQI16s")
 ENVELOPE_BYTES = _ENVELOPE.size
 _SIGNED_ENVELOPE_BYTES = ENVELOPE_BYTES - 16
+#: Frames before the buffers: envelope, header, chunk tags.
+FIXED_FRAMES = 3
+
+#: Finds the buffers of a message whose header has ``shm`` (the header is verified, the
+#: buffers not yet); raises ProtocolError when it cannot.
+Resolver = Callable[[dict[str, Any], list[int]], list[Buffer]]
 
 #: Unauthenticated notices a server sends to a peer it cannot talk to (wrong secret, other
 #: protocol version), so that the peer can fail with a clear error instead of timing out.
@@ -57,7 +75,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_buffers", "max_header_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"Limits.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"Limits.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass
@@ -72,18 +90,34 @@ class Message:
 
 
 def encode(
-    kind: int, header: dict[str, Any], buffers: list[Buffer], signer: MessageSigner
+    kind: int,
+    header: dict[str, Any],
+    buffers: list[Buffer],
+    signer: MessageSigner,
+    in_frames: bool = True,
 ) -> list[Buffer]:
-    """Frames for one message, signed by ``signer``. Buffers are not copied."""
+    """Frames for one message, signed by ``signer``. Buffers are not copied. With
+    ``in_frames=False`` the buffers are signed but left out of the frames (the header says
+    where the receiver finds them, e.g. in shared memory)."""
     header = dict(header, sizes=[memoryview(b).nbytes for b in buffers])
     header_bytes = msgpack.packb(header, use_bin_type=True)
     counter = signer.next_counter()
-    signed = _ENVELOPE.pack(
+    tags = signer.chunk_tags(counter, buffers)
+    return [
+        *sign_frames(signer, kind, counter, header_bytes, tags),
+        *(buffers if in_frames else []),
+    ]
+
+
+def sign_frames(
+    signer: MessageSigner, kind: int, counter: int, header_bytes: bytes, chunk_tags: bytes
+) -> list[bytes]:
+    """The envelope, header and chunk-tags frames of a message with these header bytes."""
+    signed_part = _ENVELOPE.pack(
         MAGIC, PROTOCOL_VERSION, kind, signer.session_id, counter, len(header_bytes), b"\0" * 16
-    )
-    signed_part = signed[:_SIGNED_ENVELOPE_BYTES]
-    tag = signer.tag(counter, [signed_part, header_bytes, *buffers])
-    return [signed_part + tag, header_bytes, *buffers]
+    )[:_SIGNED_ENVELOPE_BYTES]
+    tag = signer.tag(counter, [signed_part, header_bytes, chunk_tags])
+    return [signed_part + tag, header_bytes, chunk_tags]
 
 
 def peek_protocol(frames: list[Buffer]) -> int | None:
@@ -97,15 +131,21 @@ def peek_protocol(frames: list[Buffer]) -> int | None:
 
 
 def decode(
-    frames: list[Buffer], expected_kind: int, verifier: MessageVerifier, limits: Limits
+    frames: list[Buffer],
+    expected_kind: int,
+    verifier: MessageVerifier,
+    limits: Limits,
+    resolve: Resolver | None = None,
 ) -> Message:
     """Check and decode one message; raise :class:`ProtocolError` or
-    :class:`AuthenticationError` (never anything else) if it is not acceptable."""
-    if len(frames) < 2:
-        raise ProtocolError(f"a message has at least 2 frames, got {len(frames)}")
-    if len(frames) - 2 > limits.max_buffers:
+    :class:`AuthenticationError` (never anything else) if it is not acceptable. ``resolve``
+    finds the buffers of a message whose header says they are not in its frames (without
+    it, such a message is refused)."""
+    if len(frames) < FIXED_FRAMES:
+        raise ProtocolError(f"a message has at least {FIXED_FRAMES} frames, got {len(frames)}")
+    if len(frames) - FIXED_FRAMES > limits.max_buffers:
         raise ProtocolError(
-            f"{len(frames) - 2} buffers in one message; the limit is {limits.max_buffers}"
+            f"{len(frames) - FIXED_FRAMES} buffers in one message; the limit is {limits.max_buffers}"
         )
     views = [memoryview(f) for f in frames]
     total = sum(v.nbytes for v in views)
@@ -128,7 +168,9 @@ def decode(
         raise ProtocolError(
             f"header of {views[1].nbytes} bytes (declared {header_len}, limit {limits.max_header_bytes})"
         )
-    verifier.verify(session_id, counter, tag, [envelope[:_SIGNED_ENVELOPE_BYTES], *views[1:]])
+    verified = verifier.check(
+        session_id, counter, tag, [envelope[:_SIGNED_ENVELOPE_BYTES], views[1], views[2]]
+    )
     try:
         header = msgpack.unpackb(
             views[1],
@@ -140,11 +182,36 @@ def decode(
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
     sizes = header.get("sizes")
-    buffers = views[2:]
-    if not isinstance(sizes, list) or [b.nbytes for b in buffers] != sizes:
+    if (
+        not isinstance(sizes, list)
+        or len(sizes) > limits.max_buffers
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+        or sum(sizes) > limits.max_message_bytes
+    ):
+        raise ProtocolError(
+            f"the header's sizes must be a list of at most {limits.max_buffers} non-negative "
+            f"ints totalling at most {limits.max_message_bytes} bytes, got {sizes!r:.200}"
+        )
+    if "shm" in header:
+        if resolve is None:
+            raise ProtocolError("a message with its buffers in shared memory, where none is set up")
+        if len(views) != FIXED_FRAMES:
+            raise ProtocolError(
+                "a message with its buffers in shared memory also has buffer frames"
+            )
+        buffers = [memoryview(b) for b in resolve(header, sizes)]
+    else:
+        buffers = views[FIXED_FRAMES:]
+    if [b.nbytes for b in buffers] != sizes:
         raise ProtocolError(
             f"buffer sizes {[b.nbytes for b in buffers]} do not match the header's {sizes!r}"
         )
+    chunks = len(chunk_spans(sizes))
+    if views[2].nbytes != TAG_BYTES * chunks:
+        raise ProtocolError(
+            f"{views[2].nbytes} bytes of chunk tags for {chunks} chunks ({TAG_BYTES} bytes each)"
+        )
+    verifier.accept(verified, views[2], buffers)
     return Message(
         kind=kind, session_id=session_id, counter=counter, header=header, buffers=list(buffers)
     )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.wire.auth import Buffer
 
 #: The dtypes that may cross the wire, by their wire name. Anything else is refused.
@@ -29,7 +29,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot be sent; supported: {sorted(DTYPES)}") from None
+        raise ConfigError(f"dtype {dtype} cannot be sent; supported: {sorted(DTYPES)}") from None
 
 
 def parse_dtype(name: object) -> torch.dtype:
@@ -52,7 +52,7 @@ def as_buffer(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (the tensor must stay unchanged
     until the message has been sent)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("only contiguous CPU tensors can be sent without a copy")
+        raise ConfigError("only contiguous CPU tensors can be sent without a copy")
     # reshape(-1) is a view of a contiguous tensor; it lets 0-dim tensors be viewed as bytes.
     flat = tensor.reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")

@@ -6,6 +6,9 @@ every message is authenticated (see :mod:`tensorfleet.wire.message`). A service 
 crashes on bad input: it drops and counts what it cannot accept, and tells a peer that
 cannot authenticate (once) so that the peer fails with a clear error instead of a timeout.
 
+Between tasks on one host, payloads travel through shared memory instead (chosen
+automatically, see :mod:`tensorfleet.wire.shared_memory`); the messages stay the same.
+
 Why ROUTER/DEALER: the service can hold a request and answer it later (a worker waiting for
 the chief to initialize the variables waits on the server, not in a polling loop), several
 requests can be in flight on one channel, and ZeroMQ reconnects by itself.
@@ -26,14 +29,17 @@ from zmq.utils.monitor import recv_monitor_message
 from tensorfleet.errors import (
     AuthenticationError,
     ClusterConfigError,
+    ConfigError,
     ConnectionLost,
     DeadlineExceeded,
+    ListenError,
     ProtocolError,
     RemoteError,
     ServiceRestarted,
     remote_error_class,
 )
 from tensorfleet.wire import message as wire
+from tensorfleet.wire import shared_memory as shm
 from tensorfleet.wire.auth import (
     REPLY_ROLE,
     REQUEST_ROLE,
@@ -99,6 +105,16 @@ class Request:
     deadline: float
     """``time.monotonic()`` after which the requester no longer waits for the answer."""
     session_id: bytes
+    reply_segment: object = None
+    """Where the requester wants the reply's payload (its shared-memory segment), or None."""
+
+
+class _SegmentUnavailable(ProtocolError):
+    """An authentic request whose shared-memory payload cannot be mapped (stale, gone)."""
+
+    def __init__(self, text: str, header: dict[str, Any]) -> None:
+        super().__init__(text)
+        self.header = header
 
 
 @dataclass
@@ -141,10 +157,14 @@ class ServiceSocket:
         secret: bytes,
         limits: wire.Limits | None = None,
         encrypt: bool = False,
+        shared_memory: bool | None = None,
     ) -> None:
         self.limits = limits or wire.Limits()
         self.address = address
         self.encrypt = encrypt
+        use_memory = shared_memory_wanted(shared_memory)
+        self._peer_segments = shm.PeerSegments() if use_memory else None
+        self._host = shm.host_identity() if use_memory else None
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -166,7 +186,7 @@ class ServiceSocket:
                 if exc.errno == zmq.EADDRINUSE
                 else "check that the host in the cluster spec is an address of this machine"
             )
-            raise OSError(
+            raise ListenError(
                 exc.errno, f"cannot listen on {address} ({endpoint}): {exc.strerror}; {hint}"
             ) from None
         self._signer = MessageSigner(secret, REPLY_ROLE)
@@ -196,7 +216,13 @@ class ServiceSocket:
             return None
         payload = [f.buffer for f in frames[1:]]
         try:
-            msg = wire.decode(payload, wire.KIND_REQUEST, self._verifier, self.limits)
+            msg = wire.decode(
+                payload,
+                wire.KIND_REQUEST,
+                self._verifier,
+                self.limits,
+                resolve=self._resolve_request if self._peer_segments is not None else None,
+            )
             request = self._request_from(peer, msg)
         except _StaleSession as stale:
             # Authentic, but meant for the process this one replaced: tell the client to say
@@ -209,6 +235,15 @@ class ServiceSocket:
                 STALE_SESSION,
                 f"{self.address} restarted since this client said hello; say hello again",
             )
+            return None
+        except _SegmentUnavailable as exc:
+            # Authentic (its header verified), but its payload cannot be reached: say why.
+            self.rejected["shm"] += 1
+            request_id = exc.header.get("id")
+            if isinstance(request_id, int):
+                session = bytes(memoryview(payload[0])[4:20])
+                stub = Request(peer, str(exc.header.get("op")), request_id, {}, [], 0.0, session)
+                self.fail(stub, "ProtocolError", f"{exc} [service {self.address}]")
             return None
         except AuthenticationError as exc:
             self.rejected["auth"] += 1
@@ -247,6 +282,7 @@ class ServiceSocket:
             buffers=msg.buffers,
             deadline=time.monotonic() + timeout_ms / 1000,
             session_id=msg.session_id,
+            reply_segment=header.get("shm_reply") if self._peer_segments is not None else None,
         )
         if op != "hello" and addressed_to != self.session_id:
             # Addressed to an earlier incarnation of this service (or a replay from one).
@@ -269,15 +305,49 @@ class ServiceSocket:
     def _send(
         self, request: Request, header: dict[str, Any], buffers: list[Buffer]
     ) -> zmq.MessageTracker | None:
-        frames = wire.encode(wire.KIND_REPLY, header, buffers, self._signer)
+        header, buffers, in_frames = self._place_reply(request, header, buffers)
+        frames = wire.encode(wire.KIND_REPLY, header, buffers, self._signer, in_frames)
+        tracked = bool(buffers) and in_frames
         try:
             tracker = self._socket.send_multipart(
-                [request.peer, *frames], copy=False, flags=zmq.NOBLOCK, track=bool(buffers)
+                [request.peer, *frames], copy=False, flags=zmq.NOBLOCK, track=tracked
             )
         except zmq.Again:
             self.rejected["unsent_reply"] += 1
             return None
-        return tracker if buffers else None
+        return tracker if tracked else None
+
+    def _resolve_request(self, header: dict[str, Any], sizes: list[int]) -> list[Buffer]:
+        try:
+            return self._peer_segments.buffers(header["shm"], sizes)
+        except ProtocolError as exc:
+            raise _SegmentUnavailable(str(exc), header) from None
+
+    def _place_reply(
+        self, request: Request, header: dict[str, Any], buffers: list[Buffer]
+    ) -> tuple[dict[str, Any], list[Buffer], bool]:
+        """The reply's header and buffers, and whether the buffers go in frames: into the
+        requester's shared-memory segment when it offered one and they fit (then the buffers
+        signed are the copies there); this service's host in answers to ``hello``."""
+        if request.op == "hello" and self._host is not None:
+            header = {**header, "host": self._host}
+        if not buffers or request.reply_segment is None:
+            return header, buffers, True
+        try:
+            placed = self._peer_segments.write(request.reply_segment, buffers)
+        except ProtocolError:
+            self.rejected["shm"] += 1
+            placed = None
+        if placed is None:
+            # The caller may have given live values (replies_in_shared_memory said yes):
+            # frames leave later, so they carry a copy.
+            return header, [bytes(memoryview(b)) for b in buffers], True
+        return {**header, "shm": {}}, placed, False
+
+    def replies_in_shared_memory(self, request: Request) -> bool:
+        """Whether a reply to ``request`` with buffers goes into the requester's shared memory
+        (copied there before :meth:`reply` returns, so the buffers may change right after)."""
+        return request.reply_segment is not None
 
     def _count_invalid(self, peer: bytes) -> None:
         """Count an invalid message of ``peer``; past the limit its connection is ignored."""
@@ -304,6 +374,8 @@ class ServiceSocket:
         to leave (the last ``done`` must reach the last worker)."""
         self._socket.close(linger=int(linger_s * 1000))
         self._context.term()
+        if self._peer_segments is not None:
+            self._peer_segments.close()
 
 
 class Channel:
@@ -321,8 +393,11 @@ class Channel:
         limits: wire.Limits | None = None,
         context: zmq.Context | None = None,
         encrypt: bool = False,
+        shared_memory: bool | None = None,
     ) -> None:
         check_resolvable(address, peer_name)
+        self._shared_memory_allowed = shared_memory_wanted(shared_memory)
+        self._segments: shm.ClientSegments | None = None
         self.address = address
         self.peer_name = peer_name
         self.limits = limits or wire.Limits()
@@ -376,7 +451,13 @@ class Channel:
             "timeout_ms": int(timeout_s * 1000),
             "body": body,
         }
-        frames = wire.encode(wire.KIND_REQUEST, header, buffers or [], self._signer)
+        buffers, in_frames = list(buffers or []), True
+        if self._segments is not None and self.server_session is not None:
+            extra, placed = self._segments.headers(request_id, buffers, self._pending)
+            header.update(extra)
+            if placed is not None:
+                buffers, in_frames = placed, False
+        frames = wire.encode(wire.KIND_REQUEST, header, buffers, self._signer, in_frames)
         try:
             self._socket.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -402,7 +483,7 @@ class Channel:
         :class:`RequestRefused`). ``abort`` is asked every quarter second while waiting; a
         reason it returns ends the wait with :class:`ConnectionLost`."""
         if request_id not in self._pending and request_id not in self._arrived:
-            raise ValueError(
+            raise ConfigError(
                 f"request {request_id} was not sent on this channel or was already awaited"
             )
         deadline = time.monotonic() + timeout_s
@@ -476,11 +557,18 @@ class Channel:
             self.dropped["notice"] += 1
             return
         try:
-            msg = wire.decode(frames, wire.KIND_REPLY, self._verifier, self.limits)
+            msg = wire.decode(
+                frames,
+                wire.KIND_REPLY,
+                self._verifier,
+                self.limits,
+                resolve=self._segments.resolve if self._segments is not None else None,
+            )
         except (AuthenticationError, ProtocolError):
             self.dropped["invalid"] += 1
             return
         header = msg.header
+        self._note_reply_placement(header)
         re, to = header.get("re"), header.get("to")
         if to != self._signer.session_id or re not in self._pending:
             self.dropped["unexpected"] += 1
@@ -509,6 +597,23 @@ class Channel:
             f"{label}: {header.get('error', 'no explanation given')}"
         )
 
+    def _note_reply_placement(self, header: dict[str, Any]) -> None:
+        """Use shared memory with a service that said (in its hello) it is on this host."""
+        if self._segments is not None:
+            self._segments.arrived(header)
+        if "host" in header and header.get("re") in self._pending:
+            local = self._shared_memory_allowed and header["host"] == shm.host_identity()
+            if local and self._segments is None:
+                self._segments = shm.ClientSegments()
+            elif not local and self._segments is not None:
+                self._segments.close()
+                self._segments = None
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether payloads to and from this service go through shared memory."""
+        return self._segments is not None
+
     def forget_pending(self) -> None:
         """Drop every request still in flight (after a failure, before saying hello again):
         late answers to them are ignored."""
@@ -530,6 +635,14 @@ class Channel:
         self._socket.close(linger=0)
         if self._own_context:
             self._context.term()
+        if self._segments is not None:
+            self._segments.close()
+            self._segments = None
+
+
+def shared_memory_wanted(choice: bool | None) -> bool:
+    """``choice``, or (None) whether the environment and the system allow shared memory."""
+    return shm.enabled() if choice is None else choice and shm.enabled()
 
 
 def _set_connection_heartbeats(socket: zmq.Socket) -> None:

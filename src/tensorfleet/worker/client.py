@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 import zmq
 
+from tensorfleet import environment
 from tensorfleet.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -91,6 +92,9 @@ class ParameterClient:
         self.timeouts = timeouts or ClientTimeouts()
         self.instance = secrets.token_hex(8)
         """This process's claim to the task identity (the ps refuses a second live one)."""
+        self.takeover = environment.predecessor_dead()
+        """Whether the hello asks the ps to hand this process the identity at once (the
+        launcher says the previous process of this task is dead)."""
         self.is_chief = False
         self.restore_shards: Callable[[], tuple[int, Sequence[bytes]] | None] | None = None
         self.restored_data: dict[str, Any] | None = None
@@ -156,6 +160,7 @@ class ParameterClient:
             "version": __version__,
             "task": self.task_name,
             "instance": self.instance,
+            "takeover": self.takeover,
         }
         for channel in self._shards.channels:
             channel.forget_pending()

@@ -1,0 +1,323 @@
+"""``tensorfleet launch``: its options, and running a supervised cluster from them.
+
+Kept apart from :mod:`tensorfleet.launch.cli` (which holds the other subcommands) because it
+is the one with many options: the cluster shape, the backend (this machine, or a Ray
+cluster), the restart policy, the output::
+
+    tensorfleet launch --ps 1 --workers 3 -- python train.py
+    tensorfleet launch --backend ray --ray-address 10.0.0.1:6379 --ps 1 --workers 3 -- python train.py
+    tensorfleet launch --signal-restarts 3 --error-restarts 1 -- python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from tensorfleet import environment
+from tensorfleet.errors import LaunchConfigError, LaunchError
+from tensorfleet.launch.backends.base import Backend
+from tensorfleet.launch.backends.local import LocalBackend
+from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
+from tensorfleet.launch.resource_flags import (
+    add_pipeline_flags,
+    add_resource_flags,
+    task_environments,
+)
+from tensorfleet.launch.restart_policy import (
+    DEFAULT_POLICY,
+    RestartPolicy,
+)
+from tensorfleet.launch.supervisor import (
+    DEFAULT_GRACE_PERIOD,
+    DEFAULT_KILL_TIMEOUT,
+    ClusterSupervisor,
+)
+
+#: Signals to the launcher that are forwarded to the tasks as SIGTERM. SIGHUP too: with the
+#: tasks in their own sessions, a closed terminal would otherwise orphan them.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def add_launch_command(commands: Any) -> argparse.ArgumentParser:
+    """Add the ``launch`` subcommand to ``commands`` (an argparse subparsers object)."""
+    launch: argparse.ArgumentParser = commands.add_parser(
+        "launch",
+        help="run a whole cluster on this machine or on a Ray cluster",
+        description="Start --ps parameter-server tasks and --workers worker tasks, each in its "
+        "own process with TF_CONFIG and a fresh cluster secret, on this machine (or through "
+        "Ray actors on a Ray cluster: --backend ray), and supervise them: prefixed output, a "
+        "live view on a terminal with the chief's progress, tasks killed by a signal "
+        "restarted, failures reported, nothing left running. Worker tasks run COMMAND; ps "
+        "tasks run the built-in parameter server unless told otherwise.",
+        epilog="example: tensorfleet launch --ps 1 --workers 3 -- python train.py --lr 1e-3",
+    )
+    launch.add_argument(
+        "--ps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of parameter-server tasks; 0 for all-reduce training (default: 1)",
+    )
+    launch.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        metavar="N",
+        help="number of worker tasks; worker 0 is the chief (default: 2)",
+    )
+    ps_mode = launch.add_mutually_exclusive_group()
+    ps_mode.add_argument(
+        "--ps-command",
+        metavar="CMD",
+        help="command line of each ps task, split like a shell would "
+        "(default: the built-in parameter server, `python -m tensorfleet server`)",
+    )
+    ps_mode.add_argument(
+        "--ps-runs-script",
+        action="store_true",
+        help="run COMMAND for the ps tasks too (TensorFlow style: the script calls "
+        "server.join() when its task is a ps)",
+    )
+    launch.add_argument(
+        "--grace-period",
+        type=float,
+        default=DEFAULT_GRACE_PERIOD,
+        metavar="SECONDS",
+        help="how long the ps tasks get to exit after every worker finished, and the other "
+        f"tasks after one failed, before SIGTERM (default: {DEFAULT_GRACE_PERIOD:g})",
+    )
+    launch.add_argument(
+        "--kill-timeout",
+        type=float,
+        default=DEFAULT_KILL_TIMEOUT,
+        metavar="SECONDS",
+        help=f"time between SIGTERM and SIGKILL (default: {DEFAULT_KILL_TIMEOUT:g})",
+    )
+    restarts = launch.add_argument_group(
+        "restarts",
+        "A task that ends on its own with a failure is restarted in place with the same "
+        "identity (TF_CONFIG, address, secret) and TENSORFLEET_PREDECESSOR_DEAD=1, after a "
+        f"back-off of {DEFAULT_POLICY.backoff_s:g} s doubling up to "
+        f"{DEFAULT_POLICY.max_backoff_s:g} s. By default a task killed by a signal (SIGKILL, "
+        "a preemption's SIGTERM, the OOM killer; exit status >= 128) is restarted up to "
+        f"{DEFAULT_POLICY.signal_restarts} times per hour, and a task that exits with an "
+        "error (1 to 127: an exception, a bad flag) stops the cluster with its last lines.",
+    )
+    restarts.add_argument(
+        "--signal-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restarts per task after it was killed by a signal, within the window "
+        f"(default: {DEFAULT_POLICY.signal_restarts}; 0: a kill stops the cluster)",
+    )
+    restarts.add_argument(
+        "--error-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restarts per task after it exited with an error, within the window "
+        f"(default: {DEFAULT_POLICY.error_restarts}: an error stops the cluster)",
+    )
+    restarts.add_argument(
+        "--restart-on-error",
+        action="store_true",
+        help="restart error exits too, as many times as signals (--error-restarts N sets "
+        "its own limit)",
+    )
+    restarts.add_argument(
+        "--restart-window",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="restarts are counted within this sliding window (default: "
+        f"{DEFAULT_POLICY.window_s:g}; 0: over the whole run)",
+    )
+    restarts.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart every failure, signal or error, up to N times per task over the whole "
+        "run (the options above, given as well, override it for their kind)",
+    )
+    backends = launch.add_argument_group("backend")
+    backends.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="where the tasks run: processes on this machine (default), or processes "
+        "started by one Ray actor per task on an existing Ray cluster",
+    )
+    backends.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        default=None,
+        help="the Ray cluster's address as `ray start --head` prints it (default: "
+        "$RAY_ADDRESS, else a cluster started on this machine)",
+    )
+    backends.add_argument(
+        "--ray-cpus-per-task",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="CPUs Ray reserves for each task (default: 1)",
+    )
+    backends.add_argument(
+        "--ray-gpus-per-task",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="GPUs Ray reserves for each task (default: 0)",
+    )
+    launch.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="encrypt all traffic between tasks with ZeroMQ CURVE (sets TENSORFLEET_ENCRYPT=1 "
+        "for every task; keys are derived from the cluster secret)",
+    )
+    launch.add_argument(
+        "--no-live",
+        action="store_true",
+        help="plain prefixed lines only, even on a terminal (no live task view)",
+    )
+    add_resource_flags(launch)
+    add_pipeline_flags(launch)
+    launch.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="COMMAND ...",
+        help="the worker program and its arguments (put -- before it if it starts with -)",
+    )
+    launch.set_defaults(handler=run_launch)
+    return launch
+
+
+def restart_policy_from(args: argparse.Namespace) -> RestartPolicy:
+    """The restart policy the options ask for; :class:`LaunchConfigError` for a negative
+    limit or window, before anything starts."""
+    policy = (
+        DEFAULT_POLICY if args.max_restarts is None else RestartPolicy.uniform(args.max_restarts)
+    )
+    changes: dict[str, Any] = {}
+    if args.signal_restarts is not None:
+        changes["signal_restarts"] = args.signal_restarts
+    if args.error_restarts is not None:
+        changes["error_restarts"] = args.error_restarts
+    elif args.restart_on_error:
+        changes["error_restarts"] = changes.get("signal_restarts", policy.signal_restarts)
+    if args.restart_window is not None:
+        if args.restart_window < 0:
+            raise LaunchConfigError(
+                f"--restart-window must be >= 0 seconds, got {args.restart_window:g} "
+                "(0: count restarts over the whole run)"
+            )
+        changes["window_s"] = args.restart_window or None
+    return dataclasses.replace(policy, **changes) if changes else policy
+
+
+def backend_from(args: argparse.Namespace) -> Backend:
+    """The backend the options ask for (connects to Ray for ``--backend ray``)."""
+    if args.backend == "ray":
+        from tensorfleet.launch.backends.ray import RayBackend
+
+        return RayBackend(
+            args.ray_address,
+            cpus_per_task=args.ray_cpus_per_task,
+            gpus_per_task=args.ray_gpus_per_task,
+        )
+    if args.ray_address is not None:
+        raise LaunchConfigError(
+            f"--ray-address {args.ray_address} is given but the backend is local; add "
+            "--backend ray to run the tasks on that Ray cluster"
+        )
+    return LocalBackend()
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """``tensorfleet launch``: run the cluster until the workers are done; its exit status."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise LaunchError(
+            "no command to run: give the worker program after the options, e.g. "
+            "`tensorfleet launch --ps 1 --workers 2 -- python train.py`"
+        )
+    ps_command: list[str] | None = None
+    if args.ps_runs_script:
+        ps_command = command
+    elif args.ps_command is not None:
+        try:
+            ps_command = shlex.split(args.ps_command)
+        except ValueError as exc:
+            raise LaunchError(f"cannot split --ps-command {args.ps_command!r}: {exc}") from exc
+        if not ps_command:
+            raise LaunchError("--ps-command is empty; give the ps program and its arguments")
+    policy = restart_policy_from(args)  # bad limits are refused before anything starts
+    # resources the host cannot give, or workers that do not form whole pipelines: refused
+    # before anything starts
+    task_env = task_environments(args, args.ps, args.workers, local=args.backend == "local")
+
+    output: Output
+    if not args.no_live and sys.stdout.isatty():
+        live = LiveOutput()
+        output = PlainOutput() if live.console.is_dumb_terminal else live
+    else:
+        output = PlainOutput()
+    backend = backend_from(args)
+    try:
+        cluster = ClusterSupervisor(
+            args.ps,
+            args.workers,
+            command,
+            backend=backend,
+            ps_command=ps_command,
+            env={environment.ENCRYPT_VAR: "1"} if args.encrypt else None,
+            task_env=task_env,
+            grace_period=args.grace_period,
+            kill_timeout=args.kill_timeout,
+            output=output,
+            restart_policy=policy,
+        )
+    except BaseException:
+        backend.close()
+        raise
+    with _forward_signals(cluster.interrupt), output:
+        try:
+            cluster.start()
+            return cluster.wait()
+        finally:
+            # Never leave a child behind, whatever happened above (even a bug of ours).
+            cluster.stop()
+
+
+@contextmanager
+def _forward_signals(interrupt: Callable[[int], None]) -> Iterator[None]:
+    """While inside, SIGINT/SIGTERM/SIGHUP to this process call ``interrupt(signum)`` instead
+    of killing it, so that the cluster stops its tasks first. Only the main thread can set
+    handlers; elsewhere (e.g. ``main()`` called from a test thread) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        interrupt(signum)
+
+    previous: dict[int, Any] = {}
+    try:
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,0 +1,435 @@
+"""``tensorfleet k8s render``: Kubernetes manifests that run a cluster shape.
+
+What is written, for ``--ps P --workers W`` under ``--name NAME``:
+
+- one ``Secret`` (``NAME-secret``) holding the cluster secret, mounted read-only as a file
+  in every pod and read through ``TENSORFLEET_SECRET_FILE`` (never an environment value);
+- per task, a headless ``Service`` (``NAME-ps-0``, ``NAME-worker-1``, ...) selecting that
+  task's pod: a stable DNS name, ``NAME-worker-1.NAMESPACE.svc``, that follows the pod when
+  it is replaced. Those names, with ``--port``, are the cluster spec;
+- per task, a ``Job`` whose pod gets its identity in ``TF_CONFIG`` (TensorFlow's schema, as
+  Kubeflow's TFJob sets it; :func:`tensorfleet.resolve_task` reads it).
+
+Why a Job per task, not StatefulSets: a StatefulSet restarts its pods forever, even after
+they finish, while tensorfleet tasks run to completion (the ps tasks exit 0 by themselves
+when training is over); and a StatefulSet's pods share one template, so their ``TF_CONFIG``
+would have to be computed at run time from the ordinal, where a Job per task renders each
+task's identity in the manifest, where it can be read and checked. Why not a Kubeflow
+``TFJob``: it needs the Training Operator installed (and Kubeflow Trainer v2 replaces it
+with TrainJob); plain Jobs run on any cluster.
+
+The restart policy is the launcher's: a task killed by a signal (exit code 128 + n:
+SIGKILL, the OOM killer, SIGTERM) is replaced by a new pod with the same identity, up to
+``--max-restarts`` times (the Job's ``backoffLimit``, with Kubernetes' back-off); a pod
+disrupted by the cluster (preemption, eviction, a node drained: the ``DisruptionTarget``
+condition) is replaced without counting; a task that exits with an error (1..127: a Python
+exception, a bad flag) fails its Job at once (``podFailurePolicy``). ``podReplacementPolicy:
+Failed`` starts the new pod only once the old one is gone, so that two pods never hold one
+identity. Each pod first waits (an init container, with a deadline) until every task's
+name resolves: a headless Service has a DNS record only once its pod has an address, and a
+ps binds to its own name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tensorfleet import environment
+from tensorfleet.cluster.spec import ClusterSpec, TaskId, show
+from tensorfleet.errors import ClusterConfigError
+from tensorfleet.launch.renderers.secret_file import ensure_secret_file
+from tensorfleet.launch.renderers.shape import ClusterShape
+from tensorfleet.launch.renderers.yaml_text import dump_documents
+from tensorfleet.wire.secret import generate_secret
+
+#: Where the Secret is mounted in every pod, and the file the tasks read.
+SECRET_DIR = "/etc/tensorfleet"
+SECRET_KEY = "secret"
+#: The container running the task (the pod failure policy names it).
+CONTAINER = "tensorfleet"
+#: Labels of every object; the Service of a task selects its pod by all four.
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+JOB_LABEL = "tensorfleet/job"
+INDEX_LABEL = "tensorfleet/task-index"
+#: The ps tasks' default program: the built-in parameter server (as the launcher runs it).
+DEFAULT_PS_COMMAND = ("python", "-m", "tensorfleet", "server")
+
+_DNS_LABEL_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_QUANTITY_RE = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+
+#: The init container's program: wait until every host of TF_CONFIG's cluster resolves.
+AWAIT_DNS = """\
+import json, os, socket, sys, time
+timeout = float(sys.argv[1])
+hosts = sorted({a.rpartition(":")[0] for tasks in json.loads(os.environ["TF_CONFIG"])["cluster"].values() for a in tasks})
+deadline = time.monotonic() + timeout
+for host in hosts:
+    while True:
+        try:
+            socket.getaddrinfo(host, None)
+            break
+        except socket.gaierror as error:
+            if time.monotonic() > deadline:
+                sys.exit(f"tensorfleet: {host} does not resolve after {timeout:g} s ({error}); is its Service applied and its pod scheduled?")
+            time.sleep(1)
+print(f"tensorfleet: all {len(hosts)} task names resolve", flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one task's container asks for: ``cpu`` (``"2"``, ``"500m"``) and ``memory``
+    (``"4Gi"``) as Kubernetes quantities, ``None`` to leave out; ``gpus`` (``nvidia.com/gpu``).
+
+    CPU is a request only (a CPU limit throttles the training loop); memory is requested and
+    limited to the same amount, so the scheduler's promise is the kernel's limit.
+    """
+
+    cpu: str | None = None
+    memory: str | None = None
+    gpus: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("cpu", "memory"):
+            value = getattr(self, name)
+            if value is not None and not _QUANTITY_RE.fullmatch(value):
+                raise ClusterConfigError(
+                    f"{name} {show(value)} is not a Kubernetes quantity: write e.g. '2', "
+                    "'500m' (CPU) or '4Gi' (memory)"
+                )
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
+            raise ClusterConfigError(f"gpus must be a non-negative integer, got {show(self.gpus)}")
+
+    def as_manifest(self) -> dict[str, dict[str, Any]]:
+        """The container's ``resources`` field."""
+        requests: dict[str, Any] = {}
+        limits: dict[str, Any] = {}
+        if self.cpu is not None:
+            requests["cpu"] = self.cpu
+        if self.memory is not None:
+            requests["memory"] = limits["memory"] = self.memory
+        if self.gpus:
+            limits["nvidia.com/gpu"] = self.gpus
+        return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
+
+
+@dataclass(frozen=True)
+class KubernetesOptions:
+    """What to render: the shape, the container image and the program of the workers.
+
+    ``ps_command`` is the ps tasks' program (default: the built-in parameter server,
+    ``python -m tensorfleet server``); ``max_restarts`` is how many times a task killed by a
+    signal is replaced (each Job's ``backoffLimit``); ``dns_timeout_s`` bounds the wait for
+    the other tasks' names.
+    """
+
+    shape: ClusterShape
+    image: str
+    command: Sequence[str]
+    secret: bytes = field(repr=False)
+    name: str = "tensorfleet"
+    namespace: str = "default"
+    port: int = 2222
+    ps_command: Sequence[str] = DEFAULT_PS_COMMAND
+    ps_resources: Resources = Resources(cpu="1", memory="2Gi")
+    worker_resources: Resources = Resources(cpu="2", memory="4Gi")
+    max_restarts: int = 3
+    dns_timeout_s: int = 600
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ClusterConfigError(
+                "no command to run: give the worker program after the options, e.g. "
+                "`tensorfleet k8s render --image IMAGE -- python train.py`"
+            )
+        if not self.ps_command:
+            raise ClusterConfigError("the ps command is empty; give the ps program")
+        if not self.image or any(c.isspace() for c in self.image):
+            raise ClusterConfigError(
+                f"--image {show(self.image)} is not an image reference (e.g. "
+                "registry.example.com/train:1.0)"
+            )
+        longest = f"{self.name}-worker-{max(self.shape.workers, self.shape.ps) - 1}"
+        if not _DNS_LABEL_RE.fullmatch(self.name) or len(longest) > 63:
+            raise ClusterConfigError(
+                f"--name {show(self.name)} cannot name Kubernetes objects: use lower-case "
+                "letters, digits and '-', starting with a letter, short enough that "
+                f"{longest!r} has at most 63 characters"
+            )
+        if not _DNS_LABEL_RE.fullmatch(self.namespace) or len(self.namespace) > 63:
+            raise ClusterConfigError(
+                f"--namespace {show(self.namespace)} is not a Kubernetes namespace name "
+                "(lower-case letters, digits and '-', at most 63 characters)"
+            )
+        if not 1 <= self.port <= 65535:
+            raise ClusterConfigError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_restarts < 0:
+            raise ClusterConfigError(
+                f"--max-restarts must be 0 or more, got {self.max_restarts}: it is how many "
+                "times a task killed by a signal is replaced"
+            )
+        if self.dns_timeout_s < 1:
+            raise ClusterConfigError(f"the DNS timeout must be positive, got {self.dns_timeout_s}")
+
+    def object_name(self, task: TaskId) -> str:
+        """The name of a task's Service and Job, e.g. ``tensorfleet-worker-1``."""
+        return f"{self.name}-{task.job}-{task.index}"
+
+    def cluster(self) -> ClusterSpec:
+        """The cluster spec every pod gets: each task at its Service's DNS name."""
+        jobs: dict[str, list[str]] = {}
+        for task in self.shape.tasks:
+            address = f"{self.object_name(task)}.{self.namespace}.svc:{self.port}"
+            jobs.setdefault(task.job, []).append(address)
+        return ClusterSpec(jobs)
+
+
+def render_manifests(options: KubernetesOptions) -> list[dict[str, Any]]:
+    """The manifests, in the order to apply them: the Secret, then each task's Service and
+    Job (ps tasks first)."""
+    secret_name = f"{options.name}-secret"
+    documents: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _metadata(options, secret_name, None),
+            "type": "Opaque",
+            "data": {SECRET_KEY: base64.b64encode(options.secret).decode("ascii")},
+        }
+    ]
+    cluster = options.cluster().as_dict()
+    for task in options.shape.tasks:
+        name = options.object_name(task)
+        documents.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _metadata(options, name, task),
+                "spec": {
+                    "clusterIP": "None",
+                    "publishNotReadyAddresses": True,
+                    "selector": _labels(options, task),
+                    "ports": [{"name": "tensorfleet", "port": options.port, "protocol": "TCP"}],
+                },
+            }
+        )
+        documents.append(_job(options, task, name, secret_name, cluster))
+    return documents
+
+
+def render_yaml(options: KubernetesOptions) -> str:
+    """:func:`render_manifests` as one YAML stream, for ``kubectl apply -f``."""
+    return dump_documents(render_manifests(options))
+
+
+def _labels(options: KubernetesOptions, task: TaskId | None) -> dict[str, str]:
+    labels = {NAME_LABEL: "tensorfleet", INSTANCE_LABEL: options.name}
+    if task is not None:
+        labels[JOB_LABEL] = task.job
+        labels[INDEX_LABEL] = str(task.index)
+    return labels
+
+
+def _metadata(options: KubernetesOptions, name: str, task: TaskId | None) -> dict[str, Any]:
+    return {"name": name, "namespace": options.namespace, "labels": _labels(options, task)}
+
+
+def _job(
+    options: KubernetesOptions,
+    task: TaskId,
+    name: str,
+    secret_name: str,
+    cluster: dict[str, Any],
+) -> dict[str, Any]:
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": task.job, "index": task.index}})
+    env = [
+        {"name": environment.TF_CONFIG_VAR, "value": tf_config},
+        {"name": environment.SECRET_FILE_VAR, "value": f"{SECRET_DIR}/{SECRET_KEY}"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    is_ps = task.job == "ps"
+    resources = options.ps_resources if is_ps else options.worker_resources
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": options.image,
+        "command": list(options.ps_command if is_ps else options.command),
+        "env": env,
+        "ports": [{"name": "tensorfleet", "containerPort": options.port, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}],
+    }
+    manifest_resources = resources.as_manifest()
+    if manifest_resources:
+        container["resources"] = manifest_resources
+    await_dns = {
+        "name": "await-dns",
+        "image": options.image,
+        "command": ["python", "-c", AWAIT_DNS, str(options.dns_timeout_s)],
+        "env": env[:1],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(options, name, task),
+        "spec": {
+            "backoffLimit": options.max_restarts,
+            "podReplacementPolicy": "Failed",
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "Ignore",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    },
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {
+                            "containerName": CONTAINER,
+                            "operator": "In",
+                            "values": list(range(1, 128)),
+                        },
+                    },
+                ]
+            },
+            "template": {
+                "metadata": {"labels": _labels(options, task)},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "initContainers": [await_dns],
+                    "containers": [container],
+                    "volumes": [
+                        {
+                            "name": "secret",
+                            "secret": {"secretName": secret_name, "defaultMode": 0o400},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``tensorfleet k8s render`` to the ``tensorfleet`` command's subparsers."""
+    k8s = commands.add_parser(
+        "k8s",
+        help="Kubernetes: render manifests for a cluster shape",
+        description="Kubernetes support. `tensorfleet k8s render` writes the manifests.",
+    )
+    actions = k8s.add_subparsers(dest="k8s_action", metavar="ACTION", required=True)
+    render = actions.add_parser(
+        "render",
+        help="write the manifests of a cluster shape",
+        description="Write a Secret, a headless Service per task and a Job per task (its "
+        "identity in TF_CONFIG) for PS ps tasks and WORKERS worker tasks, as YAML for "
+        "`kubectl apply -f`. The output holds the cluster secret: it is written with mode 600.",
+        epilog="example: tensorfleet k8s render --ps 1 --workers 3 --image "
+        "registry.example.com/train:1.0 -o cluster.yaml -- python train.py --steps 3000",
+    )
+    render.add_argument("--ps", type=int, default=1, metavar="N", help="ps tasks (default: 1)")
+    render.add_argument(
+        "--workers", type=int, default=2, metavar="N", help="worker tasks (default: 2)"
+    )
+    render.add_argument("--image", required=True, help="the container image of every task")
+    render.add_argument(
+        "--name", default="tensorfleet", help="prefix of every object (default: tensorfleet)"
+    )
+    render.add_argument("--namespace", default="default", help="(default: default)")
+    render.add_argument("--port", type=int, default=2222, help="port of every task (default: 2222)")
+    render.add_argument("--worker-cpu", default="2", metavar="Q", help="(default: 2)")
+    render.add_argument("--worker-memory", default="4Gi", metavar="Q", help="(default: 4Gi)")
+    render.add_argument(
+        "--worker-gpus", type=int, default=0, metavar="N", help="nvidia.com/gpu (default: 0)"
+    )
+    render.add_argument("--ps-cpu", default="1", metavar="Q", help="(default: 1)")
+    render.add_argument("--ps-memory", default="2Gi", metavar="Q", help="(default: 2Gi)")
+    ps_mode = render.add_mutually_exclusive_group()
+    ps_mode.add_argument(
+        "--ps-command",
+        metavar="CMD",
+        help="the ps tasks' program, split like a shell would (default: "
+        f"{shlex.join(DEFAULT_PS_COMMAND)})",
+    )
+    ps_mode.add_argument(
+        "--ps-runs-script", action="store_true", help="run COMMAND for the ps tasks too"
+    )
+    render.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="replace a task killed by a signal up to N times (default: 3)",
+    )
+    render.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="put this file's secret in the Secret (created, mode 600, if missing; default: "
+        "a fresh secret)",
+    )
+    render.add_argument(
+        "-o", "--output", metavar="FILE", help="write here, mode 600 (default: stdout)"
+    )
+    render.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="COMMAND ...",
+        help="the worker program (put -- before it)",
+    )
+    render.set_defaults(handler=_render)
+
+
+def _render(args: argparse.Namespace) -> int:
+    """``tensorfleet k8s render``: write the manifests; print the path when written to a file."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    ps_command: Sequence[str] = DEFAULT_PS_COMMAND
+    if args.ps_runs_script:
+        ps_command = command
+    elif args.ps_command is not None:
+        try:
+            ps_command = shlex.split(args.ps_command)
+        except ValueError as exc:
+            raise ClusterConfigError(
+                f"cannot split --ps-command {args.ps_command!r}: {exc}"
+            ) from None
+    shape = ClusterShape(args.ps, args.workers)
+    ps_resources = Resources(args.ps_cpu, args.ps_memory)
+    worker_resources = Resources(args.worker_cpu, args.worker_memory, args.worker_gpus)
+    # A placeholder secret first: every option is checked before a secret file is created.
+    options = KubernetesOptions(
+        shape=shape,
+        image=args.image,
+        command=command,
+        secret=b"",
+        name=args.name,
+        namespace=args.namespace,
+        port=args.port,
+        ps_command=ps_command,
+        ps_resources=ps_resources,
+        worker_resources=worker_resources,
+        max_restarts=args.max_restarts,
+    )
+    if args.secret_file:
+        secret = ensure_secret_file(args.secret_file)[1]
+    else:
+        secret = generate_secret().encode("ascii")
+    text = render_yaml(replace(options, secret=secret))
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    fd = os.open(args.output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    Path(args.output).chmod(0o600)  # an existing file keeps its mode through O_TRUNC
+    print(args.output)
+    return 0

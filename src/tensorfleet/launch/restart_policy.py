@@ -1,0 +1,239 @@
+"""When the launcher restarts a task that ended on its own, and after what back-off.
+
+Clusters end tasks with signals: a preemption sends SIGTERM (then SIGKILL), the OOM killer
+and ``kill -9`` send SIGKILL, a lost node is a SIGKILL by another name. None of these is the
+task's fault, and tensorfleet recovers from each (a restarted worker rejoins at the current
+global step; a restarted ps is restored from the newest checkpoint). A task that *exits* with
+an error is different: a Python exception exits 1, a bad flag 2, and running the same command
+again fails the same way, so the run should stop at once and show the traceback.
+
+So the default policy (:data:`DEFAULT_POLICY`) is:
+
+- a task killed by a signal (``Popen.returncode < 0``, or an exit status >= 128, which is how
+  a shell or a wrapper reports a signal) is restarted, up to :data:`DEFAULT_SIGNAL_RESTARTS`
+  times per task within a sliding window of :data:`DEFAULT_WINDOW_S` seconds; a task that is
+  killed more often than that (a crash loop: the OOM killer at every start) stops the run;
+- a task that exits with an error (1 to 127) is not restarted: the cluster stops and the
+  report shows its last lines;
+- before each restart the launcher waits a back-off: :data:`DEFAULT_BACKOFF_S` seconds,
+  doubling with each restart of the same task within the window, up to
+  :data:`DEFAULT_MAX_BACKOFF_S`. A task that failed at once (its port still held, a
+  dependency not up) is not restarted in a tight loop.
+
+Why 10 per hour rather than a lifetime count: preemptions arrive at a rate, not a total; a
+run of several days may be preempted more than 10 times, while a task killed 10 times in one
+hour is crash-looping. The alternative, Kubernetes' "always restart with a capped back-off",
+never gives up on a crash loop; the alternative of torchelastic and Ray (no restarts unless
+asked) ends a preemptible run at its first preemption.
+
+Every limit can be changed (``tensorfleet launch --signal-restarts N --error-restarts N
+--restart-window S``); ``--max-restarts N``, from before this policy, restarts every failure,
+signal or error, up to N times per task over the whole run (:meth:`RestartPolicy.uniform`).
+
+A restarted task gets ``TENSORFLEET_PREDECESSOR_DEAD=1`` in its environment: the launcher
+reaped the previous process and killed its process group, so the parameter servers may let
+the new process take over the task's identity at once instead of waiting for the heartbeat
+timeout.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tensorfleet import environment
+from tensorfleet.errors import LaunchConfigError
+
+#: Set to "1" in the environment of a restarted task: its predecessor is known dead.
+PREDECESSOR_DEAD_VAR = environment.PREDECESSOR_DEAD_VAR
+
+#: Restarts of one task killed by signals, within :data:`DEFAULT_WINDOW_S`.
+DEFAULT_SIGNAL_RESTARTS = 10
+#: Restarts of one task that exited with an error: none, the run stops with a report.
+DEFAULT_ERROR_RESTARTS = 0
+#: The sliding window in which restarts are counted, in seconds.
+DEFAULT_WINDOW_S = 3600.0
+#: Seconds before the first restart of a task; doubles with each further one in the window.
+DEFAULT_BACKOFF_S = 1.0
+#: The longest back-off before a restart, in seconds.
+DEFAULT_MAX_BACKOFF_S = 10.0
+
+#: The two kinds of failure the policy tells apart.
+SIGNAL = "signal"
+ERROR = "error"
+
+
+def failure_kind(returncode: int) -> str | None:
+    """:data:`SIGNAL`, :data:`ERROR`, or None (exit 0) for a ``Popen.returncode``.
+
+    Negative: killed by that signal. 128 and above: an exit status that reports a signal
+    (``sh -c`` and most wrappers exit 128 + n when their child was killed by signal n).
+    """
+    if returncode == 0:
+        return None
+    if returncode < 0 or returncode >= 128:
+        return SIGNAL
+    return ERROR
+
+
+def describe_returncode(returncode: int) -> str:
+    """``"exit code 3"`` or ``"signal SIGKILL"``, from a ``Popen.returncode``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    return f"signal {signal_name(-returncode)}"
+
+
+def exit_status(returncode: int) -> int:
+    """A shell-style exit status for a ``Popen.returncode``: the code, or 128 + signal."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGKILL"`` for 9; ``"signal 99"`` for a number that names no signal."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    """What the policy says about one failure: restart after ``delay_s``, or not."""
+
+    restart: bool
+    #: The kind of the failure (:data:`SIGNAL` or :data:`ERROR`).
+    kind: str
+    #: Restarts of this kind already counted in the window, before this failure.
+    used: int
+    #: The limit for this kind.
+    limit: int
+    #: Back-off before the restart, in seconds (0 when not restarting).
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How many times a task that ended on its own is restarted in place, and when.
+
+    Args:
+        signal_restarts: restarts per task after it was killed by a signal (SIGKILL,
+            SIGTERM, the OOM killer; exit status >= 128), counted within ``window_s``.
+        error_restarts: restarts per task after it exited with an error (1 to 127),
+            counted within ``window_s``; 0 stops the run at the first one.
+        window_s: the sliding window in which restarts are counted, in seconds; None counts
+            them over the whole run.
+        backoff_s: seconds before the first restart of a task; doubled for each restart of
+            it already in the window.
+        max_backoff_s: the longest back-off.
+
+    Raises :class:`~tensorfleet.errors.LaunchConfigError` (a ``ValueError``) for a negative limit or a window or
+    back-off that is not positive, naming the value and the flag that sets it.
+    """
+
+    signal_restarts: int = DEFAULT_SIGNAL_RESTARTS
+    error_restarts: int = DEFAULT_ERROR_RESTARTS
+    window_s: float | None = DEFAULT_WINDOW_S
+    backoff_s: float = DEFAULT_BACKOFF_S
+    max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
+
+    def __post_init__(self) -> None:
+        for name, flag in (
+            ("signal_restarts", "--signal-restarts"),
+            ("error_restarts", "--error-restarts"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise LaunchConfigError(
+                    f"{name} must be an integer >= 0, got {value!r} ({flag}): the number of "
+                    "times a task is restarted in place; 0 never restarts it"
+                )
+        if self.window_s is not None and not self.window_s > 0:
+            raise LaunchConfigError(
+                f"the restart window must be > 0 seconds, got {self.window_s} "
+                "(--restart-window; 0 on the command line counts restarts over the whole run)"
+            )
+        if not self.backoff_s > 0 or not self.max_backoff_s >= self.backoff_s:
+            raise LaunchConfigError(
+                f"the restart back-off must satisfy 0 < backoff_s <= max_backoff_s, got "
+                f"backoff_s={self.backoff_s}, max_backoff_s={self.max_backoff_s}"
+            )
+
+    @classmethod
+    def uniform(cls, max_restarts: int) -> RestartPolicy:
+        """Every failure, signal or error, restarted up to ``max_restarts`` times per task
+        over the whole run: what ``max_restarts=N`` / ``--max-restarts N`` always meant."""
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise LaunchConfigError(
+                f"max_restarts must be >= 0, got {max_restarts!r}: the number of times a "
+                "failed task is restarted (0: a failure stops the cluster)"
+            )
+        return cls(signal_restarts=max_restarts, error_restarts=max_restarts, window_s=None)
+
+    @classmethod
+    def never(cls) -> RestartPolicy:
+        """No restarts: the first task that ends on its own with a failure stops the run."""
+        return cls(signal_restarts=0, error_restarts=0)
+
+    def limit(self, kind: str) -> int:
+        """The restart limit for failures of ``kind``."""
+        return self.signal_restarts if kind == SIGNAL else self.error_restarts
+
+    def decide(
+        self, returncode: int, history: Sequence[tuple[float, str]], now: float
+    ) -> RestartDecision:
+        """Whether a task that just ended with ``returncode`` (not 0) is restarted.
+
+        ``history`` holds ``(time, kind)`` of the task's earlier restarts (``time.monotonic``
+        seconds); those older than the window do not count.
+        """
+        kind = failure_kind(returncode)
+        if kind is None:
+            raise LaunchConfigError("exit 0 is not a failure; nothing to decide")
+        recent = [k for t, k in history if self.window_s is None or now - t < self.window_s]
+        used = sum(1 for k in recent if k == kind)
+        limit = self.limit(kind)
+        if used >= limit:
+            return RestartDecision(False, kind, used, limit)
+        delay = min(self.backoff_s * 2 ** len(recent), self.max_backoff_s)
+        return RestartDecision(True, kind, used, limit, delay)
+
+    def describe(self) -> str:
+        """One sentence for the launcher's first message."""
+        window = (
+            "over the whole run" if self.window_s is None else f"per {_duration(self.window_s)}"
+        )
+        back_off = f"back-off {self.backoff_s:g} s doubling to {self.max_backoff_s:g} s"
+        if self.signal_restarts == self.error_restarts:
+            if self.signal_restarts == 0:
+                return "a task that fails stops the cluster"
+            return (
+                f"a failed task is restarted up to {self.signal_restarts} time(s) {window} "
+                f"({back_off})"
+            )
+        signals = (
+            f"a task killed by a signal is run again up to {self.signal_restarts} time(s) "
+            f"{window} ({back_off})"
+            if self.signal_restarts
+            else "a task killed by a signal stops the cluster"
+        )
+        errors = (
+            f"a task that exits with a code from 1 to 127 is run again up to "
+            f"{self.error_restarts} time(s) {window}"
+            if self.error_restarts
+            else "a task that exits with a code from 1 to 127 stops the cluster"
+        )
+        return f"{signals}; {errors}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds % 3600 == 0:
+        hours = int(seconds // 3600)
+        return "hour" if hours == 1 else f"{hours} hours"
+    if seconds % 60 == 0:
+        return f"{int(seconds // 60)} min"
+    return f"{seconds:g} s"
+
+
+#: What ``tensorfleet launch`` and a cluster created without a policy use.
+DEFAULT_POLICY = RestartPolicy()

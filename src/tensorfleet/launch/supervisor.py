@@ -1,0 +1,727 @@
+"""Supervision of a whole tensorfleet cluster: start every task, watch it, restart or stop it.
+
+:class:`ClusterSupervisor` is what ``tensorfleet launch`` runs, for every backend (processes
+on this machine, or on the nodes of a Ray cluster). It asks its backend for one address per
+task, builds the cluster spec and a fresh secret, and starts every task in its own process
+group with ``TF_CONFIG``, ``TENSORFLEET_SECRET``, ``TENSORFLEET_LAUNCHER=1`` and
+``PYTHONUNBUFFERED=1`` added to its environment.
+
+Supervision, in the spirit of Horovod's runner:
+
+- the run succeeds when every worker exits 0. The ps tasks then learn that training is over
+  and exit by themselves; those still running after ``grace_period`` seconds get SIGTERM,
+  then SIGKILL ``kill_timeout`` seconds later, with a warning naming each;
+- a task that ends on its own with a failure while the run is still running is first
+  offered to the restart policy (:mod:`tensorfleet.launch.restart_policy`: by default a task
+  killed by a signal is restarted, up to 10 times an hour, and one that exits with an error
+  is not). A restart runs the same command with the same environment (same ``TF_CONFIG``,
+  hence the same address, and the same secret) plus ``TENSORFLEET_PREDECESSOR_DEAD=1``, with
+  the same output prefix, in a new process group; what its old process group left behind is
+  killed first. It waits the policy's back-off, which the supervising thread keeps as one
+  more deadline, never by sleeping. A task that exits 0 is never restarted. Once the run
+  drains, fails, or is stopped or interrupted, nothing is restarted: a restart still waiting
+  is cancelled and that task counts as failed;
+- a failure that is not restarted is reported with the task's last lines (its traceback);
+  the others get ``grace_period`` seconds to notice and finish, then SIGTERM, then SIGKILL.
+  The run's status is that task's exit code (128 + signal number for a signal);
+- :meth:`ClusterSupervisor.interrupt` (the CLI's SIGINT/SIGTERM handler) sends SIGTERM to
+  every task at once, then SIGKILL; a second interrupt sends SIGKILL at once;
+- :meth:`ClusterSupervisor.stop` (also run on leaving the ``with`` block) stops whatever
+  still runs and kills what is left in every task's process group: no child is left behind.
+
+Every wait has a deadline. Process exits and interrupts arrive on one queue (a
+``SimpleQueue``, whose ``put`` is safe in signal handlers) from the backend's threads, so the
+supervising thread sleeps until something happens or a deadline passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+from tensorfleet import environment
+from tensorfleet.errors import DeadlineExceeded, LaunchError
+from tensorfleet.launch.backends.base import Backend
+from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
+from tensorfleet.launch.output import Output, PlainOutput
+from tensorfleet.launch.restart_policy import (
+    DEFAULT_POLICY,
+    PREDECESSOR_DEAD_VAR,
+    RestartPolicy,
+    describe_returncode,
+    exit_status,
+    signal_name,
+)
+from tensorfleet.launch.task import Task
+from tensorfleet.wire.secret import generate_secret
+
+#: How many of a task's latest output lines are kept for failure reports.
+DEFAULT_HISTORY = 20
+#: Seconds the other tasks get to finish after a failure, and ps tasks after the workers.
+DEFAULT_GRACE_PERIOD = 15.0
+#: Seconds between SIGTERM and SIGKILL.
+DEFAULT_KILL_TIMEOUT = 5.0
+
+# Phases of a run. Each phase after RUNNING ends at a deadline (``_phase_deadline``).
+_RUNNING = "running"
+_DRAINING = "draining"  # every worker exited 0; the ps tasks are expected to exit
+_FAILING = "failing"  # a task failed; the others get the grace period
+_TERMINATING = "terminating"  # SIGTERM sent
+_KILLING = "killing"  # SIGKILL sent
+_DONE = "done"
+
+
+def default_ps_command() -> list[str]:
+    """The command of a ps task by default: the built-in parameter server, no user code."""
+    return [sys.executable, "-m", "tensorfleet", "server"]
+
+
+class ClusterSupervisor:
+    """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
+    supervise them.
+
+    Args:
+        num_ps: ps tasks (0 for all-reduce training without parameter servers).
+        num_workers: worker tasks, at least 1; worker 0 is the chief.
+        worker_command: argv of every worker task, e.g. ``["python", "train.py"]``.
+        backend: where the processes run (:class:`~tensorfleet.launch.backends.local.LocalBackend`,
+            :class:`~tensorfleet.launch.backends.ray.RayBackend`).
+        ps_command: argv of every ps task; ``None`` runs the built-in parameter server
+            (``python -m tensorfleet server``). Pass ``worker_command`` to run the user's
+            script for ps tasks too (TensorFlow style, where the script calls
+            ``server.join()``).
+        env: variables added to (and overriding) the environment of every task.
+        task_env: variables for one task each, by task name (``"worker:1"``), applied after
+            ``env``: e.g. each task's thread budget and GPUs
+            (:func:`tensorfleet.cluster.resources.plan_resources`).
+        grace_period: seconds the ps tasks get to exit after every worker exited 0, and the
+            other tasks get to finish after one failed, before SIGTERM.
+        kill_timeout: seconds between SIGTERM and SIGKILL.
+        output: where lines and messages go; by default :class:`PlainOutput` on
+            stdout/stderr. ``Output()`` shows nothing.
+        cwd: working directory of the tasks (default: this process's).
+        secret: the cluster secret; a fresh random one by default.
+        history: how many latest output lines are kept per task.
+        restart_policy: when a task that ends on its own with a failure is restarted in
+            place (:class:`RestartPolicy`); default :data:`DEFAULT_POLICY` (signals: up to
+            10 times an hour; errors: never).
+        max_restarts: kept from before the restart policy: when given, every failure,
+            signal or error, is restarted up to N times per task over the whole run
+            (``RestartPolicy.uniform(N)``); cannot be combined with ``restart_policy``.
+
+    The addresses, the cluster spec (:attr:`cluster`) and the secret (:attr:`secret`) are
+    chosen here, so they can be read before :meth:`start`. Raises :class:`LaunchError` for
+    an invalid argument (:class:`~tensorfleet.errors.LaunchConfigError` for a restart limit).
+    """
+
+    def __init__(
+        self,
+        num_ps: int,
+        num_workers: int,
+        worker_command: Sequence[str],
+        *,
+        backend: Backend,
+        ps_command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        task_env: Mapping[str, Mapping[str, str]] | None = None,
+        grace_period: float = DEFAULT_GRACE_PERIOD,
+        kill_timeout: float = DEFAULT_KILL_TIMEOUT,
+        output: Output | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        secret: str | None = None,
+        history: int = DEFAULT_HISTORY,
+        restart_policy: RestartPolicy | None = None,
+        max_restarts: int | None = None,
+    ):
+        if num_ps < 0:
+            raise LaunchError(f"the number of ps tasks must be >= 0, got {num_ps}")
+        if num_workers < 1:
+            raise LaunchError(
+                f"the number of workers must be >= 1, got {num_workers}: worker 0 is the chief "
+                "that runs the training"
+            )
+        worker_argv = _as_argv(worker_command, "worker command")
+        ps_argv = default_ps_command() if ps_command is None else _as_argv(ps_command, "ps command")
+        if grace_period < 0:
+            raise LaunchError(f"the grace period must be >= 0 seconds, got {grace_period}")
+        if kill_timeout <= 0:
+            raise LaunchError(f"the kill timeout must be > 0 seconds, got {kill_timeout}")
+        if history < 1:
+            raise LaunchError(f"history must keep at least 1 line, got {history}")
+        if max_restarts is not None and restart_policy is not None:
+            raise LaunchError(
+                "give restart_policy or max_restarts, not both: max_restarts=N is "
+                "RestartPolicy.uniform(N)"
+            )
+        if max_restarts is not None:
+            restart_policy = RestartPolicy.uniform(max_restarts)
+
+        self.grace_period = float(grace_period)
+        self.kill_timeout = float(kill_timeout)
+        #: When a failed task is restarted in place.
+        self.restart_policy = DEFAULT_POLICY if restart_policy is None else restart_policy
+        self.output = PlainOutput() if output is None else output
+        self.secret = generate_secret() if secret is None else secret
+        self.backend = backend
+        self._env = dict(env or {})
+        self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
+        self._cwd = None if cwd is None else os.fspath(cwd)
+
+        self._tasks: list[Task] = [
+            Task("ps", i, list(ps_argv), deque(maxlen=history)) for i in range(num_ps)
+        ] + [
+            Task("worker", i, list(worker_argv), deque(maxlen=history)) for i in range(num_workers)
+        ]
+        unknown = sorted(set(self._task_env) - {t.name for t in self._tasks})
+        if unknown:
+            raise LaunchError(
+                f"task_env names task(s) {unknown} that this cluster does not have; its tasks "
+                f"are {', '.join(t.name for t in self._tasks)}"
+            )
+        addresses = backend.allocate([t.name for t in self._tasks])
+        #: The cluster spec every task gets in TF_CONFIG: ``{"ps": [...], "worker": [...]}``.
+        self.cluster: dict[str, list[str]] = {
+            "ps": addresses[:num_ps],
+            "worker": addresses[num_ps:],
+        }
+
+        self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._started = False
+        self._phase = _RUNNING
+        self._phase_deadline: float | None = None
+        self._failure: Task | None = None
+        self._interrupt: int | None = None
+        self._abandoned = False
+        self._result: int | None = None
+        self._start_time = 0.0
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def max_restarts(self) -> int:
+        """How many times a task that exits with an error is restarted (the name is kept
+        from before the restart policy; :attr:`restart_policy` has every limit)."""
+        return self.restart_policy.error_restarts
+
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        """Every task: the ps tasks in index order, then the workers."""
+        return tuple(self._tasks)
+
+    def task(self, name: str) -> Task:
+        """The task called ``name`` (``"worker:1"``); :class:`LaunchError` if there is none."""
+        for task in self._tasks:
+            if task.name == name:
+                return task
+        known = ", ".join(t.name for t in self._tasks)
+        raise LaunchError(f"no task {name!r} in this cluster; its tasks are {known}")
+
+    def recent_lines(self, name: str) -> list[str]:
+        """The latest output lines of task ``name`` (at most ``history``), oldest first: those
+        of its current process, so of its latest run after a restart."""
+        return list(self.task(name).recent)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Process id of every started task's current process, by name (after a restart: the
+        new process)."""
+        return {t.name: t.pid for t in self._tasks if t.pid is not None}
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """How many times each task was restarted after a failure, by name (a fresh dict)."""
+        return {t.name: t.restarts for t in self._tasks}
+
+    @property
+    def returncodes(self) -> dict[str, int | None]:
+        """``Popen.returncode`` of every task whose exit was handled (None: not yet)."""
+        return {t.name: t.returncode for t in self._tasks}
+
+    @property
+    def result(self) -> int | None:
+        """The run's exit status once :meth:`wait` returned it, else None."""
+        return self._result
+
+    def task_variables(self, task: Task, restarted: bool = False) -> dict[str, str]:
+        """The variables the launcher adds to ``task``'s environment (a restarted task's
+        also say that its predecessor is dead)."""
+        variables = dict(self._env)
+        variables.update(self._task_env.get(task.name, {}))
+        variables[environment.TF_CONFIG_VAR] = json.dumps(
+            {"cluster": self.cluster, "task": {"type": task.job, "index": task.index}}
+        )
+        variables[environment.SECRET_VAR] = self.secret
+        variables[environment.LAUNCHER_VAR] = "1"
+        # Children write into pipes; without this Python would buffer their output in blocks.
+        variables["PYTHONUNBUFFERED"] = "1"
+        if restarted:
+            variables[PREDECESSOR_DEAD_VAR] = "1"
+        return variables
+
+    def task_environment(self, task: Task) -> dict[str, str]:
+        """The complete environment ``task`` is first started with (as far as the backend
+        can tell from here)."""
+        return self.backend.environment(self.task_variables(task))
+
+    def start(self) -> None:
+        """Start every task (ps tasks first). Raises :class:`LaunchError` when one cannot be
+        started (the ones already started are stopped first)."""
+        if self._started:
+            raise LaunchError("this cluster was already started; create a new one")
+        self._started = True
+        self._start_time = time.monotonic()
+        num_ps, num_workers = len(self.cluster["ps"]), len(self.cluster["worker"])
+        self.output.message(
+            f"starting {num_ps} ps and {num_workers} worker task(s)"
+            + ("" if self.backend.name == "local" else f" on {self.backend.name}")
+            + f" ({self.restart_policy.describe()}): {json.dumps(self.cluster)}"
+        )
+        for task in self._tasks:
+            try:
+                self._spawn(task)
+            except OSError as exc:
+                self.stop()
+                raise LaunchError(
+                    f"cannot start {task.name} with command {task.command!r}: {exc}. Check "
+                    "that the program exists and is executable (with --ps-command for ps tasks)"
+                ) from exc
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Supervise the tasks until every one has exited; return the run's exit status.
+
+        0 when every worker exited 0; the exit status of the first task that failed on its
+        own and was not restarted otherwise (128 + signal number for a signal); 128 + signal
+        number after :meth:`interrupt`. ``timeout`` bounds this call (None: as long as
+        training runs); when it passes, :class:`DeadlineExceeded` is raised and the tasks keep
+        running, so calling ``wait`` again continues the supervision.
+        """
+        if not self._started:
+            raise LaunchError("call start() before wait()")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._result is None:
+            now = time.monotonic()
+            self._on_deadline(now)
+            self._on_restarts_due(now)
+            if self._abandoned or all(not (t.running or t.restart_pending) for t in self._tasks):
+                return self._finish()
+            if deadline is not None and now >= deadline:
+                running = ", ".join(
+                    t.name + (" (restart pending)" if t.restart_pending else "")
+                    for t in self._tasks
+                    if t.running or t.restart_pending
+                )
+                raise DeadlineExceeded(
+                    f"the cluster was still running after {timeout} s (tasks {running}); "
+                    "call wait() again to keep supervising, or stop() to stop them"
+                )
+            deadlines = [self._phase_deadline, deadline]
+            deadlines += [t.restart_at for t in self._tasks]
+            wake = min((d for d in deadlines if d is not None), default=None)
+            try:
+                event = self._events.get(timeout=None if wake is None else max(0.0, wake - now))
+            except queue.Empty:
+                continue
+            self._handle(event)
+        return self._result
+
+    def interrupt(self, signum: int = signal.SIGTERM) -> None:
+        """Ask the cluster to stop all tasks now, as if the launcher received ``signum``.
+
+        Safe to call from a signal handler or another thread: it only queues the request,
+        which the thread in :meth:`wait` acts on (SIGTERM to every task, SIGKILL after
+        ``kill_timeout``; a second request sends SIGKILL at once).
+        """
+        self._events.put(("signal", int(signum)))
+
+    def kill_task(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process group of task ``name``'s current process, as if it died
+        on its own: for fault-injection tests and chaos drills.
+
+        The launcher handles the exit like any other failure (a restart when the policy
+        allows one, else a report and the others stopped). Safe to call from any thread: it
+        only sends a signal. Raises :class:`LaunchError` for an unknown task, an unknown
+        signal, or a task that is not running (not started, exited, or waiting for a restart).
+        """
+        task = self.task(name)
+        try:
+            sig_name = signal.Signals(sig).name
+        except ValueError:
+            raise LaunchError(
+                f"cannot send signal {sig!r} to {name}: not a signal number; "
+                "use one of signal.Signals, e.g. signal.SIGKILL"
+            ) from None
+        process = task.process
+        if process is None:
+            raise LaunchError(f"{name} is not running: the cluster was not started; call start()")
+        if task.restart_pending:
+            raise LaunchError(f"{name} is not running: it failed and waits to be restarted")
+        returncode = process.returncode  # set by the backend once the process is reaped
+        if returncode is not None or not task.running:
+            how = "" if returncode is None else f" ({describe_returncode(returncode)})"
+            raise LaunchError(f"{name} is not running: it already ended{how}")
+        if not process.signal_group(sig):
+            raise LaunchError(f"cannot send {sig_name} to {name} (pid {process.pid}): it is gone")
+
+    def stop(self) -> int | None:
+        """Stop every task still running (SIGTERM, then SIGKILL after ``kill_timeout``), kill
+        what is left in every task's process group, and return the run's exit status (None
+        when it was never started). Idempotent. Call it from the thread that calls
+        :meth:`wait`; other threads and signal handlers use :meth:`interrupt`."""
+        if not self._started:
+            self.backend.close()
+            return None
+        if self._result is None:
+            if self._phase not in (_TERMINATING, _KILLING):
+                self._signal_running(signal.SIGTERM)
+                self._enter(_TERMINATING, self.kill_timeout)
+            try:
+                self.wait()
+            finally:
+                self._kill_process_groups(quiet=True)
+        self._kill_process_groups(quiet=True)
+        self.backend.close()
+        return self._result
+
+    def __enter__(self) -> ClusterSupervisor:
+        """Start the cluster (unless already started); leaving the block calls :meth:`stop`."""
+        if not self._started:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, task: Task, restarted: bool = False) -> None:
+        """Start ``task`` through the backend, its lines to ``task.recent`` and the output."""
+        recent = task.recent  # this process's deque: a late line of an old one stays out
+
+        def on_line(text: str) -> None:
+            recent.append(text)
+            self.output.line(task.name, text)
+
+        process = self.backend.spawn(
+            task.name,
+            task.command,
+            self.task_variables(task, restarted),
+            self._cwd,
+            on_line,
+            lambda: self._events.put(("exit", task)),
+        )
+        task.process, task.started_at = process, time.monotonic()
+        self.output.task_started(task.name, process.pid)
+
+    def _signal_running(self, sig: int) -> list[Task]:
+        """Send ``sig`` to the process group of every task still running; return those tasks."""
+        signalled = []
+        for task in self._tasks:
+            if not task.running or task.process is None:
+                continue
+            if task.process.returncode is None:  # not yet reaped
+                task.stop_signal = sig
+                signalled.append(task)
+            task.process.signal_group(sig)
+        return signalled
+
+    def _kill_process_groups(self, quiet: bool) -> None:
+        """SIGKILL whatever is left in each task's process group (children of a task that
+        outlived it), those of its processes before a restart too. Warns about the current
+        groups that still had members unless ``quiet``."""
+        for task in self._tasks:
+            for process in task.previous:  # already killed at the restart; this is a sweep
+                process.signal_group(signal.SIGKILL)
+            if task.process is None:
+                continue
+            if not quiet and task.process.signal_group(0):
+                self.output.message(
+                    f"{task.name} left processes behind in its process group; killing them",
+                    "warning",
+                )
+            task.process.signal_group(signal.SIGKILL)
+
+    # ------------------------------------------------------------------ supervision
+
+    def _enter(self, phase: str, seconds: float | None) -> None:
+        self._phase = phase
+        self._phase_deadline = None if seconds is None else time.monotonic() + seconds
+
+    def _handle(self, event: tuple[str, object]) -> None:
+        kind, payload = event
+        if kind == "exit":
+            assert isinstance(payload, Task)
+            self._on_exit(payload)
+        elif kind == "signal":
+            assert isinstance(payload, int)
+            self._on_interrupt(payload)
+
+    def _on_exit(self, task: Task) -> None:
+        assert task.process is not None
+        task.returncode = task.process.returncode
+        task.ended_at = time.monotonic()
+        # The last lines must be read before they can be reported.
+        task.process.finish_output(READER_DRAIN_TIMEOUT)
+        rc = task.returncode
+        assert rc is not None
+        failed = rc != 0 and task.stop_signal is None
+        restart_delay = self._restart_delay(task) if failed else None
+        if task.stop_signal is not None and rc != 0:
+            status = f"stopped ({signal_name(task.stop_signal)})"
+        elif rc >= 0:
+            status = f"exited {rc}"
+        else:
+            status = f"killed by {signal_name(-rc)}"
+        if restart_delay is not None:
+            status += "; restarting"
+        self.output.task_exited(task.name, status, not failed)
+        if restart_delay is not None:
+            self._schedule_restart(task, restart_delay)
+        elif failed:
+            self._on_failure(task)
+        elif self._phase == _RUNNING and all(
+            t.returncode == 0 for t in self._tasks if t.job == "worker"
+        ):
+            ps_left = [t.name for t in self._tasks if t.running]
+            if ps_left:
+                self.output.message(
+                    f"all workers finished; waiting up to {self.grace_period:g} s for "
+                    f"{', '.join(ps_left)} to exit"
+                )
+            self._enter(_DRAINING, self.grace_period)
+
+    def _on_failure(self, task: Task) -> None:
+        assert task.returncode is not None
+        ran = (task.ended_at or task.started_at) - task.started_at
+        lines = list(task.recent)
+        tail = "\n".join(f"    [{task.name}] {line}" for line in lines)
+        decision = self.restart_policy.decide(
+            task.returncode, task.restart_history, time.monotonic()
+        )
+        used = f"; restarts used: {decision.used} of {decision.limit}" if decision.limit else ""
+        if self._failure is not None or self._interrupt is not None:
+            last = f"; last line: {lines[-1]}" if lines else ""
+            self.output.message(
+                f"{task.name} also failed ({describe_returncode(task.returncode)}{used}){last}",
+                "warning",
+            )
+            return
+        self._failure = task
+        head = (
+            f"{task.name} failed with {describe_returncode(task.returncode)} "
+            f"(pid {task.pid}, after {ran:.1f} s{used}). "
+        )
+        if lines:
+            self.output.message(head + f"Its last {len(lines)} line(s):\n{tail}", "error")
+        else:
+            self.output.message(head + "It printed nothing.", "error")
+        if self._phase in (_RUNNING, _DRAINING):
+            others = [t.name for t in self._tasks if t.running]
+            if others:
+                self.output.message(
+                    f"giving {', '.join(others)} up to {self.grace_period:g} s to finish, "
+                    "then stopping them"
+                )
+            self._enter(_FAILING, self.grace_period)
+
+    def _restarts_allowed(self) -> bool:
+        """Tasks are restarted only while the run is running: not once every worker is done
+        (draining), a task failed for good, or the run is being stopped or interrupted."""
+        return self._phase == _RUNNING and self._interrupt is None and self._failure is None
+
+    def _restart_delay(self, task: Task) -> float | None:
+        """The back-off before ``task``, which just failed on its own, is restarted; None when
+        it is reported instead (restarts not allowed now, or the policy says no)."""
+        if not self._restarts_allowed():
+            return None
+        assert task.returncode is not None
+        decision = self.restart_policy.decide(
+            task.returncode, task.restart_history, time.monotonic()
+        )
+        return decision.delay_s if decision.restart else None
+
+    def _schedule_restart(self, task: Task, delay: float) -> None:
+        """Announce the failure of ``task``, kill what its process group left behind (it
+        could hold the task's port or files), and set the restart's deadline: the supervising
+        loop wakes up for it like for a phase deadline."""
+        assert task.process is not None and task.returncode is not None
+        if task.process.signal_group(0):
+            self.output.message(
+                f"{task.name} left processes behind in its process group; killing them "
+                "before restarting it",
+                "warning",
+            )
+        task.process.signal_group(signal.SIGKILL)
+        decision = self.restart_policy.decide(
+            task.returncode, task.restart_history, time.monotonic()
+        )
+        task.restart_at, task.pending_restart = time.monotonic() + delay, decision
+        ran = (task.ended_at or task.started_at) - task.started_at
+        lines = list(task.recent)
+        last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
+        self.output.message(
+            f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
+            f"(restart {decision.used + 1} of {decision.limit}) in {delay:g} s "
+            f"(pid {task.pid} ran {ran:.1f} s).{last}",
+            "warning",
+        )
+
+    def _on_restarts_due(self, now: float) -> None:
+        """Restart the tasks whose back-off has passed, or, once the run is no longer
+        running (draining, failing, stopping, interrupted), cancel every pending restart:
+        such a task then counts as failed."""
+        pending = [t for t in self._tasks if t.restart_at is not None]
+        if not pending:
+            return
+        for task in pending:
+            if not self._restarts_allowed():
+                why = "interrupted" if self._interrupt is not None else self._phase
+                task.restart_at = task.pending_restart = None
+                self.output.message(f"not restarting {task.name}: the run is {why}", "warning")
+                self._on_failure(task)
+            elif task.restart_at is not None and now >= task.restart_at:
+                task.restart_at = None
+                self._restart(task)  # on failure to start, restarts are no longer allowed
+
+    def _restart(self, task: Task) -> None:
+        """Start ``task`` again with the same command and environment (its identity), telling
+        it that its predecessor is dead."""
+        assert task.process is not None and task.returncode is not None
+        old_process, old_recent = task.process, task.recent
+        decision, task.pending_restart = task.pending_restart, None
+        assert decision is not None
+        # The new process's lines; a failure report must not show the old process's lines
+        # as if the new one printed them (the log keeps them all).
+        task.recent = deque(maxlen=old_recent.maxlen)
+        try:
+            self._spawn(task, restarted=True)
+        except OSError as exc:
+            task.recent = old_recent
+            self.output.message(
+                f"cannot restart {task.name} with command {task.command!r}: {exc}", "error"
+            )
+            self._on_failure(task)
+            return
+        task.previous.append(old_process)
+        task.restarts += 1
+        task.restart_history.append((time.monotonic(), decision.kind))
+        task.returncode = task.stop_signal = task.ended_at = None
+        where = (
+            ""
+            if task.process is None or task.process.host == "local"
+            else f" on {task.process.host}"
+        )
+        self.output.message(
+            f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
+            f"{task.pid}{where}"
+        )
+
+    def _on_interrupt(self, signum: int) -> None:
+        name = signal_name(signum)
+        if self._interrupt is None:
+            self._interrupt = signum
+            if self._phase in (_TERMINATING, _KILLING):
+                return
+            self.output.message(
+                f"received {name}: stopping every task (SIGTERM, SIGKILL after "
+                f"{self.kill_timeout:g} s; {name} again kills them at once)",
+                "warning",
+            )
+            self._signal_running(signal.SIGTERM)
+            self._enter(_TERMINATING, self.kill_timeout)
+        else:
+            self.output.message(f"received {name} again: killing every task now", "warning")
+            self._signal_running(signal.SIGKILL)
+            self._enter(_KILLING, self.kill_timeout)
+
+    def _on_deadline(self, now: float) -> None:
+        """Move to the next phase when the current one's deadline has passed."""
+        if self._phase_deadline is None or now < self._phase_deadline:
+            return
+        running = [t for t in self._tasks if t.running]
+        if self._phase == _DRAINING:
+            for task in running:
+                self.output.message(
+                    f"{task.name} did not exit within {self.grace_period:g} s after all workers "
+                    "finished; stopping it with SIGTERM (a ps task should learn from the chief "
+                    "that training is over and exit by itself)",
+                    "warning",
+                )
+            self._signal_running(signal.SIGTERM)
+            self._enter(_TERMINATING, self.kill_timeout)
+        elif self._phase == _FAILING:
+            if running:
+                self.output.message(
+                    f"stopping {', '.join(t.name for t in running)} with SIGTERM",
+                    "warning",
+                )
+            self._signal_running(signal.SIGTERM)
+            self._enter(_TERMINATING, self.kill_timeout)
+        elif self._phase == _TERMINATING:
+            for task in running:
+                self.output.message(
+                    f"{task.name} did not exit within {self.kill_timeout:g} s of SIGTERM; "
+                    "killing it with SIGKILL",
+                    "warning",
+                )
+            self._signal_running(signal.SIGKILL)
+            self._enter(_KILLING, self.kill_timeout)
+        elif self._phase == _KILLING:
+            names = ", ".join(f"{t.name} (pid {t.pid})" for t in running)
+            self.output.message(
+                f"{names} did not exit within {self.kill_timeout:g} s of SIGKILL (stuck in the "
+                "kernel?); giving up on them",
+                "error",
+            )
+            self._abandoned = True
+
+    def _finish(self) -> int:
+        """Compute the run's status once every task has exited (or been given up on)."""
+        # Kill leftovers first: a leftover that inherited a task's pipe keeps its reader from
+        # reaching the end; what it already wrote stays in the pipe and is still read.
+        self._kill_process_groups(quiet=False)
+        for task in self._tasks:
+            if task.process is not None:
+                task.process.finish_output(READER_DRAIN_TIMEOUT)
+        workers = [t for t in self._tasks if t.job == "worker"]
+        if self._failure is not None and self._failure.returncode is not None:
+            result = exit_status(self._failure.returncode)
+        elif self._interrupt is not None:
+            result = 128 + self._interrupt
+        elif all(t.returncode == 0 for t in workers):
+            result = 0
+        else:
+            # Stopped by stop() before the workers finished: the first worker's signal status
+            # (143 for SIGTERM), or 1 for a worker that could not even be reaped.
+            codes = [t.returncode for t in workers if t.returncode != 0]
+            result = exit_status(codes[0]) if codes[0] is not None else 1
+        elapsed = time.monotonic() - self._start_time
+        if result == 0:
+            self.output.message(f"all {len(workers)} worker(s) finished in {elapsed:.1f} s")
+        else:
+            self.output.message(f"exit status {result} after {elapsed:.1f} s")
+        self._phase, self._phase_deadline, self._result = _DONE, None, result
+        return result
+
+
+def _as_argv(command: Sequence[str], what: str) -> list[str]:
+    if isinstance(command, (str, bytes)):
+        raise LaunchError(
+            f"the {what} must be a list of arguments, got the string {command!r}; "
+            "split it with shlex.split()"
+        )
+    argv = [os.fspath(arg) for arg in command]
+    if not argv:
+        raise LaunchError(f"the {what} is empty; give the program to run and its arguments")
+    return argv

@@ -1,0 +1,68 @@
+"""One task of a supervised cluster: its identity, its current process, and its history.
+
+Backend-neutral: the process is a :class:`~tensorfleet.launch.backends.base.TaskProcess`,
+a child of this launcher or a process on a Ray node.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tensorfleet.launch.backends.base import TaskProcess
+from tensorfleet.launch.restart_policy import RestartDecision
+
+
+@dataclass(eq=False)
+class Task:
+    """One task of the cluster, its process, and what the launcher knows about it."""
+
+    job: str
+    index: int
+    command: list[str]
+    #: The latest output lines of its current process (a fresh deque at each restart).
+    recent: deque[str]
+    #: The current process; None before the cluster starts.
+    process: TaskProcess | None = None
+    #: ``Popen.returncode`` once the launcher has handled the exit (negative: signal).
+    returncode: int | None = None
+    #: The last signal the launcher sent; a task it stopped is not reported as failed.
+    stop_signal: int | None = None
+    started_at: float = 0.0
+    ended_at: float | None = None
+    #: How many times the launcher restarted this task after a failure.
+    restarts: int = 0
+    #: ``time.monotonic()`` at which a scheduled restart is due; None when none is pending.
+    restart_at: float | None = None
+    #: The policy's decision for the pending restart (its kind and count), if any.
+    pending_restart: RestartDecision | None = None
+    #: ``(time.monotonic(), kind)`` of each restart, for the restart policy's window.
+    restart_history: list[tuple[float, str]] = field(default_factory=list, repr=False)
+    #: The processes this task ran before its latest restart, so that whatever their process
+    #: groups still hold is killed at the end of the run.
+    previous: list[TaskProcess] = field(default_factory=list, repr=False)
+
+    @property
+    def name(self) -> str:
+        """``"worker:1"``: the prefix of the task's output lines."""
+        return f"{self.job}:{self.index}"
+
+    @property
+    def pid(self) -> int | None:
+        """The process id (also its process group id), once started."""
+        return None if self.process is None else self.process.pid
+
+    @property
+    def previous_pids(self) -> list[int]:
+        """Process ids of the processes this task ran before its latest restart."""
+        return [process.pid for process in self.previous]
+
+    @property
+    def running(self) -> bool:
+        """Started and its exit not yet handled."""
+        return self.process is not None and self.returncode is None
+
+    @property
+    def restart_pending(self) -> bool:
+        """Failed, and waiting for its back-off to pass before the launcher restarts it."""
+        return self.restart_at is not None

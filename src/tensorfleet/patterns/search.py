@@ -1,0 +1,180 @@
+"""Where the next trial's configuration comes from: grid, random, or an Optuna study.
+
+Each search hands out trials (a number and a configuration), hears their intermediate
+values (an Optuna pruner may answer "stop it") and their end, and knows how to resume:
+
+* grid and random: trial ``n``'s configuration is a pure function of the config (the n-th
+  grid point; random draws seeded by ``(seed, n)``), so a resumed sweep reruns exactly the
+  numbers that have no recorded result and nothing else;
+* optuna: the study lives in Optuna's SQLite storage in the sweep directory
+  (``study.db``, ``load_if_exists``); trials the killed sweep left RUNNING are marked FAIL
+  (tagged ``interrupted``, not counted) and their configurations enqueued again, so each is
+  rerun once and no finished trial runs twice.
+
+Why SQLite is enough here: one sweep process writes the study (trials are processes that
+report through files), so none of SQLite's multi-writer locking problems arise; a second
+sweep on the same directory is refused by the sweep's lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from tensorfleet.patterns.search_space import SweepConfigError, grid, random_configuration
+from tensorfleet.patterns.sweep_config import SweepConfig
+
+COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
+STATES = (COMPLETE, PRUNED, FAILED)
+
+
+@dataclass
+class PlannedTrial:
+    """A trial to run: its number (its directory's name), configuration, and the search's
+    own handle (an Optuna trial)."""
+
+    number: int
+    params: dict[str, Any]
+    handle: Any = None
+
+
+class Search(Protocol):
+    """What the sweep asks of a search strategy."""
+
+    def next_trial(self, running: int) -> PlannedTrial | None:
+        """The next trial to start, or None when every trial has started (``running`` are
+        under way)."""
+
+    def report(self, trial: PlannedTrial, step: int, value: float) -> bool:
+        """Hear an intermediate value; True when the trial should be stopped (pruned)."""
+
+    def finish(self, trial: PlannedTrial, state: str, value: float | None) -> None:
+        """Hear the end of a trial (state one of :data:`STATES`)."""
+
+
+class IndexedSearch:
+    """Grid, random or listed configurations: trial ``n`` is the n-th configuration of a fixed sequence;
+    ``done`` numbers (recorded in the sweep directory) are not run again."""
+
+    def __init__(self, config: SweepConfig, done: Iterable[int]) -> None:
+        if config.search == "list":
+            self._configs = [dict(c) for c in config.configurations or []]
+        elif config.search == "grid":
+            self._configs = list(grid(config.parameters))
+        else:
+            self._configs = [
+                random_configuration(config.parameters, config.seed, n)
+                for n in range(config.total_trials)
+            ]
+        self._todo = [n for n in range(len(self._configs)) if n not in set(done)]
+
+    def next_trial(self, running: int) -> PlannedTrial | None:
+        if not self._todo:
+            return None
+        number = self._todo.pop(0)
+        return PlannedTrial(number, dict(self._configs[number]))
+
+    def report(self, trial: PlannedTrial, step: int, value: float) -> bool:
+        return False
+
+    def finish(self, trial: PlannedTrial, state: str, value: float | None) -> None:
+        pass
+
+
+class OptunaSearch:
+    """Optuna's samplers and pruners over a study kept in ``directory/study.db``."""
+
+    def __init__(self, config: SweepConfig, directory: Path) -> None:
+        try:
+            import optuna
+        except ImportError:
+            raise SweepConfigError(
+                "search: optuna needs Optuna: pip install 'tensorfleet[sweep]'"
+            ) from None
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._optuna = optuna
+        self._config = config
+        self._study = optuna.create_study(
+            study_name=config.name,
+            storage=f"sqlite:///{directory / 'study.db'}",
+            sampler=_sampler(optuna, config),
+            pruner=_pruner(optuna, config),
+            direction=config.direction,
+            load_if_exists=True,
+        )
+        self.interrupted = self._requeue_interrupted()
+
+    def _requeue_interrupted(self) -> list[int]:
+        """Trials a killed sweep left RUNNING: marked FAIL (interrupted) and enqueued again."""
+        states = self._optuna.trial.TrialState
+        interrupted = []
+        for frozen in self._study.get_trials(deepcopy=False, states=(states.RUNNING,)):
+            self._study.set_user_attr(f"interrupted_{frozen.number}", True)
+            self._study.tell(frozen.number, state=states.FAIL)
+            self._study.enqueue_trial(dict(frozen.params), skip_if_exists=False)
+            interrupted.append(frozen.number)
+        return interrupted
+
+    def _counted(self) -> int:
+        """Trials that ended and count towards ``trials`` (not the interrupted ones)."""
+        states = self._optuna.trial.TrialState
+        attrs = self._study.user_attrs
+        return sum(
+            1
+            for t in self._study.get_trials(
+                deepcopy=False, states=(states.COMPLETE, states.PRUNED, states.FAIL)
+            )
+            if not attrs.get(f"interrupted_{t.number}")
+        )
+
+    def next_trial(self, running: int) -> PlannedTrial | None:
+        if self._counted() + running >= self._config.total_trials:
+            return None
+        trial = self._study.ask()
+        params = {name: p.suggest(trial) for name, p in self._config.parameters.items()}
+        return PlannedTrial(trial.number, params, trial)
+
+    def report(self, trial: PlannedTrial, step: int, value: float) -> bool:
+        trial.handle.report(value, step)
+        return bool(trial.handle.should_prune())
+
+    def finish(self, trial: PlannedTrial, state: str, value: float | None) -> None:
+        states = self._optuna.trial.TrialState
+        if state == COMPLETE and value is not None and math.isfinite(value):
+            self._study.tell(trial.handle, value)
+        elif state == PRUNED:
+            self._study.tell(trial.handle, state=states.PRUNED)
+        else:
+            self._study.tell(trial.handle, state=states.FAIL)
+
+
+def _sampler(optuna: Any, config: SweepConfig) -> Any:
+    samplers = optuna.samplers
+    if config.sampler == "tpe":
+        # constant_liar: trials running in parallel are not all drawn at the same point.
+        return samplers.TPESampler(seed=config.seed, constant_liar=config.slots > 1)
+    if config.sampler == "random":
+        return samplers.RandomSampler(seed=config.seed)
+    if config.sampler == "cmaes":
+        return samplers.CmaEsSampler(seed=config.seed)
+    if config.sampler == "qmc":
+        return samplers.QMCSampler(seed=config.seed)
+    return samplers.GPSampler(seed=config.seed)
+
+
+def _pruner(optuna: Any, config: SweepConfig) -> Any:
+    pruners = optuna.pruners
+    options = dict(config.pruner_options)
+    try:
+        if config.pruner == "median":
+            return pruners.MedianPruner(**options)
+        if config.pruner == "successive_halving":
+            return pruners.SuccessiveHalvingPruner(**options)
+        if config.pruner == "hyperband":
+            return pruners.HyperbandPruner(**options)
+    except TypeError as exc:
+        raise SweepConfigError(f"pruner_options {options} for {config.pruner}: {exc}") from None
+    return pruners.NopPruner()

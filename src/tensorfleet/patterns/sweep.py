@@ -1,0 +1,477 @@
+"""Hyperparameter sweeps: many trials, as many at once as there are slots.
+
+:func:`run_sweep` (and ``tensorfleet sweep CONFIG``) runs each trial in its own process
+group: a Python entry point through :mod:`tensorfleet.patterns.trial_main`, or a command; with
+``workers_per_trial > 1`` the trial is a whole local cluster started by ``tensorfleet launch``
+(a slot is then that group of workers). Trials report metrics through files in their
+directory (:mod:`tensorfleet.patterns.trial`), which the sweep reads as they come: they drive
+the live progress, the Optuna pruner and the results.
+
+The sweep directory holds everything, so that a killed sweep resumes where it stopped::
+
+    DIR/sweep.json            the configuration (a resume with another one is refused)
+    DIR/lock                  held while a sweep runs here (a second one is refused)
+    DIR/study.db              the Optuna study (search: optuna)
+    DIR/trials/0003/          params.json, metrics.jsonl, output.log, result.json, error.json
+    DIR/interrupted/0003-1/   what a trial interrupted by a killed sweep had left
+    DIR/results.csv, results.json, metric_vs_params.png
+
+A trial's ``result.json`` is written (atomically) when it ends; a trial without one was
+interrupted and is run again; a trial with one is never run again. A trial that raises, exits
+non-zero or is killed is recorded as failed with its error, and the sweep goes on. Trial
+processes die with the sweep (``PR_SET_PDEATHSIG``), so a killed sweep leaves nothing running.
+
+Why processes and the launcher, not threads: a trial is a training run that may crash, hang,
+leak or need its own cluster; a process group is the unit that can be stopped for sure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from tensorfleet.errors import TensorfleetError
+from tensorfleet.patterns.search import (
+    COMPLETE,
+    FAILED,
+    PRUNED,
+    IndexedSearch,
+    OptunaSearch,
+    PlannedTrial,
+    Search,
+)
+from tensorfleet.patterns.search_space import SweepConfigError
+from tensorfleet.patterns.sweep_config import SweepConfig
+from tensorfleet.patterns.sweep_report import (
+    PlainProgress,
+    TrialRecord,
+    choose_progress,
+    plot_results,
+    write_results,
+)
+from tensorfleet.patterns.trial import (
+    ERROR_FILE,
+    METRICS_FILE,
+    PARAMS_FILE,
+    STOP_FILE,
+    TRIAL_DIR_VAR,
+    TRIAL_PARAMS_VAR,
+    TRIAL_SLOT_VAR,
+    MetricsReader,
+)
+from tensorfleet.patterns.trial_main import PRUNED_EXIT
+
+RESULT_FILE = "result.json"
+OUTPUT_FILE = "output.log"
+#: How often the sweep looks at its trials (process exits, new metric lines).
+POLL_S = 0.05
+#: After SIGTERM (pruned, timed out, sweep interrupted), SIGKILL follows after this long.
+KILL_AFTER_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+class SweepBusy(TensorfleetError, RuntimeError):
+    """Another sweep is running in the same directory."""
+
+
+@dataclass
+class _Running:
+    """A trial under way."""
+
+    planned: PlannedTrial
+    record: TrialRecord
+    process: subprocess.Popen[bytes]
+    log: IO[bytes]
+    reader: MetricsReader
+    directory: Path
+    stopping: str | None = None
+    """Why the sweep is stopping it (pruned, timed out), or None."""
+    stop_sent_at: float = 0.0
+    killed: bool = False
+
+
+@dataclass
+class SweepResult:
+    """What a finished sweep produced."""
+
+    directory: Path
+    records: list[TrialRecord]
+    best: dict[str, Any] | None
+    results_csv: Path
+    results_json: Path
+    plot: Path | None
+    started_now: list[int] = field(default_factory=list)
+    """Trials this run started (a resumed sweep starts only the unfinished ones)."""
+
+    def by_number(self) -> dict[int, TrialRecord]:
+        return {r.number: r for r in self.records}
+
+
+def run_sweep(
+    config: SweepConfig,
+    directory: str | os.PathLike[str],
+    progress: PlainProgress | None = None,
+    live: bool | None = None,
+) -> SweepResult:
+    """Run (or resume) the sweep of ``config`` in ``directory``; return its results.
+
+    ``progress``: where progress goes (default: a live table on a terminal, plain lines
+    otherwise; ``live=False`` forces plain lines).
+    """
+    return Sweep(config, Path(directory), progress or choose_progress(config.metric, live)).run()
+
+
+class Sweep:
+    """One sweep in one directory; :meth:`run` runs it to the end."""
+
+    def __init__(self, config: SweepConfig, directory: Path, progress: PlainProgress) -> None:
+        self.config = config
+        self.directory = directory
+        self.progress = progress
+        self._records: dict[int, TrialRecord] = {}
+        self._running: dict[int, _Running] = {}  # by slot
+        self._started_now: list[int] = []
+
+    # --- the directory -----------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        (self.directory / "trials").mkdir(parents=True, exist_ok=True)
+        stored = self.directory / "sweep.json"
+        described = self.config.describe()
+        if stored.exists():
+            previous = json.loads(stored.read_text())
+            if previous != json.loads(json.dumps(described)):
+                changed = sorted(k for k in described if previous.get(k) != described[k])
+                raise SweepConfigError(
+                    f"{self.directory} holds a sweep with another configuration (differs in "
+                    f"{changed}); resume it with the same config, or use a new directory"
+                )
+        else:
+            _write_atomic(stored, json.dumps(described, indent=2))
+
+    def _finished_trials(self) -> dict[int, TrialRecord]:
+        """Trials with a recorded result; move what interrupted ones left aside."""
+        done = {}
+        for trial_dir in sorted((self.directory / "trials").iterdir()):
+            if not trial_dir.name.isdigit():
+                continue
+            result = trial_dir / RESULT_FILE
+            if result.exists():
+                data = json.loads(result.read_text())
+                done[int(trial_dir.name)] = TrialRecord(
+                    **{
+                        k: data[k]
+                        for k in (
+                            "number",
+                            "params",
+                            "state",
+                            "value",
+                            "step",
+                            "seconds",
+                            "error",
+                            "slot",
+                        )
+                    }
+                )
+            else:
+                aside = self.directory / "interrupted"
+                aside.mkdir(exist_ok=True)
+                k = 1
+                while (aside / f"{trial_dir.name}-{k}").exists():
+                    k += 1
+                trial_dir.rename(aside / f"{trial_dir.name}-{k}")
+        return done
+
+    # --- running ------------------------------------------------------------------------
+
+    def run(self) -> SweepResult:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        lock = open(self.directory / "lock", "w")  # noqa: SIM115 (held for the whole run)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise SweepBusy(
+                f"another sweep is running in {self.directory} (it holds {self.directory / 'lock'}); "
+                "wait for it, or use another directory"
+            ) from None
+        try:
+            self._prepare()
+            self._records = self._finished_trials()
+            search = self._search()
+            with self.progress:
+                resumed = len(self._records)
+                if resumed:
+                    self.progress.message(
+                        f"resuming in {self.directory}: {resumed} trial(s) already finished"
+                    )
+                self._loop(search)
+            return self._results()
+        finally:
+            self._stop_all("the sweep ended")
+            lock.close()
+
+    def _search(self) -> Search:
+        if self.config.search == "optuna":
+            search = OptunaSearch(self.config, self.directory)
+            if search.interrupted:
+                self.progress.message(
+                    f"trials {search.interrupted} were interrupted; running their configurations again"
+                )
+            return search
+        return IndexedSearch(self.config, self._records)
+
+    def _loop(self, search: Search) -> None:
+        exhausted = False
+        while True:
+            for slot in range(self.config.slots):
+                if exhausted or slot in self._running:
+                    continue
+                planned = search.next_trial(running=len(self._running))
+                if planned is None:
+                    exhausted = True
+                    break
+                self._running[slot] = self._start(planned, slot)
+            if exhausted and not self._running:
+                return
+            for slot, trial in list(self._running.items()):
+                if self._poll(trial, search):
+                    del self._running[slot]
+            time.sleep(POLL_S)
+
+    def _start(self, planned: PlannedTrial, slot: int) -> _Running:
+        trial_dir = self.directory / "trials" / f"{planned.number:04d}"
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (METRICS_FILE, STOP_FILE, ERROR_FILE, RESULT_FILE, OUTPUT_FILE):
+            (trial_dir / stale).unlink(missing_ok=True)
+        _write_atomic(
+            trial_dir / PARAMS_FILE,
+            json.dumps({"number": planned.number, "params": planned.params}),
+        )
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env[TRIAL_DIR_VAR] = str(trial_dir.resolve())
+        env[TRIAL_PARAMS_VAR] = json.dumps(planned.params)
+        env[TRIAL_SLOT_VAR] = str(slot)
+        env["PYTHONUNBUFFERED"] = "1"
+        path = [*self.config.pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join(path)
+        argv = self._argv(planned.params)
+        log = open(trial_dir / OUTPUT_FILE, "wb")  # noqa: SIM115 (closed when the trial ends)
+        launcher = self.config.workers_per_trial > 1
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                # The launcher gets SIGTERM (it stops its tasks); a plain trial SIGKILL.
+                preexec_fn=_die_with_parent(signal.SIGTERM if launcher else signal.SIGKILL),
+            )
+        except OSError as exc:
+            log.close()
+            raise SweepConfigError(f"cannot start the trial program {argv[0]!r}: {exc}") from exc
+        record = TrialRecord(planned.number, planned.params, slot=slot)
+        self._records[planned.number] = record
+        self._started_now.append(planned.number)
+        self.progress.started(record)
+        return _Running(
+            planned, record, process, log, MetricsReader(trial_dir / METRICS_FILE), trial_dir
+        )
+
+    def _argv(self, params: dict[str, Any]) -> list[str]:
+        if self.config.command is not None:
+            values = {k: str(v) for k, v in params.items()}
+            values["python"] = sys.executable
+            program = [arg.format(**values) for arg in self.config.command]
+        else:
+            assert self.config.entry is not None
+            program = [
+                sys.executable,
+                "-m",
+                "tensorfleet.patterns.trial_main",
+                self.config.entry,
+                self.config.metric,
+            ]
+        if self.config.workers_per_trial > 1:
+            return [
+                sys.executable,
+                "-m",
+                "tensorfleet",
+                "launch",
+                "--ps",
+                str(self.config.ps_per_trial),
+                "--workers",
+                str(self.config.workers_per_trial),
+                "--no-live",
+                "--",
+                *program,
+            ]
+        return program
+
+    def _poll(self, trial: _Running, search: Search) -> bool:
+        """Read the trial's new metrics, stop it if pruned or late; True once it ended."""
+        record = trial.record
+        for point in trial.reader.read_new():
+            value = point.metrics.get(self.config.metric)
+            if value is None:
+                continue
+            record.value = value
+            if point.step is not None:
+                record.step = point.step
+                if trial.stopping is None and search.report(trial.planned, point.step, value):
+                    self._stop(trial, "pruned")
+            self.progress.updated(record)
+        timeout = self.config.trial_timeout_s
+        if trial.stopping is None and timeout and time.monotonic() - record.started > timeout:
+            self._stop(trial, f"timed out after {timeout:g} s")
+        if (
+            trial.stopping
+            and not trial.killed
+            and time.monotonic() - trial.stop_sent_at > KILL_AFTER_S
+        ):
+            _signal_group(trial.process, signal.SIGKILL)
+            trial.killed = True
+        returncode = trial.process.poll()
+        if returncode is None:
+            return False
+        trial.log.close()
+        for point in trial.reader.read_new():  # lines written just before the end
+            if self.config.metric in point.metrics:
+                record.value = point.metrics[self.config.metric]
+                record.step = point.step if point.step is not None else record.step
+        _signal_group(trial.process, signal.SIGKILL)  # anything the trial left in its group
+        record.seconds = time.monotonic() - record.started
+        record.state, record.error = self._outcome(trial, returncode)
+        if trial.reader.malformed:
+            note = f"{trial.reader.malformed} malformed line(s) in {METRICS_FILE} ignored"
+            record.error = f"{record.error}; {note}" if record.error else note
+        search.finish(trial.planned, record.state, record.value)
+        _write_atomic(trial.directory / RESULT_FILE, json.dumps(record.as_dict()))
+        self.progress.finished(record)
+        return True
+
+    def _outcome(self, trial: _Running, returncode: int) -> tuple[str, str | None]:
+        if trial.stopping == "pruned" or returncode == PRUNED_EXIT:
+            return PRUNED, None
+        if trial.stopping:
+            return FAILED, trial.stopping
+        if returncode == 0:
+            if trial.record.value is None:
+                return FAILED, (
+                    f"exited 0 without reporting {self.config.metric!r} (report it with "
+                    "current_trial().report(...) or return it from the entry point)"
+                )
+            return COMPLETE, None
+        error_file = trial.directory / ERROR_FILE
+        if error_file.exists():
+            try:
+                error = json.loads(error_file.read_text())
+                return FAILED, f"{error['type']}: {error['message']}"
+            except (ValueError, KeyError, TypeError):
+                pass
+        if returncode < 0:
+            return FAILED, f"killed by {signal.Signals(-returncode).name}"
+        tail = _tail(trial.directory / OUTPUT_FILE)
+        return FAILED, f"exited with status {returncode}" + (f": {tail}" if tail else "")
+
+    def _stop(self, trial: _Running, why: str) -> None:
+        trial.stopping = why
+        trial.stop_sent_at = time.monotonic()
+        (trial.directory / STOP_FILE).touch()
+        _signal_group(trial.process, signal.SIGTERM)
+
+    def _stop_all(self, why: str) -> None:
+        """Stop every trial still running (an exception or Ctrl-C in the sweep)."""
+        for trial in self._running.values():
+            _signal_group(trial.process, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_AFTER_S
+        for trial in self._running.values():
+            try:
+                trial.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(trial.process, signal.SIGKILL)
+                trial.process.wait(timeout=KILL_AFTER_S)
+            _signal_group(trial.process, signal.SIGKILL)
+            trial.log.close()
+        self._running.clear()
+
+    def _results(self) -> SweepResult:
+        records = sorted(self._records.values(), key=lambda r: r.number)
+        document = write_results(self.directory, records, self.config.metric, self.config.direction)
+        plot = plot_results(
+            self.directory / "metric_vs_params.png",
+            records,
+            self.config.metric,
+            self.config.direction,
+        )
+        counts = document["counts"]
+        best = document["best"]
+        self.progress.message(
+            f"{counts['complete']} complete, {counts['pruned']} pruned, {counts['failed']} failed; "
+            + (
+                f"best {self.config.metric}={best['value']:.6g} (trial {best['trial']}) {best['params']}"
+                if best
+                else "no trial completed"
+            )
+        )
+        self.progress.message(
+            f"results: {self.directory / 'results.csv'}, {self.directory / 'results.json'}"
+            + (f", plot: {plot}" if plot else " (no plot: pip install matplotlib)")
+        )
+        return SweepResult(
+            self.directory,
+            records,
+            best,
+            self.directory / "results.csv",
+            self.directory / "results.json",
+            plot,
+            list(self._started_now),
+        )
+
+
+def _die_with_parent(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn`` asking Linux to send ``sig`` to the child when the sweep dies."""
+
+    def set_parent_death_signal() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return set_parent_death_signal
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text[-lines:])[-400:]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

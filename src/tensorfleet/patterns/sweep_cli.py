@@ -1,0 +1,62 @@
+"""``tensorfleet sweep CONFIG``: the command-line face of :mod:`tensorfleet.patterns.sweep`.
+
+Kept here, next to the sweep, so that the launcher's CLI only registers it (one call) and
+knows nothing of sweeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+from tensorfleet.patterns.sweep import run_sweep
+from tensorfleet.patterns.sweep_config import load_config
+
+
+def add_sweep_command(commands: argparse._SubParsersAction) -> None:
+    """Register ``sweep`` among the ``tensorfleet`` subcommands."""
+    sweep = commands.add_parser(
+        "sweep",
+        help="run a hyperparameter sweep: many trials, as many at once as there are slots",
+        description="Run the trials of the sweep described in CONFIG (YAML or JSON: the "
+        "trial program, the parameter space, the metric and its direction, the search, the "
+        "slots), as many at once as there are slots, with live progress; write results.csv, "
+        "results.json (with the best configuration) and metric_vs_params.png to the sweep "
+        "directory. Running the same command again resumes an interrupted sweep. "
+        "See docs/patterns.md.",
+        epilog="example: tensorfleet sweep sweep.yaml --dir runs/sweep --slots 2",
+    )
+    sweep.add_argument("config", metavar="CONFIG", help="the sweep's YAML or JSON file")
+    sweep.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="sweep directory: trials, study, results (default: runs/<name> of the config)",
+    )
+    sweep.add_argument(
+        "--slots", type=int, metavar="N", help="trials at once (default: the config's slots)"
+    )
+    sweep.add_argument(
+        "--no-live", action="store_true", help="plain progress lines, even on a terminal"
+    )
+    sweep.set_defaults(handler=_sweep)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.slots is not None:
+        config.slots = args.slots
+        config.validate()
+    directory = Path(args.dir) if args.dir else Path("runs") / config.name
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the sweep like Ctrl-C: the running trials are stopped first.
+        def interrupt(signum: int, frame: FrameType | None) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+    result = run_sweep(config, directory, live=False if args.no_live else None)
+    print(json.dumps({"best": result.best, "results": str(result.results_json)}))
+    return 0

@@ -1,0 +1,252 @@
+"""A sweep's configuration: the trial program, the space, the metric, the search, the slots.
+
+The same :class:`SweepConfig` comes from a YAML or JSON file (``tensorfleet sweep CONFIG``) or
+is built in Python; either way it is checked completely in :meth:`SweepConfig.validate`
+before a single trial starts, and every error names the field, the value seen and the fix.
+
+Example (YAML)::
+
+    entry: my_trials:train          # or command: [python, train.py, --lr, "{lr}"]
+    space:
+      lr: {type: loguniform, low: 1.0e-4, high: 1.0e-1}
+      width: [32, 64]
+    metric: val_loss
+    direction: minimize
+    search: grid                    # grid | random | optuna
+    slots: 2
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tensorfleet.patterns.search_space import Parameter, SweepConfigError, grid_size, parse_space
+
+SEARCHES = ("grid", "random", "optuna", "list")
+DIRECTIONS = ("minimize", "maximize")
+SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp")
+PRUNERS = ("none", "median", "successive_halving", "hyperband")
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+@dataclass
+class SweepConfig:
+    """Everything a sweep needs; see the module docstring for the file form."""
+
+    space: Mapping[str, Any]
+    """Parameter name -> its range (see :mod:`tensorfleet.patterns.search_space`)."""
+    metric: str
+    entry: str | None = None
+    """A Python function ``module:function`` called with the trial (one process per trial)."""
+    command: list[str] | None = None
+    """Or a program; ``{name}`` in an argument is replaced by the parameter's value, and
+    ``{python}`` by the sweep's own Python interpreter."""
+    direction: str = "minimize"
+    search: str = "grid"
+    """``grid``, ``random``, ``optuna``, or ``list`` (the given ``configurations``, in order)."""
+    configurations: list[dict[str, Any]] | None = None
+    """search: list runs exactly these configurations (ensemble members, folds); the space
+    may then be left out (each parameter becomes a choice of the values it takes)."""
+    trials: int | None = None
+    """How many trials (random and optuna search; a grid runs all its points)."""
+    slots: int = 1
+    """Trials running at once; each slot is one process, or one local cluster."""
+    workers_per_trial: int = 1
+    """More than 1: each trial is a local cluster of this many workers (and ``ps_per_trial``
+    ps tasks) started through ``tensorfleet launch``; a slot is then the whole group."""
+    ps_per_trial: int = 1
+    seed: int = 0
+    sampler: str = "tpe"
+    pruner: str = "none"
+    pruner_options: dict[str, Any] = field(default_factory=dict)
+    trial_timeout_s: float | None = None
+    name: str = "sweep"
+    pythonpath: list[str] = field(default_factory=list)
+    """Directories put in front of ``PYTHONPATH`` for the trials (the config file's directory
+    is added when the config comes from a file)."""
+    env: dict[str, str] = field(default_factory=dict)
+    parameters: dict[str, Parameter] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`SweepConfigError` for anything that would fail later."""
+        if self.configurations is not None:
+            self._derive_space()
+        elif self.search == "list":
+            raise SweepConfigError("search: list needs configurations (a list of mappings)")
+        self.parameters = parse_space(self.space)
+        if (self.entry is None) == (self.command is None):
+            raise SweepConfigError(
+                "give exactly one trial program: entry ('module:function') or command (a list "
+                f"of arguments); got entry={self.entry!r}, command={self.command!r}"
+            )
+        if self.entry is not None and (
+            not isinstance(self.entry, str) or not re.fullmatch(r"[\w.]+:[\w.]+", self.entry)
+        ):
+            raise SweepConfigError(f"entry must be 'module:function', got {self.entry!r}")
+        if self.command is not None:
+            if (
+                not isinstance(self.command, list)
+                or not self.command
+                or not all(isinstance(a, str) for a in self.command)
+            ):
+                raise SweepConfigError(
+                    f"command must be a non-empty list of strings, got {self.command!r}"
+                )
+            if "python" in self.parameters:
+                raise SweepConfigError(
+                    "a parameter may not be called 'python': {python} in a command is the "
+                    "sweep's interpreter"
+                )
+            for arg in self.command:
+                for name in _PLACEHOLDER.findall(arg):
+                    if name not in self.parameters and name != "python":
+                        raise SweepConfigError(
+                            f"command argument {arg!r} names {{{name}}}, which is not a parameter "
+                            f"of the space ({sorted(self.parameters)})"
+                        )
+        if not isinstance(self.metric, str) or not self.metric:
+            raise SweepConfigError(f"metric must be a non-empty name, got {self.metric!r}")
+        _one_of("direction", self.direction, DIRECTIONS)
+        _one_of("search", self.search, SEARCHES)
+        _one_of("sampler", self.sampler, SAMPLERS)
+        _one_of("pruner", self.pruner, PRUNERS)
+        for label, value, low in (
+            ("slots", self.slots, 1),
+            ("workers_per_trial", self.workers_per_trial, 1),
+            ("ps_per_trial", self.ps_per_trial, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise SweepConfigError(f"{label} must be an integer >= {low}, got {value!r}")
+        if self.search == "list":
+            pass
+        elif self.search == "grid":
+            if self.trials is not None and self.trials != grid_size(self.parameters):
+                raise SweepConfigError(
+                    f"a grid search runs its {grid_size(self.parameters)} points; trials="
+                    f"{self.trials} does not match (leave trials out)"
+                )
+        elif isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
+            raise SweepConfigError(
+                f"{self.search} search needs trials: an integer >= 1, got {self.trials!r}"
+            )
+        if self.pruner != "none" and self.search != "optuna":
+            raise SweepConfigError(
+                f"pruner {self.pruner!r} needs search: optuna (grid and random search run "
+                "every trial to its end)"
+            )
+        if self.trial_timeout_s is not None and not self.trial_timeout_s > 0:
+            raise SweepConfigError(f"trial_timeout_s must be > 0, got {self.trial_timeout_s!r}")
+        if not re.fullmatch(r"[\w.-]+", self.name):
+            raise SweepConfigError(
+                f"name must be letters, digits, '_', '.', '-', got {self.name!r}"
+            )
+
+    def _derive_space(self) -> None:
+        configs = self.configurations
+        if (
+            not isinstance(configs, list)
+            or not configs
+            or not all(isinstance(c, dict) and c for c in configs)
+        ):
+            raise SweepConfigError(
+                f"configurations must be a non-empty list of non-empty mappings, got {configs!r}"
+            )
+        keys = set(configs[0])
+        for number, config in enumerate(configs):
+            if set(config) != keys:
+                raise SweepConfigError(
+                    f"configuration {number} has the parameters {sorted(config)}, the first one "
+                    f"{sorted(keys)}: every configuration must name the same parameters"
+                )
+        if self.search != "list":
+            raise SweepConfigError(f"configurations need search: list, got search: {self.search!r}")
+        values: dict[str, list[Any]] = {k: [] for k in configs[0]}
+        for config in configs:
+            for k, v in config.items():
+                if v not in values[k]:
+                    values[k].append(v)
+        self.space = {k: {"type": "choice", "values": v} for k, v in values.items()}
+
+    @property
+    def total_trials(self) -> int:
+        """How many trials the sweep runs to an end."""
+        if self.search == "grid":
+            return grid_size(self.parameters)
+        if self.search == "list":
+            return len(self.configurations or [])
+        return int(self.trials or 0)
+
+    def describe(self) -> dict[str, Any]:
+        """The configuration as stored with the sweep (to refuse resuming another one)."""
+        return {
+            "space": {n: p.describe() for n, p in self.parameters.items()},
+            "metric": self.metric,
+            "direction": self.direction,
+            "search": self.search,
+            "configurations": self.configurations,
+            "trials": self.total_trials,
+            "seed": self.seed,
+            "sampler": self.sampler,
+            "pruner": self.pruner,
+            "entry": self.entry,
+            "command": self.command,
+            "workers_per_trial": self.workers_per_trial,
+        }
+
+
+def _one_of(label: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise SweepConfigError(f"{label} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    """The sweep configuration in a YAML (``.yaml``/``.yml``, needs PyYAML) or JSON file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SweepConfigError(f"cannot read the sweep config {path}: {exc.strerror}") from exc
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise SweepConfigError(
+                f"{path} is YAML, which needs PyYAML: pip install 'tensorfleet[sweep]' (or write "
+                "the config as JSON)"
+            ) from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SweepConfigError(f"{path} is not valid YAML: {exc}") from None
+    else:
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise SweepConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SweepConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
+    known = {f.name for f in fields(SweepConfig) if f.init}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SweepConfigError(
+            f"{path}: unknown settings {unknown}; the settings are {sorted(known)}"
+        )
+    for required in ("space", "metric"):
+        if required not in raw:
+            raise SweepConfigError(f"{path}: missing setting {required!r}")
+    raw.setdefault("pythonpath", [])
+    raw["pythonpath"] = [str((path.parent / p).resolve()) for p in raw["pythonpath"]] + [
+        str(path.parent.resolve())
+    ]
+    try:
+        return SweepConfig(**raw)
+    except SweepConfigError as exc:
+        raise SweepConfigError(f"{path}: {exc}") from None

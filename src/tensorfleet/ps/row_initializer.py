@@ -1,0 +1,84 @@
+"""How a table row gets its first value: a pure function of (seed, row id, column).
+
+Rows of an embedding table are created lazily, the first time a worker pulls or pushes them,
+on whichever shard holds them. Their initial values must not depend on which shard that is,
+on the order rows are first touched, or on the process: then a table split over three shards
+holds exactly the values the same table held whole would, and a restarted ps that creates a
+row again creates the same row. So the initializer is counter-based, not a stateful
+generator: value ``(r, c)`` is computed from ``splitmix64`` (see
+:mod:`tensorfleet.ps.id_hashing`) of ``(seed, r, c)``.
+
+Kinds (the default is ``normal`` with ``std=0.01``, a common start for recommendation
+embeddings: small enough that dot products begin near zero):
+
+* ``normal``: N(0, std^2) by Box-Muller from two 53-bit uniforms;
+* ``uniform``: U(-bound, bound);
+* ``zeros``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorfleet.errors import ConfigError
+from tensorfleet.ps.id_hashing import splitmix64
+
+KINDS = ("normal", "uniform", "zeros")
+_TWO_53 = float(1 << 53)
+
+
+@dataclass(frozen=True)
+class RowInitializer:
+    """``kind`` (normal|uniform|zeros), ``scale`` (std for normal, bound for uniform), ``seed``."""
+
+    kind: str = "normal"
+    scale: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"row initializer kind must be one of {KINDS}, got {self.kind!r}")
+        if (
+            not isinstance(self.scale, (int, float))
+            or not math.isfinite(self.scale)
+            or (self.scale < 0)
+        ):
+            raise ConfigError(
+                f"row initializer scale must be a finite number >= 0, got {self.scale!r}"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"row initializer seed must be an int, got {self.seed!r}")
+
+    def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """The initial values of rows ``ids`` (1-D int64): ``[len(ids), dim]`` of ``dtype``."""
+        if self.kind == "zeros" or ids.numel() == 0:
+            return torch.zeros((ids.numel(), dim), dtype=dtype)
+        counters = (
+            ids.cpu().numpy().astype(np.uint64)[:, None] * np.uint64(2 * dim)
+            + np.arange(2 * dim, dtype=np.uint64)[None, :]
+        )
+        with np.errstate(over="ignore"):
+            seeded = counters ^ splitmix64(np.array([self.seed & (2**64 - 1)], dtype=np.uint64))
+        bits = splitmix64(splitmix64(seeded))
+        # 53 random bits -> a uniform in (0, 1): never 0, so log() below is finite.
+        uniform = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / _TWO_53
+        if self.kind == "uniform":
+            values = (uniform[:, :dim] * 2.0 - 1.0) * self.scale
+        else:
+            radius = np.sqrt(-2.0 * np.log(uniform[:, :dim]))
+            values = radius * np.cos(2.0 * math.pi * uniform[:, dim:]) * self.scale
+        return torch.from_numpy(values).to(dtype)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "scale": float(self.scale), "seed": self.seed}
+
+    @classmethod
+    def from_wire(cls, data: object) -> RowInitializer:
+        if not isinstance(data, dict):
+            raise ConfigError(f"a row initializer is a map, got {type(data).__name__}")
+        return cls(str(data.get("kind")), data.get("scale"), data.get("seed"))

@@ -1,0 +1,193 @@
+"""Embedding tables split by row across the ps shards: the table's description and its plan.
+
+A :class:`TableSpec` is what every task knows of a table (name, rows, dim, dtype, how new
+rows are initialized). A :class:`RowPartition` says which shard holds which row:
+
+* ``mod`` (the default): row ``r`` lives on shard ``r mod n`` at local index ``r div n``
+  (TensorFlow's ``mod`` partition strategy). Hashed or id-ordered ids spread evenly, so every
+  shard sees about the same share of each batch: the pulls of a step are balanced.
+* ``range``: shard ``k`` holds the contiguous rows ``[num_rows*k//n, num_rows*(k+1)//n)``
+  (TensorFlow's ``div``). Useful when ids are grouped on purpose (e.g. one range per
+  feature); a popular range makes one shard hot.
+
+Every worker derives the same plan from the same spec and shard count (no randomness), the
+plan is printed by ``log_placement`` (:meth:`RowPartition.report`) and written to the
+checkpoint manifest (:meth:`RowPartition.to_manifest`), so a restore can check it holds the
+same table cut the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tensorfleet.errors import ConfigError
+from tensorfleet.ps.row_initializer import RowInitializer
+
+SCHEMES = ("mod", "range")
+#: Table names: what may appear in a safetensors tensor name and a log line.
+_NAME = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """An embedding table: ``num_rows`` rows of ``dim`` values of ``dtype`` (``float32`` or
+    ``float64``); rows are created on first use with ``initializer``."""
+
+    name: str
+    num_rows: int
+    dim: int
+    dtype: str = "float32"
+    initializer: RowInitializer = RowInitializer()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(
+                f"table name must be 1..200 characters of letters, digits and _.-/, got "
+                f"{self.name!r}"
+            )
+        for key in ("num_rows", "dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"table {self.name!r}: {key} must be an int >= 1, got {value!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(
+                f"table {self.name!r}: dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.torch_dtype.itemsize
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "num_rows": self.num_rows,
+            "dim": self.dim,
+            "dtype": self.dtype,
+            "initializer": self.initializer.to_wire(),
+        }
+
+    @classmethod
+    def from_wire(cls, data: object) -> TableSpec:
+        """Parse a spec from a peer or a checkpoint (ValueError when malformed)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a table spec is a map, got {type(data).__name__}")
+        try:
+            return cls(
+                data["name"],
+                data["num_rows"],
+                data["dim"],
+                data["dtype"],
+                RowInitializer.from_wire(data["initializer"]),
+            )
+        except KeyError as exc:
+            raise ConfigError(f"a table spec lacks {exc}") from None
+
+
+@dataclass(frozen=True)
+class RowPartition:
+    """Which of ``num_shards`` shards holds each of ``num_rows`` rows (``scheme``: mod|range)."""
+
+    num_rows: int
+    num_shards: int
+    scheme: str = "mod"
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"row partition scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.num_shards < 1 or self.num_rows < 1:
+            raise ConfigError(
+                f"a row partition needs rows and shards >= 1, got {self.num_rows} rows over "
+                f"{self.num_shards} shards"
+            )
+
+    def rows_on(self, shard: int) -> int:
+        """How many rows shard ``shard`` holds."""
+        if self.scheme == "mod":
+            return max(0, math.ceil((self.num_rows - shard) / self.num_shards))
+        start, stop = self.range_of(shard)
+        return stop - start
+
+    def range_of(self, shard: int) -> tuple[int, int]:
+        """``[start, stop)`` of shard ``shard`` under ``range``."""
+        return (
+            self.num_rows * shard // self.num_shards,
+            self.num_rows * (shard + 1) // self.num_shards,
+        )
+
+    def shard_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The shard of each row id (int64, same shape)."""
+        if self.scheme == "mod":
+            return torch.remainder(ids, self.num_shards)
+        starts = torch.tensor(
+            [self.range_of(k)[0] for k in range(1, self.num_shards)], dtype=torch.int64
+        )
+        return torch.bucketize(ids, starts, right=True)
+
+    def local_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each row id's index among its shard's rows."""
+        if self.scheme == "mod":
+            return torch.div(ids, self.num_shards, rounding_mode="floor")
+        starts = torch.tensor(
+            [self.range_of(k)[0] for k in range(self.num_shards)], dtype=torch.int64
+        )
+        return ids - starts[self.shard_of(ids)]
+
+    def global_of(self, shard: int, local: torch.Tensor) -> torch.Tensor:
+        """The row ids of local indices ``local`` of shard ``shard``."""
+        if self.scheme == "mod":
+            return local * self.num_shards + shard
+        return local + self.range_of(shard)[0]
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The plan as a checkpoint manifest records it (each shard's rows)."""
+        shards = []
+        for shard in range(self.num_shards):
+            entry: dict[str, Any] = {"shard": shard, "rows": self.rows_on(shard)}
+            if self.scheme == "range":
+                entry["range"] = list(self.range_of(shard))
+            else:
+                entry["ids"] = f"r mod {self.num_shards} == {shard}"
+            shards.append(entry)
+        return {
+            "scheme": self.scheme,
+            "num_rows": self.num_rows,
+            "num_shards": self.num_shards,
+            "shards": shards,
+        }
+
+    @classmethod
+    def from_manifest(cls, data: object) -> RowPartition:
+        if not isinstance(data, dict):
+            raise ConfigError(f"a row partition is a map, got {type(data).__name__}")
+        return cls(int(data["num_rows"]), int(data["num_shards"]), str(data["scheme"]))
+
+    def report(self, table: TableSpec, slot_count: int = 0) -> str:
+        """Lines for ``log_placement``: each shard's rows of ``table`` and their bytes at most
+        (values plus ``slot_count`` optimizer slots per row; rows are created lazily)."""
+        lines = [
+            f"table {table.name!r}: {table.num_rows:,d} x {table.dim} {table.dtype}, "
+            f"rows split by {self.scheme} over {self.num_shards} ps shard(s)"
+        ]
+        for shard in range(self.num_shards):
+            rows = self.rows_on(shard)
+            where = (
+                f"rows [{self.range_of(shard)[0]:,d}, {self.range_of(shard)[1]:,d})"
+                if self.scheme == "range"
+                else f"rows r mod {self.num_shards} == {shard}"
+            )
+            full = rows * table.row_bytes * (1 + slot_count)
+            lines.append(
+                f"  ps:{shard}  {table.name:30s} {where:32s} {rows:>12,d} rows  <= {full:>14,d} B"
+            )
+        return "\n".join(lines)

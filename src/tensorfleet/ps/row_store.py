@@ -1,0 +1,257 @@
+"""One ps shard's part of an embedding table: its rows, their optimizer slots, and updates.
+
+The shard holds the rows a :class:`~tensorfleet.ps.row_partition.RowPartition` gives it, but
+creates each one only when a worker first pulls or pushes it (its initial value comes from
+the table's :class:`~tensorfleet.ps.row_initializer.RowInitializer`, a pure function of the
+row id, so it does not matter which shard creates it or when). Storage is dense and grows
+by doubling: ``values`` and each slot are ``[capacity, dim]`` tensors, ``slot_of[local row]``
+is the row's position in them (-1: not created) and ``ids[position]`` the row's global id.
+A pull is one ``index_select``; an update is the row-sparse rule on the touched positions.
+
+Every refusal (an id of another shard, out of range, a gradient of the wrong dim or dtype)
+happens before any state changes: a bad request loses nothing.
+
+A checkpoint of the store is one safetensors document (:meth:`RowStore.encode`): tensors
+``ids`` (the created rows' global ids, ascending), ``values`` and ``slot/<name>`` (the rows in
+that order), and the metadata ``tensorfleet_table`` (JSON: format, table spec, partition,
+shard, update rule, step count). :meth:`RowStore.decode` checks all of it before building a
+store: shapes, dtypes, ids unique, on this shard and in range.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from tensorfleet.errors import CheckpointError, ConfigError
+from tensorfleet.ps.row_partition import RowPartition, TableSpec
+from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
+
+TABLE_FORMAT = 1
+METADATA_KEY = "tensorfleet_table"
+_INITIAL_CAPACITY = 1024
+
+
+class RowStore:
+    """Shard ``shard`` of table ``table`` cut by ``partition``, updated by ``rule``."""
+
+    def __init__(
+        self, table: TableSpec, partition: RowPartition, shard: int, rule: SparseRowRule
+    ) -> None:
+        if partition.num_rows != table.num_rows:
+            raise ConfigError(
+                f"table {table.name!r} has {table.num_rows} rows, its partition "
+                f"{partition.num_rows}"
+            )
+        if not 0 <= shard < partition.num_shards:
+            raise ConfigError(f"shard {shard} is not one of the {partition.num_shards} shards")
+        self.table, self.partition, self.shard, self.rule = table, partition, shard, rule
+        self.step = 0
+        """Updates applied to the table (empty ones included: torch counts every step)."""
+        self.local_rows = partition.rows_on(shard)
+        self._slot_of = torch.full((self.local_rows,), -1, dtype=torch.int64)
+        self._ids = torch.empty(0, dtype=torch.int64)
+        self._values = torch.empty((0, table.dim), dtype=table.torch_dtype)
+        self._slots = {name: self._values.clone() for name in rule.slot_names}
+        self.size = 0
+        """Rows created so far."""
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+        """The current values of rows ``ids`` (global ids of this shard, 1-D int64), created
+        on first use: a new ``[len(ids), dim]`` tensor."""
+        positions = self._positions(self._check_ids(ids), create=True)
+        return self._values.index_select(0, positions)
+
+    def created_rows(self) -> torch.Tensor:
+        """The global ids of the rows created so far, ascending."""
+        return torch.sort(self._ids[: self.size]).values
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now (capacity, not just created rows), bookkeeping included."""
+        row = self.table.row_bytes * (1 + len(self._slots))
+        return self._values.shape[0] * (row + 8) + self.local_rows * 8
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def apply(self, gradient: SparseRows) -> None:
+        """One update of the table with this shard's rows of a step's gradient (an empty
+        ``gradient`` still counts as a step: see :mod:`tensorfleet.ps.sparse_update_rules`)."""
+        check_sparse_rows(
+            self.table.name,
+            gradient,
+            num_rows=self.table.num_rows,
+            dim=self.table.dim,
+            dtype=self.table.torch_dtype,
+        )
+        positions = self._positions(self._check_ids(gradient.indices), create=True)
+        self.step += 1
+        self.rule.apply(self._values, self._slots, positions, gradient.values, self.step)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def encode(self) -> bytes:
+        """This shard's part of the table as a safetensors document (module docstring)."""
+        order = torch.argsort(self._ids[: self.size])
+        tensors = {
+            "ids": self._ids[: self.size][order].contiguous(),
+            "values": self._values[: self.size][order].contiguous(),
+        }
+        for name, slot in self._slots.items():
+            tensors[f"slot/{name}"] = slot[: self.size][order].contiguous()
+        metadata = {
+            "format": TABLE_FORMAT,
+            "table": self.table.to_wire(),
+            "partition": self.partition.to_manifest(),
+            "shard": self.shard,
+            "rule": self.rule.to_wire(),
+            "step": self.step,
+        }
+        return safetensors_save(tensors, {METADATA_KEY: json.dumps(metadata)})
+
+    @classmethod
+    def decode(cls, document: bytes, *, expect: TableSpec | None = None) -> RowStore:
+        """A store from :meth:`encode`'s document, checked (CheckpointError naming the
+        problem); ``expect``: the table the caller holds, which the document must match."""
+        try:
+            tensors = safetensors_load(bytes(document))
+            header = _read_metadata(document)
+            meta = json.loads(header[METADATA_KEY])
+            if meta.get("format") != TABLE_FORMAT:
+                raise ConfigError(
+                    f"format {meta.get('format')!r}, this version reads {TABLE_FORMAT}"
+                )
+            table = TableSpec.from_wire(meta["table"])
+            partition = RowPartition.from_manifest(meta["partition"])
+            rule = SparseRowRule.from_wire(meta["rule"])
+            shard, step = meta["shard"], meta["step"]
+            if not isinstance(shard, int) or not isinstance(step, int) or step < 0:
+                raise ConfigError(f"shard {shard!r} and step {step!r} must be ints >= 0")
+            store = cls(table, partition, shard, rule)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"a table document cannot be read: {exc}") from None
+        name = table.name
+        if expect is not None and expect != table:
+            raise CheckpointError(
+                f"the checkpoint holds table {table.to_wire()}, the model has "
+                f"{expect.to_wire()}; fix: build the table as it was trained, or start without "
+                f"this checkpoint"
+            )
+        want = {"ids", "values", *(f"slot/{s}" for s in rule.slot_names)}
+        if set(tensors) != want:
+            raise CheckpointError(
+                f"table {name!r} shard {shard}: the document holds {sorted(tensors)}, expected "
+                f"{sorted(want)}"
+            )
+        ids = tensors["ids"]
+        rows = ids.shape[0] if ids.dim() == 1 else -1
+        if ids.dtype != torch.int64 or rows < 0:
+            raise CheckpointError(
+                f"table {name!r}: ids must be int64 [n], got {ids.dtype} {list(ids.shape)}"
+            )
+        for key in want - {"ids"}:
+            t = tensors[key]
+            if t.dtype != table.torch_dtype or tuple(t.shape) != (rows, table.dim):
+                raise CheckpointError(
+                    f"table {name!r}: {key} is {t.dtype} {list(t.shape)}, expected "
+                    f"{table.torch_dtype} {[rows, table.dim]}"
+                )
+        if rows:
+            if torch.unique(ids).numel() != rows:
+                raise CheckpointError(f"table {name!r} shard {shard}: the row ids repeat")
+            if int(ids.min()) < 0 or int(ids.max()) >= table.num_rows:
+                raise CheckpointError(f"table {name!r} shard {shard}: a row id is out of range")
+            if bool((partition.shard_of(ids) != shard).any()):
+                raise CheckpointError(
+                    f"table {name!r}: the document of shard {shard} holds rows of another shard"
+                )
+        store._grow(rows)
+        store._ids[:rows] = ids
+        store._values[:rows] = tensors["values"]
+        for slot in rule.slot_names:
+            store._slots[slot][:rows] = tensors[f"slot/{slot}"]
+        store._slot_of[partition.local_of(ids)] = torch.arange(rows, dtype=torch.int64)
+        store.size, store.step = rows, step
+        return store
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise SparseGradientError(
+                f"table {self.table.name!r}: row ids must be a 1-D int64 tensor, got "
+                f"{ids.dtype} {list(ids.shape)}"
+            )
+        if ids.numel() == 0:
+            return ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.table.num_rows:
+            bad = ids[(ids < 0) | (ids >= self.table.num_rows)]
+            raise SparseGradientError(
+                f"table {self.table.name!r}: row id {int(bad[0])} is out of range "
+                f"[0, {self.table.num_rows}); fix: hash unbounded ids into the table "
+                f"(hash_ids=True) or make num_rows larger"
+            )
+        wrong = self.partition.shard_of(ids) != self.shard
+        if bool(wrong.any()):
+            row = int(ids[wrong][0])
+            raise SparseGradientError(
+                f"table {self.table.name!r}: row {row} belongs to shard "
+                f"{int(self.partition.shard_of(ids[wrong][:1])[0])}, not to this shard "
+                f"{self.shard} ({self.partition.scheme} over {self.partition.num_shards}); the "
+                f"worker's partition plan differs from the ps's"
+            )
+        return ids
+
+    def _positions(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
+        local = self.partition.local_of(ids)
+        positions = self._slot_of[local]
+        missing = positions < 0
+        if create and bool(missing.any()):
+            new_ids = torch.unique(ids[missing])  # ascending; a pull may repeat an id
+            start = self.size
+            self._grow(start + new_ids.numel())
+            stop = start + new_ids.numel()
+            self._ids[start:stop] = new_ids
+            self._values[start:stop] = self.table.initializer.rows(
+                new_ids, self.table.dim, self.table.torch_dtype
+            )
+            for name, slot in self._slots.items():
+                slot[start:stop] = self.rule.slot_initial_value(name)
+            self._slot_of[self.partition.local_of(new_ids)] = torch.arange(
+                start, stop, dtype=torch.int64
+            )
+            self.size = stop
+            positions = self._slot_of[local]
+        return positions
+
+    def _grow(self, needed: int) -> None:
+        capacity = self._values.shape[0]
+        if needed <= capacity:
+            return
+        new = min(self.local_rows, max(needed, 2 * capacity, _INITIAL_CAPACITY))
+        self._ids = _resized(self._ids, new)
+        self._values = _resized(self._values, new)
+        self._slots = {name: _resized(slot, new) for name, slot in self._slots.items()}
+
+
+def _resized(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    out = tensor.new_zeros((rows, *tensor.shape[1:]))
+    out[: tensor.shape[0]] = tensor
+    return out
+
+
+def _read_metadata(document: bytes) -> dict[str, Any]:
+    """The ``__metadata__`` map of a safetensors document (already parsed by safetensors)."""
+    length = int.from_bytes(bytes(document[:8]), "little")
+    header = json.loads(bytes(document[8 : 8 + length]))
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict) or METADATA_KEY not in metadata:
+        raise ConfigError(f"no {METADATA_KEY!r} metadata")
+    return metadata

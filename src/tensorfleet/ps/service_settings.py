@@ -1,0 +1,43 @@
+"""The settings of a parameter-server shard, in one validated place.
+
+:class:`ServiceSettings` holds the shard's timeouts and message limits, their defaults and
+their checks. Every way of configuring a ps starts from it: the service's own
+:class:`~tensorfleet.ps.service.ServiceConfig` (these settings plus the shard's index and the
+cluster's workers), the user-facing ``ServerConfig`` of :mod:`tensorfleet.session.server`
+(which extends it), and the defaults of ``tensorfleet server``'s flags. It imports neither
+torch nor ZeroMQ, so the command line can read its defaults cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tensorfleet.errors import ConfigError
+from tensorfleet.wire.message import Limits
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """Timeouts and limits of one ps shard (checked on construction: :class:`ConfigError`)."""
+
+    idle_timeout_s: float = 1800.0
+    """End (with an error) when no valid request arrived for this long."""
+    end_grace_s: float = 60.0
+    """After the chief's ``end``, how long to wait for the other workers' ``done``."""
+    liveness_timeout_s: float = 15.0
+    """A worker not heard from (requests or heartbeats) for this long is lost."""
+    limits: Limits = Limits()
+    """Message size and count limits the shard enforces."""
+
+    def __post_init__(self) -> None:
+        if not (self.idle_timeout_s > 0 and self.liveness_timeout_s > 0 and self.end_grace_s >= 0):
+            raise ConfigError(
+                "idle_timeout_s and liveness_timeout_s must be > 0 and end_grace_s >= 0, got "
+                f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}"
+            )
+
+    def settings_fields(self) -> dict[str, Any]:
+        """These settings as keyword arguments (of :class:`ServiceSettings` only, not of a
+        subclass's own fields)."""
+        return {f.name: getattr(self, f.name) for f in fields(ServiceSettings)}

@@ -1,0 +1,110 @@
+"""The embedding tables one ps shard holds: created under its memory limit, pulled and
+updated by name, saved and restored as one document per table.
+
+This is what the ps's request handler delegates to for the table operations (create, pull
+rows, push rows, save, restore); it knows nothing of the wire or of workers. Errors a user
+can cause (an unknown table, a table created twice with another shape, ids or gradients that
+do not fit, a table over ``--max-memory``) raise :class:`~tensorfleet.errors.TensorfleetError`
+subclasses that also derive from ``ValueError``, before any state changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorfleet.errors import CheckpointError, ConfigError, TensorfleetError
+from tensorfleet.ps.memory_budget import check_fits, table_shard_bytes
+from tensorfleet.ps.row_partition import RowPartition, TableSpec
+from tensorfleet.ps.row_store import RowStore
+from tensorfleet.ps.sparse_rows import SparseRows
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
+
+
+class UnknownTable(TensorfleetError, ValueError):
+    """A request names a table this shard does not hold."""
+
+
+class ShardTables:
+    """The tables of shard ``shard`` (of ``num_shards``), limited to ``max_memory`` bytes
+    (None: no limit) counted at their full size (:mod:`tensorfleet.ps.memory_budget`)."""
+
+    def __init__(self, shard: int, num_shards: int, max_memory: int | None = None) -> None:
+        self.shard, self.num_shards, self.max_memory = shard, num_shards, max_memory
+        self._stores: dict[str, RowStore] = {}
+
+    def create(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> bool:
+        """Hold this shard's part of ``table``; idempotent for the same table (every worker
+        may ask). False when it already existed. Refused: another table under the same name,
+        a partition over another number of shards, or a table over the memory limit."""
+        existing = self._stores.get(table.name)
+        if existing is not None:
+            if (existing.table, existing.partition, existing.rule) != (table, partition, rule):
+                raise ConfigError(
+                    f"table {table.name!r} exists on ps:{self.shard} as "
+                    f"{existing.table.to_wire()} ({existing.partition.scheme}, rule "
+                    f"{existing.rule.name}); a worker asked for {table.to_wire()} "
+                    f"({partition.scheme}, rule {rule.name}); fix: give every worker the same "
+                    f"model, or another name to the other table"
+                )
+            return False
+        if partition.num_shards != self.num_shards:
+            raise ConfigError(
+                f"table {table.name!r} is partitioned over {partition.num_shards} shards, the "
+                f"cluster has {self.num_shards} ps tasks"
+            )
+        check_fits(
+            table=table.name,
+            shard=self.shard,
+            needed_bytes=self.full_bytes(table, partition, rule),
+            used_bytes=sum(self.full_bytes(s.table, s.partition, s.rule) for s in self),
+            max_bytes=self.max_memory,
+            num_shards=self.num_shards,
+        )
+        self._stores[table.name] = RowStore(table, partition, self.shard, rule)
+        return True
+
+    def full_bytes(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> int:
+        """The most this shard's part of ``table`` can take (every row created)."""
+        return table_shard_bytes(
+            partition.rows_on(self.shard), table.row_bytes, len(rule.slot_names)
+        )
+
+    def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.store(name).pull(ids)
+
+    def apply(self, name: str, gradient: SparseRows) -> None:
+        self.store(name).apply(gradient)
+
+    def store(self, name: str) -> RowStore:
+        store = self._stores.get(name)
+        if store is None:
+            raise UnknownTable(
+                f"ps:{self.shard} holds no table {name!r} (it holds "
+                f"{sorted(self._stores) or 'none'}); the chief creates tables when training "
+                f"starts: was this ps restarted without a checkpoint to restore?"
+            )
+        return store
+
+    def save(self) -> dict[str, bytes]:
+        """Each table's document (:meth:`RowStore.encode`), by table name."""
+        return {name: store.encode() for name, store in self._stores.items()}
+
+    def restore(self, documents: dict[str, bytes]) -> None:
+        """Replace the tables with a checkpoint's, all or nothing (CheckpointError)."""
+        restored = {}
+        for name, document in documents.items():
+            expect = self._stores[name].table if name in self._stores else None
+            store = RowStore.decode(document, expect=expect)
+            if store.table.name != name or store.shard != self.shard:
+                raise CheckpointError(
+                    f"the document for table {name!r} holds table {store.table.name!r} of "
+                    f"shard {store.shard}; this is ps:{self.shard}"
+                )
+            restored[name] = store
+        self._stores.update(restored)
+
+    def __iter__(self):
+        return iter(self._stores.values())
+
+    def __len__(self) -> int:
+        return len(self._stores)

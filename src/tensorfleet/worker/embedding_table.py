@@ -1,0 +1,222 @@
+"""``tfl.EmbeddingTable``: an embedding whose rows live on the ps shards, never whole on a worker.
+
+The API choice. A table is its own module, ``tfl.EmbeddingTable(num_rows, dim, ...)``, and
+not an ``nn.Embedding`` that tensorfleet would take over above a size threshold, because:
+
+* ``nn.Embedding(10_000_000, 64)`` allocates and initializes its 2.4 GiB weight in the
+  constructor, on every worker, before tensorfleet sees the model: the memory the ps is
+  there to save is spent anyway. ``EmbeddingTable`` allocates nothing.
+* A table needs what ``nn.Embedding`` has no words for: hashing of unbounded ids (int64 or
+  strings), rows created lazily with a stated initializer, a row partition, a row-sparse
+  update rule. A threshold would change a model's semantics silently at some size.
+* ``nn.Embedding(sparse=True)`` keeps working as what it is: a dense variable held whole by
+  one ps (or partitioned by row blocks), whose sparse gradients are pushed as rows.
+
+How a step works. The forward takes the unique ids of the batch (after hashing), pulls
+exactly those rows, one request per shard holding any of them, and looks the batch up in
+that small ``[unique, dim]`` tensor; autograd then gives the gradient of those rows only,
+which :meth:`EmbeddingTable.take_gradient` returns coalesced (a table used twice in a step
+gets one gradient) for the session to push, one part per shard (empty parts included: each
+shard counts every step of the table, see :mod:`tensorfleet.ps.sparse_update_rules`).
+
+Where the rows come from is a :class:`RowSource`: the ps shards in a cluster, or
+:class:`LocalRowSource` (the same row stores in this process) when training in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
+from tensorfleet.ps.row_initializer import RowInitializer
+from tensorfleet.ps.row_partition import RowPartition, TableSpec
+from tensorfleet.ps.shard_tables import ShardTables
+from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tensorfleet.worker.sparse_gradient import coalesce_gradient, split_rows
+
+_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+class TableNotAttached(TensorfleetError, RuntimeError):
+    """An EmbeddingTable was used before a session gave it somewhere to read rows from."""
+
+
+class RowSource(Protocol):
+    """Where a table's rows live: ``pull_rows`` of one shard, ``push_rows`` of every shard."""
+
+    def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None: ...
+
+
+class EmbeddingTable(nn.Module):
+    """A ``num_rows`` x ``dim`` embedding held by the ps shards, row-partitioned.
+
+    ``ids``: any int64 tensor (or, with ``hash_ids=True``, a list of strings); the output has
+    shape ``ids.shape + (dim,)``. Without hashing, ids must lie in ``[0, num_rows)``; with it,
+    any int64 or string is mapped to ``hash(id) mod num_rows``
+    (:mod:`tensorfleet.ps.id_hashing`). New rows start from ``initializer`` (default
+    ``RowInitializer("normal", 0.01)``). ``partition``: ``mod`` (default) or ``range``.
+
+    >>> table = EmbeddingTable(1000, 8, name="user")
+    >>> source = LocalRowSource([table], num_shards=2, rule=SparseRowRule("sgd", {"lr": 0.1}))
+    >>> table(torch.tensor([[3, 999], [3, 4]])).shape
+    torch.Size([2, 2, 8])
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        dim: int,
+        *,
+        name: str | None = None,
+        hash_ids: bool = False,
+        hash_seed: int = 0,
+        initializer: RowInitializer | None = None,
+        dtype: torch.dtype = torch.float32,
+        partition: str = "mod",
+    ) -> None:
+        super().__init__()
+        if dtype not in _TORCH_DTYPES:
+            raise ConfigError(f"an EmbeddingTable is float32 or float64, got {dtype}")
+        self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
+        self.table_name = name
+        self.initializer = initializer or RowInitializer()
+        self.dtype = dtype
+        self.partition_scheme = partition
+        TableSpec(name or "unnamed", num_rows, dim, _TORCH_DTYPES[dtype], self.initializer)
+        self._source: RowSource | None = None
+        self._partition: RowPartition | None = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def spec(self) -> TableSpec:
+        """The table as the ps shards hold it (needs a name: given, or set by the session)."""
+        if not self.table_name:
+            raise TableNotAttached(
+                "this EmbeddingTable has no name yet; pass name=... or let the session name "
+                "it after its place in the model"
+            )
+        return TableSpec(
+            self.table_name, self.num_rows, self.dim, _TORCH_DTYPES[self.dtype], self.initializer
+        )
+
+    def attach(self, source: RowSource, num_shards: int, name: str | None = None) -> None:
+        """Read and write rows through ``source`` (split over ``num_shards`` shards)."""
+        if name is not None:
+            self.table_name = name
+        self._partition = RowPartition(self.num_rows, num_shards, self.partition_scheme)
+        self._source = source
+
+    @property
+    def partition(self) -> RowPartition:
+        if self._partition is None:
+            raise TableNotAttached(self._not_attached())
+        return self._partition
+
+    def rows_of(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
+        """The table rows of ``ids`` (hashed, or checked to be in range): int64, same shape."""
+        if self.hash_ids:
+            if isinstance(ids, torch.Tensor):
+                return hash_int_ids(ids, self.num_rows, self.hash_seed)
+            return hash_string_ids(list(ids), self.num_rows, self.hash_seed)
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise SparseGradientError(
+                f"table {self.table_name!r}: ids must be an int64 tensor, got "
+                f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}; fix: "
+                f"pass hash_ids=True to look up strings or unbounded ids"
+            )
+        ids = ids.to(torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+            bad = ids[(ids < 0) | (ids >= self.num_rows)]
+            raise SparseGradientError(
+                f"table {self.table_name!r}: id {int(bad[0])} is out of range "
+                f"[0, {self.num_rows}) ({bad.numel()} of {ids.numel()} ids are); fix: pass "
+                f"hash_ids=True to hash unbounded ids into the table, or make num_rows larger"
+            )
+        return ids
+
+    def forward(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
+        if self._source is None:
+            raise TableNotAttached(self._not_attached())
+        rows = self.rows_of(ids)
+        unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
+        shard_of = self.partition.shard_of(unique)
+        gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
+        for shard in range(self.partition.num_shards):
+            mask = shard_of == shard
+            if bool(mask.any()):
+                gathered[mask] = self._source.pull_rows(self.spec().name, shard, unique[mask])
+        if torch.is_grad_enabled() and self.training:
+            gathered.requires_grad_(True)
+            self._pending.append((unique, gathered))
+        return F.embedding(inverse, gathered).view(*rows.shape, self.dim)
+
+    def take_gradient(self) -> SparseRows:
+        """The coalesced gradient of the rows used since the last call (after backward), and
+        forget them. Rows whose gradient autograd never reached count as zero."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return SparseRows(torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim)))
+        ids = torch.cat([unique for unique, _ in pending])
+        grads = torch.cat(
+            [g.grad if g.grad is not None else torch.zeros_like(g) for _, g in pending]
+        )
+        if len(pending) == 1:
+            return SparseRows(ids, grads.detach())
+        sparse = torch.sparse_coo_tensor(
+            ids.unsqueeze(0), grads.detach(), (self.num_rows, self.dim), check_invariants=True
+        )
+        return coalesce_gradient(self.spec().name, sparse)
+
+    def push_gradient(self) -> SparseRows:
+        """Send :meth:`take_gradient` to the shards (one part each); returns what was sent."""
+        if self._source is None:
+            raise TableNotAttached(self._not_attached())
+        rows = self.take_gradient()
+        parts = split_rows(rows, self.partition.shard_of(rows.indices), self.partition.num_shards)
+        self._source.push_rows(self.spec().name, parts)
+        return rows
+
+    def extra_repr(self) -> str:
+        hashing = f", hash_ids=True (seed {self.hash_seed})" if self.hash_ids else ""
+        return f"{self.num_rows}, {self.dim}, name={self.table_name!r}{hashing}"
+
+    def _not_attached(self) -> str:
+        return (
+            f"EmbeddingTable {self.table_name!r} is not attached to its rows yet; run the model "
+            f"inside a TrainingSession (which attaches every table to the ps shards), or attach "
+            f"it to a LocalRowSource to use it in one process"
+        )
+
+
+class LocalRowSource:
+    """The row stores of ``tables`` in this process, split over ``num_shards`` like on the
+    ps: one-process training, and the reference the cluster must match. Attaches the tables."""
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingTable],
+        num_shards: int = 1,
+        rule: SparseRowRule | None = None,
+        max_memory: int | None = None,
+    ) -> None:
+        self.rule = rule or SparseRowRule("sgd")
+        self.shards = [ShardTables(k, num_shards, max_memory) for k in range(num_shards)]
+        for table in tables:
+            table.attach(self, num_shards)
+            for shard in self.shards:
+                shard.create(table.spec(), table.partition, self.rule)
+
+    def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
+        return self.shards[shard].pull(table, ids)
+
+    def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
+        for shard, part in zip(self.shards, parts, strict=True):
+            shard.apply(table, part)

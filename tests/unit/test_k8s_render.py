@@ -1,0 +1,246 @@
+"""tensorfleet k8s render: the manifests validate offline against named Kubernetes versions,
+each pod's TF_CONFIG resolves to its own task, the secret is a mounted file, and bad shapes
+are refused before anything is written."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tensorfleet.cluster.resolver import resolve_task
+from tensorfleet.errors import ClusterConfigError
+from tensorfleet.launch.cli import main
+from tensorfleet.launch.renderers.kubernetes import (
+    AWAIT_DNS,
+    KubernetesOptions,
+    Resources,
+    render_manifests,
+    render_yaml,
+)
+from tensorfleet.launch.renderers.shape import ClusterShape
+
+#: The oldest version with everything the Jobs use GA (podFailurePolicy: 1.31), and the
+#: newest the validator knows.
+KUBERNETES_VERSIONS = ["1.31.0", "1.37.0"]
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+def options(ps: int = 2, workers: int = 3, **kwargs) -> KubernetesOptions:
+    return KubernetesOptions(
+        shape=ClusterShape(ps, workers),
+        image="registry.example.com/train:1.0",
+        command=["python", "train.py", "--steps", "3000"],
+        secret=SECRET,
+        **kwargs,
+    )
+
+
+def by_kind(documents, kind):
+    return [d for d in documents if d["kind"] == kind]
+
+
+def env_of(container) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container["env"]}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_manifests_validate_strictly(version):
+    documents = render_manifests(
+        options(worker_resources=Resources(cpu="4", memory="8Gi", gpus=1), namespace="ml")
+    )
+    assert [d["kind"] for d in documents[:3]] == ["Secret", "Service", "Job"]
+    for document in documents:
+        kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_a_broken_manifest_fails_validation():
+    """The validator is not a no-op: a typo in a field is caught."""
+    job = by_kind(render_manifests(options()), "Job")[0]
+    job["spec"]["backofLimit"] = job["spec"].pop("backoffLimit")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_yaml_reads_back_as_the_manifests():
+    opts = options(namespace="ml", name="mnist")
+    assert list(yaml.safe_load_all(render_yaml(opts))) == render_manifests(opts)
+
+
+def test_each_pod_tf_config_resolves_to_its_own_task():
+    opts = options(ps=2, workers=3, namespace="ml", name="mnist", port=2300)
+    documents = render_manifests(opts)
+    jobs, services = by_kind(documents, "Job"), by_kind(documents, "Service")
+    assert len(jobs) == len(services) == 5
+    expected_cluster = {
+        "ps": [f"mnist-ps-{i}.ml.svc:2300" for i in range(2)],
+        "worker": [f"mnist-worker-{i}.ml.svc:2300" for i in range(3)],
+    }
+    seen = []
+    for job in jobs:
+        pod = job["spec"]["template"]
+        (container,) = pod["spec"]["containers"]
+        task = resolve_task(argv=[], environ={"TF_CONFIG": env_of(container)["TF_CONFIG"]})
+        seen.append(str(task.task_id))
+        assert task.source == "TF_CONFIG"
+        assert task.cluster.as_dict() == expected_cluster
+        assert job["metadata"]["name"] == f"mnist-{task.job}-{task.index}"
+        labels = pod["metadata"]["labels"]
+        assert (labels["tensorfleet/job"], labels["tensorfleet/task-index"]) == (
+            task.job,
+            str(task.index),
+        )
+        # The task's address is its own Service, and that Service selects only this pod.
+        host = task.address.split(".")[0]
+        (service,) = [s for s in services if s["metadata"]["name"] == host]
+        selecting = [
+            j
+            for j in jobs
+            if service["spec"]["selector"].items()
+            <= j["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert selecting == [job]
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["ports"][0]["port"] == 2300
+        assert container["ports"][0]["containerPort"] == 2300
+    assert seen == ["ps:0", "ps:1", "worker:0", "worker:1", "worker:2"]
+
+
+def test_ps_run_the_built_in_server_and_workers_the_command():
+    jobs = by_kind(render_manifests(options(ps=1, workers=1)), "Job")
+    commands = [j["spec"]["template"]["spec"]["containers"][0]["command"] for j in jobs]
+    assert commands == [
+        ["python", "-m", "tensorfleet", "server"],
+        ["python", "train.py", "--steps", "3000"],
+    ]
+
+
+def test_the_secret_is_a_mounted_file_never_an_environment_value():
+    documents = render_manifests(options())
+    (secret,) = by_kind(documents, "Secret")
+    assert base64.b64decode(secret["data"]["secret"]) == SECRET
+    for job in by_kind(documents, "Job"):
+        spec = job["spec"]["template"]["spec"]
+        (volume,) = spec["volumes"]
+        assert volume["secret"] == {"secretName": secret["metadata"]["name"], "defaultMode": 0o400}
+        (container,) = spec["containers"]
+        (mount,) = container["volumeMounts"]
+        assert mount["readOnly"] and mount["name"] == volume["name"]
+        env = env_of(container)
+        assert env["TENSORFLEET_SECRET_FILE"] == f"{mount['mountPath']}/secret"
+        assert "TENSORFLEET_SECRET" not in env
+        for init in spec["initContainers"]:
+            assert SECRET.decode() not in json.dumps(init)
+        assert SECRET.decode() not in json.dumps(job)
+
+
+def test_restart_policy_is_the_launchers():
+    job = by_kind(render_manifests(options(max_restarts=5)), "Job")[0]
+    spec = job["spec"]
+    assert spec["backoffLimit"] == 5
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+    ignore, fail = spec["podFailurePolicy"]["rules"]
+    assert ignore == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
+    assert fail["action"] == "FailJob" and fail["onExitCodes"]["operator"] == "In"
+    failing = set(fail["onExitCodes"]["values"])
+    assert failing == set(range(1, 128)), "error exits fail fast; signals (128+n) are retried"
+    assert {137, 143}.isdisjoint(failing)
+
+
+def test_resources():
+    documents = render_manifests(
+        options(
+            ps=1,
+            workers=1,
+            ps_resources=Resources(cpu="500m", memory="1Gi"),
+            worker_resources=Resources(cpu="4", memory="16Gi", gpus=2),
+        )
+    )
+    ps, worker = (
+        j["spec"]["template"]["spec"]["containers"][0]["resources"]
+        for j in by_kind(documents, "Job")
+    )
+    assert ps == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    assert worker == {
+        "requests": {"cpu": "4", "memory": "16Gi"},
+        "limits": {"memory": "16Gi", "nvidia.com/gpu": 2},
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "fragment"),
+    [
+        (lambda: ClusterShape(0, 0), "the cluster shape has 0 tasks (0 ps, 0 workers)"),
+        (lambda: ClusterShape(2, 0), "has 2 ps tasks but 0 workers"),
+        (lambda: ClusterShape(-1, 2), "number of ps tasks must be a non-negative integer, got -1"),
+        (lambda: options(name="My_Job"), "--name 'My_Job' cannot name Kubernetes objects"),
+        (lambda: options(name="x" * 60), "at most 63 characters"),
+        (lambda: options(namespace="Prod"), "--namespace 'Prod' is not a Kubernetes namespace"),
+        (lambda: options(port=0), "--port must be in 1..65535, got 0"),
+        (lambda: options(max_restarts=-1), "--max-restarts must be 0 or more, got -1"),
+        (lambda: Resources(cpu="two"), "cpu 'two' is not a Kubernetes quantity"),
+        (lambda: Resources(gpus=-1), "gpus must be a non-negative integer, got -1"),
+    ],
+)
+def test_bad_input_is_refused(build, fragment):
+    with pytest.raises(ClusterConfigError, match=re.escape(fragment)):
+        build()
+
+
+def test_cli_writes_the_manifests_with_mode_600(tmp_path, capsys):
+    out = tmp_path / "cluster.yaml"
+    argv = ["k8s", "render", "--ps", "1", "--workers", "2", "--image", "img:1", "-o", str(out)]
+    assert main([*argv, "--", "python", "train.py"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.stat().st_mode & 0o777 == 0o600
+    documents = list(yaml.safe_load_all(out.read_text()))
+    assert [d["kind"] for d in documents] == ["Secret"] + ["Service", "Job"] * 3
+    for document in documents:
+        kubernetes_validate.validate(document, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_cli_uses_the_secret_file(tmp_path, capsys):
+    path = tmp_path / "secret"
+    assert main(["k8s", "render", "--image", "i", "--secret-file", str(path), "--", "t"]) == 0
+    assert path.stat().st_mode & 0o777 == 0o600  # created with a fresh secret
+    (secret,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Secret"]
+    assert base64.b64decode(secret["data"]["secret"]) == path.read_bytes().strip()
+
+
+def test_cli_refuses_a_cluster_of_0_tasks(tmp_path, capsys):
+    out = tmp_path / "cluster.yaml"
+    argv = ["k8s", "render", "--ps", "0", "--workers", "0", "--image", "i", "-o", str(out)]
+    assert main([*argv, "--", "t"]) == 2
+    assert "the cluster shape has 0 tasks" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_await_dns_waits_for_every_name_with_a_deadline():
+    """The init container's program, run here: names that resolve pass, one that does not
+    fails after the deadline, naming it."""
+
+    def run(hosts: list[str]) -> subprocess.CompletedProcess[str]:
+        config = {"cluster": {"worker": [f"{h}:2222" for h in hosts]}, "task": {}}
+        return subprocess.run(
+            [sys.executable, "-c", AWAIT_DNS, "1"],
+            env={"TF_CONFIG": json.dumps(config)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    ok = run(["localhost", "127.0.0.1"])
+    assert ok.returncode == 0 and "all 2 task names resolve" in ok.stdout, ok.stderr
+    missing = run(["localhost", "no-such-task.invalid"])
+    assert missing.returncode == 1
+    assert "no-such-task.invalid does not resolve after 1 s" in missing.stderr
