@@ -108,8 +108,8 @@ class RemotePipelineStage:
 
     Args:
         stage: this stage's module (e.g. ``split_stages(model, 2)[stage_index]``).
-        stage_index, num_stages: its place in the pipeline; stage ``i`` runs on rank ``i``
-            of ``group``.
+        stage_index: its place in the pipeline; stage ``i`` runs on rank ``i`` of ``group``.
+        num_stages: the pipeline's number of stages.
         n_microbatches: micro-batches per step; the batch must divide evenly.
         loss_fn: ``loss_fn(output, target)`` per micro-batch; needed on the last stage.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``.
