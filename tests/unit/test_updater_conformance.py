@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from tensorfleet.launch.ports import free_port
+from tensorfleet.parallel.engine_updaters import LocalPipelineUpdater, ReplicaUpdater
+from tensorfleet.parallel.pipeline_updater import PipelineLeaderUpdater
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -77,7 +79,29 @@ def _allreduce(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater
     yield AllReduceUpdater(f"127.0.0.1:{free_port()}", 0, 1, TIMEOUTS, task_names=["worker:0"])
 
 
-UPDATERS: dict[str, UpdaterFactory] = {"local": _local, "ps": _ps, "allreduce": _allreduce}
+@contextmanager
+def _replicas(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
+    """In-graph replication (2 CPU replicas) around the one-process updater."""
+    yield ReplicaUpdater(LocalUpdater(), ["/cpu:0", "/cpu:1"])  # type: ignore[misc]
+
+
+@contextmanager
+def _local_pipeline(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
+    """A 2-stage pipeline in the task (5 micro-batches of 1) around the ps updater."""
+    with _ps(named_params) as inner:
+        yield LocalPipelineUpdater(inner, ["/cpu:0", "/cpu:1"], 5)  # type: ignore[misc]
+
+
+UPDATERS: dict[str, UpdaterFactory] = {
+    "local": _local,
+    "ps": _ps,
+    "allreduce": _allreduce,
+    "replicas": _replicas,
+    "local_pipeline": _local_pipeline,
+}
+#: Updater classes whose life needs several processes: their signatures are checked here,
+#: their life in tests/cluster (test_engines_exact.py, test_driven_pipeline.py).
+SIGNATURE_ONLY = {"pipeline_leader": PipelineLeaderUpdater}
 
 
 @dataclass(frozen=True)
@@ -129,9 +153,16 @@ def _protocol_methods() -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("kind", UPDATERS)
+@pytest.mark.parametrize("kind", [*UPDATERS, *SIGNATURE_ONLY])
 def test_every_updater_has_the_protocols_signatures(kind: str) -> None:
-    cls = {"local": LocalUpdater, "ps": PsUpdater, "allreduce": AllReduceUpdater}[kind]
+    cls = {
+        "local": LocalUpdater,
+        "ps": PsUpdater,
+        "allreduce": AllReduceUpdater,
+        "replicas": ReplicaUpdater,
+        "local_pipeline": LocalPipelineUpdater,
+        **SIGNATURE_ONLY,
+    }[kind]
     assert _protocol_methods()
     for name in _protocol_methods():
         expected = inspect.signature(getattr(Updater, name))
