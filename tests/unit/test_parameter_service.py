@@ -789,7 +789,11 @@ def test_done_from_every_worker_finishes_the_service(
 def test_parameter_clients_finish_the_service(
     service: RunningService,
 ) -> None:
-    timeouts = ClientTimeouts(connect_s=TIMEOUT_S, initialize_s=TIMEOUT_S, step_s=TIMEOUT_S)
+    # finish_s: the chief waits that long for worker:1, which finishes after it in this test
+    # (the default, 120 s within the ps's 60 s grace, would wait 50 s for nothing).
+    timeouts = ClientTimeouts(
+        connect_s=TIMEOUT_S, initialize_s=TIMEOUT_S, step_s=TIMEOUT_S, finish_s=1.0
+    )
     models = [
         [("w", torch.nn.Parameter(torch.ones(4, 2))), ("b", torch.nn.Parameter(torch.zeros(2)))]
         for _ in WORKERS
@@ -811,7 +815,7 @@ def test_parameter_clients_finish_the_service(
         assert clients[1].pull().global_step == 1
         assert torch.equal(models[1][0][1].detach(), torch.full((4, 2), 1 - LR))
 
-        clients[0].finish(declare_end=True)
+        assert clients[0].finish(declare_end=True) == ["worker:1"]  # still running then
         assert clients[1].pull().stop is True  # the chief declared the end
         clients[1].finish(declare_end=False)
     finally:

@@ -65,7 +65,7 @@ from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
 from tensorfleet.ps.update_discipline import UpdateDiscipline
-from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
@@ -133,6 +133,7 @@ class ParameterService:
     """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
 
     def __init__(self, socket: ServiceSocket, config: ServiceConfig) -> None:
+        warm_up_optimizers()  # before any request is served (see its docstring)
         self.socket = socket
         self.config = config
         self.store = VariableStore()

@@ -200,3 +200,11 @@ def Adagrad(
     return UpdateRule(
         "adagrad", {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}
     )
+
+
+def warm_up_optimizers() -> None:
+    """Build one throwaway torch optimizer, so that the first ``create`` a ps answers is not
+    held behind torch's lazy imports: the first ``torch.optim`` optimizer of a process
+    imports ``torch._dynamo``, measured at 3-8 s on this project's 2-vCPU machine, which is
+    longer than a short ``create`` deadline."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
