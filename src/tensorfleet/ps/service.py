@@ -57,6 +57,7 @@ from tensorfleet.errors import (
     WorkerLost,
 )
 from tensorfleet.ps import checkpoint_handling
+from tensorfleet.ps.buffer_bank import BufferBank
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
@@ -167,6 +168,8 @@ class ParameterService:
             "restore": self._restore,
             "stats": self._stats,
         }
+        self.buffer_bank = BufferBank(socket, len(config.worker_tasks), self._departed_workers)
+        self._handlers.update(self.buffer_bank.handlers())
 
     @property
     def done_workers(self) -> set[str]:
@@ -431,6 +434,7 @@ class ParameterService:
             return
         if last_task is None:  # a 'done' completed the step: its last contributor made it
             last_task = aggregator.waiting[-1].task
+        made = aggregator.step
         mean, contributions = aggregator.take_mean()
         if self.discipline.clip_norm is not None:
             _clip_by_global_norm(mean, self.discipline.clip_norm)
@@ -439,6 +443,7 @@ class ParameterService:
         self.global_step = aggregator.step
         for contribution in contributions:
             self._answer_push(contribution.request, made_step=contribution.task == last_task)
+        self.buffer_bank.step_made(made, [c.task for c in contributions])
 
     def _departed_workers(self) -> set[str]:
         """Workers a sync step does not wait for: done, and lost when shrinking."""
@@ -496,7 +501,11 @@ class ParameterService:
         """The shard's state as one safetensors document (a checkpoint's shard file)."""
         self._require_initialized()
         document = checkpoint_handling.save_document(
-            self.config.shard_index, self.store, self.global_step, self.worker_data
+            self.config.shard_index,
+            self.store,
+            self.global_step,
+            self.worker_data,
+            self.buffer_bank.values,
         )
         self.socket.reply(
             request,
@@ -525,6 +534,7 @@ class ParameterService:
         are answered as dropped."""
         self.global_step = global_step
         self.worker_data = dict(checkpoint.worker_data)
+        self.buffer_bank.take_checkpoint(checkpoint.buffers)
         if self.aggregator is not None:
             waiting = self.aggregator.waiting
             for contribution in waiting:

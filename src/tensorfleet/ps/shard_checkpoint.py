@@ -39,6 +39,8 @@ MAX_HEADER_BYTES = 64 << 20
 #: Optimizer state keys are short identifiers (``exp_avg``, ``momentum_buffer``, ``step``).
 STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_STATE_KEYS = 8
+MAX_BUFFERS = 100_000
+"""At most this many persistent buffers in one document."""
 #: A worker's data position is a small map; bigger ones are refused.
 MAX_WORKER_DATA_BYTES = 4096
 #: safetensors' names of the dtypes a shard holds.
@@ -65,6 +67,8 @@ class ShardState:
     ema: dict[str, torch.Tensor] | None
     optimizer: dict[str, dict[str, torch.Tensor]]
     worker_data: dict[str, dict[str, Any]] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The model's persistent buffers (BatchNorm statistics ...) this shard holds, by name."""
 
     @property
     def layout(self) -> FusedLayout:
@@ -82,6 +86,7 @@ def encode_shard(
     ema: dict[str, torch.Tensor] | None,
     optimizer: dict[str, dict[str, torch.Tensor]],
     worker_data: dict[str, dict[str, Any]],
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> bytearray:
     """The safetensors document of one shard. The tensors may be views of the shard's
     storage: each is copied once, straight into the document."""
@@ -93,6 +98,8 @@ def encode_shard(
     for name, state in optimizer.items():
         for key, tensor in state.items():
             tensors[f"optim/{name}/{key}"] = tensor
+    for name, buffer in (buffers or {}).items():
+        tensors[f"buffer/{name}"] = buffer
     metadata = {
         "format": SHARD_FORMAT,
         "shard": shard,
@@ -190,6 +197,7 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
     ema: dict[str, torch.Tensor] | None = {} if metadata.get("has_ema") is True else None
     optimizer: dict[str, dict[str, torch.Tensor]] = {v.name: {} for v in layout.variables}
     by_name = {v.name: v for v in layout.variables}
+    buffers: dict[str, torch.Tensor] = {}
     for tensor_name, tensor in tensors.items():
         kind, _, rest = tensor_name.partition("/")
         if kind in ("value", "ema"):
@@ -213,6 +221,8 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
             optimizer[var_name][key] = tensor
             if len(optimizer[var_name]) > MAX_STATE_KEYS:
                 raise ProtocolError(f"too many optimizer state tensors for {var_name!r}")
+        elif kind == "buffer" and rest and len(buffers) < MAX_BUFFERS:
+            buffers[rest] = tensor
         else:
             raise ProtocolError(f"unexpected tensor {tensor_name!r} in the shard document")
     for var in layout.variables:
@@ -230,6 +240,7 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
         ema=ema,
         optimizer={k: v for k, v in optimizer.items() if v},
         worker_data=check_worker_data_map(metadata.get("worker_data", {})),
+        buffers=buffers,
     )
 
 
