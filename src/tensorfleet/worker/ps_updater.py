@@ -27,6 +27,7 @@ from tensorfleet.wire.message import Limits
 from tensorfleet.worker.buffer_exchange import BufferExchange, place_buffers, placement_report
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import (
     CheckpointSource,
@@ -146,6 +147,9 @@ class PsUpdater:
         return progress
 
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
+        """Push the gradients (sparse ones, from ``sparse=True`` embeddings, as the dense
+        gradient of their variable: see :func:`densify_sparse_gradients`) and the buffers."""
+        densify_sparse_gradients(self._named_params)
         return self._exchange_buffers(step, self.client.push_pull(step=step, data=data))
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
@@ -163,6 +167,7 @@ class PsUpdater:
         if self.discipline is not None and self.discipline.mode == "async":
             pulled = self.pull()
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
+        densify_sparse_gradients(self._named_params)
         zero_gradients(self._named_params)
         return self._exchange_buffers(step, self.client.push_pull(step=step))
 
