@@ -65,6 +65,7 @@ from tensorfleet.ps.snapshot_pool import SnapshotPool
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
+from tensorfleet.ps.table_requests import TableRequests
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.ps.worker_roster import WorkerRoster
@@ -94,6 +95,7 @@ class ServiceConfig:
     liveness_timeout_s: float = ServiceSettings.liveness_timeout_s
     """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = ServiceSettings.limits
+    max_memory: int | None = ServiceSettings.max_memory
 
     def __post_init__(self) -> None:
         self.settings  # noqa: B018 (checks the settings: ConfigError)
@@ -106,6 +108,7 @@ class ServiceConfig:
             end_grace_s=self.end_grace_s,
             liveness_timeout_s=self.liveness_timeout_s,
             limits=self.limits,
+            max_memory=self.max_memory,
         )
 
     @classmethod
@@ -170,6 +173,8 @@ class ParameterService:
         }
         self.buffer_bank = BufferBank(socket, len(config.worker_tasks), self._departed_workers)
         self._handlers.update(self.buffer_bank.handlers())
+        self.tables = TableRequests(socket, config.shard_index, config.max_memory)
+        self._handlers.update(self.tables.handlers())
 
     @property
     def done_workers(self) -> set[str]:
