@@ -115,3 +115,30 @@ def test_max_memory_is_a_server_option_checked_up_front():
         ServerConfig(max_memory=0)
     with pytest.raises(ValueError, match="is not a size"):
         _memory_size("lots")
+
+
+def test_a_shards_tables_travel_in_its_checkpoint_document_and_restore():
+    from tensorfleet.ps.layout import FusedLayout, StoredVariable
+    from tensorfleet.ps.shard_checkpoint import decode_shard, encode_shard
+    from tensorfleet.ps.table_requests import TableRequests
+
+    table = EmbeddingTable(ROWS, DIM, name="items")
+    local = LocalRowSource([table], num_shards=2, rule=SparseRowRule("adagrad", {"lr": 0.1}))
+    for ids in _batches():
+        ((table(ids) - _target()) ** 2).sum().backward()
+        table.push_gradient()
+    saved = local.shards[1].save()
+    document = encode_shard(
+        shard=1, global_step=5, version=5, rule={"name": "sgd"},
+        layout=FusedLayout.of([StoredVariable("w", (2,), "float32")]),
+        values={"w": torch.zeros(2)}, ema=None, optimizer={}, worker_data={}, tables=saved,
+    )  # fmt: skip
+    state = decode_shard(document)
+    assert state.tables == saved
+    restarted = TableRequests(socket=None, shard=1, max_memory=None)  # a fresh, empty shard
+    restarted.restore(state.tables)
+    ids = table.partition.rows_of(1)[:50] if hasattr(table.partition, "rows_of") else None
+    ids = torch.arange(1, ROWS, 2) if ids is None else ids
+    assert torch.equal(restarted.tables.pull("items", ids), local.shards[1].pull("items", ids))
+    with pytest.raises(ValueError, match="the checkpoint's tables"):
+        TableRequests(None, 0, None).restore({"items": saved["items"]})  # ps:1's rows on ps:0

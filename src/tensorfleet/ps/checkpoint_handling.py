@@ -27,6 +27,7 @@ def save_document(
     global_step: int,
     worker_data: dict[str, dict],
     buffers: dict[str, torch.Tensor] | None = None,
+    tables: dict[str, bytes] | None = None,
 ) -> bytes:
     """The shard's state as one safetensors document (a checkpoint's shard file), with the
     persistent ``buffers`` it holds."""
@@ -42,6 +43,7 @@ def save_document(
         optimizer=optimizer,
         worker_data=worker_data,
         buffers=buffers,
+        tables=tables,
     )
 
 

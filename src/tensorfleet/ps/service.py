@@ -511,6 +511,7 @@ class ParameterService:
             self.global_step,
             self.worker_data,
             self.buffer_bank.values,
+            self.tables.documents(),
         )
         self.socket.reply(
             request,
@@ -540,6 +541,7 @@ class ParameterService:
         self.global_step = global_step
         self.worker_data = dict(checkpoint.worker_data)
         self.buffer_bank.take_checkpoint(checkpoint.buffers)
+        self.tables.restore(checkpoint.tables)
         if self.aggregator is not None:
             waiting = self.aggregator.waiting
             for contribution in waiting:

@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
+from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -45,6 +46,25 @@ class TableRequests:
             "pull_rows": self._pull_rows,
             "push_rows": self._push_rows,
         }
+
+    def documents(self) -> dict[str, bytes]:
+        """Each table's document for the shard's checkpoint (none: no tables)."""
+        return {} if self.tables is None else self.tables.save()
+
+    def restore(self, documents: dict[str, bytes]) -> None:
+        """Take a checkpoint's tables (ConfigError, nothing changed, when one is bad)."""
+        if not documents:
+            return
+        try:
+            if self.tables is None:
+                first = RowStore.decode(next(iter(documents.values())))
+                tables = ShardTables(self.shard, first.partition.num_shards, self.max_memory)
+                tables.restore(documents)
+                self.tables = tables
+            else:
+                self.tables.restore(documents)
+        except CheckpointError as exc:  # a refusal the service answers (a ValueError)
+            raise ConfigError(f"ps:{self.shard}: the checkpoint's tables: {exc}") from None
 
     def _create(self, request: Request) -> None:
         spec = TableSpec.from_wire(request.body.get("table"))

@@ -27,7 +27,9 @@ from tensorfleet.wire.message import Limits
 from tensorfleet.worker.buffer_exchange import BufferExchange, place_buffers, placement_report
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
+from tensorfleet.worker.table_attachment import TableAttachment, find_tables
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import (
     CheckpointSource,
@@ -72,6 +74,8 @@ class PsUpdater:
         self._log_placement = log_placement
         self.buffers: BufferExchange | None = None
         """The model's persistent buffers on the shards (None: the model has none)."""
+        self.tables: TableAttachment | None = None
+        """The model's embedding tables on the shards (None: the model has none)."""
 
     def connect(self, device: torch.device | None = None) -> None:
         """Say hello to every shard (the device does not matter: values travel via the CPU)."""
@@ -92,6 +96,15 @@ class PsUpdater:
                 self.client.task_name,
                 self.client.timeouts.step_s,
             )
+        tables = find_tables(model)
+        if tables:
+            source = PsRowSource(
+                lambda: self.client._shards,
+                self.client._recovering,
+                self.client.task_name,
+                self.client.timeouts.step_s,
+            )
+            self.tables = TableAttachment(tables, source, self.client.num_shards)
         return model
 
     def register(self, named_params: NamedParams, rule: UpdateRule) -> None:
@@ -121,6 +134,8 @@ class PsUpdater:
             if resume_from is None
             else (resume_from.global_step, resume_from.documents),
         )
+        if self.tables is not None:
+            self.tables.create(self._rule)
         if self.buffers is not None:
             mode = (
                 "sync"
@@ -150,6 +165,8 @@ class PsUpdater:
         """Push the gradients (sparse ones, from ``sparse=True`` embeddings, as the dense
         gradient of their variable: see :func:`densify_sparse_gradients`) and the buffers."""
         densify_sparse_gradients(self._named_params)
+        if self.tables is not None:
+            self.tables.push()
         return self._exchange_buffers(step, self.client.push_pull(step=step, data=data))
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
@@ -164,6 +181,8 @@ class PsUpdater:
     def skip(self, step: int) -> Progress:
         """async: push nothing and pull the newest values. sync: every step waits for its
         quota of workers, so this worker takes part with zero gradients."""
+        if self.tables is not None:
+            self.tables.discard()
         if self.discipline is not None and self.discipline.mode == "async":
             pulled = self.pull()
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
@@ -187,6 +206,8 @@ class PsUpdater:
             for shard in self.plan.shards
             for piece in shard
         }
+        if self.tables is not None:
+            placement.update(self.tables.placement())
         return SavedState(global_step, documents, placement)
 
     def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
