@@ -276,7 +276,7 @@ def test_hello_with_another_version_is_refused_with_a_clear_error(
 
 
 def test_unknown_operation_is_refused_by_name(chief: Channel) -> None:
-    with pytest.raises(RemoteError, match=r"unknown operation 'reset'; known: \['create'"):
+    with pytest.raises(RemoteError, match=r"unknown operation 'reset'; known: \['buffers_create'"):
         chief.call("reset", {}, timeout_s=TIMEOUT_S)
 
 

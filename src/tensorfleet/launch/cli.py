@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="after the chief ends training, wait up to S seconds for the other workers "
         "(default: %(default)g)",
     )
+    server.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="most memory this ps's embedding tables may take, counted at their full size "
+        "(e.g. 8GB, 512MiB, or bytes); a table that would not fit is refused when created "
+        "(default: no limit)",
+    )
     server.set_defaults(handler=_server)
 
     plot = commands.add_parser(
@@ -190,6 +198,7 @@ def _server(args: argparse.Namespace) -> int:
                     for field, value in (
                         ("liveness_timeout_s", args.liveness_timeout),
                         ("end_grace_s", args.end_grace),
+                        ("max_memory", _memory_size(args.max_memory)),
                     )
                     if value is not None
                 },
@@ -240,3 +249,10 @@ def _export(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     print(path)
     return 0
+
+
+def _memory_size(text: str | None) -> int | None:
+    """``--max-memory``'s value in bytes (None when not given)."""
+    from tensorfleet.ps.memory_budget import parse_memory_size
+
+    return None if text is None else parse_memory_size(text)

@@ -22,9 +22,15 @@ from tensorfleet.wire.auth import Buffer
 
 
 def save_document(
-    shard_index: int, store: VariableStore, global_step: int, worker_data: dict[str, dict]
+    shard_index: int,
+    store: VariableStore,
+    global_step: int,
+    worker_data: dict[str, dict],
+    buffers: dict[str, torch.Tensor] | None = None,
+    tables: dict[str, bytes] | None = None,
 ) -> bytes:
-    """The shard's state as one safetensors document (a checkpoint's shard file)."""
+    """The shard's state as one safetensors document (a checkpoint's shard file), with the
+    persistent ``buffers`` it holds."""
     values, ema, optimizer = store.checkpoint_parts(copy=False)  # copied by encode
     return encode_shard(
         shard=shard_index,
@@ -36,6 +42,8 @@ def save_document(
         ema=ema,
         optimizer=optimizer,
         worker_data=worker_data,
+        buffers=buffers,
+        tables=tables,
     )
 
 

@@ -57,6 +57,7 @@ from tensorfleet.errors import (
     WorkerLost,
 )
 from tensorfleet.ps import checkpoint_handling
+from tensorfleet.ps.buffer_bank import BufferBank
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
@@ -64,6 +65,7 @@ from tensorfleet.ps.snapshot_pool import SnapshotPool
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
+from tensorfleet.ps.table_requests import TableRequests
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
@@ -93,6 +95,7 @@ class ServiceConfig:
     liveness_timeout_s: float = ServiceSettings.liveness_timeout_s
     """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = ServiceSettings.limits
+    max_memory: int | None = ServiceSettings.max_memory
 
     def __post_init__(self) -> None:
         self.settings  # noqa: B018 (checks the settings: ConfigError)
@@ -105,6 +108,7 @@ class ServiceConfig:
             end_grace_s=self.end_grace_s,
             liveness_timeout_s=self.liveness_timeout_s,
             limits=self.limits,
+            max_memory=self.max_memory,
         )
 
     @classmethod
@@ -168,6 +172,10 @@ class ParameterService:
             "restore": self._restore,
             "stats": self._stats,
         }
+        self.buffer_bank = BufferBank(socket, len(config.worker_tasks), self._departed_workers)
+        self._handlers.update(self.buffer_bank.handlers())
+        self.tables = TableRequests(socket, config.shard_index, config.max_memory)
+        self._handlers.update(self.tables.handlers())
 
     @property
     def done_workers(self) -> set[str]:
@@ -432,6 +440,7 @@ class ParameterService:
             return
         if last_task is None:  # a 'done' completed the step: its last contributor made it
             last_task = aggregator.waiting[-1].task
+        made = aggregator.step
         mean, contributions = aggregator.take_mean()
         if self.discipline.clip_norm is not None:
             _clip_by_global_norm(mean, self.discipline.clip_norm)
@@ -440,6 +449,7 @@ class ParameterService:
         self.global_step = aggregator.step
         for contribution in contributions:
             self._answer_push(contribution.request, made_step=contribution.task == last_task)
+        self.buffer_bank.step_made(made, [c.task for c in contributions])
 
     def _departed_workers(self) -> set[str]:
         """Workers a sync step does not wait for: done, and lost when shrinking."""
@@ -497,7 +507,12 @@ class ParameterService:
         """The shard's state as one safetensors document (a checkpoint's shard file)."""
         self._require_initialized()
         document = checkpoint_handling.save_document(
-            self.config.shard_index, self.store, self.global_step, self.worker_data
+            self.config.shard_index,
+            self.store,
+            self.global_step,
+            self.worker_data,
+            self.buffer_bank.values,
+            self.tables.documents(),
         )
         self.socket.reply(
             request,
@@ -526,6 +541,8 @@ class ParameterService:
         are answered as dropped."""
         self.global_step = global_step
         self.worker_data = dict(checkpoint.worker_data)
+        self.buffer_bank.take_checkpoint(checkpoint.buffers)
+        self.tables.restore(checkpoint.tables)
         if self.aggregator is not None:
             waiting = self.aggregator.waiting
             for contribution in waiting:

@@ -29,6 +29,9 @@ class ServiceSettings:
     """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = Limits()
     """Message size and count limits the shard enforces."""
+    max_memory: int | None = None
+    """Most bytes the shard's embedding tables may take (counted at their full size); a
+    table that would not fit is refused at creation. None: no limit."""
 
     def __post_init__(self) -> None:
         if not (self.idle_timeout_s > 0 and self.liveness_timeout_s > 0 and self.end_grace_s >= 0):
@@ -36,6 +39,8 @@ class ServiceSettings:
                 "idle_timeout_s and liveness_timeout_s must be > 0 and end_grace_s >= 0, got "
                 f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}"
             )
+        if self.max_memory is not None and self.max_memory <= 0:
+            raise ConfigError(f"max_memory must be > 0 bytes (or None), got {self.max_memory}")
 
     def settings_fields(self) -> dict[str, Any]:
         """These settings as keyword arguments (of :class:`ServiceSettings` only, not of a

@@ -39,6 +39,8 @@ MAX_HEADER_BYTES = 64 << 20
 #: Optimizer state keys are short identifiers (``exp_avg``, ``momentum_buffer``, ``step``).
 STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 MAX_STATE_KEYS = 8
+MAX_BUFFERS = 100_000
+"""At most this many persistent buffers in one document."""
 #: A worker's data position is a small map; bigger ones are refused.
 MAX_WORKER_DATA_BYTES = 4096
 #: safetensors' names of the dtypes a shard holds.
@@ -49,6 +51,7 @@ _SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
     torch.int64: "I64",
     torch.int32: "I32",
+    torch.uint8: "U8",
 }
 
 
@@ -65,6 +68,10 @@ class ShardState:
     ema: dict[str, torch.Tensor] | None
     optimizer: dict[str, dict[str, torch.Tensor]]
     worker_data: dict[str, dict[str, Any]] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The model's persistent buffers (BatchNorm statistics ...) this shard holds, by name."""
+    tables: dict[str, bytes] = field(default_factory=dict)
+    """This shard's part of each embedding table: a row store document by table name."""
 
     @property
     def layout(self) -> FusedLayout:
@@ -82,6 +89,8 @@ def encode_shard(
     ema: dict[str, torch.Tensor] | None,
     optimizer: dict[str, dict[str, torch.Tensor]],
     worker_data: dict[str, dict[str, Any]],
+    buffers: dict[str, torch.Tensor] | None = None,
+    tables: dict[str, bytes] | None = None,
 ) -> bytearray:
     """The safetensors document of one shard. The tensors may be views of the shard's
     storage: each is copied once, straight into the document."""
@@ -93,6 +102,10 @@ def encode_shard(
     for name, state in optimizer.items():
         for key, tensor in state.items():
             tensors[f"optim/{name}/{key}"] = tensor
+    for name, buffer in (buffers or {}).items():
+        tensors[f"buffer/{name}"] = buffer
+    for name, document in (tables or {}).items():  # a row store's own checked document
+        tensors[f"table/{name}"] = torch.frombuffer(bytearray(document), dtype=torch.uint8)
     metadata = {
         "format": SHARD_FORMAT,
         "shard": shard,
@@ -190,6 +203,8 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
     ema: dict[str, torch.Tensor] | None = {} if metadata.get("has_ema") is True else None
     optimizer: dict[str, dict[str, torch.Tensor]] = {v.name: {} for v in layout.variables}
     by_name = {v.name: v for v in layout.variables}
+    buffers: dict[str, torch.Tensor] = {}
+    tables: dict[str, bytes] = {}
     for tensor_name, tensor in tensors.items():
         kind, _, rest = tensor_name.partition("/")
         if kind in ("value", "ema"):
@@ -213,6 +228,10 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
             optimizer[var_name][key] = tensor
             if len(optimizer[var_name]) > MAX_STATE_KEYS:
                 raise ProtocolError(f"too many optimizer state tensors for {var_name!r}")
+        elif kind == "buffer" and rest and len(buffers) < MAX_BUFFERS:
+            buffers[rest] = tensor
+        elif kind == "table" and rest and tensor.dtype == torch.uint8 and tensor.dim() == 1:
+            tables[rest] = tensor.numpy().tobytes()
         else:
             raise ProtocolError(f"unexpected tensor {tensor_name!r} in the shard document")
     for var in layout.variables:
@@ -230,6 +249,8 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
         ema=ema,
         optimizer={k: v for k, v in optimizer.items() if v},
         worker_data=check_worker_data_map(metadata.get("worker_data", {})),
+        buffers=buffers,
+        tables=tables,
     )
 
 

@@ -222,7 +222,8 @@ def load_checkpoint(
     moving_average: bool = False,
     strict: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The model's parameters from a checkpoint, by parameter name, with no cluster.
+    """The model's state from a checkpoint (parameters and persistent buffers, by their
+    ``state_dict`` names), with no cluster.
 
     ``path`` is a checkpoint directory or a run's ``checkpoint_dir`` (its newest valid
     checkpoint is used). Partitioned variables are put back together. With ``model``, the
@@ -232,6 +233,7 @@ def load_checkpoint(
     checkpoint = _find(path)
     placement = checkpoint.manifest.get("placement", {})
     pieces: dict[str, list[tuple[int, int | None, torch.Tensor]]] = {}
+    buffers: dict[str, torch.Tensor] = {}  # persistent buffers: whole, the same in both views
     for document in checkpoint.documents:
         try:
             shard = decode_shard(document)
@@ -244,6 +246,7 @@ def load_checkpoint(
                     f"checkpoint {checkpoint.path} has no moving average (train with ema_decay)"
                 )
             source = shard.ema
+        buffers.update(shard.buffers)
         for stored_name, tensor in source.items():
             where = placement.get(stored_name, {"param": stored_name, "rows": None})
             rows = where.get("rows")
@@ -258,6 +261,7 @@ def load_checkpoint(
             if len(parts) == 1 and parts[0][1] is None
             else torch.cat([tensor for _, _, tensor in parts])
         )
+    state.update(buffers)
     if model is not None:
         result = model.load_state_dict(state, strict=strict)
         if strict is False and (result.missing_keys or result.unexpected_keys):

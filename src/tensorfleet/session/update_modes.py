@@ -157,6 +157,7 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         discipline=discipline,
         timeouts=settings.timeouts,
         encrypt=server.encrypt,
+        log_placement=settings.log_placement and server.is_chief,
     )
 
 

@@ -34,14 +34,17 @@ from tensorfleet.errors import (
     TensorfleetError,
     UsageError,
 )
+from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.shard_checkpoint import MAX_WORKER_DATA_BYTES, check_worker_data
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.worker.moving_average import MovingAverage
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.replica_state import (
+    check_buffers,
     decode_replica,
     encode_replica,
+    load_buffers,
     optimizer_state_template,
 )
 from tensorfleet.worker.timeouts import ClientTimeouts
@@ -101,6 +104,7 @@ class AllReduceUpdater:
         self._global_step = 0
         self._own_group = False
         self._named_params: list[tuple[str, torch.Tensor]] = []
+        self._buffers: dict[str, torch.Tensor] = {}
         self._rule: UpdateRule | None = None
 
     def connect(self, device: torch.device | None = None) -> None:
@@ -132,6 +136,7 @@ class AllReduceUpdater:
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         """The model wrapped in DDP (rank 0's parameters are broadcast to every worker). The
         training closure must call this wrapper, not the inner model."""
+        self._buffers = persistent_buffers(model)  # DDP broadcasts rank 0's at each forward
         self._wrapped = DistributedDataParallel(model)
         self._wrapped.register_forward_pre_hook(self._note_forward)
         return self._wrapped
@@ -256,6 +261,7 @@ class AllReduceUpdater:
             self._moving_average,
             self._global_step,
             worker_data,
+            self._buffers,
         )
         return self._global_step, [document]
 
@@ -274,6 +280,7 @@ class AllReduceUpdater:
         if self.rank == 0 and document is not None:
             try:
                 state = decode_replica(document, self._named_params)
+                check_buffers(state.buffers, self._buffers)
                 template = optimizer_state_template(self._rule, self._named_params)
                 if state.optimizer and {k: set(v) for k, v in state.optimizer.items()} != {
                     k: set(v) for k, v in template.items()
@@ -297,6 +304,10 @@ class AllReduceUpdater:
                 if state is not None:
                     param.copy_(state.values[name])
                 _broadcast(param.data)
+            if state is not None:
+                load_buffers(state.buffers, self._buffers)
+            for buffer in self._buffers.values():
+                _broadcast(buffer)
         template = optimizer_state_template(self._rule, self._named_params)
         has_state = torch.tensor([int(state is not None and bool(state.optimizer))])
         dist.broadcast(has_state, src=0)

@@ -13,12 +13,19 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import CheckpointError, ConfigError, UsageError
+from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.shard_checkpoint import ShardState
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.worker.moving_average import MovingAverage
 from tensorfleet.worker.progress import Progress
-from tensorfleet.worker.replica_state import decode_replica, encode_replica, load_replica
+from tensorfleet.worker.replica_state import (
+    check_buffers,
+    decode_replica,
+    encode_replica,
+    load_buffers,
+    load_replica,
+)
 from tensorfleet.worker.updater import (
     CheckpointSource,
     DataPosition,
@@ -41,6 +48,7 @@ class LocalUpdater:
         self._ema_decay = ema_decay
         self._moving_average: MovingAverage | None = None
         self._named_params: list[tuple[str, torch.Tensor]] = []
+        self._buffers: dict[str, torch.Tensor] = {}
         self._rule: UpdateRule | None = None
         self._data: dict[str, Any] | None = None
 
@@ -48,6 +56,7 @@ class LocalUpdater:
         """Nothing to connect to."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        self._buffers = persistent_buffers(model)
         return model
 
     def register(self, named_params: NamedParams, rule: UpdateRule) -> None:
@@ -63,7 +72,9 @@ class LocalUpdater:
             return Restored(self._global_step)
         try:  # nothing changes until the whole checkpoint is known to fit
             state = self._decode(checkpoint.documents)
+            check_buffers(state.buffers, self._buffers)
             optimizer = load_replica(state, self._named_params, self._rule)
+            load_buffers(state.buffers, self._buffers)
         except ValueError as exc:
             raise CheckpointError(
                 f"checkpoint {checkpoint.path} cannot be restored: {exc}. Start fresh "
@@ -127,6 +138,7 @@ class LocalUpdater:
             self._moving_average,
             self._global_step,
             {} if self._data is None else {"local": self._data},
+            self._buffers,
         )
         return SavedState(self._global_step, [document], whole_placement(self._named_params))
 

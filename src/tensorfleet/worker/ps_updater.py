@@ -6,7 +6,8 @@ It owns what is particular to training through parameter servers, on top of the 
 which variable), the update discipline the shards apply, who restores the shards (the chief:
 at start when they are empty, and whenever one restarts empty during training), and what a
 vetoed update means per discipline (async: push nothing; sync: push zeros, because every
-step waits for its quota of workers).
+step waits for its quota of workers), and the model's persistent buffers, which live on the
+shards too (:mod:`tensorfleet.worker.buffer_exchange`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import UsageError
+from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.message import Limits
+from tensorfleet.worker.buffer_exchange import BufferExchange, place_buffers, placement_report
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.ps_row_source import PsRowSource
+from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
+from tensorfleet.worker.table_attachment import TableAttachment, find_tables
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import (
     CheckpointSource,
@@ -54,6 +60,7 @@ class PsUpdater:
         timeouts: ClientTimeouts | None = None,
         encrypt: bool = False,
         limits: Limits | None = None,
+        log_placement: bool = False,
     ) -> None:
         self.client = ParameterClient(
             ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt
@@ -64,12 +71,40 @@ class PsUpdater:
         self._initialized: list[bool] = []
         self._named_params: list[tuple[str, torch.Tensor]] = []
         self._rule: UpdateRule | None = None
+        self._log_placement = log_placement
+        self.buffers: BufferExchange | None = None
+        """The model's persistent buffers on the shards (None: the model has none)."""
+        self.tables: TableAttachment | None = None
+        """The model's embedding tables on the shards (None: the model has none)."""
 
     def connect(self, device: torch.device | None = None) -> None:
         """Say hello to every shard (the device does not matter: values travel via the CPU)."""
         self._initialized = self.client.connect()
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """The model as it is; its persistent buffers are placed on the shards."""
+        buffers = persistent_buffers(model)
+        if buffers:
+            placement = place_buffers(self.plan, buffers)
+            if self._log_placement:
+                print(placement_report(placement, buffers), flush=True)
+            self.buffers = BufferExchange(
+                lambda: self.client._shards,
+                self.client._recovering,
+                buffers,
+                placement,
+                self.client.task_name,
+                self.client.timeouts.step_s,
+            )
+        tables = find_tables(model)
+        if tables:
+            source = PsRowSource(
+                lambda: self.client._shards,
+                self.client._recovering,
+                self.client.task_name,
+                self.client.timeouts.step_s,
+            )
+            self.tables = TableAttachment(tables, source, self.client.num_shards)
         return model
 
     def register(self, named_params: NamedParams, rule: UpdateRule) -> None:
@@ -99,6 +134,15 @@ class PsUpdater:
             if resume_from is None
             else (resume_from.global_step, resume_from.documents),
         )
+        if self.tables is not None:
+            self.tables.create(self._rule)
+        if self.buffers is not None:
+            mode = (
+                "sync"
+                if self.discipline is not None and self.discipline.mode == "sync"
+                else "async"
+            )
+            self.buffers.create(mode, self.is_chief)
         return Restored(global_step, self.client.restored_data)
 
     @staticmethod
@@ -112,19 +156,39 @@ class PsUpdater:
         return checkpoint.global_step, checkpoint.documents
 
     def pull(self) -> Progress:
-        return self.client.pull()
+        progress = self.client.pull()
+        if self.buffers is not None:
+            self.buffers.pull()
+        return progress
 
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
-        return self.client.push_pull(step=step, data=data)
+        """Push the gradients (sparse ones, from ``sparse=True`` embeddings, as the dense
+        gradient of their variable: see :func:`densify_sparse_gradients`) and the buffers."""
+        densify_sparse_gradients(self._named_params)
+        if self.tables is not None:
+            self.tables.push()
+        return self._exchange_buffers(step, self.client.push_pull(step=step, data=data))
+
+    def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
+        """After the gradients' trip: push the buffers (only with gradients that counted)."""
+        if self.buffers is not None:
+            if progress.dropped:
+                self.buffers.pull()
+            else:
+                self.buffers.push(step)
+        return progress
 
     def skip(self, step: int) -> Progress:
         """async: push nothing and pull the newest values. sync: every step waits for its
         quota of workers, so this worker takes part with zero gradients."""
+        if self.tables is not None:
+            self.tables.discard()
         if self.discipline is not None and self.discipline.mode == "async":
-            pulled = self.client.pull()
+            pulled = self.pull()
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
+        densify_sparse_gradients(self._named_params)
         zero_gradients(self._named_params)
-        return self.client.push_pull(step=step)
+        return self._exchange_buffers(step, self.client.push_pull(step=step))
 
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return stop, checkpoint
@@ -142,6 +206,8 @@ class PsUpdater:
             for shard in self.plan.shards
             for piece in shard
         }
+        if self.tables is not None:
+            placement.update(self.tables.placement())
         return SavedState(global_step, documents, placement)
 
     def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:

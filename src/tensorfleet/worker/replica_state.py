@@ -38,8 +38,10 @@ def encode_replica(
     moving_average: MovingAverage | None,
     global_step: int,
     worker_data: dict[str, dict[str, Any]],
+    buffers: dict[str, torch.Tensor] | None = None,
 ) -> bytearray:
-    """The checkpoint document of a replica (its parameters are copied, on any device)."""
+    """The checkpoint document of a replica (its parameters and persistent ``buffers`` are
+    copied, on any device)."""
     states: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in named_params:
         state = {
@@ -58,6 +60,7 @@ def encode_replica(
         ema=None if moving_average is None else moving_average.state(),
         optimizer=states,
         worker_data=worker_data,
+        buffers={name: b.detach().cpu() for name, b in (buffers or {}).items()},
     )
 
 
@@ -95,6 +98,33 @@ def load_replica(
         for name, param in named_params:
             param.copy_(state.values[name])
     return optimizer
+
+
+def check_buffers(saved: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Check that a checkpoint's ``saved`` buffers fit the model's persistent ``buffers``
+    (:class:`CheckpointMismatch` naming the first difference). A checkpoint without buffers
+    (written before buffers were saved) fits any model."""
+    unknown = sorted(set(saved) - set(buffers))
+    if unknown:
+        raise CheckpointMismatch(
+            f"the checkpoint holds buffers {unknown} that the model does not have; its "
+            f"persistent buffers are {sorted(buffers)}"
+        )
+    for name, value in saved.items():
+        mine = buffers[name]
+        if value.dtype != mine.dtype or value.shape != mine.shape:
+            raise CheckpointMismatch(
+                f"buffer {name!r} is {value.dtype} {list(value.shape)} in the checkpoint, "
+                f"{mine.dtype} {list(mine.shape)} in the model"
+            )
+
+
+def load_buffers(saved: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's ``saved`` buffers into the model's (checked first)."""
+    check_buffers(saved, buffers)
+    with torch.no_grad():
+        for name, value in saved.items():
+            buffers[name].copy_(value)
 
 
 def optimizer_state_template(

@@ -46,3 +46,31 @@ def split_rows(rows: SparseRows, shard_of_row: torch.Tensor, num_shards: int) ->
         mask = shard_of_row == shard
         parts.append(SparseRows(rows.indices[mask], rows.values[mask]))
     return parts
+
+
+def densify_sparse_gradients(named_params: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """Turn every sparse COO gradient of ``named_params`` into the dense gradient of its
+    variable, in place (through :func:`coalesce_gradient`: duplicate ids summed once, rows
+    added into zeros), and return the names of the variables that had one.
+
+    What the parameter-server modes do today with the sparse gradient of a variable the ps
+    holds dense (``nn.Embedding(..., sparse=True)`` in a model): the shard's fused gradient
+    buffer is dense, so the gradient is pushed dense and the shard's rule applies to it. With
+    ``SGD`` (no momentum, no weight decay) that is exactly the row-sparse update, since the
+    rows not touched get a zero gradient; with ``Adagrad`` the values of the untouched rows
+    are unchanged too but the touched rows' arithmetic is torch's dense kernel, not its sparse
+    one. Pushing only the touched rows is what :class:`tensorfleet.EmbeddingTable` does."""
+    densified = []
+    for name, param in named_params:
+        grad = param.grad
+        if grad is None or not grad.is_sparse:
+            continue
+        if grad.dim() != 2:  # not rows of a weight: coalesce sums duplicates, zeros filled in
+            param.grad = grad.coalesce().to_dense()
+        else:
+            rows = coalesce_gradient(name, grad)
+            dense = torch.zeros(grad.shape, dtype=rows.values.dtype, device=grad.device)
+            dense.index_copy_(0, rows.indices.to(grad.device), rows.values.to(grad.device))
+            param.grad = dense
+        densified.append(name)
+    return densified

@@ -1,0 +1,129 @@
+"""The embedding-table requests a ps shard answers, served from its
+:class:`~tensorfleet.ps.shard_tables.ShardTables`.
+
+=================  =====================================================================
+``table_create``   a table (spec, partition, row-sparse rule) -> ``created`` (idempotent;
+                   refused over the shard's ``max_memory``, naming the table and the fix)
+``pull_rows``      table name + int64 row ids (one buffer) -> the rows (one buffer)
+``push_rows``      table name + a :class:`~tensorfleet.ps.sparse_rows.SparseRows` (two
+                   buffers) -> applied at once with the table's row-sparse rule
+=================  =====================================================================
+
+Everything is checked before anything changes (a bad id or gradient leaves the table as it
+was and the ps up). The tables live in their own module so that the service only dispatches
+to it: the service's request loop is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
+from tensorfleet.ps.row_partition import RowPartition, TableSpec
+from tensorfleet.ps.row_store import RowStore
+from tensorfleet.ps.shard_tables import ShardTables
+from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tensorfleet.wire.tensors import as_buffer, from_buffer
+from tensorfleet.wire.transport import Request, ServiceSocket
+
+
+class TableRequests:
+    """The tables of shard ``shard``, limited to ``max_memory`` bytes (None: no limit)."""
+
+    def __init__(self, socket: ServiceSocket, shard: int, max_memory: int | None) -> None:
+        self.socket = socket
+        self.shard = shard
+        self.max_memory = max_memory
+        self.tables: ShardTables | None = None
+
+    def handlers(self) -> dict[str, Callable[[Request], None]]:
+        """The requests this module answers, by operation name."""
+        return {
+            "table_create": self._create,
+            "pull_rows": self._pull_rows,
+            "push_rows": self._push_rows,
+        }
+
+    def documents(self) -> dict[str, bytes]:
+        """Each table's document for the shard's checkpoint (none: no tables)."""
+        return {} if self.tables is None else self.tables.save()
+
+    def restore(self, documents: dict[str, bytes]) -> None:
+        """Take a checkpoint's tables (ConfigError, nothing changed, when one is bad)."""
+        if not documents:
+            return
+        try:
+            if self.tables is None:
+                first = RowStore.decode(next(iter(documents.values())))
+                tables = ShardTables(self.shard, first.partition.num_shards, self.max_memory)
+                tables.restore(documents)
+                self.tables = tables
+            else:
+                self.tables.restore(documents)
+        except CheckpointError as exc:  # a refusal the service answers (a ValueError)
+            raise ConfigError(f"ps:{self.shard}: the checkpoint's tables: {exc}") from None
+
+    def _create(self, request: Request) -> None:
+        spec = TableSpec.from_wire(request.body.get("table"))
+        partition = partition_from_wire(request.body.get("partition"))
+        rule = SparseRowRule.from_wire(request.body.get("rule"))
+        if self.tables is None:
+            tables = ShardTables(self.shard, partition.num_shards, self.max_memory)
+            created = tables.create(spec, partition, rule)  # refused: nothing kept
+            self.tables = tables
+        else:
+            created = self.tables.create(spec, partition, rule)
+        self.socket.reply(request, {"created": created})
+
+    def _pull_rows(self, request: Request) -> None:
+        name = self._name(request)
+        if len(request.buffers) != 1:
+            raise ProtocolError(f"pull_rows carries one buffer of ids, got {len(request.buffers)}")
+        ids = from_buffer(request.buffers[0], torch.int64)
+        if ids.numel() > MAX_ROWS:
+            raise ProtocolError(f"pull_rows: {ids.numel()} ids, at most {MAX_ROWS}")
+        rows = self._tables().pull(name, ids)
+        self.socket.reply(request, {"rows": int(rows.shape[0])}, [as_buffer(rows.contiguous())])
+
+    def _push_rows(self, request: Request) -> None:
+        name = self._name(request)
+        gradient = SparseRows.from_wire(request.body.get("gradient"), request.buffers)
+        self._tables().apply(name, gradient)
+        self.socket.reply(request, {"applied": gradient.num_rows})
+
+    def _tables(self) -> ShardTables:
+        if self.tables is None:
+            self.tables = ShardTables(self.shard, 1, self.max_memory)  # empty: lookups refused
+        return self.tables
+
+    @staticmethod
+    def _name(request: Request) -> str:
+        name = request.body.get("table")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"a table request needs the table's name, got {name!r}")
+        return name
+
+
+def partition_to_wire(partition: RowPartition) -> dict[str, object]:
+    """A row partition as a request carries it."""
+    return {
+        "num_rows": partition.num_rows,
+        "num_shards": partition.num_shards,
+        "scheme": partition.scheme,
+    }
+
+
+def partition_from_wire(data: object) -> RowPartition:
+    """The row partition of a request (ProtocolError when malformed; the partition's own
+    checks raise ConfigError)."""
+    if not isinstance(data, dict):
+        raise ProtocolError(f"a row partition is a map, got {type(data).__name__}")
+    rows, shards, scheme = data.get("num_rows"), data.get("num_shards"), data.get("scheme")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rows, shards)):
+        raise ProtocolError(f"a row partition needs integer num_rows and num_shards, got {data}")
+    if not isinstance(scheme, str):
+        raise ProtocolError(f"a row partition needs its scheme, got {scheme!r}")
+    return RowPartition(rows, shards, scheme)

@@ -1,0 +1,83 @@
+"""A worker for the sparse-gradient test: a model with ``nn.Embedding(sparse=True)`` and
+``nn.EmbeddingBag(sparse=True)`` learns labels that are a known function of the ids.
+
+    sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--checkpoint-dir D]
+
+``--table``: the first lookup is a ``tfl.EmbeddingTable`` whose rows live on the ps shards.
+
+The chief writes OUT (JSON): the loss on all the data before and after training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tensorfleet as tfl
+
+IDS, DIM, CLASSES, BATCH = 40, 4, 3, 16
+
+
+class Net(nn.Module):
+    def __init__(self, table: bool = False) -> None:
+        super().__init__()
+        self.embedding = (
+            tfl.EmbeddingTable(IDS, DIM, initializer=tfl.RowInitializer("normal", 1.0))
+            if table
+            else nn.Embedding(IDS, DIM, sparse=True)
+        )
+        self.bag = nn.EmbeddingBag(IDS, DIM, mode="sum", sparse=True)
+        self.out = nn.Linear(2 * DIM, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.cat([self.embedding(ids[:, 0]), self.bag(ids)], dim=1))
+
+
+def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, IDS, (n, 2), generator=generator)
+    return ids, ids[:, 0] % CLASSES  # the label is a function of the first id
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("mode")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--max-staleness", type=int, default=None)
+    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--checkpoint-dir", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    task = tfl.resolve_task(argv=[])
+    server = tfl.Server(task.cluster, task.job, task.index)
+    torch.manual_seed(3)
+    model = Net(args.table)
+    ids, labels = make_data((args.steps + 16) * task.num_workers * BATCH)
+    before = None
+    with tfl.TrainingSession(
+        server, model, optimizer=tfl.optim.SGD(lr=2.0), mode=args.mode,
+        hooks=[tfl.StopAtStep(last_step=args.steps)], max_staleness=args.max_staleness,
+        checkpoint_dir=args.checkpoint_dir,
+    ) as sess:  # fmt: skip
+        with torch.no_grad():  # a table can be read once the session attached it
+            before = F.cross_entropy(model(ids), labels).item()
+        while not sess.should_stop():
+            start = (sess.global_step * task.num_workers + task.index) * BATCH
+            xb, yb = ids[start : start + BATCH], labels[start : start + BATCH]
+            sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
+        if sess.is_chief:
+            sess.pull()
+            with torch.no_grad():
+                after = F.cross_entropy(model(ids), labels).item()
+            with open(args.out, "w") as f:
+                json.dump({"before": before, "after": after, "global_step": sess.global_step}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""The factorization-machine example end to end through the launcher: its 1M-row table on
+2 ps shards, 2 workers; the held-out AUC must be well above chance."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import run_local_cluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "click_fm.py"
+
+
+def test_click_fm_learns_through_the_launcher():
+    run = run_local_cluster(2, 2, [sys.executable, str(EXAMPLE), "--steps", "300"], timeout_s=200)
+    assert run.returncode == 0, str(run)
+    lines = [line for line in run.output.of("worker:0") if line.startswith("held-out:")]
+    assert len(lines) == 1, str(run)
+    auc = float(re.search(r"AUC ([0-9.]+) \(known", lines[0]).group(1))
+    assert auc > 0.6, f"held-out AUC {auc} (0.5 is chance)\n{run}"
