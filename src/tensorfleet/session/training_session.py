@@ -44,6 +44,7 @@ from tensorfleet.errors import (
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
+from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
 from tensorfleet.session.update_modes import UpdateSettings, build_updater, update_mode
 from tensorfleet.worker.timeouts import ClientTimeouts
@@ -81,6 +82,11 @@ class TrainingSession:
     ``lost_worker`` (sync mode): when a worker stops sending heartbeats for the ps's liveness
     timeout, ``"shrink"`` goes on with the live workers, ``"fail"`` stops training with an
     error naming it. See docs/reliability.md for what happens on each kind of failure.
+
+    ``progress_secs``: under ``tensorfleet launch`` the chief prints a progress line (global
+    step, bar to the last step, steps/s, time left) every ``progress_secs`` seconds unless
+    ``hooks`` holds a :class:`~tensorfleet.session.progress_hook.ProgressHook`; None: no
+    default progress line. Outside the launcher nothing is added.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class TrainingSession:
         restore: bool = True,
         data: DataPosition | None = None,
         lost_worker: str = "shrink",
+        progress_secs: float | None = 10.0,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -151,6 +158,8 @@ class TrainingSession:
                     else save_checkpoint_secs,
                 )
             )
+        if (progress := default_progress_hook(hooks, progress_secs)) is not None:
+            hooks.append(progress)  # under the launcher only: see progress_hook.py
         self.hooks = [h for h in hooks if self.is_chief or not getattr(h, "chief_only", False)]
         self.last_checkpoint: Path | None = None
         """The directory of the newest checkpoint this session saved or restored."""
