@@ -191,10 +191,16 @@ def measure_recovery(kill: Kill, started: float, watch: Watch) -> None:
     t, _, step = after[0]
     kill.recovered_s = t - killed_at
     kill.first_step_after = step
-    # The first global step anyone made after the kill: kill.global_step + 1 when training
-    # went on, the restored checkpoint's step + 1 after a ps restart.
-    first_after_kill = watch.steps_since(killed_at)[0][2]
-    kill.steps_lost = max(0, kill.global_step + 1 - first_after_kill)
+    if kill.task.startswith("ps:"):
+        # The first global step after the ps's restart: the restored checkpoint's step + 1
+        # (1 when there was no checkpoint yet and the chief re-created the variables).
+        kill.steps_lost = max(0, kill.global_step + 1 - step)
+    else:
+        # A worker's death takes only its own step in flight; training goes on, so the
+        # lowest global step anyone made until the worker was back shows whether anything
+        # was lost (later ps kills are their own rows).
+        lowest_after = min(s for when, _, s in watch.steps_since(killed_at) if when <= t)
+        kill.steps_lost = max(0, kill.global_step + 1 - lowest_after)
 
 
 def verify_checkpoints(directory: Path) -> tuple[int, list[str]]:
