@@ -14,8 +14,8 @@ undisturbed (the baseline, same steps). The run passes when:
 
 The report gives each kill: the task, the global step at the kill, the seconds until the
 task was back (a worker: its first global step after the restart; the ps: the first global
-step anyone made after its restart), and the steps lost (the highest global step before the
-kill minus the first one after the recovery, 0 when training never went back: the steps
+step anyone made after its restart), and the steps lost (the global step at the kill
+minus the first one after the recovery, 0 when training never went back: the steps
 since the last checkpoint for a ps kill).
 
     .venv/bin/python benchmarks/chaos.py [--steps 3000] [--kills 10] [--seed 1]
@@ -63,7 +63,7 @@ class Kill:
 
     task: str
     at_s: float  # seconds since the start of the run
-    global_step: int  # the highest global step seen before the kill
+    global_step: int  # the global step at the kill (Watch.current_step)
     recovered_s: float | None = None  # kill -> the task back (see the module docstring)
     first_step_after: int | None = None
     steps_lost: int | None = None
@@ -101,9 +101,13 @@ class Watch(PlainOutput):
             with self._watch_lock:
                 self.restarted.setdefault(match.group(1), []).append(time.monotonic())
 
-    def highest_step(self) -> int:
+    def current_step(self) -> int:
+        """The global step now: the highest seen since the latest ps restart (the global
+        step goes back only when a restarted ps is restored from a checkpoint)."""
         with self._watch_lock:
-            return max((step for _, _, step in self.steps), default=0)
+            since = max(self.restarted.get("ps:0", [0.0]))
+            after = [step for t, _, step in self.steps if t > since]
+            return max(after or [step for _, _, step in self.steps] or [0])
 
     def steps_since(self, t: float) -> list[tuple[float, int, int]]:
         with self._watch_lock:
@@ -149,7 +153,7 @@ def run(
             if not candidates:
                 continue
             victim = rng.choice(candidates)
-            kill = Kill(victim, time.monotonic() - started, watch.highest_step())
+            kill = Kill(victim, time.monotonic() - started, watch.current_step())
             try:
                 cluster.kill_task(victim, signal.SIGKILL)
             except LaunchError as exc:  # it ended by itself meanwhile (training over)
@@ -187,10 +191,16 @@ def measure_recovery(kill: Kill, started: float, watch: Watch) -> None:
     t, _, step = after[0]
     kill.recovered_s = t - killed_at
     kill.first_step_after = step
-    # The first global step anyone made after the kill: kill.global_step + 1 when training
-    # went on, the restored checkpoint's step + 1 after a ps restart.
-    first_after_kill = watch.steps_since(killed_at)[0][2]
-    kill.steps_lost = max(0, kill.global_step + 1 - first_after_kill)
+    if kill.task.startswith("ps:"):
+        # The first global step after the ps's restart: the restored checkpoint's step + 1
+        # (1 when there was no checkpoint yet and the chief re-created the variables).
+        kill.steps_lost = max(0, kill.global_step + 1 - step)
+    else:
+        # A worker's death takes only its own step in flight; training goes on, so the
+        # lowest global step anyone made until the worker was back shows whether anything
+        # was lost (later ps kills are their own rows).
+        lowest_after = min(s for when, _, s in watch.steps_since(killed_at) if when <= t)
+        kill.steps_lost = max(0, kill.global_step + 1 - lowest_after)
 
 
 def verify_checkpoints(directory: Path) -> tuple[int, list[str]]:

@@ -92,3 +92,28 @@ def test_the_live_view_shows_the_chiefs_progress() -> None:
     panel = console.end_capture()
     assert "global step 600/1200" in panel and "50%" in panel, panel
     assert "20.0 steps/s" in panel and "0:00:30 left" in panel, panel
+
+
+def test_a_session_under_the_launcher_adds_a_progress_hook_to_the_chief(monkeypatch) -> None:
+    import pytest
+    from torch import nn
+
+    from tensorfleet import environment
+    from tensorfleet.errors import ConfigError
+    from tensorfleet.optim import SGD
+    from tensorfleet.session.training_session import TrainingSession
+
+    def progress_hooks(**options) -> list[ProgressHook]:
+        session = TrainingSession(None, nn.Linear(2, 1), SGD(lr=0.1), **options)
+        return [h for h in session.hooks if isinstance(h, ProgressHook)]
+
+    monkeypatch.delenv(environment.LAUNCHER_VAR, raising=False)
+    assert progress_hooks() == []  # by hand: only what the script asks for
+    monkeypatch.setenv(environment.LAUNCHER_VAR, "1")
+    [added] = progress_hooks(progress_secs=3.0)
+    assert added.every_n_secs == 3.0
+    own = ProgressHook(5.0)
+    assert progress_hooks(hooks=[own]) == [own]  # the script's own, no second one
+    assert progress_hooks(progress_secs=None) == []
+    with pytest.raises(ConfigError, match="progress_secs must be positive.*got 0"):
+        progress_hooks(progress_secs=0)

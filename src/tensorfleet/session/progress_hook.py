@@ -14,6 +14,14 @@ The last step comes from ``last_step=``, else from the session's :class:`StopAtS
 neither the line has no bar and no time left: ``global step 1200 (no last step) 41.2
 steps/s``. Steps per second are global steps (every worker's) over a sliding window of the
 latest intervals, so a pause (a ps restarting) shows at once and passes.
+
+Under ``tensorfleet launch`` a :class:`~tensorfleet.session.training_session.TrainingSession`
+adds a ``ProgressHook`` to the chief by default (:func:`default_progress_hook`), so the
+launcher's live view shows the run's progress whatever the script: the launcher exists to
+watch a cluster, and the line costs one print per interval. A script that passes its own
+``ProgressHook`` keeps it (no second one); ``TrainingSession(progress_secs=None)`` turns
+the default off. Outside the launcher nothing is added: a script run by hand, under Slurm
+or on Kubernetes prints what its hooks print.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from tensorfleet import environment
@@ -38,6 +46,24 @@ RATE_WINDOW = 6
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
+
+
+def default_progress_hook(hooks: Iterable[Hook], every_n_secs: float | None) -> ProgressHook | None:
+    """The ProgressHook a session adds to ``hooks`` by default: one every ``every_n_secs``
+    seconds when the process runs under ``tensorfleet launch``, ``every_n_secs`` is not
+    None and ``hooks`` has no ProgressHook already; else None. (The session runs it on the
+    chief only, as every ``chief_only`` hook.) A non-positive ``every_n_secs`` is a
+    ConfigError wherever the process runs."""
+    if every_n_secs is not None and not every_n_secs > 0:
+        raise ConfigError(
+            f"progress_secs must be positive (seconds between progress lines) or None (no "
+            f"default progress line), got {every_n_secs}"
+        )
+    if every_n_secs is None or any(isinstance(h, ProgressHook) for h in hooks):
+        return None
+    if environment.environ().get(environment.LAUNCHER_VAR) != "1":
+        return None
+    return ProgressHook(every_n_secs)
 
 
 class ProgressHook(Hook):

@@ -45,6 +45,7 @@ from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
+from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
 from tensorfleet.session.update_modes import UpdateSettings, build_updater, update_mode
 from tensorfleet.worker.timeouts import ClientTimeouts
@@ -89,6 +90,11 @@ class TrainingSession:
     (GPipe), and a server with ``pipeline_stages`` > 1 makes this worker the leader of a
     pipeline across tasks. ``sess.model`` is then the engine; the gradients are still pushed
     once per step as ``mode`` says. ``soft_placement`` lets a missing GPU fall back to the CPU.
+
+    ``progress_secs``: under ``tensorfleet launch`` the chief prints a progress line (global
+    step, bar to the last step, steps/s, time left) every ``progress_secs`` seconds unless
+    ``hooks`` holds a :class:`~tensorfleet.session.progress_hook.ProgressHook`; None: no
+    default progress line. Outside the launcher nothing is added.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class TrainingSession:
         stage_devices: Sequence[str] | None = None,
         microbatches: int = 4,
         soft_placement: bool = False,
+        progress_secs: float | None = 10.0,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -168,6 +175,8 @@ class TrainingSession:
                     else save_checkpoint_secs,
                 )
             )
+        if (progress := default_progress_hook(hooks, progress_secs)) is not None:
+            hooks.append(progress)  # under the launcher only: see progress_hook.py
         self.hooks = [h for h in hooks if self.is_chief or not getattr(h, "chief_only", False)]
         self.last_checkpoint: Path | None = None
         """The directory of the newest checkpoint this session saved or restored."""
