@@ -125,3 +125,23 @@ def test_a_ps_restart_during_the_chiefs_end_of_training_is_recovered(
     assert len(final_checkpoints) == 1  # the final checkpoint was written once, on the new ps
     (new,) = restarted_ps.started  # type: ignore[attr-defined]
     assert new.outcome().reason == "finished"
+
+
+def test_a_shard_recreated_without_a_checkpoint_keeps_the_global_step(
+    restarted_ps: Callable[[RunningService], None],
+) -> None:
+    """No checkpoint: the chief re-creates the restarted shard from its current values, and
+    the global step goes on from where it was instead of starting again at 0."""
+    service, client, model = _chief()
+    try:
+        for _, param in model:
+            param.grad = torch.ones_like(param)
+        assert client.push_pull().global_step == 2
+        restarted_ps(service)  # the ps dies now and comes back empty
+        assert client.pull().global_step == 2
+        for _, param in model:
+            param.grad = torch.ones_like(param)
+        assert client.push_pull().global_step == 3
+        client.finish(declare_end=True)
+    finally:
+        client.close()

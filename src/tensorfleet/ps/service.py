@@ -336,6 +336,8 @@ class ParameterService:
         self.owns_global_step = request.body.get("owns_global_step") is True
         if checkpoint is not None:
             self._take_progress(request.body.get("global_step"), checkpoint)
+        elif request.body.get("global_step") is not None:
+            self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(
             "ps:%d: %d variables created (%s bytes), rule %s",
             self.config.shard_index,
@@ -534,6 +536,15 @@ class ParameterService:
         checkpoint_handling.restore_into(self.store, checkpoint)
         self._take_progress(request.body.get("global_step"), checkpoint)
         self.socket.reply(request, self._progress())
+
+    def _resume_step_of_recreated_shard(self, global_step: object) -> None:
+        """A shard that restarted without a checkpoint is re-created by the chief from its
+        current values at the global step the chief last saw: the step never goes back."""
+        if not isinstance(global_step, int) or isinstance(global_step, bool) or global_step < 0:
+            raise ProtocolError(f"'global_step' must be an integer >= 0, got {global_step!r}")
+        self.global_step = global_step
+        if self.aggregator is not None:
+            self.aggregator.step = global_step
 
     def _take_progress(self, global_step: int, checkpoint: ShardState) -> None:
         """After a restore: the global step of the checkpoint (the same on every shard), the

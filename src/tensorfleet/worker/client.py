@@ -92,6 +92,9 @@ class ParameterClient:
         self.timeouts = timeouts or ClientTimeouts()
         self.instance = secrets.token_hex(8)
         """This process's claim to the task identity (the ps refuses a second live one)."""
+        self._last_global_step = 0
+        """The global step of the last reply (a shard re-created without a checkpoint takes
+        it, so the global step never goes back)."""
         self.takeover = environment.predecessor_dead()
         """Whether the hello asks the ps to hand this process the identity at once (the
         launcher says the previous process of this task is dead)."""
@@ -215,12 +218,16 @@ class ParameterClient:
         self.restored_data = replies[0].body.get("data")
         return int(replies[0].body.get("global_step", 0))
 
-    def _create(self, shards: Sequence[int], timeout_s: float) -> list[Reply]:
-        """The chief creates ``shards``' variables from its current values."""
+    def _create(
+        self, shards: Sequence[int], timeout_s: float, global_step: int | None = None
+    ) -> list[Reply]:
+        """The chief creates ``shards``' variables from its current values (a re-created
+        shard also takes ``global_step``, so the global step never goes back)."""
         fused = self._bound()
+        extra = {} if global_step is None else {"global_step": global_step}
         return self._shards.call(
             "create",
-            [self._create_bodies[i] for i in shards],
+            [{**self._create_bodies[i], **extra} for i in shards],
             timeout_s,
             buffers=[fused.gather(i, values=True) for i in shards],
             shards=shards,
@@ -344,11 +351,13 @@ class ParameterClient:
             return
         log.warning(
             "%s: ps %s restarted without variables and there is no checkpoint to restore; "
-            "re-creating them from the chief's current values (their optimizer state is lost)",
+            "re-creating them from the chief's current values at global step %d (their "
+            "optimizer state is lost)",
             self.task_name,
             fresh,
+            self._last_global_step,
         )
-        self._create(fresh, self.timeouts.step_s)
+        self._create(fresh, self.timeouts.step_s, global_step=self._last_global_step)
 
     def _recovering(self, attempt: Callable[[], T], reinitialize: bool = True) -> T:
         """``attempt()``, recovering and trying again while it fails with a RECOVERABLE
@@ -485,10 +494,10 @@ class ParameterClient:
         for shard, reply in enumerate(replies):
             fused.scatter(shard, reply.buffers)
 
-    @staticmethod
-    def _progress(replies: list[Reply]) -> Progress:
+    def _progress(self, replies: list[Reply]) -> Progress:
+        self._last_global_step = int(replies[0].body.get("global_step", 0))
         return Progress(
-            global_step=int(replies[0].body.get("global_step", 0)),
+            global_step=self._last_global_step,
             stop=any(r.body.get("stop") is True for r in replies),
             made_step=replies[0].body.get("made_step", True) is True,
             dropped=any(r.body.get("dropped") is True for r in replies),
