@@ -95,6 +95,12 @@ class ReplicaUpdater(_Decorator):
         self.engine = InGraphReplicas(model, self.devices, soft_placement=self.soft_placement)
         return self.inner.wrap(ReplicatedModule(self.engine))
 
+    def placement(self) -> dict[str, Any]:
+        """What the placement report shows of this engine: the replicas' devices."""
+        if self.engine is None:
+            return {}
+        return {"replica_devices": [s.to_string() for s in self.engine.specs]}
+
     def close(self) -> None:
         try:
             super().close()
@@ -135,6 +141,18 @@ class LocalPipelineUpdater(_Decorator):
             soft_placement=self.soft_placement,
         )
         return self.inner.wrap(PipelinedModule(model, self.pipeline))
+
+    def placement(self) -> dict[str, Any]:
+        """What the placement report shows of this engine: each module's stage device."""
+        if self.pipeline is None:
+            return {}
+        return {
+            "stage_devices": {
+                name: spec.to_string()
+                for stage, spec in zip(self.pipeline.stages, self.pipeline.specs, strict=True)
+                for name, _ in stage.named_children()
+            }
+        }
 
     def close(self) -> None:
         try:

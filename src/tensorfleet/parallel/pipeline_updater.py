@@ -125,6 +125,10 @@ class PipelineLeaderUpdater:
         self._leader.configure()
         return self.inner.wrap(self._leader.module())
 
+    def placement(self) -> dict[str, Any]:
+        """What the placement report shows of this engine: the task of each layer."""
+        return {"stage_tasks": self.stage_tasks()}
+
     def stage_tasks(self) -> dict[str, str]:
         """The task computing each layer (by module name) of the model, for the report."""
         leader = self._require()

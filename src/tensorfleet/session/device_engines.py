@@ -83,28 +83,21 @@ def placement_table(updater: Any, model: Any, task: str) -> str:
     where the engine (if any) computes each module."""
     from tensorfleet.worker.placement_report import placement_report
 
-    plan, stage_tasks, replicas, stage_devices = None, None, None, None
-    layer = updater
+    plan, shown = None, {}
+    layer = updater  # the engine updaters wrap the mode's updater (``inner``)
     while layer is not None:
         plan = plan or getattr(layer, "plan", None)
-        if isinstance(layer, ReplicaUpdater) and layer.engine is not None:
-            replicas = [s.to_string() for s in layer.engine.specs]
-        if isinstance(layer, LocalPipelineUpdater) and layer.pipeline is not None:
-            stage_devices = {
-                name: spec.to_string()
-                for stage, spec in zip(layer.pipeline.stages, layer.pipeline.specs, strict=True)
-                for name, _ in stage.named_children()
-            }
-        if isinstance(layer, PipelineLeaderUpdater):
-            stage_tasks = layer.stage_tasks()
+        placement = getattr(layer, "placement", None)
+        if callable(placement):
+            shown.update(placement())
         layer = getattr(layer, "inner", None)
     return placement_report(
         model,
         plan=plan,
         task=task,
-        stage_tasks=stage_tasks,
-        replica_devices=replicas,
-        stage_devices=stage_devices,
+        stage_tasks=shown.get("stage_tasks"),
+        replica_devices=shown.get("replica_devices"),
+        stage_devices=shown.get("stage_devices"),
     )
 
 
