@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from tensorfleet import environment
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
 from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
-from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.ps.model_router import ModelRouter
+from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.transport import ServiceSocket
@@ -110,7 +111,7 @@ class Server:
                 return
             started.set()
             try:
-                self.outcome = ParameterService(socket, config).serve(self._stop)
+                self.outcome = ModelRouter(socket, config).serve(self._stop)
                 log.info(
                     "%s: parameter service ended (%s) at global step %d",
                     self.task,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import UsageError
+from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
@@ -54,9 +55,10 @@ class PsUpdater:
         timeouts: ClientTimeouts | None = None,
         encrypt: bool = False,
         limits: Limits | None = None,
+        model: ModelClaim | None = None,
     ) -> None:
         self.client = ParameterClient(
-            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt
+            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt, model=model
         )
         self.is_chief = is_chief
         self.plan = plan
