@@ -82,9 +82,8 @@ class ModelRouter:
                 if over is not None:
                     self.over[model] = over
                     log.info(
-                        "%s: %s: training over (%s) at global step %d",
-                        self.name,
-                        label(model),
+                        "%s: training over (%s) at global step %d",
+                        service.config.name,
                         over,
                         service.global_step,
                     )
@@ -152,9 +151,7 @@ class ModelRouter:
         self.models[claim.name] = service
         self.claims[claim.name] = claim
         if claim.name != DEFAULT_MODEL or claim.workers is not None:
-            log.info(
-                "%s: %s opened for %s", self.name, label(claim.name), ", ".join(config.worker_tasks)
-            )
+            log.info("%s: opened for %s", config.name, ", ".join(config.worker_tasks))
         return service
 
     def _finished_reason(self, stop: threading.Event | None) -> str | None:
