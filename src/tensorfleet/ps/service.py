@@ -30,6 +30,10 @@ the service acts on what it reports: a lost worker no longer holds back the stal
 and a sync step either goes on without it or is refused naming it (``lost_worker``). What a
 save sends and what a restore must pass is :mod:`tensorfleet.ps.checkpoint_handling`'s.
 
+One service holds one model: a ps task runs one per model namespace behind
+:class:`~tensorfleet.ps.model_router.ModelRouter`, which owns the socket and the loop (its
+``worker_tasks`` are then that model's workers, ``model`` its name).
+
 A refusal carries a code (:func:`refusal_code`) that the client raises as its
 :class:`~tensorfleet.errors.RemoteError` subclass.
 """

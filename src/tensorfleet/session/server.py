@@ -1,7 +1,7 @@
 """``Server``: the service of one task, as in TensorFlow's ``tf.distribute.Server``.
 
 For a ps task it starts the parameter service at once (listening on the task's address from
-the cluster spec) and :meth:`Server.join` returns when training is over. For a worker task it
+the cluster spec; one service per model namespace, :mod:`tensorfleet.ps.model_router`) and :meth:`Server.join` returns when training is over. For a worker task it
 holds the task's identity and the cluster secret for the :class:`TrainingSession`; its
 ``join()`` returns at once (a worker's work is its training loop).
 """
