@@ -15,6 +15,12 @@ Run it alone (one process), on a local cluster, or as the trials of a sweep over
     python examples/ridge_regression.py --ridge 0.1
     tensorfleet launch --ps 1 --workers 2 -- python examples/ridge_regression.py --ridge 0.1
     tensorfleet sweep examples/ridge_sweep.yaml --dir runs/ridge-sweep
+
+or several strengths at once on one cluster's ps tasks, each a model in its own namespace
+(``model_name="ridge-0.01"``) trained by its own group of workers (``--ridges``: the workers
+are split into as many consecutive groups as strengths)::
+
+    tensorfleet launch --ps 1 --workers 4 -- python examples/ridge_regression.py --ridges 0.01,1
 """
 
 from __future__ import annotations
@@ -51,12 +57,45 @@ def closed_form(ridge: float) -> torch.Tensor:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ridge", type=float, default=0.1, help="regularization strength")
+    parser.add_argument(
+        "--ridges",
+        default=None,
+        help="several strengths (comma-separated), each a model of its own on the same ps tasks",
+    )
     parser.add_argument("--steps", type=int, default=300, help="gradient steps")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="(named models: one subdirectory each)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task(allow_none=True, argv=[])
     server = tfl.Server(task.cluster, task.job, task.index) if task else None
+    if args.ridges is None:
+        return train(server, args.ridge, args)
+    ridges = [float(r) for r in args.ridges.split(",")]
+    if server is None:  # one process: one strength after the other
+        return max(train(None, ridge, args, f"ridge-{ridge:g}") for ridge in ridges)
+    workers = [str(t) for t in server.worker_tasks]
+    if len(workers) % len(ridges):
+        raise SystemExit(f"{len(workers)} workers do not split into {len(ridges)} equal groups")
+    size = len(workers) // len(ridges)
+    group = workers.index(str(server.task)) // size
+    ridge = ridges[group]
+    model_workers = workers[group * size : (group + 1) * size]
+    return train(server, ridge, args, f"ridge-{ridge:g}", model_workers)
+
+
+def train(
+    server: tfl.Server | None,
+    ridge: float,
+    args: argparse.Namespace,
+    model_name: str = "",
+    model_workers: list[str] | None = None,
+) -> int:
+    """Train the strength ``ridge`` (in the namespace ``model_name``) and, on the chief,
+    print its gap to the closed form."""
+    args.ridge = ridge
     torch.manual_seed(0)
     model = nn.Linear(FEATURES, OUTPUTS, bias=False)
     x, y = dataset()
@@ -76,6 +115,9 @@ def main() -> int:
         optimizer=tfl.optim.SGD(lr=args.lr),
         mode="sync" if server is not None else "async",
         hooks=[tfl.StopAtStep(last_step=args.steps)],
+        model_name=model_name,
+        model_workers=model_workers,
+        checkpoint_dir=args.checkpoint_dir,
     ) as sess:
         while not sess.should_stop():
             result = sess.step(loss)
@@ -91,8 +133,15 @@ def main() -> int:
                 trial.report(sess.global_step, gap=gap, loss=final_loss)
             print(
                 json.dumps(
-                    {"ridge": args.ridge, "steps": sess.global_step, "loss": final_loss, "gap": gap}
-                )
+                    {
+                        "model": model_name,
+                        "ridge": args.ridge,
+                        "steps": sess.global_step,
+                        "loss": final_loss,
+                        "gap": gap,
+                    }
+                ),
+                flush=True,
             )
     return 0
 

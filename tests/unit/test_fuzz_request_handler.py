@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the ps request handler (:meth:`ParameterService._handle`).
+"""Property-based fuzzing of the ps request handler (:meth:`ParameterService.handle`).
 
 The service is driven directly, without sockets: :class:`FakeSocket` implements the part of
 :class:`~tensorfleet.wire.transport.ServiceSocket` the service uses and records every answer.
@@ -217,7 +217,7 @@ class Driver:
 
     def send(self, request: Request) -> Answer | None:
         """Handle ``request`` as serve() does; its answer, or None if it is held."""
-        self.service._handle(request)  # must never raise
+        self.service.handle(request)  # must never raise
         self.service._expire_waiting()
         return self.socket.answers.get(request.request_id)
 

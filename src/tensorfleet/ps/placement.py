@@ -86,9 +86,11 @@ class PlacementPlan:
     def shard_bytes(self) -> list[int]:
         return [sum(s.nbytes for s in shard) for shard in self.shards]
 
-    def report(self) -> str:
-        """A human-readable table: each stored variable, its shard and size; bytes per shard."""
-        lines = [f"placement ({self.strategy}, {self.num_shards} ps shard(s)):"]
+    def report(self, model: str = "") -> str:
+        """A human-readable table: each stored variable, its shard and size; bytes per shard
+        (headed by the model's name when it has one)."""
+        of = f" of model {model!r}" if model else ""
+        lines = [f"placement{of} ({self.strategy}, {self.num_shards} ps shard(s)):"]
         for shard_index, shard in enumerate(self.shards):
             for piece in shard:
                 lines.append(

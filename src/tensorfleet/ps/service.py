@@ -30,6 +30,10 @@ the service acts on what it reports: a lost worker no longer holds back the stal
 and a sync step either goes on without it or is refused naming it (``lost_worker``). What a
 save sends and what a restore must pass is :mod:`tensorfleet.ps.checkpoint_handling`'s.
 
+One service holds one model: a ps task runs one per model namespace behind
+:class:`~tensorfleet.ps.model_router.ModelRouter`, which owns the socket and the loop (its
+``worker_tasks`` are then that model's workers, ``model`` its name).
+
 A refusal carries a code (:func:`refusal_code`) that the client raises as its
 :class:`~tensorfleet.errors.RemoteError` subclass.
 """
@@ -41,7 +45,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,6 +100,14 @@ class ServiceConfig:
     """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = ServiceSettings.limits
     max_memory: int | None = ServiceSettings.max_memory
+    model: str = ""
+    """The model this service holds (its namespace; ``""``: the default model), and
+    ``worker_tasks`` are that model's workers (:mod:`tensorfleet.ps.model_router`)."""
+
+    @property
+    def name(self) -> str:
+        """``ps:0``, or ``ps:0 model 'trial-3'`` for a named model (for messages)."""
+        return f"ps:{self.shard_index}" + (f" model {self.model!r}" if self.model else "")
 
     def __post_init__(self) -> None:
         self.settings  # noqa: B018 (checks the settings: ConfigError)
@@ -127,6 +139,8 @@ class ServiceOutcome:
     reason: str
     """``finished`` (all workers done), ``ended`` (chief's end plus grace), ``idle``, ``stopped``."""
     global_step: int
+    models: dict[str, int] = field(default_factory=dict)
+    """Each model's global step, by name, when a :class:`~tensorfleet.ps.model_router.ModelRouter` served."""
 
     @property
     def clean(self) -> bool:
@@ -145,7 +159,7 @@ class ParameterService:
         self.global_step = 0
         self.owns_global_step = False
         self.roster = WorkerRoster(
-            config.worker_tasks, config.liveness_timeout_s, shard=f"ps:{config.shard_index}"
+            config.worker_tasks, config.liveness_timeout_s, shard=config.name
         )
         self.end_declared_at: float | None = None
         self.stats: Counter[str] = Counter()
@@ -196,14 +210,23 @@ class ParameterService:
             if self.socket.poll(0.2):
                 request = self.socket.receive()
                 if request is not None:
-                    self._handle(request)
-            self._check_liveness()
-            self._expire_waiting()
+                    self.handle(request)
+            self.housekeeping()
+
+    def housekeeping(self) -> None:
+        """What the loop does between requests: act on lost workers, expire waits."""
+        self._check_liveness()
+        self._expire_waiting()
 
     def _finished_reason(self, stop: threading.Event | None) -> str | None:
-        now = time.monotonic()
         if stop is not None and stop.is_set():
             return "stopped"
+        return self.training_over() or self._idle_reason()
+
+    def training_over(self) -> str | None:
+        """``finished`` (every worker done, or done or lost after the chief's end), ``ended``
+        (the chief's end plus ``end_grace_s``), or None while training goes on."""
+        now = time.monotonic()
         if self.roster.all_done:
             return "finished"
         if self.end_declared_at is not None and self.roster.all_done_or_lost:
@@ -214,12 +237,16 @@ class ParameterService:
         ):
             missing = sorted(set(self.config.worker_tasks) - self.done_workers)
             log.warning(
-                "ps:%d: ending %.0f s after the chief's end without 'done' from %s",
-                self.config.shard_index,
+                "%s: ending %.0f s after the chief's end without 'done' from %s",
+                self.config.name,
                 self.config.end_grace_s,
                 ", ".join(missing),
             )
             return "ended"
+        return None
+
+    def _idle_reason(self) -> str | None:
+        now = time.monotonic()
         if now - self.socket.last_valid_request_time > self.config.idle_timeout_s:
             log.error(
                 "ps:%d: no valid request from any worker for %.0f s; ending. Workers may have died, "
@@ -231,7 +258,8 @@ class ParameterService:
             return "idle"
         return None
 
-    def _handle(self, request: Request) -> None:
+    def handle(self, request: Request) -> None:
+        """Answer one request (or hold it until it can be answered)."""
         if request.op != "hello":
             try:
                 self.roster.admit(request.session_id)
@@ -339,8 +367,8 @@ class ParameterService:
         elif request.body.get("global_step") is not None:
             self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(
-            "ps:%d: %d variables created (%s bytes), rule %s",
-            self.config.shard_index,
+            "%s: %d variables created (%s bytes), rule %s",
+            self.config.name,
             len(layout.variables),
             sum(layout.group_bytes()),
             rule.name,
@@ -351,7 +379,7 @@ class ParameterService:
         )
         waiting, self._waiting_for_init = self._waiting_for_init, []
         for waiter in waiting:
-            self._handle(waiter)
+            self.handle(waiter)
 
     def _wait_ready(self, request: Request) -> None:
         expected = _layout_from(request.body.get("variables"))
@@ -562,8 +590,8 @@ class ParameterService:
             for contribution in waiting:
                 self._answer_push(contribution.request, made_step=False, dropped=True)
         log.warning(
-            "ps:%d: restored from a checkpoint at global step %d",
-            self.config.shard_index,
+            "%s: restored from a checkpoint at global step %d",
+            self.config.name,
             global_step,
         )
 
@@ -572,8 +600,8 @@ class ParameterService:
         change = self.roster.check_liveness()
         for task in change.newly_lost:
             log.warning(
-                "ps:%d: %s has not been heard from for %g s: lost (dead, or cut off)%s",
-                self.config.shard_index,
+                "%s: %s has not been heard from for %g s: lost (dead, or cut off)%s",
+                self.config.name,
                 task,
                 self.config.liveness_timeout_s,
                 ""
@@ -583,7 +611,7 @@ class ParameterService:
             if self.gate is not None:
                 self.gate.leave(task)
         for task in change.back:
-            log.warning("ps:%d: %s is back", self.config.shard_index, task)
+            log.warning("%s: %s is back", self.config.name, task)
         if self.gate is not None and change.changed:
             self._release_held()
         if self.aggregator is not None and self.roster.lost:
@@ -611,8 +639,8 @@ class ParameterService:
         if self.end_declared_at is None:
             self.end_declared_at = time.monotonic()
             log.info(
-                "ps:%d: the chief declared training over at global step %d",
-                self.config.shard_index,
+                "%s: the chief declared training over at global step %d",
+                self.config.name,
                 self.global_step,
             )
         self.socket.reply(request, {"grace_s": self.config.end_grace_s})
@@ -655,7 +683,7 @@ class ParameterService:
     def _require_initialized(self) -> None:
         if not self.store.initialized:
             raise NotInitialized(
-                f"ps:{self.config.shard_index} has no variables yet: the chief has not created them"
+                f"{self.config.name} has no variables yet: the chief has not created them"
             )
 
     def _expire_waiting(self) -> None:

@@ -1,7 +1,7 @@
 """``Server``: the service of one task, as in TensorFlow's ``tf.distribute.Server``.
 
 For a ps task it starts the parameter service at once (listening on the task's address from
-the cluster spec) and :meth:`Server.join` returns when training is over. For a worker task it
+the cluster spec; one service per model namespace, :mod:`tensorfleet.ps.model_router`) and :meth:`Server.join` returns when training is over. For a worker task it
 holds the task's identity and the cluster secret for the :class:`TrainingSession`; its
 ``join()`` returns at once (a worker's work is its training loop).
 """
@@ -17,7 +17,8 @@ from tensorfleet import environment
 from tensorfleet.cluster.resources import TaskResources
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
 from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
-from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.ps.model_router import ModelRouter
+from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.transport import ServiceSocket
@@ -127,7 +128,7 @@ class Server:
                 return
             started.set()
             try:
-                self.outcome = ParameterService(socket, config).serve(self._stop)
+                self.outcome = ModelRouter(socket, config).serve(self._stop)
                 log.info(
                     "%s: parameter service ended (%s) at global step %d",
                     self.task,

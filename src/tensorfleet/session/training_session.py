@@ -41,13 +41,19 @@ from tensorfleet.errors import (
     TensorfleetError,
     UsageError,
 )
+from tensorfleet.ps.model_namespace import check_model_name, label
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
-from tensorfleet.session.update_modes import UpdateSettings, build_updater, update_mode
+from tensorfleet.session.update_modes import (
+    UpdateSettings,
+    build_updater,
+    is_chief,
+    update_mode,
+)
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
 
@@ -95,6 +101,12 @@ class TrainingSession:
     step, bar to the last step, steps/s, time left) every ``progress_secs`` seconds unless
     ``hooks`` holds a :class:`~tensorfleet.session.progress_hook.ProgressHook`; None: no
     default progress line. Outside the launcher nothing is added.
+    ``model_name`` (modes ``async`` and ``sync``) trains in that namespace on the ps tasks, so
+    that several independent trainings share them, each with its own variables, optimizer,
+    global step, checkpoints (``checkpoint_dir/<model_name>/``) and end of training;
+    ``model_workers`` (task names such as ``"worker:2"``, or worker indices) are the workers
+    that train it, the first of them in cluster order its chief (default: every worker).
+    See docs/patterns.md, "Several models on one cluster".
     """
 
     def __init__(
@@ -125,6 +137,8 @@ class TrainingSession:
         microbatches: int = 4,
         soft_placement: bool = False,
         progress_secs: float | None = 10.0,
+        model_name: str = "",
+        model_workers: Iterable[str | int] | None = None,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -141,6 +155,8 @@ class TrainingSession:
             stage_devices=tuple(stage_devices) if stage_devices is not None else None,
             microbatches=microbatches,
             soft_placement=soft_placement,
+            model_name=check_model_name(model_name),
+            model_workers=None if model_workers is None else tuple(model_workers),
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
         if not isinstance(optimizer, UpdateRule):
@@ -155,10 +171,13 @@ class TrainingSession:
         self.server = server
         self.rule = optimizer
         self.mode = mode
-        self.is_chief = server.is_chief if server is not None else True
+        self.model_name = model_name
+        """The model's namespace on the ps tasks (``""``: the cluster's default model)."""
+        self.is_chief = is_chief(server, settings)
+        """Whether this task is the chief of its model (saves, declares the end)."""
         self.task_name = str(server.task) if server is not None else "local"
         self.checkpoints = (
-            CheckpointDirectory(checkpoint_dir, keep_checkpoints)
+            CheckpointDirectory(Path(checkpoint_dir) / model_name, keep_checkpoints)
             if checkpoint_dir is not None
             else None
         )
@@ -361,13 +380,22 @@ class TrainingSession:
             saved.global_step,
             list(saved.documents),
             saved.placement,
-            {"mode": self.mode, "task": self.task_name},
+            {"mode": self.mode, "task": self.task_name, "model": self.model_name},
         )
         self.last_checkpoint = path
         log.info(
             "%s: checkpoint of global step %d saved in %s", self.task_name, saved.global_step, path
         )
         return path
+
+    def _check_model(self, checkpoint: Checkpoint) -> None:
+        model = checkpoint.manifest.get("model", "")
+        if model != self.model_name:
+            raise CheckpointError(
+                f"checkpoint {checkpoint.path} belongs to {label(model)}, this session trains "
+                f"{label(self.model_name)}: give each model its own checkpoint_dir (a named "
+                "model saves under checkpoint_dir/<model_name>)"
+            )
 
     def _check_shard_count(self, checkpoint: Checkpoint) -> None:
         shards = len(self.server.ps_addresses) if self.server is not None else 1
@@ -410,6 +438,7 @@ class _SessionCheckpoints:
         assert self._session.checkpoints is not None
         checkpoint = self._session.checkpoints.newest_valid()
         if checkpoint is not None:
+            self._session._check_model(checkpoint)
             self._session._check_shard_count(checkpoint)
         return checkpoint
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorfleet.errors import ClusterConfigError, ConfigError
+from tensorfleet.ps.model_namespace import ModelClaim, fingerprint, model_workers
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.session.device_engines import with_device_engine
@@ -48,6 +49,8 @@ class UpdateSettings:
     stage_devices: tuple[str, ...] | None = None
     microbatches: int = 4
     soft_placement: bool = False
+    model_name: str = ""
+    model_workers: tuple[str | int, ...] | None = None
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -104,6 +107,32 @@ def update_mode(settings: UpdateSettings) -> UpdateMode:
     return mode
 
 
+def model_claim(
+    server: Server, settings: UpdateSettings, named_params: NamedParams = ()
+) -> ModelClaim:
+    """The namespace ``server``'s task trains in: ``settings.model_name`` and its workers
+    (``model_workers``, default every worker; ConfigError when this task is not one), with
+    the fingerprint of ``named_params``. Its ``chief`` is the model's chief."""
+    workers = model_workers(
+        settings.model_workers, [str(t) for t in server.worker_tasks], str(server.task)
+    )
+    digest, summary = fingerprint(
+        [(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named_params]
+    )
+    return ModelClaim(settings.model_name, workers, digest if named_params else None, summary)
+
+
+def is_chief(server: Server | None, settings: UpdateSettings) -> bool:
+    """Whether ``server``'s task is the chief of the model it trains (this process without a
+    server): the cluster's chief for the default model on every worker, else the first of
+    ``model_workers`` in cluster order."""
+    if server is None:
+        return True
+    if settings.mode not in _PS_MODES:
+        return server.is_chief
+    return model_claim(server, settings).chief == str(server.task)
+
+
 def build_updater(
     server: Server | None, named_params: NamedParams, settings: UpdateSettings
 ) -> Updater:
@@ -148,16 +177,19 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
     ]
     plan = plan_placement(specs, shards, settings.placement, settings.partition_threshold_bytes)
     # log_placement: the session prints the whole table once the model is wrapped
+    model = model_claim(server, settings, named_params)
+    chief = model.chief == str(server.task)
     return PsUpdater(
         server.ps_addresses,
         server.secret,
         str(server.task),
-        is_chief=server.is_chief,
+        is_chief=chief,
+        model=model,
         plan=plan,
         discipline=discipline,
         timeouts=settings.timeouts,
         encrypt=server.encrypt,
-        log_placement=settings.log_placement and server.is_chief,
+        log_placement=settings.log_placement and chief,
     )
 
 
@@ -165,6 +197,12 @@ def _allreduce_updater(
     server: Server, named_params: NamedParams, settings: UpdateSettings
 ) -> Updater:
     """``allreduce``: no ps; the workers average gradients with torch.distributed."""
+    if settings.model_name or settings.model_workers is not None:
+        raise ConfigError(
+            "model_name and model_workers name a model's namespace on the ps tasks; mode "
+            "'allreduce' has none (every worker trains the one model). Use mode 'async' or "
+            "'sync' to share ps tasks between models, or give each model its own cluster"
+        )
     if server.ps_addresses:
         raise ClusterConfigError(
             f"mode 'allreduce' needs no ps tasks, but the cluster has {len(server.ps_addresses)}: "
@@ -181,6 +219,8 @@ def _allreduce_updater(
         task_names=[str(t) for t in workers],
     )
 
+
+_PS_MODES = ("async", "sync")
 
 register_update_mode(
     UpdateMode("async", _ps_updater, options=frozenset({"max_staleness"}), clips_on_worker=True)

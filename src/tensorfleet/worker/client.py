@@ -41,6 +41,7 @@ from tensorfleet.errors import (
     ServiceRestarted,
     UsageError,
 )
+from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
@@ -85,10 +86,13 @@ class ParameterClient:
         timeouts: ClientTimeouts | None = None,
         limits: Limits | None = None,
         encrypt: bool = False,
+        model: ModelClaim | None = None,
     ) -> None:
         if not ps_addresses:
             raise ConfigError("a ParameterClient needs at least one ps address, got none")
         self.task_name = task_name
+        self.model = model or ModelClaim()
+        """The model (namespace) this client trains: every request names it."""
         self.timeouts = timeouts or ClientTimeouts()
         self.instance = secrets.token_hex(8)
         """This process's claim to the task identity (the ps refuses a second live one)."""
@@ -118,8 +122,9 @@ class ParameterClient:
             interval_s=self.timeouts.heartbeat_s,
             silence_s=self.timeouts.ps_silence_s,
             encrypt=encrypt,
+            model=self.model,
         )
-        self._shards = ShardFanout(channels, self._heartbeat)
+        self._shards = ShardFanout(channels, self._heartbeat, self.model.request_fields())
         self._fused: FusedParameters | None = None
         self._create_bodies: list[dict[str, Any]] = []
         self._wait_bodies: list[dict[str, Any]] = []
@@ -164,6 +169,7 @@ class ParameterClient:
             "task": self.task_name,
             "instance": self.instance,
             "takeover": self.takeover,
+            **self.model.hello_fields(),
         }
         for channel in self._shards.channels:
             channel.forget_pending()

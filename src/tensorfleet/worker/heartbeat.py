@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import zmq
 
 from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION
 from tensorfleet.wire.transport import Channel
@@ -43,6 +44,7 @@ class Heartbeat:
         interval_s: float = 1.0,
         silence_s: float = 10.0,
         encrypt: bool = False,
+        model: ModelClaim | None = None,
     ) -> None:
         if interval_s <= 0 or silence_s <= interval_s:
             raise ConfigError(
@@ -55,6 +57,7 @@ class Heartbeat:
         self._instance = instance
         self._context = context
         self._encrypt = encrypt
+        self._model = model or ModelClaim()
         self.interval_s = interval_s
         self.silence_s = silence_s
         now = time.monotonic()
@@ -95,7 +98,13 @@ class Heartbeat:
             Channel(address, self._secret, f"ps:{i}", context=self._context, encrypt=self._encrypt)
             for i, address in enumerate(self._addresses)
         ]
-        hello = {"protocol": PROTOCOL_VERSION, "version": __version__, "task": self._task}
+        hello = {
+            "protocol": PROTOCOL_VERSION,
+            "version": __version__,
+            "task": self._task,
+            **self._model.hello_fields(),
+        }
+        beat = {"task": self._task, **self._model.request_fields()}
         try:
             while not self._stop.is_set():
                 for shard, channel in enumerate(channels):
@@ -105,7 +114,7 @@ class Heartbeat:
                             channel.call(
                                 "hello", {**hello, "instance": self._instance}, None, answer_s
                             )
-                        channel.call("heartbeat", {"task": self._task}, None, answer_s)
+                        channel.call("heartbeat", beat, None, answer_s)
                     except TensorfleetError as exc:
                         channel.server_session = None  # say hello again next time
                         log.debug("%s: heartbeat to ps:%d failed: %s", self._task, shard, exc)

@@ -20,6 +20,7 @@ from torch import nn
 
 from tensorfleet.errors import UsageError
 from tensorfleet.ps.buffer_policies import persistent_buffers
+from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
@@ -61,9 +62,10 @@ class PsUpdater:
         encrypt: bool = False,
         limits: Limits | None = None,
         log_placement: bool = False,
+        model: ModelClaim | None = None,
     ) -> None:
         self.client = ParameterClient(
-            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt
+            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt, model=model
         )
         self.is_chief = is_chief
         self.plan = plan

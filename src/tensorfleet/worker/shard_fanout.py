@@ -3,7 +3,7 @@ shard, wait for all, give up early on a silent ps".
 
 Every operation of :class:`~tensorfleet.worker.client.ParameterClient` (hello, create,
 wait_ready, pull, push, save, restore, end, wait_done, done, stats) goes through
-:meth:`ShardFanout.call`, so all of them behave alike on failure: every shard is sent to
+:meth:`ShardFanout.call`, which adds the model's namespace to every body, so all of them behave alike on failure: every shard is sent to
 before any is waited on (the transfers overlap), each wait has a deadline a little longer
 than the request's own (the ps gives up first and says why, so its explanation is what the
 user sees), and a wait ends at once with :class:`~tensorfleet.errors.ConnectionLost` when
@@ -28,9 +28,17 @@ ANSWER_MARGIN_S = 2.0
 class ShardFanout:
     """One request per shard (all of them, or ``shards``), sent together, awaited together."""
 
-    def __init__(self, channels: Sequence[Channel], heartbeat: Heartbeat) -> None:
+    def __init__(
+        self,
+        channels: Sequence[Channel],
+        heartbeat: Heartbeat,
+        request_fields: dict[str, Any] | None = None,
+    ) -> None:
         self.channels = list(channels)
         self._heartbeat = heartbeat
+        self.request_fields = dict(request_fields or {})
+        """Added to every request's body: the model's namespace (``{"model": name}``), or
+        nothing for the default model."""
 
     @property
     def num_shards(self) -> int:
@@ -59,6 +67,8 @@ class ShardFanout:
         targets = list(range(self.num_shards)) if shards is None else list(shards)
         ops = [op] * len(targets) if isinstance(op, str) else list(op)
         bodies = [body] * len(targets) if isinstance(body, dict) else list(body)
+        if self.request_fields:
+            bodies = [{**b, **self.request_fields} for b in bodies]
         sends = [None] * len(targets) if buffers is None else list(buffers)
         if not len(ops) == len(bodies) == len(sends) == len(targets):
             raise UsageError(  # the caller's sequences must align with the shards
