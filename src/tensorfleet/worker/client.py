@@ -398,7 +398,7 @@ class ParameterClient:
             }
             for i in range(self.num_shards)
         ]
-        buffers = [fused.gather(i, values=False) for i in range(self.num_shards)]
+        buffers = self._gradient_buffers(fused)
         try:
             replies = self._shards.call("push", bodies, self.timeouts.step_s, buffers=buffers)
         except RECOVERABLE as exc:
@@ -479,6 +479,18 @@ class ParameterClient:
         if self._fused is None:
             raise UsageError("register() the model's parameters with the client first")
         return self._fused
+
+    def _gradient_buffers(self, fused: FusedParameters) -> list[list[memoryview]]:
+        """Each shard's gradients packed for a push: straight into the shard's request
+        segment where the channel offers one (same host), else into the send buffers."""
+        return [
+            fused.gather(
+                shard,
+                values=False,
+                into=self._shards.channels[shard].staging(fused.group_nbytes(shard)),
+            )
+            for shard in range(self.num_shards)
+        ]
 
     def _scatter(self, replies: list[Reply]) -> None:
         fused = self._bound()
