@@ -51,6 +51,7 @@ from tensorfleet.worker.fused_parameters import FusedParameters
 from tensorfleet.worker.heartbeat import Heartbeat
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.shard_fanout import ANSWER_MARGIN_S, ShardFanout
+from tensorfleet.worker.timeline import Timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 
 __all__ = ["ANSWER_MARGIN_S", "ClientTimeouts", "ParameterClient", "Progress"]
@@ -398,7 +399,8 @@ class ParameterClient:
             }
             for i in range(self.num_shards)
         ]
-        buffers = self._gradient_buffers(fused)
+        with self._shards.timeline.span("pack"):
+            buffers = self._gradient_buffers(fused)
         try:
             replies = self._shards.call("push", bodies, self.timeouts.step_s, buffers=buffers)
         except RECOVERABLE as exc:
@@ -494,8 +496,13 @@ class ParameterClient:
 
     def _scatter(self, replies: list[Reply]) -> None:
         fused = self._bound()
-        for shard, reply in enumerate(replies):
-            fused.scatter(shard, reply.buffers)
+        with self._shards.timeline.span("unpack"):
+            for shard, reply in enumerate(replies):
+                fused.scatter(shard, reply.buffers)
+
+    def trace(self, timeline: Timeline) -> None:
+        """Record this client's exchanges (pack, the sends by op, wait, unpack) in ``timeline``."""
+        self._shards.timeline = timeline
 
     @staticmethod
     def _progress(replies: list[Reply]) -> Progress:

@@ -24,6 +24,7 @@ from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.message import Limits
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.timeline import Timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import (
     CheckpointSource,
@@ -113,6 +114,10 @@ class PsUpdater:
 
     def pull(self) -> Progress:
         return self.client.pull()
+
+    def trace(self, timeline: Timeline) -> None:
+        """Record the exchanges with the shards (pack, push/pull, wait, unpack) in ``timeline``."""
+        self.client.trace(timeline)
 
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
         return self.client.push_pull(step=step, data=data)
