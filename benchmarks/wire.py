@@ -116,7 +116,7 @@ class TensorfleetPs:
         os.environ[SHARED_MEMORY_VAR] = env[SHARED_MEMORY_VAR]  # read by the client's channels
         self.client = ParameterClient([ps_address], secret.encode(), "worker:0", encrypt=encrypt)
         self.client.connect()
-        self.shared_memory = self.client._channels[0].uses_shared_memory
+        self.shared_memory = self.client._shards.channels[0].uses_shared_memory
         self.client.register([("weight", self.weight)], plan, SGD(lr=0.1), is_chief=True)
 
     def push_pull(self) -> None:

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-steps", type=int, default=500, help="checkpoint every N global steps")
     add("--summary-steps", type=int, default=100, help="summaries every N global steps")
     add("--fresh", action="store_true", help="delete --logdir first: start over")
+    add("--timeline", type=Path, default=None, help="Chrome trace per task: FILE.<task>.json")
     add("--job_name", default=None)  # the classic flags, read by tfl.resolve_task
     add("--task_index", default=None)
     add("--cluster", default=None, help="cluster spec: JSON text or a JSON file")
@@ -168,7 +169,8 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
     with tfl.TrainingSession(
         server, model, optimizer=tfl.optim.Adam(lr=args.lr), mode=args.mode, hooks=hooks,
         replicas_to_aggregate=args.replicas_to_aggregate, max_staleness=args.max_staleness,
-        placement=args.placement, log_placement=args.log_placement, **checkpoints,
+        placement=args.placement, log_placement=args.log_placement, timeline=args.timeline,
+        **checkpoints,
     ) as sess:  # fmt: skip
         while not sess.should_stop():
             x, y = (t.to(device) for t in next(batches))

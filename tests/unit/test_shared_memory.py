@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tensorfleet.errors import AuthenticationError, ProtocolError, RemoteError
 from tensorfleet.launch.ports import free_port
@@ -118,6 +119,57 @@ def test_reply_buffers_stay_valid_after_the_next_reply(service: EchoService) -> 
         second = channel.call("echo", {}, [second_payload], timeout_s=TIMEOUT_S)
         assert bytes(first.buffers[0]) == first_payload  # not overwritten by the second
         assert bytes(second.buffers[0]) == second_payload
+    finally:
+        channel.close()
+
+
+def test_a_payload_built_in_the_staging_buffers_goes_without_a_copy(service: EchoService) -> None:
+    channel = _connected(service.address)
+    try:
+        sizes = [BIG, 1000]
+        for _ in range(3):  # the segment is reused
+            staged = channel.staging(sizes)
+            assert staged is not None and [b.nbytes for b in staged] == sizes
+            payloads = [os.urandom(n) for n in sizes]
+            for view, payload in zip(staged, payloads, strict=True):
+                view[:] = payload
+            request_id = channel.send("echo", {}, staged, timeout_s=TIMEOUT_S)
+            assert channel.staging(sizes) is None  # the segment is held until the answer
+            reply = channel.wait(request_id, TIMEOUT_S)
+            assert [bytes(b) for b in reply.buffers] == payloads
+            assert service.requests[-1] == ("echo", True)
+        assert channel.staging([100]) is None  # too small to go through shared memory
+    finally:
+        channel.close()
+
+
+def test_buffers_already_in_place_are_not_copied_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    segments = shm.ClientSegments()
+    try:
+        staged = segments.staging([BIG, 7], {})
+        staged[0][:4], staged[1][:] = b"abcd", b"1234567"
+        copies: list[torch.Tensor] = []
+        original_copy = torch.Tensor.copy_
+        monkeypatch.setattr(
+            torch.Tensor, "copy_", lambda t, *a, **k: copies.append(t) or original_copy(t, *a, **k)
+        )
+        _, placed = segments.headers(1, staged, {})
+        monkeypatch.undo()
+        assert copies == []
+        addresses = [shm._as_bytes_tensor(b).data_ptr() for b in (*staged, *placed)]
+        assert addresses[:2] == addresses[2:]
+        assert bytes(placed[0][:4]) == b"abcd" and bytes(placed[1]) == b"1234567"
+        assert segments.staging([BIG], {1: "echo"}) is None  # request 1 still in flight
+        assert segments.staging([BIG], {}) is not None  # abandoned: fresh segments
+        assert segments.retired == 1
+    finally:
+        segments.close()
+
+
+def test_a_channel_to_another_host_offers_no_staging(service: EchoService) -> None:
+    channel = _connected(service.address, shared_memory=False)
+    try:
+        assert channel.staging([BIG]) is None
     finally:
         channel.close()
 

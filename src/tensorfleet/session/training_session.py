@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +55,7 @@ from tensorfleet.session.update_modes import (
     is_chief,
     update_mode,
 )
+from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
 
@@ -107,6 +109,11 @@ class TrainingSession:
     ``model_workers`` (task names such as ``"worker:2"``, or worker indices) are the workers
     that train it, the first of them in cluster order its chief (default: every worker).
     See docs/patterns.md, "Several models on one cluster".
+
+    ``timeline``: a file path; each task then records where its steps' time goes (compute,
+    backward, and in the ps modes pack, push, wait, unpack) and writes it when the session
+    closes as a Chrome trace named for the task (``trace.json`` -> ``trace.worker-0.json``,
+    :attr:`timeline_path`), which Perfetto opens. See docs/timeline.md.
     """
 
     def __init__(
@@ -139,6 +146,7 @@ class TrainingSession:
         progress_secs: float | None = 10.0,
         model_name: str = "",
         model_workers: Iterable[str | int] | None = None,
+        timeline: str | os.PathLike[str] | None = None,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -209,6 +217,10 @@ class TrainingSession:
         self.model: nn.Module = model
         """What the step closure must call: the model, or its DDP wrapper in allreduce mode."""
         self._updater = build_updater(server, self._named_params, settings)
+        self._timeline, self.timeline_path = task_timeline(timeline, self.task_name)
+        """Where this task's timeline goes (``timeline`` with the task's name), or None."""
+        if self._timeline.enabled and hasattr(self._updater, "trace"):
+            self._updater.trace(self._timeline)  # modes that can show their exchange do
         self.discipline = self._updater.discipline
         """The rule the parameter servers apply (None in modes without them)."""
         self._global_step = 0
@@ -277,6 +289,8 @@ class TrainingSession:
             )
         finally:
             self._updater.close()
+            if self.timeline_path is not None:
+                self._timeline.write(self.timeline_path)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -309,16 +323,19 @@ class TrainingSession:
             raise UsageError(
                 "step() needs a started, open session: use `with TrainingSession(...) as sess:`"
             )
+        started_ns = time.perf_counter_ns()
         for hook in self.hooks:
             hook.before_step(self)
         self.model.zero_grad(set_to_none=True)
-        out = closure()
+        with self._timeline.span("compute"):
+            out = closure()
         loss, aux = out if isinstance(out, tuple) else (out, None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigTypeError(
                 f"the step closure must return a scalar loss tensor (or (loss, aux)), got {type(loss).__name__}"
             )
-        loss.backward()
+        with self._timeline.span("backward"):
+            loss.backward()
         if self._clip_on_worker is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)
         if not all(hook.before_update(self, loss) is not False for hook in self.hooks):
@@ -326,7 +343,8 @@ class TrainingSession:
             progress = self._updater.skip(self._global_step)
         else:
             data = self._data.state_dict() if self._data is not None else None
-            progress = self._updater.exchange(self._global_step, data)
+            with self._timeline.span("exchange"):
+                progress = self._updater.exchange(self._global_step, data)
         self._global_step = progress.global_step
         if progress.stop:
             self._stop_requested = True
@@ -337,6 +355,7 @@ class TrainingSession:
             made_step=progress.made_step,
             dropped=progress.dropped,
         )
+        self._timeline.add("step", started_ns, time.perf_counter_ns(), step=result.global_step)
         for hook in self.hooks:
             hook.after_step(self, result)
         return result

@@ -173,6 +173,27 @@ class ClientSegments:
             self._busy = request_id
         return extra, placed
 
+    def staging(self, sizes: Sequence[int], pending: Any) -> list[memoryview] | None:
+        """Writable views, at their :func:`offsets` in the request segment, where the caller
+        may build the payload of its next request (buffers of ``sizes`` bytes) instead of in
+        memory of its own: :meth:`headers` then finds them in place and copies nothing.
+        None when that request would not go through shared memory (too small, or the
+        segments are held by a request in ``pending``): build it elsewhere."""
+        if self._busy is not None and self._busy in pending:
+            return None
+        total = offsets(sizes)[1]
+        if total < MIN_BYTES:
+            return None
+        if self._busy is not None:
+            self._retire()  # abandoned while in flight: a late answer must touch nothing
+        if self._request is None or self._request.size < total:
+            if self._request is not None:
+                self._request.close()
+            self._request = Segment(total)
+        starts, _ = offsets(sizes)
+        view = memoryview(self._request.bytes.numpy())
+        return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+
     def arrived(self, header: dict[str, Any]) -> None:
         """A verified reply arrived: its request no longer holds the segments; a large
         payload that came in frames sets the size of the next reply segment."""
@@ -325,7 +346,11 @@ def _write(target: torch.Tensor, buffers: Sequence[Buffer]) -> list[memoryview]:
     placed = []
     for start, buffer in zip(starts, buffers, strict=True):
         source = _as_bytes_tensor(buffer)
-        target[start : start + source.numel()].copy_(source)
+        destination = target[start : start + source.numel()]
+        if source.numel() and source.data_ptr() == destination.data_ptr():
+            pass  # built in place (ClientSegments.staging): nothing to copy
+        else:
+            destination.copy_(source)
         placed.append(view[start : start + source.numel()])
     return placed
 

@@ -470,6 +470,16 @@ class Channel:
         self._sent_at_disconnects[request_id] = self._disconnects
         return request_id
 
+    def staging(self, sizes: list[int]) -> list[memoryview] | None:
+        """Writable buffers of ``sizes`` bytes in this channel's request segment, for the
+        caller to build the payload of its next :meth:`send` in place (then passed to it
+        as its buffers: nothing is copied into shared memory). None when the next request
+        will not go through shared memory (TCP peer, small payload, segment in use): build
+        the payload elsewhere. The views are valid until the next ``send``."""
+        if self._segments is None or self.server_session is None:
+            return None
+        return self._segments.staging(sizes, self._pending)
+
     def wait(
         self,
         request_id: int,

@@ -52,6 +52,7 @@ from tensorfleet.worker.fused_parameters import FusedParameters
 from tensorfleet.worker.heartbeat import Heartbeat
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.shard_fanout import ANSWER_MARGIN_S, ShardFanout
+from tensorfleet.worker.timeline import Timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 
 __all__ = ["ANSWER_MARGIN_S", "ClientTimeouts", "ParameterClient", "Progress"]
@@ -413,7 +414,8 @@ class ParameterClient:
             }
             for i in range(self.num_shards)
         ]
-        buffers = [fused.gather(i, values=False) for i in range(self.num_shards)]
+        with self._shards.timeline.span("pack"):
+            buffers = self._gradient_buffers(fused)
         try:
             replies = self._shards.call("push", bodies, self.timeouts.step_s, buffers=buffers)
         except RECOVERABLE as exc:
@@ -495,10 +497,27 @@ class ParameterClient:
             raise UsageError("register() the model's parameters with the client first")
         return self._fused
 
+    def _gradient_buffers(self, fused: FusedParameters) -> list[list[memoryview]]:
+        """Each shard's gradients packed for a push: straight into the shard's request
+        segment where the channel offers one (same host), else into the send buffers."""
+        return [
+            fused.gather(
+                shard,
+                values=False,
+                into=self._shards.channels[shard].staging(fused.group_nbytes(shard)),
+            )
+            for shard in range(self.num_shards)
+        ]
+
     def _scatter(self, replies: list[Reply]) -> None:
         fused = self._bound()
-        for shard, reply in enumerate(replies):
-            fused.scatter(shard, reply.buffers)
+        with self._shards.timeline.span("unpack"):
+            for shard, reply in enumerate(replies):
+                fused.scatter(shard, reply.buffers)
+
+    def trace(self, timeline: Timeline) -> None:
+        """Record this client's exchanges (pack, the sends by op, wait, unpack) in ``timeline``."""
+        self._shards.timeline = timeline
 
     def _progress(self, replies: list[Reply]) -> Progress:
         self._last_global_step = int(replies[0].body.get("global_step", 0))

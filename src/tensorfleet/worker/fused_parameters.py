@@ -3,7 +3,8 @@
 Each shard holds its variables (whole tensors, or row ranges of partitioned ones) as one
 flat buffer per dtype (:class:`~tensorfleet.ps.layout.FusedLayout`), so a step sends one
 buffer per dtype per shard instead of one message per tensor. This module packs the model's
-values or gradients into those buffers (one copy per tensor) and unpacks the values that come
+values or gradients into those buffers (one copy per tensor, straight into a request's
+shared-memory segment when the transport offers one) and unpacks the values that come
 back into the model (none for whole CPU tensors: the received memory becomes the
 parameter's storage). It knows nothing of the network; the client sends what it packs.
 """
@@ -88,22 +89,49 @@ class FusedParameters:
         """The shard's variables as the ps's ``create`` / ``wait_ready`` expect them."""
         return [v.to_wire() for v in self.layouts[shard].variables]
 
-    def gather(self, shard: int, values: bool) -> list[memoryview]:
-        """Pack the shard's values or gradients into its send buffers (one copy per tensor;
-        a missing gradient is sent as zeros)."""
-        out = []
-        for members, flat in zip(self._members[shard], self._send_buffers[shard], strict=True):
-            pieces = []
+    def group_nbytes(self, shard: int) -> list[int]:
+        """The size in bytes of each of the shard's buffers (one per dtype group)."""
+        return [flat.numel() * flat.element_size() for flat in self._send_buffers[shard]]
+
+    def gather(
+        self, shard: int, values: bool, into: Sequence[memoryview] | None = None
+    ) -> list[memoryview]:
+        """Pack the shard's values or gradients into its buffers, one copy per tensor and no
+        temporary (a missing gradient is sent as zeros). ``into``: writable byte buffers of
+        :meth:`group_nbytes` (e.g. a request's shared-memory segment) to pack into instead
+        of this object's own send buffers; returned as given."""
+        targets = self._send_buffers[shard]
+        if into is not None:
+            targets = [
+                self._writable_flat(buffer, flat)
+                for buffer, flat in zip(into, targets, strict=True)
+            ]
+        for members, flat in zip(self._members[shard], targets, strict=True):
             for m in members:
+                piece = flat[m.offset : m.offset + m.numel]
                 source = m.param.detach() if values else m.param.grad
                 if source is None:
-                    source = torch.zeros_like(m.param)
+                    piece.zero_()
+                    continue
                 if not m.whole:
                     source = source[m.row_start : m.row_stop]
-                pieces.append(source.reshape(-1).cpu())  # a copy only for GPU tensors
-            torch.cat(pieces, out=flat)
-            out.append(as_buffer(flat))
-        return out
+                piece.view(source.shape).copy_(source)  # from the GPU too, without a temporary
+        if into is not None:
+            return list(into)
+        return [as_buffer(flat) for flat in targets]
+
+    @staticmethod
+    def _writable_flat(buffer: memoryview, like: torch.Tensor) -> torch.Tensor:
+        """``buffer`` as a flat tensor of ``like``'s dtype and length (shares its memory)."""
+        nbytes = like.numel() * like.element_size()
+        if buffer.readonly or buffer.nbytes != nbytes:
+            raise ConfigError(
+                f"a buffer to gather into must be writable and {nbytes} bytes, got "
+                f"{buffer.nbytes} bytes{' (read-only)' if buffer.readonly else ''}"
+            )
+        if nbytes == 0:
+            return like[:0]
+        return torch.frombuffer(buffer, dtype=like.dtype, count=like.numel())
 
     def scatter(self, shard: int, buffers: Sequence[Any]) -> None:
         """Put the values a shard sent (one buffer per dtype group) into the model."""

@@ -31,6 +31,7 @@ from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 from tensorfleet.worker.table_attachment import TableAttachment, find_tables
+from tensorfleet.worker.timeline import Timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import (
     CheckpointSource,
@@ -162,6 +163,10 @@ class PsUpdater:
         if self.buffers is not None:
             self.buffers.pull()
         return progress
+
+    def trace(self, timeline: Timeline) -> None:
+        """Record the exchanges with the shards (pack, push/pull, wait, unpack) in ``timeline``."""
+        self.client.trace(timeline)
 
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
         """Push the gradients (sparse ones, from ``sparse=True`` embeddings, as the dense

@@ -20,6 +20,7 @@ from typing import Any
 from tensorfleet.errors import UsageError
 from tensorfleet.wire.transport import Channel, Reply
 from tensorfleet.worker.heartbeat import Heartbeat
+from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
 
 #: Extra seconds a client waits beyond a request's own deadline for the server's explanation.
 ANSWER_MARGIN_S = 2.0
@@ -39,6 +40,8 @@ class ShardFanout:
         self.request_fields = dict(request_fields or {})
         """Added to every request's body: the model's namespace (``{"model": name}``), or
         nothing for the default model."""
+        self.timeline: Timeline = NO_TIMELINE
+        """Where the sends (named by their op) and the waits for the replies are recorded."""
 
     @property
     def num_shards(self) -> int:
@@ -74,10 +77,18 @@ class ShardFanout:
             raise UsageError(  # the caller's sequences must align with the shards
                 f"{len(targets)} shards, {len(ops)} ops, {len(bodies)} bodies, {len(sends)} buffers"
             )
-        ids = [
-            self.channels[shard].send(o, b, list(s) if s is not None else None, timeout_s)
-            for shard, o, b, s in zip(targets, ops, bodies, sends, strict=True)
-        ]
+        with self.timeline.span(ops[0] if ops else "send"):
+            ids = [
+                self.channels[shard].send(o, b, list(s) if s is not None else None, timeout_s)
+                for shard, o, b, s in zip(targets, ops, bodies, sends, strict=True)
+            ]
+        with self.timeline.span("wait"):
+            return self._wait_all(targets, ids, timeout_s, abort_when_silent)
+
+    def _wait_all(
+        self, targets: list[int], ids: list[int], timeout_s: float, abort_when_silent: bool
+    ) -> list[Reply]:
+        """The replies to ``ids`` (sent to ``targets``), in that order."""
         return [
             self.channels[shard].wait(
                 request_id,

@@ -1,0 +1,86 @@
+"""FusedParameters.gather: the model's gradients or values packed into each shard's buffers,
+into its own send buffers or straight into buffers the transport lends (shared memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorfleet.errors import ConfigError
+from tensorfleet.ps.placement import VariableSpec, plan_placement
+from tensorfleet.worker.fused_parameters import FusedParameters
+
+
+def _model() -> list[tuple[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    params = [
+        ("embedding", torch.nn.Parameter(torch.randn(40, 8))),  # partitioned by rows
+        ("weight", torch.nn.Parameter(torch.randn(8, 3).t())),  # not contiguous
+        ("bias", torch.nn.Parameter(torch.randn(3))),
+        ("steps", torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))),  # a second dtype
+    ]
+    for _, p in params[:-1]:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def _fused(params: list[tuple[str, torch.Tensor]]) -> FusedParameters:
+    specs = [
+        VariableSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.element_size())
+        for n, p in params
+    ]
+    return FusedParameters(params, plan_placement(specs, 2, partition_threshold_bytes=512))
+
+
+def _expected(params: list[tuple[str, torch.Tensor]], fused: FusedParameters) -> list[list[bytes]]:
+    """What gather must produce, computed independently: each member's slice at its offset."""
+    out = []
+    for shard, layout in enumerate(fused.layouts):
+        buffers = []
+        for group, members in zip(layout.groups, fused._members[shard], strict=True):
+            flat = torch.full((group.numel,), float("nan"), dtype=members[0].param.dtype)
+            for m in members:
+                grad = m.param.grad if m.param.grad is not None else torch.zeros_like(m.param)
+                rows = grad if m.whole else grad[m.row_start : m.row_stop]
+                flat[m.offset : m.offset + m.numel] = rows.reshape(-1)
+            buffers.append(flat.numpy().tobytes())
+        out.append(buffers)
+    return out
+
+
+def test_gather_into_lent_buffers_equals_gather_into_its_own() -> None:
+    params = _model()
+    fused = _fused(params)
+    assert any(not m.whole for shard in fused._members for g in shard for m in g)
+    expected = _expected(params, fused)
+    for shard in range(fused.num_shards):
+        own = [bytes(b) for b in fused.gather(shard, values=False)]
+        assert own == expected[shard]
+        lent = [memoryview(bytearray(n)) for n in fused.group_nbytes(shard)]
+        returned = fused.gather(shard, values=False, into=lent)
+        assert returned == lent
+        assert [bytes(b) for b in lent] == expected[shard]  # a missing gradient is zeros
+
+
+def test_gather_of_values_into_lent_buffers() -> None:
+    params = _model()
+    fused = _fused(params)
+    by_name = dict(params)
+    for shard in range(fused.num_shards):
+        lent = [memoryview(bytearray(n)) for n in fused.group_nbytes(shard)]
+        fused.gather(shard, values=True, into=lent)
+        assembled = fused.assemble(
+            [lent if s == shard else fused.gather(s, values=True) for s in range(2)]
+        )
+        for name, tensor in assembled.items():
+            assert torch.equal(tensor, by_name[name].detach())
+
+
+def test_gather_into_a_buffer_of_the_wrong_size_or_read_only_is_refused() -> None:
+    fused = _fused(_model())
+    sizes = fused.group_nbytes(0)
+    wrong = [memoryview(bytearray(n + 4)) for n in sizes]
+    with pytest.raises(ConfigError, match="must be writable and"):
+        fused.gather(0, values=False, into=wrong)
+    with pytest.raises(ConfigError, match="read-only"):
+        fused.gather(0, values=False, into=[memoryview(bytes(n)) for n in sizes])

@@ -1,0 +1,104 @@
+"""The timeline (tensorfleet.worker.timeline): a task's steps as a Chrome trace that
+Perfetto opens, written by a TrainingSession given ``timeline=``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.errors import ConfigError
+from tensorfleet.optim import SGD
+from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.session.server import Server
+from tensorfleet.session.training_session import TrainingSession
+from tensorfleet.wire.secret import load_secret
+from tensorfleet.worker.timeline import NO_TIMELINE, Timeline, task_path, task_timeline
+
+from .service_harness import serve_in_thread, stop_services
+
+SECRET = "timeline-unit-test-secret-000001"
+
+
+def _check_trace(path: Path, task: str) -> list[dict]:
+    """The trace's complete events, after checking the file is Trace Event Format JSON."""
+    trace = json.loads(path.read_text())
+    assert isinstance(trace["traceEvents"], list)
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert meta == [
+        {"name": "process_name", "ph": "M", "pid": meta[0]["pid"], "args": {"name": task}}
+    ]
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for event in spans:
+        assert set(event) >= {"name", "ph", "ts", "dur", "pid", "tid"}
+        assert isinstance(event["ts"], float) and event["dur"] >= 0
+        assert isinstance(event["pid"], int) and isinstance(event["tid"], int)
+    return spans
+
+
+def test_spans_nest_and_are_written_as_trace_event_json(tmp_path: Path) -> None:
+    timeline = Timeline("worker:0")
+    with timeline.span("step", step=1):
+        with timeline.span("inner"):
+            pass
+    path = timeline.write(tmp_path / "deep" / "t.json")
+    spans = _check_trace(path, "worker:0")
+    inner, outer = spans  # an inner span ends first
+    assert (inner["name"], outer["name"], outer["args"]) == ("inner", "step", {"step": 1})
+    assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+    assert json.loads(path.read_text())["otherData"]["dropped_events"] == 0
+
+
+def test_a_full_timeline_drops_its_oldest_spans_and_says_so() -> None:
+    timeline = Timeline("worker:1", max_events=3)
+    for index in range(5):
+        timeline.add(f"s{index}", 0, 10)
+    assert [e["name"] for e in timeline.events] == ["s2", "s3", "s4"]
+    assert timeline.to_json()["otherData"]["dropped_events"] == 2
+
+
+def test_off_it_records_nothing() -> None:
+    with NO_TIMELINE.span("step"):
+        NO_TIMELINE.add("x", 0, 1)
+    assert NO_TIMELINE.events == [] and not NO_TIMELINE.enabled
+    assert task_timeline(None, "worker:0") == (NO_TIMELINE, None)
+
+
+def test_each_task_gets_its_own_file_and_a_bad_directory_fails_at_once(tmp_path: Path) -> None:
+    assert task_path("out/trace.json", "worker:0") == Path("out/trace.worker-0.json")
+    assert task_path("trace", "ps:1") == Path("trace.ps-1.json")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot write the timeline of worker:0 to .*a-file"):
+        task_timeline(blocker / "trace.json", "worker:0")
+
+
+def test_a_session_in_async_mode_writes_its_steps_and_exchanges(tmp_path: Path) -> None:
+    running = serve_in_thread(
+        ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)
+    )
+    try:
+        server = Server(
+            {"ps": [running.address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+        )
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        with TrainingSession(server, model, SGD(lr=0.1), timeline=tmp_path / "trace.json") as sess:
+            for _ in range(3):
+                sess.step(lambda: ((model(x) - y) ** 2).mean())
+        assert sess.timeline_path == tmp_path / "trace.worker-0.json"
+        spans = _check_trace(sess.timeline_path, "worker:0")
+    finally:
+        stop_services([running])
+    names = [e["name"] for e in spans]
+    for name in ("step", "compute", "backward", "exchange", "pack", "push", "wait", "unpack"):
+        assert names.count(name) >= 3, (name, names)
+    assert "pull" in names  # the first values, at the start
+    steps = [e for e in spans if e["name"] == "step"]
+    pushes = [e for e in spans if e["name"] == "push"]
+    for step, push in zip(steps, pushes, strict=True):  # each push lies inside its step
+        assert step["ts"] <= push["ts"] <= step["ts"] + step["dur"]
