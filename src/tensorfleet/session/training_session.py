@@ -248,7 +248,8 @@ class TrainingSession:
             model = self.model
             self.model = self._updater.wrap(model)
             if self._log_placement and self.is_chief:
-                print(placement_table(self._updater, model, self.task_name), flush=True)
+                heading = f"placement of model {self.model_name!r}:\n" if self.model_name else ""
+                print(heading + placement_table(self._updater, model, self.task_name), flush=True)
             self._updater.register(self._named_params, self.rule)
             restored = self._updater.restore(
                 _SessionCheckpoints(self) if self.checkpoints is not None else None,
