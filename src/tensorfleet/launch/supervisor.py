@@ -21,6 +21,11 @@ Supervision, in the spirit of Horovod's runner:
   more deadline, never by sleeping. A task that exits 0 is never restarted. Once the run
   drains, fails, or is stopped or interrupted, nothing is restarted: a restart still waiting
   is cancelled and that task counts as failed;
+- once training is complete (the chief and every ps task exited 0), a worker killed by a
+  signal is *retired*: never restarted, not a failure, and a restart still waiting is
+  cancelled
+  (:mod:`tensorfleet.launch.training_completion`); the workers still running get
+  ``grace_period`` seconds to exit, then SIGTERM;
 - a failure that is not restarted is reported with the task's last lines (its traceback);
   the others get ``grace_period`` seconds to notice and finish, then SIGTERM, then SIGKILL.
   The run's status is that task's exit code (128 + signal number for a signal);
@@ -47,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from tensorfleet import environment
+from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.errors import DeadlineExceeded, LaunchError
 from tensorfleet.launch.backends.base import Backend
 from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
@@ -60,6 +66,7 @@ from tensorfleet.launch.restart_policy import (
     signal_name,
 )
 from tensorfleet.launch.task import Task
+from tensorfleet.launch.training_completion import retired_after_completion, training_complete
 from tensorfleet.wire.secret import generate_secret
 
 #: How many of a task's latest output lines are kept for failure reports.
@@ -475,7 +482,8 @@ class ClusterSupervisor:
         task.process.finish_output(READER_DRAIN_TIMEOUT)
         rc = task.returncode
         assert rc is not None
-        failed = rc != 0 and task.stop_signal is None
+        retired = retired_after_completion(task, self._tasks, ClusterSpec(self.cluster))
+        failed = rc != 0 and task.stop_signal is None and not retired
         restart_delay = self._restart_delay(task) if failed else None
         if task.stop_signal is not None and rc != 0:
             status = f"stopped ({signal_name(task.stop_signal)})"
@@ -485,14 +493,25 @@ class ClusterSupervisor:
             status = f"killed by {signal_name(-rc)}"
         if restart_delay is not None:
             status += "; restarting"
+        if retired:
+            status += " after training was complete"
         self.output.task_exited(task.name, status, not failed)
+        if retired:
+            self._retire(task, status)
         if restart_delay is not None:
             self._schedule_restart(task, restart_delay)
         elif failed:
             self._on_failure(task)
-        elif self._phase == _RUNNING and all(
-            t.returncode == 0 for t in self._tasks if t.job == "worker"
-        ):
+        elif self._phase == _RUNNING:
+            self._drain_when_done()
+
+    def _drain_when_done(self) -> None:
+        """Enter the draining phase once every worker exited 0 (the ps tasks then exit by
+        themselves) or once training is complete (:mod:`~tensorfleet.launch.training_completion`:
+        a restart still waiting is cancelled, and the workers still running get the grace
+        period to exit)."""
+        workers = [t for t in self._tasks if t.job == "worker"]
+        if all(t.returncode == 0 for t in workers):
             ps_left = [t.name for t in self._tasks if t.running]
             if ps_left:
                 self.output.message(
@@ -500,6 +519,29 @@ class ClusterSupervisor:
                     f"{', '.join(ps_left)} to exit"
                 )
             self._enter(_DRAINING, self.grace_period)
+        elif training_complete(self._tasks, ClusterSpec(self.cluster)):
+            for task in [t for t in workers if t.restart_pending and t.pending_signal_restart]:
+                task.restart_at = task.pending_restart = None
+                self._retire(task, "restart cancelled")
+            left = [t.name for t in workers if t.running]
+            if left:
+                self.output.message(
+                    "training is complete (the chief and every ps task exited 0); giving "
+                    f"{', '.join(left)} up to {self.grace_period:g} s to exit"
+                )
+            self._enter(_DRAINING, self.grace_period)
+
+    def _retire(self, task: Task, what: str) -> None:
+        """Report a worker that ended after training was complete: not a failure, and not
+        restarted (:mod:`~tensorfleet.launch.training_completion`)."""
+        task.retired = True
+        lines = list(task.recent)
+        last = f"; its last line: {lines[-1]}" if lines else ""
+        self.output.message(
+            f"{task.name}: {what}; not restarting it, and not a failure: training was "
+            f"complete (the chief and every ps task had exited 0){last}",
+            "warning",
+        )
 
     def _on_failure(self, task: Task) -> None:
         assert task.returncode is not None
@@ -652,10 +694,15 @@ class ClusterSupervisor:
         running = [t for t in self._tasks if t.running]
         if self._phase == _DRAINING:
             for task in running:
+                why = (
+                    "a ps task should learn from the chief that training is over and exit by itself"
+                    if task.job == "ps"
+                    else "training was complete"
+                )
                 self.output.message(
-                    f"{task.name} did not exit within {self.grace_period:g} s after all workers "
-                    "finished; stopping it with SIGTERM (a ps task should learn from the chief "
-                    "that training is over and exit by itself)",
+                    f"{task.name} did not exit within {self.grace_period:g} s after "
+                    f"{'all workers finished' if task.job == 'ps' else 'training was complete'}"
+                    f"; stopping it with SIGTERM ({why})",
                     "warning",
                 )
             self._signal_running(signal.SIGTERM)
@@ -699,16 +746,18 @@ class ClusterSupervisor:
             result = exit_status(self._failure.returncode)
         elif self._interrupt is not None:
             result = 128 + self._interrupt
-        elif all(t.returncode == 0 for t in workers):
+        elif all(t.returncode == 0 or t.retired for t in workers):
             result = 0
         else:
             # Stopped by stop() before the workers finished: the first worker's signal status
             # (143 for SIGTERM), or 1 for a worker that could not even be reaped.
-            codes = [t.returncode for t in workers if t.returncode != 0]
+            codes = [t.returncode for t in workers if t.returncode != 0 and not t.retired]
             result = exit_status(codes[0]) if codes[0] is not None else 1
         elapsed = time.monotonic() - self._start_time
         if result == 0:
-            self.output.message(f"all {len(workers)} worker(s) finished in {elapsed:.1f} s")
+            retired = [t.name for t in workers if t.retired]
+            late = f" ({', '.join(retired)} ended after training was complete)" if retired else ""
+            self.output.message(f"all {len(workers)} worker(s) finished in {elapsed:.1f} s{late}")
         else:
             self.output.message(f"exit status {result} after {elapsed:.1f} s")
         self._phase, self._phase_deadline, self._result = _DONE, None, result

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tensorfleet.launch.backends.base import TaskProcess
-from tensorfleet.launch.restart_policy import RestartDecision
+from tensorfleet.launch.restart_policy import SIGNAL, RestartDecision
 
 
 @dataclass(eq=False)
@@ -41,6 +41,9 @@ class Task:
     #: The processes this task ran before its latest restart, so that whatever their process
     #: groups still hold is killed at the end of the run.
     previous: list[TaskProcess] = field(default_factory=list, repr=False)
+    #: Ended (or its restart cancelled) after training was complete: not a failure
+    #: (:mod:`tensorfleet.launch.training_completion`).
+    retired: bool = False
 
     @property
     def name(self) -> str:
@@ -61,6 +64,11 @@ class Task:
     def running(self) -> bool:
         """Started and its exit not yet handled."""
         return self.process is not None and self.returncode is None
+
+    @property
+    def pending_signal_restart(self) -> bool:
+        """A restart is pending after this task was killed by a signal."""
+        return self.pending_restart is not None and self.pending_restart.kind == SIGNAL
 
     @property
     def restart_pending(self) -> bool:
