@@ -80,9 +80,12 @@ def ray_address() -> Iterator[str]:
             time.sleep(0.2)  # polls a log file written by another program: no event to wait on
         yield address
     finally:
+        # `ray start --block` takes about 30 s to stop its processes on SIGTERM here; the
+        # cluster is the test's own and throwaway, so it gets 5 s, then SIGKILL (the loop
+        # below still checks that nothing of it is left).
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(30)
+            head.wait(5)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(10)
