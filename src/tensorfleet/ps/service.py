@@ -732,6 +732,8 @@ def refusal_code(exc: Exception) -> str:
 def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None:
     """Scale ``gradients`` in place so that their joint L2 norm is at most ``max_norm``
     (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    if not gradients:  # a shard without variables (only table rows)
+        return
     total = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g.float()) for g in gradients])
     )
@@ -741,8 +743,9 @@ def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None
 
 
 def _layout_from(variables: object) -> FusedLayout:
-    if not isinstance(variables, list) or not 0 < len(variables) <= MAX_VARIABLES_PER_SHARD:
-        raise ProtocolError(f"'variables' must be a list of 1..{MAX_VARIABLES_PER_SHARD} variables")
+    # 0: a shard whose part of the model is only embedding-table rows holds no dense variable.
+    if not isinstance(variables, list) or not 0 <= len(variables) <= MAX_VARIABLES_PER_SHARD:
+        raise ProtocolError(f"'variables' must be a list of 0..{MAX_VARIABLES_PER_SHARD} variables")
     return FusedLayout.of([StoredVariable.from_wire(v) for v in variables])
 
 
