@@ -360,6 +360,7 @@ class ParameterService:
                 raise
         # Only now: a create that is refused (a rule torch rejects) changes nothing.
         self.aggregator, self.gate = aggregator, gate
+        self.tables.follow(sync=aggregator is not None, gated=gate is not None)
         self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
         if checkpoint is not None:
@@ -440,6 +441,7 @@ class ParameterService:
                 if self.gate.may_apply(task):
                     del self._held[index]
                     self.gate.record(task)
+                    self.tables.released(task)
                     self._apply_async(request, gradients)
                     released = True
                     break
@@ -475,6 +477,7 @@ class ParameterService:
         if self.discipline.clip_norm is not None:
             _clip_by_global_norm(mean, self.discipline.clip_norm)
         self.store.apply(mean)
+        self.tables.step_made(made, [c.task for c in contributions])
         self.stats["pushes"] += len(contributions)
         self.global_step = aggregator.step
         for contribution in contributions:
