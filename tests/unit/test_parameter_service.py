@@ -920,3 +920,17 @@ def test_service_config_is_validated() -> None:
         ServiceConfig(shard_index=0, worker_tasks=WORKERS, idle_timeout_s=0)
     with pytest.raises(ValueError, match="end_grace_s >= 0"):
         ServiceConfig(shard_index=0, worker_tasks=WORKERS, end_grace_s=-1)
+
+
+def test_a_channel_counts_the_bytes_of_its_requests_and_replies(chief: Channel) -> None:
+    """``bytes_sent`` / ``bytes_received``: headers and payloads of the requests and of the
+    valid replies (what the sparse-table benchmark reports per step)."""
+    sent0, received0 = chief.bytes_sent, chief.bytes_received
+    gradients = [torch.ones_like(v) for v in _initial_values()]
+    payload = sum(g.numel() * g.element_size() for g in gradients)
+    _push(chief, gradients, want_values=True)  # the reply carries the new values
+    sent, received = chief.bytes_sent - sent0, chief.bytes_received - received0
+    assert payload < sent < payload + 1024, (payload, sent)
+    assert payload < received < payload + 1024, (payload, received)
+    _push(chief, gradients, want_values=False)
+    assert chief.bytes_received - received0 - received < 1024  # no values this time
