@@ -28,6 +28,9 @@ sys.path.insert(0, str(HERE))
 
 from results_writer import RESULTS, write_results  # noqa: E402
 
+SPARSE_TABLES_QUICK = "--repeats 1 --rows 100000 --sparse-steps 20 --dense-steps 3".split()
+SPARSE_TABLES_QUICK += "--big-rows 2000000 --big-steps 50".split()
+
 #: name -> (script arguments, quick arguments)
 BENCHMARKS = {
     "wire": ([], ["--megabytes", "8", "--batches", "2", "--per-batch", "5"]),
@@ -35,6 +38,7 @@ BENCHMARKS = {
     "ps_sharding_links": ([], ["--duration", "2"]),
     "throughput": ([], ["--steps", "100", "--repeats", "1"]),
     "modes": ([], ["--samples", "3000"]),
+    "sparse_tables": ([], SPARSE_TABLES_QUICK),
 }
 
 
@@ -139,6 +143,24 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
             target = ">= 0.95x PyTorch, >= 1.0x TensorFlow" if "async" in name else ""
             rows.append(
                 ("throughput", name, value, target if name.startswith("tensorfleet") else "")
+            )
+    tables = results.get("sparse_tables")
+    if tables:
+        for name, value in tables["ratios"].items():
+            target = ""
+            if name.endswith("_bytes") and "dense" not in name:
+                target = "about 1.0x (bytes follow the unique ids, not the table)"
+            rows.append(("sparse_tables", name, f"{value:.2f}x", target))
+        big = tables.get("big")
+        if big:
+            rows.append(
+                (
+                    "sparse_tables",
+                    f"{big['rows']:,} x {big['dim']} table on 2 ps, {big['steps']} steps",
+                    f"worker peak RSS {big['memory_kib']['VmHWM'] / 2**20:.2f} GiB for a "
+                    f"{big['table_bytes'] / 2**30:.2f} GiB table",
+                    "far below the table",
+                )
             )
     return rows
 

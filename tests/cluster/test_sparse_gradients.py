@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_checkpoint import decode_shard
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tensorfleet.worker.embedding_table import LocalRowSource
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 
 from .conftest import PROGRAMS, run_local_cluster
@@ -20,7 +25,13 @@ STEPS = 40
 
 @pytest.mark.parametrize(
     ("mode", "extra"),
-    [("async", []), ("sync", []), ("async", ["--max-staleness", "1"]), ("async", ["--table"])],
+    [
+        ("async", []),
+        ("sync", []),
+        ("async", ["--max-staleness", "1"]),
+        ("async", ["--table"]),
+        ("async", ["--table", "--max-staleness", "0"]),  # rows held by the gate
+    ],
 )
 def test_sparse_embeddings_converge_across_processes(tmp_path, mode, extra):
     """``--table``: the first lookup is a ``tfl.EmbeddingTable`` on the ps shards; the
@@ -44,6 +55,69 @@ def test_sparse_embeddings_converge_across_processes(tmp_path, mode, extra):
         for shard in range(2):
             document = (newest / f"shard-{shard}-of-2.safetensors").read_bytes()
             assert set(decode_shard(document).tables) == {"embedding"}, str(run)
+
+
+def _one_process_sync_reference(steps: int, workers: int) -> tuple[torch.Tensor, list]:
+    """What sync training of ``sparse_embedding_worker.py --table-only`` must give: each
+    step's gradient is the mean of the workers' (equal slices, mean losses), the gradient of
+    one process on their whole batch; the table's rows take the same SGD as the head."""
+    spec = importlib.util.spec_from_file_location(
+        "program", PROGRAMS / "sparse_embedding_worker.py"
+    )
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    torch.manual_seed(3)
+    model = program.TableOnly()
+    model.embedding.table_name = "embedding"
+    LocalRowSource([model.embedding], num_shards=1, rule=SparseRowRule("sgd", {"lr": 2.0}))
+    optimizer = torch.optim.SGD(model.out.parameters(), lr=2.0)
+    ids, labels = program.make_data((steps + 16) * workers * program.BATCH)
+    size = workers * program.BATCH
+    for step in range(steps):
+        xb, yb = ids[step * size : (step + 1) * size], labels[step * size : (step + 1) * size]
+        optimizer.zero_grad()
+        F.cross_entropy(model(xb), yb).backward()
+        model.embedding.push_gradient()
+        optimizer.step()
+    with torch.no_grad():
+        return model.embedding(torch.arange(program.IDS)), list(model.out.parameters())
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_shard_holding_only_table_rows(tmp_path, mode):
+    """3 ps and a model of one table and a linear head (weight and bias: 2 dense variables):
+    one shard holds no dense variable, only its third of the table's rows. It trains, and
+    the final checkpoint holds that shard's document (no variables, the table's rows).
+
+    In sync mode the table's rows are averaged by the sync step (held per step, the mean over
+    the union of the workers' rows): the trained table and head equal one process training
+    on the whole batch of each step."""
+    out, checkpoints = tmp_path / "result.json", tmp_path / "checkpoints"
+    command = [
+        sys.executable, str(PROGRAMS / "sparse_embedding_worker.py"), str(out), mode, str(STEPS),
+        "--table-only", "--checkpoint-dir", str(checkpoints),
+    ]  # fmt: skip
+    run = run_local_cluster(3, 2, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    result = json.loads(out.read_text())
+    assert result["global_step"] >= STEPS, str(run)
+    assert result["after"] < 0.5 * result["before"], f"{result}\n{run}"
+    (newest,) = sorted(checkpoints.glob("step-*"))[-1:]
+    documents = [
+        decode_shard((newest / f"shard-{k}-of-3.safetensors").read_bytes()) for k in range(3)
+    ]
+    empty = [k for k, d in enumerate(documents) if not d.values]
+    assert len(empty) == 1, [sorted(d.values) for d in documents]
+    (shard,) = empty
+    rows = RowStore.decode(documents[shard].tables["embedding"])
+    assert rows.size > 0, str(run)  # it served and updated its rows
+    assert set(rows.created_rows().tolist()) <= set(range(shard, 40, 3))
+    if mode == "sync":
+        table, head = _one_process_sync_reference(result["global_step"], workers=2)
+        got = torch.tensor(result["table"])
+        assert torch.allclose(got, table, atol=1e-5), (got - table).abs().max()
+        for got_param, want in zip(result["out"], head, strict=True):
+            assert torch.allclose(torch.tensor(got_param), want.detach(), atol=1e-5)
 
 
 def test_a_sparse_gradient_becomes_the_dense_gradient_with_duplicates_summed():

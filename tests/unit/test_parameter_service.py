@@ -23,7 +23,7 @@ import zmq
 from tensorfleet.errors import AuthenticationError, DeadlineExceeded, RemoteError
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
-from tensorfleet.ps.update_rules import SGD, UpdateRule
+from tensorfleet.ps.update_rules import SGD, Adagrad, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
@@ -345,7 +345,7 @@ def test_create_with_a_different_layout_is_refused_naming_the_variable(
             SGD(lr=LR),
             "has 32 bytes, .* need 36",
         ),
-        ([], [], SGD(lr=LR), "'variables' must be a list of 1.."),
+        ("w", [], SGD(lr=LR), "'variables' must be a list of 0.."),
         (
             [{"name": "i", "shape": [1], "dtype": "int64"}],
             [torch.zeros(1, dtype=torch.int64)],
@@ -354,7 +354,7 @@ def test_create_with_a_different_layout_is_refused_naming_the_variable(
         ),
         (VARIABLES, _initial_values(), SGD(lr=-1.0), "Invalid learning rate"),
     ],
-    ids=["buffer-count", "buffer-size", "no-variables", "int-dtype", "bad-lr"],
+    ids=["buffer-count", "buffer-size", "not-a-list", "int-dtype", "bad-lr"],
 )
 def test_invalid_create_is_refused_and_the_service_keeps_serving(
     service: RunningService,
@@ -370,6 +370,19 @@ def test_invalid_create_is_refused_and_the_service_keeps_serving(
         _create(channel, variables, values, rule)
     assert _hello(channel)["initialized"] is False
     assert _create(channel) == {"created": True, "global_step": 0, "data": None}
+
+
+def test_a_shard_without_variables_is_created_and_answers_pushes_and_pulls(
+    service: RunningService, connect: Callable[..., Channel]
+) -> None:
+    """A shard whose part of the model is only embedding-table rows holds no variable."""
+    channel = connect(service.address)
+    _hello(channel)
+    assert _create(channel, [], [], Adagrad(lr=0.1))["created"] is True
+    assert _hello(channel)["initialized"] is True
+    reply = _push(channel, [])
+    assert reply.buffers == [] and reply.body["made_step"] is True
+    assert _pull(channel)[1] == []
 
 
 @pytest.mark.parametrize(
@@ -907,3 +920,17 @@ def test_service_config_is_validated() -> None:
         ServiceConfig(shard_index=0, worker_tasks=WORKERS, idle_timeout_s=0)
     with pytest.raises(ValueError, match="end_grace_s >= 0"):
         ServiceConfig(shard_index=0, worker_tasks=WORKERS, end_grace_s=-1)
+
+
+def test_a_channel_counts_the_bytes_of_its_requests_and_replies(chief: Channel) -> None:
+    """``bytes_sent`` / ``bytes_received``: headers and payloads of the requests and of the
+    valid replies (what the sparse-table benchmark reports per step)."""
+    sent0, received0 = chief.bytes_sent, chief.bytes_received
+    gradients = [torch.ones_like(v) for v in _initial_values()]
+    payload = sum(g.numel() * g.element_size() for g in gradients)
+    _push(chief, gradients, want_values=True)  # the reply carries the new values
+    sent, received = chief.bytes_sent - sent0, chief.bytes_received - received0
+    assert payload < sent < payload + 1024, (payload, sent)
+    assert payload < received < payload + 1024, (payload, received)
+    _push(chief, gradients, want_values=False)
+    assert chief.bytes_received - received0 - received < 1024  # no values this time

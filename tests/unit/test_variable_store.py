@@ -176,3 +176,27 @@ def test_failed_rule_build_leaves_the_store_uncreated(layout: FusedLayout) -> No
     assert not store.initialized
     store.create(layout, SGD(lr=1.0), _initial())
     assert store.initialized
+
+
+def test_a_store_without_variables_updates_checkpoints_and_restores() -> None:
+    """A shard whose part of the model is only embedding-table rows holds no variable: torch
+    refuses an optimizer over no parameters, the store does not."""
+    from tensorfleet.ps.shard_checkpoint import decode_shard, encode_shard
+    from tensorfleet.ps.update_rules import UpdateRule
+
+    store = VariableStore()
+    layout = FusedLayout.of([])
+    store.create(layout, UpdateRule("adagrad", {"lr": 0.1}), [])
+    assert store.initialized and layout.groups == ()
+    store.apply([])
+    assert store.version == 1 and store.snapshot() == []
+    values, ema, optimizer = store.checkpoint_parts()
+    assert values == {} and ema is None and optimizer == {}
+    document = encode_shard(
+        shard=2, global_step=7, version=1, rule={"name": "adagrad"}, layout=layout,
+        values=values, ema=ema, optimizer=optimizer, worker_data={},
+    )  # fmt: skip
+    state = decode_shard(document)
+    assert state.variables == [] and state.values == {} and state.global_step == 7
+    store.restore(state.values, state.ema, state.optimizer, state.version)
+    assert store.version == 1

@@ -84,6 +84,14 @@ class RowStore:
     def apply(self, gradient: SparseRows) -> None:
         """One update of the table with this shard's rows of a step's gradient (an empty
         ``gradient`` still counts as a step: see :mod:`tensorfleet.ps.sparse_update_rules`)."""
+        self.check(gradient)
+        positions = self._positions(gradient.indices, create=True)
+        self.step += 1
+        self.rule.apply(self._values, self._slots, positions, gradient.values, self.step)
+
+    def check(self, gradient: SparseRows) -> None:
+        """Refuse (SparseGradientError) a gradient that does not fit this shard's part of
+        the table: its shape, dtype, ids (in range, unique, of this shard), finite values."""
         check_sparse_rows(
             self.table.name,
             gradient,
@@ -91,9 +99,7 @@ class RowStore:
             dim=self.table.dim,
             dtype=self.table.torch_dtype,
         )
-        positions = self._positions(self._check_ids(gradient.indices), create=True)
-        self.step += 1
-        self.rule.apply(self._values, self._slots, positions, gradient.values, self.step)
+        self._check_ids(gradient.indices)
 
     # -- checkpoints -------------------------------------------------------------------------
 

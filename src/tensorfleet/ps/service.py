@@ -360,6 +360,7 @@ class ParameterService:
                 raise
         # Only now: a create that is refused (a rule torch rejects) changes nothing.
         self.aggregator, self.gate = aggregator, gate
+        self.tables.follow(sync=aggregator is not None, gated=gate is not None)
         self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
         if checkpoint is not None:
@@ -440,6 +441,7 @@ class ParameterService:
                 if self.gate.may_apply(task):
                     del self._held[index]
                     self.gate.record(task)
+                    self.tables.released(task)
                     self._apply_async(request, gradients)
                     released = True
                     break
@@ -475,6 +477,7 @@ class ParameterService:
         if self.discipline.clip_norm is not None:
             _clip_by_global_norm(mean, self.discipline.clip_norm)
         self.store.apply(mean)
+        self.tables.step_made(made, [c.task for c in contributions])
         self.stats["pushes"] += len(contributions)
         self.global_step = aggregator.step
         for contribution in contributions:
@@ -732,6 +735,8 @@ def refusal_code(exc: Exception) -> str:
 def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None:
     """Scale ``gradients`` in place so that their joint L2 norm is at most ``max_norm``
     (``torch.nn.utils.clip_grad_norm_``'s rule)."""
+    if not gradients:  # a shard without variables (only table rows)
+        return
     total = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g.float()) for g in gradients])
     )
@@ -741,8 +746,9 @@ def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None
 
 
 def _layout_from(variables: object) -> FusedLayout:
-    if not isinstance(variables, list) or not 0 < len(variables) <= MAX_VARIABLES_PER_SHARD:
-        raise ProtocolError(f"'variables' must be a list of 1..{MAX_VARIABLES_PER_SHARD} variables")
+    # 0: a shard whose part of the model is only embedding-table rows holds no dense variable.
+    if not isinstance(variables, list) or not 0 <= len(variables) <= MAX_VARIABLES_PER_SHARD:
+        raise ProtocolError(f"'variables' must be a list of 0..{MAX_VARIABLES_PER_SHARD} variables")
     return FusedLayout.of([StoredVariable.from_wire(v) for v in variables])
 
 

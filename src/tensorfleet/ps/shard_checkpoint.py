@@ -187,8 +187,10 @@ def decode_shard(document: bytes | memoryview) -> ShardState:
     except Exception as exc:  # safetensors raises its own error types for bad documents
         raise ProtocolError(f"the shard document's tensors cannot be read: {exc}") from None
     variables = metadata.get("variables")
-    if not isinstance(variables, list) or not variables:
-        raise ProtocolError("the shard document lists no variables")
+    if not isinstance(variables, list):  # empty: a shard holding only table rows
+        raise ProtocolError(
+            f"the shard document's 'variables' must be a list, got {variables!r:.80}"
+        )
     parsed = [StoredVariable.from_wire(v) for v in variables]
     layout = FusedLayout.of(parsed)  # also refuses duplicate names
     for key in ("shard", "global_step", "version"):

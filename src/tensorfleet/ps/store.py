@@ -51,7 +51,7 @@ class VariableStore:
             [flat[offset : offset + var.numel].view(var.shape) for var, offset in group.members]
             for flat, group in zip(flats, layout.groups, strict=True)
         ]
-        self._optimizer = rule.build([v for group_views in views for v in group_views])
+        self._optimizer = _build(rule, [v for group_views in views for v in group_views])
         self.layout, self.rule, self._flats, self._views = layout, rule, flats, views
 
     def keep_moving_average(self, decay: float) -> None:
@@ -131,7 +131,7 @@ class VariableStore:
         if self._optimizer is None:
             raise UsageError("variables not created yet")
         check_optimizer_state(self.rule, self._ordered_variables(), self._params(), optimizer)
-        fresh = self.rule.build(self._params())
+        fresh = _build(self.rule, self._params())
         by_name = dict(
             zip(
                 (v.name for v in self._ordered_variables()), range(len(self._params())), strict=True
@@ -183,6 +183,31 @@ class VariableStore:
         self.version += 1
 
 
+class _NoVariables(torch.optim.Optimizer):
+    """The optimizer of a shard that holds no dense variable (its part of the model is only
+    embedding-table rows): torch refuses an empty parameter list; there is nothing to step."""
+
+    def __init__(self) -> None:
+        self.state: dict = {}
+        self.param_groups: list = []
+        self.defaults: dict = {}
+
+    def step(self, closure: object = None) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("state"):
+            raise ValueError("a shard without variables has no optimizer state to load")
+
+
+def _build(rule: UpdateRule, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``rule``'s optimizer over ``params``; for none, :class:`_NoVariables`."""
+    return rule.build(params) if params else _NoVariables()
+
+
 def _check_applicable(rule: UpdateRule, dtypes: list[torch.dtype]) -> None:
     """ValueError unless ``rule`` can update variables of these dtypes.
 
@@ -195,6 +220,8 @@ def _check_applicable(rule: UpdateRule, dtypes: list[torch.dtype]) -> None:
     failing (and the first one ending the service loop). Two elements, not one: torch fills a
     one-element tensor without the overflow check."""
     params = [torch.zeros(2, dtype=dtype) for dtype in dtypes]
+    if not params:  # a shard without variables: nothing to update
+        return
     try:
         optimizer = rule.build(params)
         for _ in range(2):  # the second step reaches the momentum terms
@@ -215,7 +242,7 @@ def reference_optimizer_state(
     """The optimizer state ``rule`` keeps for each of ``params`` after a step: its keys and
     shapes (values of a zero step on zero tensors, not of the real parameters)."""
     reference_params = [torch.zeros_like(p) for p in params]
-    reference = rule.build(reference_params)
+    reference = _build(rule, reference_params)
     for p in reference_params:
         p.grad = torch.zeros_like(p)
     reference.step()

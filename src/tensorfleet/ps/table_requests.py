@@ -6,8 +6,14 @@
                    refused over the shard's ``max_memory``, naming the table and the fix)
 ``pull_rows``      table name + int64 row ids (one buffer) -> the rows (one buffer)
 ``push_rows``      table name + a :class:`~tensorfleet.ps.sparse_rows.SparseRows` (two
-                   buffers) -> applied at once with the table's row-sparse rule
+                   buffers) -> applied at once with the table's row-sparse rule (async);
+                   in sync training (with the ``step`` of the rows) and with
+                   ``max_staleness``, checked and held (:mod:`tensorfleet.ps.held_row_gradients`)
 =================  =====================================================================
+
+The service says which discipline it follows (:meth:`TableRequests.follow`) and tells it when
+a sync step is made (:meth:`TableRequests.step_made`) and when the staleness gate releases a
+worker's push (:meth:`TableRequests.released`).
 
 Everything is checked before anything changes (a bad id or gradient leaves the table as it
 was and the ps up). The tables live in their own module so that the service only dispatches
@@ -21,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
+from tensorfleet.ps.held_row_gradients import HeldRowGradients
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
@@ -38,6 +45,25 @@ class TableRequests:
         self.shard = shard
         self.max_memory = max_memory
         self.tables: ShardTables | None = None
+        self.held: HeldRowGradients | None = None
+        """Row gradients held for the sync step or the staleness gate (None: async)."""
+
+    def follow(self, *, sync: bool, gated: bool) -> None:
+        """Hold row gradients for the sync step (``sync``) or the staleness gate (``gated``);
+        neither: apply them as they arrive."""
+        self.held = (
+            HeldRowGradients(self._tables, sync=sync, gated=gated) if sync or gated else None
+        )
+
+    def step_made(self, step: int, tasks: list[str]) -> None:
+        """Sync step ``step`` was made with the gradients of ``tasks`` (worker order)."""
+        if self.held is not None and self.held.sync:
+            self.held.step_made(step, tasks)
+
+    def released(self, task: str) -> None:
+        """The staleness gate applied a push of ``task``."""
+        if self.held is not None and self.held.gated:
+            self.held.released(task)
 
     def handlers(self) -> dict[str, Callable[[Request], None]]:
         """The requests this module answers, by operation name."""
@@ -91,8 +117,16 @@ class TableRequests:
     def _push_rows(self, request: Request) -> None:
         name = self._name(request)
         gradient = SparseRows.from_wire(request.body.get("gradient"), request.buffers)
-        self._tables().apply(name, gradient)
-        self.socket.reply(request, {"applied": gradient.num_rows})
+        if self.held is None:
+            self._tables().apply(name, gradient)
+            self.socket.reply(request, {"applied": gradient.num_rows})
+            return
+        task = request.body.get("task")
+        if not isinstance(task, str) or not task:
+            raise ProtocolError(f"push_rows needs the pushing worker's task name, got {task!r}")
+        self._tables().store(name).check(gradient)
+        self.held.hold(task, name, gradient, request.body.get("step"))
+        self.socket.reply(request, {"held": gradient.num_rows})
 
     def _tables(self) -> ShardTables:
         if self.tables is None:

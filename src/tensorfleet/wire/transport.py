@@ -432,6 +432,10 @@ class Channel:
         self.server_session: bytes | None = None
         self.dropped: Counter[str] = Counter()
         """Replies dropped, by reason (late replies to abandoned requests, bad messages)."""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        """Bytes of the requests sent and the valid replies received: each message's envelope,
+        header and tags plus its payload, whether in frames or in shared memory."""
 
     def send(
         self,
@@ -452,6 +456,7 @@ class Channel:
             "body": body,
         }
         buffers, in_frames = list(buffers or []), True
+        payload_bytes = sum(memoryview(b).nbytes for b in buffers)
         if self._segments is not None and self.server_session is not None:
             extra, placed = self._segments.headers(request_id, buffers, self._pending)
             header.update(extra)
@@ -465,6 +470,7 @@ class Channel:
                 f"cannot queue '{op}' for {self.peer_name} at {self.address} within "
                 f"{SEND_TIMEOUT_MS / 1000:.0f} s: its send queue is full (unreachable for long?)"
             ) from None
+        self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
         self._pending[request_id] = op
         self._count_disconnects()
         self._sent_at_disconnects[request_id] = self._disconnects
@@ -577,6 +583,9 @@ class Channel:
         except (AuthenticationError, ProtocolError):
             self.dropped["invalid"] += 1
             return
+        self.bytes_received += sum(memoryview(f).nbytes for f in frames[:3]) + sum(
+            memoryview(b).nbytes for b in msg.buffers
+        )
         header = msg.header
         self._note_reply_placement(header)
         re, to = header.get("re"), header.get("to")

@@ -434,6 +434,12 @@ class ParameterClient:
         )
         return self._bound().assemble([reply.buffers for reply in replies])
 
+    def wire_bytes(self) -> tuple[int, int]:
+        """Bytes this client sent to and received from its shards so far (requests and
+        replies, payloads included: :attr:`Channel.bytes_sent`), heartbeats excluded."""
+        channels = self._shards.channels
+        return sum(c.bytes_sent for c in channels), sum(c.bytes_received for c in channels)
+
     def stats(self) -> list[dict]:
         """Each shard's counters (pushes, rejected messages, ...)."""
         replies = self._recovering(lambda: self._shards.call("stats", {}, self.timeouts.connect_s))

@@ -40,6 +40,9 @@ class PsRowSource:
         self.task_name = task_name
         self.timeout_s = timeout_s
         self._dtypes: dict[str, torch.dtype] = {}
+        self.sync_step: int | None = None
+        """In sync training, the step the next pushed rows belong to (the shards hold them
+        for that step's mean); None: async."""
         self.bytes_sent = 0
         """Bytes of ids and rows this source sent (pushes) and received (pulls): the
         benchmarks' measure of the wire."""
@@ -73,7 +76,8 @@ class PsRowSource:
 
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
         wired = [part.to_wire() for part in parts]
-        bodies = [{"task": self.task_name, "table": table, "gradient": h} for h, _ in wired]
+        step = {} if self.sync_step is None else {"step": self.sync_step}
+        bodies = [{"task": self.task_name, "table": table, "gradient": h, **step} for h, _ in wired]
         self._call(
             lambda: self._fanout().call(
                 "push_rows", bodies, self.timeout_s, buffers=[b for _, b in wired]

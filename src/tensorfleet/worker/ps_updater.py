@@ -173,7 +173,8 @@ class PsUpdater:
         gradient of their variable: see :func:`densify_sparse_gradients`) and the buffers."""
         densify_sparse_gradients(self._named_params)
         if self.tables is not None:
-            self.tables.push()
+            sync = self.discipline is not None and self.discipline.mode == "sync"
+            self.tables.push(sync_step=step if sync else None)
         return self._exchange_buffers(step, self.client.push_pull(step=step, data=data))
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:

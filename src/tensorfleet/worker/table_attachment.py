@@ -5,9 +5,10 @@ attached to the shards, created there, and their row gradients pushed each step.
 :class:`~tensorfleet.worker.embedding_table.EmbeddingTable` modules. A table without a name
 takes its place in the model (``towers.user``). Its row-sparse rule is the session's update
 rule by name (``sgd``, ``adagrad``; or ``tfl.optim.SparseAdam(...)`` given as the table's
-``rule``). Each step the table's touched rows are pushed before the dense gradients and
-applied at once by their shards (in every mode: a table's rows are not aggregated by the
-sync step).
+``rule``). Each step the table's touched rows are pushed before the dense gradients: applied
+at once by their shards in async training, held for the step's mean in sync training (the
+push names its step) and until the staleness gate releases the dense push with
+``max_staleness`` (:mod:`tensorfleet.ps.held_row_gradients`).
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ class TableAttachment:
             for table in self.tables
         }
 
-    def push(self) -> None:
-        """Push every table's row gradient of this step."""
+    def push(self, sync_step: int | None = None) -> None:
+        """Push every table's row gradient of this step (``sync_step``: the sync step it
+        belongs to; None in async training)."""
+        self.source.sync_step = sync_step
         for table in self.tables:
             table.push_gradient()
 

@@ -1,11 +1,15 @@
 """A worker for the sparse-gradient test: a model with ``nn.Embedding(sparse=True)`` and
 ``nn.EmbeddingBag(sparse=True)`` learns labels that are a known function of the ids.
 
-    sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--checkpoint-dir D]
+    sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--table-only]
+                               [--checkpoint-dir D]
 
 ``--table``: the first lookup is a ``tfl.EmbeddingTable`` whose rows live on the ps shards.
+``--table-only``: the model is that table and a linear head (2 dense variables), so that on
+3 ps or more some shard holds only table rows.
 
-The chief writes OUT (JSON): the loss on all the data before and after training.
+The chief writes OUT (JSON): the loss on all the data before and after training (with
+``--table-only`` also the trained table's rows and the head's parameters).
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from torch import nn
 import tensorfleet as tfl
 
 IDS, DIM, CLASSES, BATCH = 40, 4, 3, 16
+
+
+class TableOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = tfl.EmbeddingTable(IDS, DIM, initializer=tfl.RowInitializer("normal", 1.0))
+        self.out = nn.Linear(DIM, CLASSES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embedding(ids[:, 0]))
 
 
 class Net(nn.Module):
@@ -50,13 +64,14 @@ def main() -> int:
     parser.add_argument("steps", type=int)
     parser.add_argument("--max-staleness", type=int, default=None)
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task(argv=[])
     server = tfl.Server(task.cluster, task.job, task.index)
     torch.manual_seed(3)
-    model = Net(args.table)
+    model = TableOnly() if args.table_only else Net(args.table)
     ids, labels = make_data((args.steps + 16) * task.num_workers * BATCH)
     before = None
     with tfl.TrainingSession(
@@ -74,8 +89,12 @@ def main() -> int:
             sess.pull()
             with torch.no_grad():
                 after = F.cross_entropy(model(ids), labels).item()
+                result = {"before": before, "after": after, "global_step": sess.global_step}
+                if args.table_only:  # the trained model, for a one-process reference
+                    result["table"] = model.embedding(torch.arange(IDS)).tolist()
+                    result["out"] = [p.tolist() for p in model.out.parameters()]
             with open(args.out, "w") as f:
-                json.dump({"before": before, "after": after, "global_step": sess.global_step}, f)
+                json.dump(result, f)
     return 0
 
 

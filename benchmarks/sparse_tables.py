@@ -1,0 +1,282 @@
+"""Embedding tables on the ps: bytes on the wire and time per step, rows vs the whole table.
+
+Every run is a local cluster of 2 ps and 1 worker (``benchmarks/programs/sparse_table_worker.py``:
+an embedding of ``rows`` x 64 and a linear head, SGD, async, batches of ``--batch`` ids drawn
+uniformly, so about that many unique rows per step). Runs:
+
+* ``sparse_1M``: a ``tfl.EmbeddingTable(1M, 64)``: each step pulls the batch's unique rows
+  and pushes their gradient;
+* ``dense_1M``: the same table as a dense ``nn.Embedding(1M, 64)`` parameter, pulled and
+  pushed whole every step (what the table is for avoiding);
+* ``sparse_10M``: a table 10 times larger, the same batches: bytes follow the unique ids,
+  not the table size;
+* ``big`` (``--big-rows``, default 20M x 64 = 5.1 GB of fp32): every row created on the 2 ps
+  before training (``--precreate``, shard after shard), then ``--big-steps`` steps; the
+  worker's and the ps's resident memory are measured.
+
+Bytes are counted by the worker's transport (``ParameterClient.wire_bytes``: every request
+and reply to the shards, headers and payloads), per step over the measured steps. The ps's
+resident memory is sampled from ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``) while it runs.
+The first three runs go in ``--repeats`` interleaved rounds (medians; ratios within a
+round). Shared memory between worker and ps is off (``TENSORFLEET_SHARED_MEMORY=0``): the
+bytes go over TCP as between hosts.
+
+    .venv/bin/python benchmarks/sparse_tables.py [--repeats 3] [--big-rows 20000000]
+
+Writes benchmarks/results/sparse_tables.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "src"))
+
+from results_writer import write_results  # noqa: E402
+
+from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
+from tensorfleet.launch.output import Output  # noqa: E402
+
+WORKER = HERE / "programs" / "sparse_table_worker.py"
+GIB = 2**30
+TRAINED = "sparse_tables: trained"  # the worker's line after its last step
+
+
+class Capture(Output):
+    """Keeps the last lines of every task, for the error message of a failed run; when the
+    worker says it has trained (:data:`TRAINED`), reads the ps's resident memory at once
+    (``trained_ps_rss_kib``): what the ps hold while serving the trained table."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.cluster: LocalCluster | None = None
+        self.trained_ps_rss_kib: dict[str, int] = {}
+
+    def line(self, task: str, text: str) -> None:
+        self.lines = [*self.lines[-200:], f"[{task}] {text}"]
+        if TRAINED in text and self.cluster is not None:
+            for name, pid in self.cluster.pids.items():
+                if name.startswith("ps"):
+                    self.trained_ps_rss_kib[name] = _status_kib(pid).get("VmRSS", 0)
+
+
+def _status_kib(pid: int) -> dict[str, int]:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+class PsMemory:
+    """Samples the ps processes' VmRSS and VmHWM every ``interval_s`` until stopped:
+    ``peak`` (each ps's highest), ``peak_total_rss_kib`` (the highest sum of the ps's VmRSS
+    at one instant)."""
+
+    def __init__(self, cluster: LocalCluster, interval_s: float = 0.25) -> None:
+        self.cluster, self.interval_s = cluster, interval_s
+        self.peak: dict[str, dict[str, int]] = {}
+        self.peak_total_rss_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PsMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            total = 0
+            for name, pid in self.cluster.pids.items():
+                if not name.startswith("ps"):
+                    continue
+                seen = self.peak.setdefault(name, {"VmRSS": 0, "VmHWM": 0})
+                status = _status_kib(pid)
+                for key, kib in status.items():
+                    seen[key] = max(seen[key], kib)
+                if "VmRSS" in status:
+                    total += status["VmRSS"]
+            self.peak_total_rss_kib = max(self.peak_total_rss_kib, total)
+
+
+def run(name: str, worker_args: list[str], timeout_s: float) -> dict:
+    """One cluster of 2 ps and 1 worker; the worker's report plus the ps memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        command = [sys.executable, str(WORKER), str(out), *worker_args]
+        capture = Capture()
+        cluster = LocalCluster(
+            2,
+            1,
+            command,
+            output=capture,
+            grace_period=30,
+            env={"PYTHONPATH": str(ROOT / "src"), "TENSORFLEET_SHARED_MEMORY": "0"},
+        )
+        capture.cluster = cluster
+        started = time.perf_counter()
+        try:
+            cluster.start()
+            with PsMemory(cluster) as memory:
+                code = cluster.wait(timeout=timeout_s)
+        finally:
+            cluster.stop()
+        if code != 0 or not out.exists():
+            tail = "\n".join(capture.lines[-40:])
+            raise RuntimeError(f"run {name} failed (exit status {code}):\n{tail}")
+        report = json.loads(out.read_text())
+    report["ps_memory_kib"] = memory.peak
+    report["ps_peak_total_rss_kib"] = memory.peak_total_rss_kib
+    report["ps_trained_rss_kib"] = capture.trained_ps_rss_kib
+    report["wall_s"] = time.perf_counter() - started
+    print(name, json.dumps(report), flush=True)
+    return report
+
+
+def _count(rows: int) -> str:
+    """1000000 -> 1M, 100000 -> 100k."""
+    for unit, size in (("M", 10**6), ("k", 10**3)):
+        if rows >= size and rows % size == 0:
+            return f"{rows // size}{unit}"
+    return str(rows)
+
+
+def _gb(kib: float) -> str:
+    return f"{kib * 1024 / 1e9:.2f} GB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="the table of the comparison")
+    parser.add_argument("--batch", type=int, default=1024, help="ids per step")
+    parser.add_argument("--sparse-steps", type=int, default=100)
+    parser.add_argument("--dense-steps", type=int, default=10)
+    parser.add_argument("--big-rows", type=int, default=20_000_000, help="0: no big run")
+    parser.add_argument("--big-steps", type=int, default=300)
+    args = parser.parse_args()
+    common = ["--dim", "64", "--batch", str(args.batch)]
+    sparse, dense = f"sparse_{_count(args.rows)}", f"dense_{_count(args.rows)}"
+    sparse_10x = f"sparse_{_count(10 * args.rows)}"
+    configs = {
+        sparse: ["--kind", "sparse", "--rows", str(args.rows), "--steps", str(args.sparse_steps)],
+        dense: ["--kind", "dense", "--rows", str(args.rows), "--steps", str(args.dense_steps),
+                "--warmup", "2"],
+        sparse_10x: ["--kind", "sparse", "--rows", str(10 * args.rows),
+                     "--steps", str(args.sparse_steps)],
+    }  # fmt: skip
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.repeats):
+        rounds.append({name: run(name, [*extra, *common], 900) for name, extra in configs.items()})
+    big = None
+    if args.big_rows:
+        big = run(
+            "big",
+            ["--kind", "sparse", "--rows", str(args.big_rows), "--steps", str(args.big_steps),
+             "--precreate", *common],
+            3000,
+        )  # fmt: skip
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[name][key] for r in rounds)
+
+    def bytes_of(report: dict) -> float:
+        return report["sent_bytes_per_step"] + report["received_bytes_per_step"]
+
+    def ratio(top: str, bottom: str, of) -> float:
+        return statistics.median(of(r[top]) / of(r[bottom]) for r in rounds)
+
+    rows = {}
+    for name in configs:
+        rows[name] = {
+            "table_rows": rounds[0][name]["rows"],
+            "unique_ids_per_step": median(name, "unique_ids_per_step"),
+            "wire_bytes_per_step": statistics.median(bytes_of(r[name]) for r in rounds),
+            "sent_bytes_per_step": median(name, "sent_bytes_per_step"),
+            "received_bytes_per_step": median(name, "received_bytes_per_step"),
+            "step_ms_median": median(name, "step_ms_median"),
+            "worker_peak_rss_kib": max(r[name]["memory_kib"]["VmHWM"] for r in rounds),
+            "ps_peak_rss_kib": max(r[name]["ps_peak_total_rss_kib"] for r in rounds),
+            "ps_trained_rss_kib": max(sum(r[name]["ps_trained_rss_kib"].values()) for r in rounds),
+            "loss_before_after": [rounds[-1][name]["loss_before"], rounds[-1][name]["loss_after"]],
+        }
+    ratios = {
+        f"{dense}_vs_{sparse}_bytes": ratio(dense, sparse, bytes_of),
+        f"{dense}_vs_{sparse}_step_time": ratio(dense, sparse, lambda r: r["step_ms_median"]),
+        f"{sparse_10x}_vs_{sparse}_bytes": ratio(sparse_10x, sparse, bytes_of),
+        f"{sparse_10x}_vs_{sparse}_step_time": ratio(
+            sparse_10x, sparse, lambda r: r["step_ms_median"]
+        ),
+    }
+    table = [
+        "| run | table | unique ids/step | bytes/step (sent + received) | ms/step median | "
+        "worker peak RSS | 2 ps: peak RSS together | 2 ps: RSS after the last step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        table.append(
+            f"| {name} | {row['table_rows']:,} x 64 | {row['unique_ids_per_step']:.0f} | "
+            f"{row['wire_bytes_per_step'] / 1e6:.3f} MB | {row['step_ms_median']:.1f} | "
+            f"{_gb(row['worker_peak_rss_kib'])} | {_gb(row['ps_peak_rss_kib'])} | "
+            f"{_gb(row['ps_trained_rss_kib'])} |"
+        )
+    if big is not None:
+        big_ps = big["ps_memory_kib"]
+        big["table_bytes"] = args.big_rows * 64 * 4
+        big["ps_peak_rss_kib_each"] = {name: ps["VmHWM"] for name, ps in big_ps.items()}
+        table.append(
+            f"| big (every row created) | {args.big_rows:,} x 64 ({big['table_bytes'] / 1e9:.2f} "
+            f"GB) | {big['unique_ids_per_step']:.0f} | "
+            f"{(big['sent_bytes_per_step'] + big['received_bytes_per_step']) / 1e6:.3f} MB | "
+            f"{big['step_ms_median']:.1f} | {_gb(big['memory_kib']['VmHWM'])} | "
+            f"{_gb(big['ps_peak_total_rss_kib'])} | {_gb(sum(big['ps_trained_rss_kib'].values()))} |"
+        )
+    table += [
+        "",
+        "| ratio (median of same-round ratios) | value |",
+        "|---|---|",
+        *(f"| {k} | {v:.2f}x |" for k, v in ratios.items()),
+    ]
+    result = {
+        "benchmark": "embedding table rows vs the dense table, 2 ps + 1 worker, async SGD",
+        "command": " ".join(["python", "benchmarks/sparse_tables.py", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "repeats": args.repeats,
+        "batch_ids": args.batch,
+        "rows": rows,
+        "ratios": ratios,
+        "big": big,
+        "rounds": rounds,
+    }
+    heading = (
+        f"{result['benchmark']}, batches of {args.batch} uniform ids, dim 64 fp32, shared "
+        f"memory off (TCP), medians of {args.repeats} interleaved rounds, {result['date']}; "
+        "bytes counted by the worker's transport"
+    )
+    write_results("sparse_tables", result, heading, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
