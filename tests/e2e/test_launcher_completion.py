@@ -83,6 +83,17 @@ def supervise(lc: LocalCluster, status: list[int]) -> threading.Thread:
     return thread
 
 
+def start_and_wait_until_ready(
+    lc: LocalCluster, progress: Progress, log: io.StringIO, status: list[int]
+) -> threading.Thread:
+    """Start the cluster and its supervising thread; return once every task printed READY."""
+    lc.start()
+    supervisor = supervise(lc, status)
+    for name in ("ps:0", "worker:0", "worker:1"):
+        assert progress.event(name).wait(30), f"{name} never started:\n{log.getvalue()}"
+    return supervisor
+
+
 def cluster(tmp_path: Path, log: io.StringIO, progress: Progress) -> LocalCluster:
     command = [sys.executable, "-c", PROGRAM, str(tmp_path / "release")]
     output = HookedOutput(log, progress.on_line, progress.on_message)
@@ -93,10 +104,7 @@ def test_a_worker_killed_after_training_is_complete_is_not_restarted(tmp_path: P
     log, progress, status = io.StringIO(), Progress(), []
     lc = cluster(tmp_path, log, progress)
     try:
-        lc.start()
-        supervisor = supervise(lc, status)
-        for name in ("ps:0", "worker:0", "worker:1"):
-            assert progress.event(name).wait(30), f"{name} never started:\n{log.getvalue()}"
+        supervisor = start_and_wait_until_ready(lc, progress, log, status)
         (tmp_path / "release").touch()
         assert progress.completed.wait(30), log.getvalue()
         lc.kill_task("worker:1", signal.SIGKILL)
@@ -120,10 +128,7 @@ def test_a_restarted_worker_still_waiting_when_training_completes_is_stopped(
     log, progress, status = io.StringIO(), Progress(), []
     lc = cluster(tmp_path, log, progress)
     try:
-        lc.start()
-        supervisor = supervise(lc, status)
-        for name in ("ps:0", "worker:0", "worker:1"):
-            assert progress.event(name).wait(30), f"{name} never started:\n{log.getvalue()}"
+        supervisor = start_and_wait_until_ready(lc, progress, log, status)
         lc.kill_task("worker:1", signal.SIGKILL)
         assert progress.restarted.wait(30), log.getvalue()
         second_run = progress.event("worker:1#2")

@@ -14,23 +14,10 @@ from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tests.unit.test_sparse_update_rules import RULES as SPARSE_RULES
 
 ROWS, DIM = 30, 5
-RULES = [
-    ("sgd", {"lr": 0.3}, lambda p: torch.optim.SGD([p], lr=0.3)),
-    (
-        "adagrad",
-        {"lr": 0.2, "lr_decay": 0.01, "initial_accumulator_value": 0.1, "eps": 1e-10},
-        lambda p: torch.optim.Adagrad(
-            [p], lr=0.2, lr_decay=0.01, initial_accumulator_value=0.1, eps=1e-10
-        ),
-    ),
-    (
-        "sparse_adam",
-        {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-7},
-        lambda p: torch.optim.SparseAdam([p], lr=0.05, betas=(0.8, 0.95), eps=1e-7),
-    ),
-]
+RULES = SPARSE_RULES  # (name, rule settings, the torch optimizer of the same settings)
 
 
 def _tables(name: str = "sgd", hyper: dict | None = None) -> ShardTables:
