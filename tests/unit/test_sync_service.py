@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tensorfleet.errors import RemoteError
-from tensorfleet.ps.service import ServiceConfig, _clip_by_global_norm
+from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.sync_step import _clip_by_global_norm
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__
