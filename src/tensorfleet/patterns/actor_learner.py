@@ -39,6 +39,10 @@ import torch
 
 from tensorfleet.errors import ConfigError, DeadlineExceeded, RemoteError, TensorfleetError
 from tensorfleet.patterns.broadcast import Snapshot, WeightSubscriber
+from tensorfleet.wire.channel import Channel
+
+#: How often the serving thread wakes to admit held pushes once the queue has room.
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import (
     DTYPES,
     as_buffer,
@@ -47,7 +51,6 @@ from tensorfleet.wire.tensors import (
     parse_dtype,
     parse_shape,
 )
-from tensorfleet.wire.transport import Channel, Request, ServiceSocket
 
 #: How often the serving thread wakes to admit held pushes once the queue has room.
 SERVE_TICK_S = 0.005

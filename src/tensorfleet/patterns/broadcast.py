@@ -3,7 +3,7 @@ always get the newest one.
 
 :class:`WeightPublisher` keeps the newest snapshot (a copy of the tensors, taken by
 :meth:`~WeightPublisher.publish`, immutable afterwards) and serves it from a thread on the
-project's wire (:class:`~tensorfleet.wire.transport.ServiceSocket`: every message
+project's wire (:class:`~tensorfleet.wire.service_socket.ServiceSocket`: every message
 authenticated with the secret, msgpack header plus raw tensor buffers, never pickled, no
 disk). :class:`WeightSubscriber` asks for "anything newer than version v"; the publisher
 answers at once when it has something newer, else holds the request until it does (or until
@@ -44,9 +44,12 @@ import zmq
 
 from tensorfleet.errors import ConfigError, DeadlineExceeded, ProtocolError, TensorfleetError
 from tensorfleet.session.hooks import Hook, StepResult
+from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.message import Limits
+
+#: How often the serving thread wakes to answer held requests after a publish.
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer, parse_dtype, parse_shape
-from tensorfleet.wire.transport import Channel, Request, ServiceSocket
 
 #: How often the serving thread wakes to answer held requests after a publish.
 SERVE_TICK_S = 0.005

@@ -79,8 +79,8 @@ from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
 from tensorfleet.wire.message import PROTOCOL_VERSION
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
-from tensorfleet.wire.transport import Request, ServiceSocket
 
 log = logging.getLogger("tensorfleet.ps")
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from tensorfleet.ps.sync_aggregator import SyncAggregator
     from tensorfleet.ps.update_discipline import UpdateDiscipline
     from tensorfleet.ps.worker_roster import WorkerRoster
-    from tensorfleet.wire.transport import Request, ServiceSocket
+    from tensorfleet.wire.service_socket import Request, ServiceSocket
 
 
 class SyncStepHandling:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from tensorfleet.ps.staleness_gate import StalenessGate
     from tensorfleet.ps.sync_aggregator import SyncAggregator
     from tensorfleet.ps.worker_roster import WorkerRoster
-    from tensorfleet.wire.transport import Request, ServiceSocket
+    from tensorfleet.wire.service_socket import Request, ServiceSocket
 
 log = logging.getLogger("tensorfleet.ps")
 
