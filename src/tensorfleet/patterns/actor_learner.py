@@ -40,8 +40,6 @@ import torch
 from tensorfleet.errors import ConfigError, DeadlineExceeded, RemoteError, TensorfleetError
 from tensorfleet.patterns.broadcast import Snapshot, WeightSubscriber
 from tensorfleet.wire.channel import Channel
-
-#: How often the serving thread wakes to admit held pushes once the queue has room.
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import (
     DTYPES,

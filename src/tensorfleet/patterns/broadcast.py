@@ -46,8 +46,6 @@ from tensorfleet.errors import ConfigError, DeadlineExceeded, ProtocolError, Ten
 from tensorfleet.session.hooks import Hook, StepResult
 from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.message import Limits
-
-#: How often the serving thread wakes to answer held requests after a publish.
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer, parse_dtype, parse_shape
 
