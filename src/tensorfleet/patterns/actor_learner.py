@@ -37,7 +37,12 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import ConfigError, DeadlineExceeded, RemoteError, TensorfleetError
+from tensorfleet.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    RequestRefused,
+    TensorfleetError,
+)
 from tensorfleet.patterns.broadcast import Snapshot, WeightSubscriber
 from tensorfleet.patterns.serve_thread import ServeThread
 from tensorfleet.wire.channel import Channel
@@ -253,7 +258,7 @@ class SampleQueueServer(ServeThread):
             }
         except TensorfleetError as exc:  # SampleRejected, and ProtocolError from the sizes
             self.refused += 1
-            service.fail(request, "RequestRefused", str(exc))
+            service.fail(request, RequestRefused.code, str(exc))
             return
         held.append((request, SampleBatch(tensors, version, actor)))
         if len(held) > 1 or not self._try_admit(service, request, held[-1][1]):
@@ -350,10 +355,8 @@ class ActorClient:
                 raise DeadlineExceeded(f"the learner's queue stayed full for {timeout_s:.0f} s")
             try:
                 reply = self._channel.call("push", body, buffers, timeout_s=wait)
-            except RemoteError as exc:
-                if "RequestRefused" in str(exc):
-                    raise SampleRejected(str(exc)) from None
-                raise
+            except RequestRefused as exc:  # the learner's check (check_batch) refused it
+                raise SampleRejected(str(exc)) from None
             if reply.body.get("accepted"):
                 self.pushed += 1
                 return
