@@ -8,9 +8,9 @@ Rule. Training is over (``finished``) when every worker has said ``done``, or, o
 has declared ``end``, when every worker is done or lost; it is over (``ended``) ``end_grace_s``
 after the chief's ``end`` whoever is still missing (they are named in a warning). A shard that
 has had no valid request for ``idle_timeout_s`` ends with ``idle`` (an error: its cluster is
-gone or speaks with another secret). After ``end`` every reply says ``stop``. A worker's
-``done`` takes it out of the staleness gate (its held push is refused) and may complete the
-sync step it was holding back.
+gone or speaks with another secret). After ``end`` every reply carrying the progress (push,
+pull, heartbeat) says ``stop``. A worker's ``done`` takes it out of the staleness gate (its
+held push is refused) and may complete the sync step it was holding back.
 
 Invariant. The chief's ``wait_done`` is answered exactly once: as soon as no other live
 worker is running, or at its deadline with the workers still running; it never outlives its
