@@ -44,8 +44,8 @@ from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
 from tensorfleet.ps.service import ParameterService, ServiceConfig  # noqa: E402
 from tensorfleet.ps.update_rules import Adam  # noqa: E402
 from tensorfleet.session.checkpoints import CheckpointDirectory  # noqa: E402
+from tensorfleet.wire.service_socket import ServiceSocket  # noqa: E402
 from tensorfleet.wire.tensors import dtype_name  # noqa: E402
-from tensorfleet.wire.transport import ServiceSocket  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
 SECRET = b"recovery-benchmark-secret-0123456789"

@@ -40,7 +40,7 @@ PS_PROGRAM = r"""
 import cProfile, sys, torch
 torch.set_num_threads(1)  # as `tensorfleet server` (--threads 1)
 from tensorfleet.ps.service import ParameterService, ServiceConfig
-from tensorfleet.wire.transport import ServiceSocket
+from tensorfleet.wire.service_socket import ServiceSocket
 address, secret, encrypt, out = sys.argv[1], sys.argv[2].encode(), sys.argv[3] == "1", sys.argv[4]
 socket = ServiceSocket(address, secret, encrypt=encrypt)
 service = ParameterService(socket, ServiceConfig(0, ("worker:0",)))

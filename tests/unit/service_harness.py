@@ -21,8 +21,9 @@ import zmq
 
 from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, from_buffer
-from tensorfleet.wire.transport import Channel, ServiceSocket
 
 TIMEOUT_S = 5.0
 """How long a service may take to stop (it takes milliseconds once woken)."""

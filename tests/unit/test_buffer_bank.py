@@ -8,8 +8,8 @@ import torch
 
 from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.ps.buffer_bank import BufferBank, describe
+from tensorfleet.wire.service_socket import Request
 from tensorfleet.wire.tensors import as_buffer, from_buffer
-from tensorfleet.wire.transport import Request
 
 
 class RecordingSocket:

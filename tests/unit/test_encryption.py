@@ -15,7 +15,7 @@ from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.service import ParameterService, ServiceConfig
 from tensorfleet.ps.update_rules import SGD
-from tensorfleet.wire.transport import ServiceSocket
+from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the ps request handler (:meth:`ParameterService.handle`).
 
 The service is driven directly, without sockets: :class:`FakeSocket` implements the part of
-:class:`~tensorfleet.wire.transport.ServiceSocket` the service uses and records every answer.
+:class:`~tensorfleet.wire.service_socket.ServiceSocket` the service uses and records every answer.
 Replies are encoded and signed exactly as the real socket does, so an answer that could not be
 sent fails here too. Request bodies are round-tripped through msgpack, so they are exactly what
 :func:`tensorfleet.wire.message.decode` hands the service.
@@ -39,8 +39,8 @@ from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, MessageSigner
+from tensorfleet.wire.service_socket import Request, failure_header, reply_header
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Request, failure_header, reply_header
 
 EXAMPLES = int(os.environ.get("TENSORFLEET_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(

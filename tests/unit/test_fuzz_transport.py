@@ -34,8 +34,9 @@ from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Channel, ServiceSocket
 
 EXAMPLES = int(os.environ.get("TENSORFLEET_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(

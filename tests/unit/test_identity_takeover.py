@@ -18,7 +18,7 @@ from tensorfleet.errors import IdentityInUse
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
-from tensorfleet.wire.transport import Channel
+from tensorfleet.wire.channel import Channel
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 
 from .service_harness import RunningService, serve_in_thread, stop_services

@@ -13,7 +13,7 @@ from tensorfleet.ps.service import ParameterService, ServiceConfig
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
-from tensorfleet.wire.transport import ServiceSocket
+from tensorfleet.wire.service_socket import ServiceSocket
 
 pytestmark = pytest.mark.timeout(30)
 SECRET = b"message-limits-test-secret-012345"

@@ -8,7 +8,7 @@ import pytest
 
 from tensorfleet.errors import ClusterConfigError
 from tensorfleet.session.server import Server
-from tensorfleet.wire.transport import Channel
+from tensorfleet.wire.channel import Channel
 from tensorfleet.worker.device import torch_device
 
 SECRET = "misconfiguration-test-secret-0123"

@@ -22,8 +22,9 @@ from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.version import __version__
+from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.message import PROTOCOL_VERSION
-from tensorfleet.wire.transport import Channel, ServiceSocket
+from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.timeouts import ClientTimeouts
 

@@ -27,8 +27,9 @@ from tensorfleet.ps.update_rules import SGD, Adagrad, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import QUARANTINE_AFTER_INVALID
 from tensorfleet.wire.tensors import as_buffer, dtype_name
-from tensorfleet.wire.transport import QUARANTINE_AFTER_INVALID, Channel
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 
 from .service_harness import RunningService, assert_values, bits, serve_in_thread, stop_services

@@ -32,8 +32,9 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Channel, ServiceSocket
 
 from .service_harness import RunningService, serve_in_thread, stop_services
 

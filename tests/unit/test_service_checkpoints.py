@@ -27,8 +27,8 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD, Adam, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
+from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Channel, Reply
 
 from .service_harness import RunningService, serve_in_thread, stop_services
 

@@ -20,7 +20,8 @@ from tensorfleet.launch.ports import free_port
 from tensorfleet.wire import message as wire
 from tensorfleet.wire import shared_memory as shm
 from tensorfleet.wire.auth import REQUEST_ROLE, MessageSigner, MessageVerifier
-from tensorfleet.wire.transport import Channel, ServiceSocket
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import ServiceSocket
 
 SECRET = b"shared-memory-unit-test-secret-0001"
 TIMEOUT_S = 10.0
@@ -333,7 +334,7 @@ def test_an_abandoned_request_retires_the_segments(service: EchoService) -> None
 
 CHILD = r"""
 import sys, time
-from tensorfleet.wire.transport import Channel
+from tensorfleet.wire.channel import Channel
 channel = Channel(sys.argv[1], b"shared-memory-unit-test-secret-0001", "ps:0", shared_memory=True)
 channel.call("hello", {}, timeout_s=10)
 reply = channel.call("echo", {}, [b"z" * 300000], timeout_s=10)

@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from tensorfleet.errors import RemoteError
-from tensorfleet.ps.service import ServiceConfig, _clip_by_global_norm
+from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.sync_step import _clip_by_global_norm
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
+from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.wire.tensors import as_buffer
-from tensorfleet.wire.transport import Channel, Reply
 
 from .service_harness import RunningService, assert_values, bits, serve_in_thread, stop_services
 

@@ -37,6 +37,10 @@ Supervision, in the spirit of Horovod's runner:
 Every wait has a deadline. Process exits and interrupts arrive on one queue (a
 ``SimpleQueue``, whose ``put`` is safe in signal handlers) from the backend's threads, so the
 supervising thread sleeps until something happens or a deadline passes.
+
+This module holds the phases and the decisions; starting and signalling the tasks' processes
+is :mod:`tensorfleet.launch.process_groups`'s, restarting a failed task in place
+:mod:`tensorfleet.launch.task_restarts`'s (both mixed into :class:`ClusterSupervisor`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from tensorfleet.errors import DeadlineExceeded, LaunchError
 from tensorfleet.launch.backends.base import Backend
 from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
 from tensorfleet.launch.output import Output, PlainOutput
+from tensorfleet.launch.process_groups import ProcessGroups
 from tensorfleet.launch.restart_policy import (
     DEFAULT_POLICY,
     PREDECESSOR_DEAD_VAR,
@@ -66,6 +71,7 @@ from tensorfleet.launch.restart_policy import (
     signal_name,
 )
 from tensorfleet.launch.task import Task
+from tensorfleet.launch.task_restarts import TaskRestarts
 from tensorfleet.launch.training_completion import retired_after_completion, training_complete
 from tensorfleet.wire.secret import generate_secret
 
@@ -90,7 +96,7 @@ def default_ps_command() -> list[str]:
     return [sys.executable, "-m", "tensorfleet", "server"]
 
 
-class ClusterSupervisor:
+class ClusterSupervisor(ProcessGroups, TaskRestarts):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
     supervise them.
 
@@ -347,35 +353,6 @@ class ClusterSupervisor:
         """
         self._events.put(("signal", int(signum)))
 
-    def kill_task(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the process group of task ``name``'s current process, as if it died
-        on its own: for fault-injection tests and chaos drills.
-
-        The launcher handles the exit like any other failure (a restart when the policy
-        allows one, else a report and the others stopped). Safe to call from any thread: it
-        only sends a signal. Raises :class:`LaunchError` for an unknown task, an unknown
-        signal, or a task that is not running (not started, exited, or waiting for a restart).
-        """
-        task = self.task(name)
-        try:
-            sig_name = signal.Signals(sig).name
-        except ValueError:
-            raise LaunchError(
-                f"cannot send signal {sig!r} to {name}: not a signal number; "
-                "use one of signal.Signals, e.g. signal.SIGKILL"
-            ) from None
-        process = task.process
-        if process is None:
-            raise LaunchError(f"{name} is not running: the cluster was not started; call start()")
-        if task.restart_pending:
-            raise LaunchError(f"{name} is not running: it failed and waits to be restarted")
-        returncode = process.returncode  # set by the backend once the process is reaped
-        if returncode is not None or not task.running:
-            how = "" if returncode is None else f" ({describe_returncode(returncode)})"
-            raise LaunchError(f"{name} is not running: it already ended{how}")
-        if not process.signal_group(sig):
-            raise LaunchError(f"cannot send {sig_name} to {name} (pid {process.pid}): it is gone")
-
     def stop(self) -> int | None:
         """Stop every task still running (SIGTERM, then SIGKILL after ``kill_timeout``), kill
         what is left in every task's process group, and return the run's exit status (None
@@ -409,55 +386,6 @@ class ClusterSupervisor:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-    # ------------------------------------------------------------------ processes
-
-    def _spawn(self, task: Task, restarted: bool = False) -> None:
-        """Start ``task`` through the backend, its lines to ``task.recent`` and the output."""
-        recent = task.recent  # this process's deque: a late line of an old one stays out
-
-        def on_line(text: str) -> None:
-            recent.append(text)
-            self.output.line(task.name, text)
-
-        process = self.backend.spawn(
-            task.name,
-            task.command,
-            self.task_variables(task, restarted),
-            self._cwd,
-            on_line,
-            lambda: self._events.put(("exit", task)),
-        )
-        task.process, task.started_at = process, time.monotonic()
-        self.output.task_started(task.name, process.pid)
-
-    def _signal_running(self, sig: int) -> list[Task]:
-        """Send ``sig`` to the process group of every task still running; return those tasks."""
-        signalled = []
-        for task in self._tasks:
-            if not task.running or task.process is None:
-                continue
-            if task.process.returncode is None:  # not yet reaped
-                task.stop_signal = sig
-                signalled.append(task)
-            task.process.signal_group(sig)
-        return signalled
-
-    def _kill_process_groups(self, quiet: bool) -> None:
-        """SIGKILL whatever is left in each task's process group (children of a task that
-        outlived it), those of its processes before a restart too. Warns about the current
-        groups that still had members unless ``quiet``."""
-        for task in self._tasks:
-            for process in task.previous:  # already killed at the restart; this is a sweep
-                process.signal_group(signal.SIGKILL)
-            if task.process is None:
-                continue
-            if not quiet and task.process.signal_group(0):
-                self.output.message(
-                    f"{task.name} left processes behind in its process group; killing them",
-                    "warning",
-                )
-            task.process.signal_group(signal.SIGKILL)
 
     # ------------------------------------------------------------------ supervision
 
@@ -581,93 +509,6 @@ class ClusterSupervisor:
         """Tasks are restarted only while the run is running: not once every worker is done
         (draining), a task failed for good, or the run is being stopped or interrupted."""
         return self._phase == _RUNNING and self._interrupt is None and self._failure is None
-
-    def _restart_delay(self, task: Task) -> float | None:
-        """The back-off before ``task``, which just failed on its own, is restarted; None when
-        it is reported instead (restarts not allowed now, or the policy says no)."""
-        if not self._restarts_allowed():
-            return None
-        assert task.returncode is not None
-        decision = self.restart_policy.decide(
-            task.returncode, task.restart_history, time.monotonic()
-        )
-        return decision.delay_s if decision.restart else None
-
-    def _schedule_restart(self, task: Task, delay: float) -> None:
-        """Announce the failure of ``task``, kill what its process group left behind (it
-        could hold the task's port or files), and set the restart's deadline: the supervising
-        loop wakes up for it like for a phase deadline."""
-        assert task.process is not None and task.returncode is not None
-        if task.process.signal_group(0):
-            self.output.message(
-                f"{task.name} left processes behind in its process group; killing them "
-                "before restarting it",
-                "warning",
-            )
-        task.process.signal_group(signal.SIGKILL)
-        decision = self.restart_policy.decide(
-            task.returncode, task.restart_history, time.monotonic()
-        )
-        task.restart_at, task.pending_restart = time.monotonic() + delay, decision
-        ran = (task.ended_at or task.started_at) - task.started_at
-        lines = list(task.recent)
-        last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
-        self.output.message(
-            f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
-            f"(restart {decision.used + 1} of {decision.limit}) in {delay:g} s "
-            f"(pid {task.pid} ran {ran:.1f} s).{last}",
-            "warning",
-        )
-
-    def _on_restarts_due(self, now: float) -> None:
-        """Restart the tasks whose back-off has passed, or, once the run is no longer
-        running (draining, failing, stopping, interrupted), cancel every pending restart:
-        such a task then counts as failed."""
-        pending = [t for t in self._tasks if t.restart_at is not None]
-        if not pending:
-            return
-        for task in pending:
-            if not self._restarts_allowed():
-                why = "interrupted" if self._interrupt is not None else self._phase
-                task.restart_at = task.pending_restart = None
-                self.output.message(f"not restarting {task.name}: the run is {why}", "warning")
-                self._on_failure(task)
-            elif task.restart_at is not None and now >= task.restart_at:
-                task.restart_at = None
-                self._restart(task)  # on failure to start, restarts are no longer allowed
-
-    def _restart(self, task: Task) -> None:
-        """Start ``task`` again with the same command and environment (its identity), telling
-        it that its predecessor is dead."""
-        assert task.process is not None and task.returncode is not None
-        old_process, old_recent = task.process, task.recent
-        decision, task.pending_restart = task.pending_restart, None
-        assert decision is not None
-        # The new process's lines; a failure report must not show the old process's lines
-        # as if the new one printed them (the log keeps them all).
-        task.recent = deque(maxlen=old_recent.maxlen)
-        try:
-            self._spawn(task, restarted=True)
-        except OSError as exc:
-            task.recent = old_recent
-            self.output.message(
-                f"cannot restart {task.name} with command {task.command!r}: {exc}", "error"
-            )
-            self._on_failure(task)
-            return
-        task.previous.append(old_process)
-        task.restarts += 1
-        task.restart_history.append((time.monotonic(), decision.kind))
-        task.returncode = task.stop_signal = task.ended_at = None
-        where = (
-            ""
-            if task.process is None or task.process.host == "local"
-            else f" on {task.process.host}"
-        )
-        self.output.message(
-            f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
-            f"{task.pid}{where}"
-        )
 
     def _on_interrupt(self, signum: int) -> None:
         name = signal_name(signum)

@@ -37,8 +37,16 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import ConfigError, DeadlineExceeded, RemoteError, TensorfleetError
+from tensorfleet.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    RequestRefused,
+    TensorfleetError,
+)
 from tensorfleet.patterns.broadcast import Snapshot, WeightSubscriber
+from tensorfleet.patterns.serve_thread import ServeThread
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import (
     DTYPES,
     as_buffer,
@@ -47,7 +55,6 @@ from tensorfleet.wire.tensors import (
     parse_dtype,
     parse_shape,
 )
-from tensorfleet.wire.transport import Channel, Request, ServiceSocket
 
 #: How often the serving thread wakes to admit held pushes once the queue has room.
 SERVE_TICK_S = 0.005
@@ -129,7 +136,7 @@ def check_batch(
     return rows
 
 
-class SampleQueueServer:
+class SampleQueueServer(ServeThread):
     """The learner's side: a bounded queue of validated batches, served at ``address``.
 
     ``weights_address`` is told to actors in the hello (where the learner's
@@ -151,13 +158,8 @@ class SampleQueueServer:
         self.spec = dict(spec)
         self.capacity = capacity
         self._weights_address = weights_address
-        self._secret = secret
-        self._encrypt = encrypt
         self._queue: deque[SampleBatch] = deque()
         self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
         self.accepted = 0
         self.refused = 0
         self.dropped_stale = 0
@@ -167,12 +169,16 @@ class SampleQueueServer:
         self.accepted_by: Counter[str] = Counter()
         """Batches accepted, by actor name."""
         self.rejected: dict[str, int] = {}
-        self._thread = threading.Thread(target=self._serve, name="sample-queue", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise DeadlineExceeded(f"the sample queue at {address} did not start within 30 s")
-        if self._failure is not None:
-            raise self._failure
+        self._held: deque[tuple[Request, SampleBatch]] = deque()
+        """Pushes waiting for room, oldest first (of the serving thread only)."""
+        self._start_serving(
+            address,
+            secret,
+            encrypt=encrypt,
+            name="sample-queue",
+            what="the sample queue",
+            tick_s=SERVE_TICK_S,
+        )
 
     def __enter__(self) -> SampleQueueServer:
         return self
@@ -205,38 +211,18 @@ class SampleQueueServer:
                     )
                 self._cond.wait(remaining)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
     # --- the serving thread ----------------------------------------------------------------
 
-    def _serve(self) -> None:
-        try:
-            service = ServiceSocket(self.address, self._secret, encrypt=self._encrypt)
-        except BaseException as exc:
-            self._failure = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        held: deque[tuple[Request, SampleBatch]] = deque()
-        try:
-            while not self._stop.is_set():
-                if service.poll(SERVE_TICK_S):
-                    while True:
-                        request = service.receive()
-                        if request is not None:
-                            self._handle(service, request, held)
-                        if not service.poll(0):
-                            break
-                self._admit_held(service, held)
-                self.rejected = dict(service.rejected)
-        except BaseException as exc:  # a bug of ours: get() reports it
-            self._failure = exc
-            with self._cond:
-                self._cond.notify_all()
-        finally:
-            service.close()
+    def _handle_request(self, service: ServiceSocket, request: Request) -> None:
+        self._handle(service, request, self._held)
+
+    def _after_tick(self, service: ServiceSocket) -> None:
+        self._admit_held(service, self._held)
+        self.rejected = dict(service.rejected)
+
+    def _on_failure(self) -> None:
+        with self._cond:  # get() reports it
+            self._cond.notify_all()
 
     def _handle(
         self, service: ServiceSocket, request: Request, held: deque[tuple[Request, SampleBatch]]
@@ -272,7 +258,7 @@ class SampleQueueServer:
             }
         except TensorfleetError as exc:  # SampleRejected, and ProtocolError from the sizes
             self.refused += 1
-            service.fail(request, "RequestRefused", str(exc))
+            service.fail(request, RequestRefused.code, str(exc))
             return
         held.append((request, SampleBatch(tensors, version, actor)))
         if len(held) > 1 or not self._try_admit(service, request, held[-1][1]):
@@ -369,10 +355,8 @@ class ActorClient:
                 raise DeadlineExceeded(f"the learner's queue stayed full for {timeout_s:.0f} s")
             try:
                 reply = self._channel.call("push", body, buffers, timeout_s=wait)
-            except RemoteError as exc:
-                if "RequestRefused" in str(exc):
-                    raise SampleRejected(str(exc)) from None
-                raise
+            except RequestRefused as exc:  # the learner's check (check_batch) refused it
+                raise SampleRejected(str(exc)) from None
             if reply.body.get("accepted"):
                 self.pushed += 1
                 return

@@ -3,7 +3,7 @@ always get the newest one.
 
 :class:`WeightPublisher` keeps the newest snapshot (a copy of the tensors, taken by
 :meth:`~WeightPublisher.publish`, immutable afterwards) and serves it from a thread on the
-project's wire (:class:`~tensorfleet.wire.transport.ServiceSocket`: every message
+project's wire (:class:`~tensorfleet.wire.service_socket.ServiceSocket`: every message
 authenticated with the secret, msgpack header plus raw tensor buffers, never pickled, no
 disk). :class:`WeightSubscriber` asks for "anything newer than version v"; the publisher
 answers at once when it has something newer, else holds the request until it does (or until
@@ -43,10 +43,12 @@ import torch
 import zmq
 
 from tensorfleet.errors import ConfigError, DeadlineExceeded, ProtocolError, TensorfleetError
+from tensorfleet.patterns.serve_thread import ServeThread
 from tensorfleet.session.hooks import Hook, StepResult
+from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.message import Limits
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer, parse_dtype, parse_shape
-from tensorfleet.wire.transport import Channel, Request, ServiceSocket
 
 #: How often the serving thread wakes to answer held requests after a publish.
 SERVE_TICK_S = 0.005
@@ -78,19 +80,14 @@ def free_address(host: str = "127.0.0.1") -> str:
         return f"{host}:{sock.getsockname()[1]}"
 
 
-class WeightPublisher:
+class WeightPublisher(ServeThread):
     """Serves the newest published snapshot at ``address`` (``host:port``) to subscribers
     holding ``secret``. Use as a context manager or call :meth:`close`."""
 
     def __init__(self, address: str, secret: bytes, *, encrypt: bool = False) -> None:
         self.address = address
-        self._secret = secret
-        self._encrypt = encrypt
         self._lock = threading.Lock()
         self._latest: tuple[Snapshot, dict[str, Any], list[memoryview]] | None = None
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
         self.published = 0
         self.replies_sent = 0
         self.replies_deferred = 0
@@ -99,12 +96,17 @@ class WeightPublisher:
         """Messages the wire dropped, by reason (``auth``: a peer without the secret)."""
         self.waiting = 0
         """Subscribers whose request is held until a newer version is published."""
-        self._thread = threading.Thread(target=self._serve, name="weight-publisher", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise DeadlineExceeded(f"the weight publisher at {address} did not start within 30 s")
-        if self._failure is not None:
-            raise self._failure
+        self._held: dict[bytes, _Held] = {}
+        self._trackers: dict[bytes, zmq.MessageTracker] = {}
+        """Both of the serving thread only."""
+        self._start_serving(
+            address,
+            secret,
+            encrypt=encrypt,
+            name="weight-publisher",
+            what="the weight publisher",
+            tick_s=SERVE_TICK_S,
+        )
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -150,39 +152,15 @@ class WeightPublisher:
         """Publish ``model``'s parameters and buffers (its state_dict)."""
         return self.publish(model.state_dict(), meta)
 
-    def close(self) -> None:
-        """Stop serving (subscribers' waits end with an error on their side)."""
-        self._stop.set()
-        self._thread.join(timeout=10)
-
     # --- the serving thread ----------------------------------------------------------------
 
-    def _serve(self) -> None:
-        try:
-            service = ServiceSocket(self.address, self._secret, encrypt=self._encrypt)
-        except BaseException as exc:  # cannot bind: reported to the constructor
-            self._failure = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        held: dict[bytes, _Held] = {}
-        trackers: dict[bytes, zmq.MessageTracker] = {}
-        try:
-            while not self._stop.is_set():
-                if service.poll(SERVE_TICK_S):
-                    while True:
-                        request = service.receive()
-                        if request is not None:
-                            self._handle(service, request, held)
-                        if not service.poll(0):
-                            break
-                self._answer_held(service, held, trackers)
-                self.rejected = dict(service.rejected)
-                self.waiting = len(held)
-        except BaseException as exc:  # a bug of ours: recorded, publish() reports it
-            self._failure = exc
-        finally:
-            service.close()
+    def _handle_request(self, service: ServiceSocket, request: Request) -> None:
+        self._handle(service, request, self._held)
+
+    def _after_tick(self, service: ServiceSocket) -> None:
+        self._answer_held(service, self._held, self._trackers)
+        self.rejected = dict(service.rejected)
+        self.waiting = len(self._held)
 
     def _handle(self, service: ServiceSocket, request: Request, held: dict[bytes, _Held]) -> None:
         if request.op == "hello":

@@ -36,8 +36,8 @@ import torch
 
 from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.ps.buffer_policies import BufferPolicy, combine, resolve_policies
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer, parse_dtype, parse_shape
-from tensorfleet.wire.transport import Request, ServiceSocket
 
 MAX_BUFFERS_PER_SHARD = 100_000
 _STEPS_KEPT = 8

@@ -35,7 +35,7 @@ import time
 from tensorfleet.errors import NotInitialized, ProtocolError, RemoteProtocolError, RequestRefused
 from tensorfleet.ps.model_namespace import DEFAULT_MODEL, ModelClaim, check_model_name, label
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
-from tensorfleet.wire.transport import Request, ServiceSocket
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 
 log = logging.getLogger("tensorfleet.ps")
 

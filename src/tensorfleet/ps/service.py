@@ -24,6 +24,12 @@ is lost after the chief's ``end``), or ``end_grace_s`` after the chief said ``en
 no worker has been heard from for ``idle_timeout_s`` (so a ps never outlives its cluster by
 more than that).
 
+The service keeps the dispatch and the operations answered at once; two roles live in
+modules of their own, mixed into :class:`ParameterService`: the pushes answered later (the
+sync step, pushes held by the staleness gate) in :mod:`tensorfleet.ps.sync_step`, and the end
+of training (``done``, ``end``, ``wait_done``, when the loop ends) in
+:mod:`tensorfleet.ps.training_end`. Each states its rule and invariant.
+
 Which workers are alive, lost or done, and which process holds each task's identity, is
 the :class:`~tensorfleet.ps.worker_roster.WorkerRoster`'s (its docstring states the rules);
 the service acts on what it reports: a lost worker no longer holds back the staleness gate,
@@ -44,8 +50,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -54,100 +58,36 @@ from tensorfleet.errors import (
     IdentityInUse,
     NotInitialized,
     ProtocolError,
-    RemoteDeadlineExceeded,
     RemoteError,
     RemoteProtocolError,
     RequestRefused,
-    WorkerLost,
 )
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.buffer_bank import BufferBank
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
-from tensorfleet.ps.service_settings import ServiceSettings
+from tensorfleet.ps.service_settings import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
 from tensorfleet.ps.snapshot_pool import SnapshotPool
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
-from tensorfleet.ps.sync_aggregator import Contribution, SyncAggregator
+from tensorfleet.ps.sync_aggregator import SyncAggregator
+from tensorfleet.ps.sync_step import SyncStepHandling
 from tensorfleet.ps.table_requests import TableRequests
+from tensorfleet.ps.training_end import ServiceOutcome, TrainingEndHandling
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
-from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
+from tensorfleet.wire.message import PROTOCOL_VERSION
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
-from tensorfleet.wire.transport import Request, ServiceSocket
 
 log = logging.getLogger("tensorfleet.ps")
 
 MAX_VARIABLES_PER_SHARD = 100_000
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Everything one parameter-server shard is started with: which shard it is, the cluster's
-    workers, and its :class:`ServiceSettings` (whose defaults and checks these fields take)."""
-
-    shard_index: int
-    """This shard's index in the ps job."""
-    worker_tasks: tuple[str, ...]
-    """Names of the worker tasks (``worker:0`` ...) that must say ``done`` before the ps ends."""
-    idle_timeout_s: float = ServiceSettings.idle_timeout_s
-    """End (with an error) when no valid request arrived for this long."""
-    end_grace_s: float = ServiceSettings.end_grace_s
-    """After the chief's ``end``, how long to wait for the other workers' ``done``."""
-    liveness_timeout_s: float = ServiceSettings.liveness_timeout_s
-    """A worker not heard from (requests or heartbeats) for this long is lost."""
-    limits: Limits = ServiceSettings.limits
-    max_memory: int | None = ServiceSettings.max_memory
-    model: str = ""
-    """The model this service holds (its namespace; ``""``: the default model), and
-    ``worker_tasks`` are that model's workers (:mod:`tensorfleet.ps.model_router`)."""
-
-    @property
-    def name(self) -> str:
-        """``ps:0``, or ``ps:0 model 'trial-3'`` for a named model (for messages)."""
-        return f"ps:{self.shard_index}" + (f" model {self.model!r}" if self.model else "")
-
-    def __post_init__(self) -> None:
-        self.settings  # noqa: B018 (checks the settings: ConfigError)
-
-    @property
-    def settings(self) -> ServiceSettings:
-        """The shard's settings (timeouts and limits), checked."""
-        return ServiceSettings(
-            idle_timeout_s=self.idle_timeout_s,
-            end_grace_s=self.end_grace_s,
-            liveness_timeout_s=self.liveness_timeout_s,
-            limits=self.limits,
-            max_memory=self.max_memory,
-        )
-
-    @classmethod
-    def for_shard(
-        cls, shard_index: int, worker_tasks: Sequence[str], settings: ServiceSettings
-    ) -> ServiceConfig:
-        """The config of shard ``shard_index`` of a cluster with ``worker_tasks``, with
-        ``settings`` (a :class:`ServiceSettings` or a subclass such as ``ServerConfig``)."""
-        return cls(shard_index, tuple(worker_tasks), **settings.settings_fields())
-
-
-@dataclass(frozen=True)
-class ServiceOutcome:
-    """Why the service loop ended."""
-
-    reason: str
-    """``finished`` (all workers done), ``ended`` (chief's end plus grace), ``idle``, ``stopped``."""
-    global_step: int
-    models: dict[str, int] = field(default_factory=dict)
-    """Each model's global step, by name, when a :class:`~tensorfleet.ps.model_router.ModelRouter` served."""
-
-    @property
-    def clean(self) -> bool:
-        return self.reason in ("finished", "ended", "stopped")
-
-
-class ParameterService:
+class ParameterService(SyncStepHandling, TrainingEndHandling):
     """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
 
     def __init__(self, socket: ServiceSocket, config: ServiceConfig) -> None:
@@ -217,46 +157,6 @@ class ParameterService:
         """What the loop does between requests: act on lost workers, expire waits."""
         self._check_liveness()
         self._expire_waiting()
-
-    def _finished_reason(self, stop: threading.Event | None) -> str | None:
-        if stop is not None and stop.is_set():
-            return "stopped"
-        return self.training_over() or self._idle_reason()
-
-    def training_over(self) -> str | None:
-        """``finished`` (every worker done, or done or lost after the chief's end), ``ended``
-        (the chief's end plus ``end_grace_s``), or None while training goes on."""
-        now = time.monotonic()
-        if self.roster.all_done:
-            return "finished"
-        if self.end_declared_at is not None and self.roster.all_done_or_lost:
-            return "finished"  # training is over and whoever is not done is gone
-        if (
-            self.end_declared_at is not None
-            and now - self.end_declared_at >= self.config.end_grace_s
-        ):
-            missing = sorted(set(self.config.worker_tasks) - self.done_workers)
-            log.warning(
-                "%s: ending %.0f s after the chief's end without 'done' from %s",
-                self.config.name,
-                self.config.end_grace_s,
-                ", ".join(missing),
-            )
-            return "ended"
-        return None
-
-    def _idle_reason(self) -> str | None:
-        now = time.monotonic()
-        if now - self.socket.last_valid_request_time > self.config.idle_timeout_s:
-            log.error(
-                "ps:%d: no valid request from any worker for %.0f s; ending. Workers may have died, "
-                "or they use another cluster secret (rejected messages: %s)",
-                self.config.shard_index,
-                self.config.idle_timeout_s,
-                dict(self.socket.rejected) or "none",
-            )
-            return "idle"
-        return None
 
     def handle(self, request: Request) -> None:
         """Answer one request (or hold it until it can be answered)."""
@@ -432,62 +332,6 @@ class ParameterService:
         self.stats["pushes"] += 1
         self._answer_push(request, made_step=True)
 
-    def _release_held(self) -> None:
-        """Apply every held push the staleness gate now allows, oldest first."""
-        released = True
-        while released:
-            released = False
-            for index, (request, task, gradients) in enumerate(self._held):
-                if self.gate.may_apply(task):
-                    del self._held[index]
-                    self.gate.record(task)
-                    self.tables.released(task)
-                    self._apply_async(request, gradients)
-                    released = True
-                    break
-
-    def _push_sync(self, request: Request, task: str, gradients: list[torch.Tensor]) -> None:
-        step = request.body.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise ProtocolError(
-                f"a sync push needs the integer 'step' its gradients belong to, got {step!r}"
-            )
-        aggregator = self.aggregator
-        if aggregator.is_stale(step):
-            aggregator.drop(task)
-            self.stats["dropped"] += 1
-            self._answer_push(request, made_step=False, dropped=True)
-            return
-        if step > aggregator.step:
-            raise ProtocolError(
-                f"{task} pushed gradients for step {step}, but this shard is at step {aggregator.step}"
-            )
-        aggregator.add(Contribution(task, gradients, request))
-        self._complete_sync_step(last_task=task)
-
-    def _complete_sync_step(self, last_task: str | None) -> None:
-        """Apply the step if enough gradients are in, and answer everyone who contributed."""
-        aggregator = self.aggregator
-        if not aggregator.waiting or not aggregator.is_complete(self._departed_workers()):
-            return
-        if last_task is None:  # a 'done' completed the step: its last contributor made it
-            last_task = aggregator.waiting[-1].task
-        made = aggregator.step
-        mean, contributions = aggregator.take_mean()
-        if self.discipline.clip_norm is not None:
-            _clip_by_global_norm(mean, self.discipline.clip_norm)
-        self.store.apply(mean)
-        self.tables.step_made(made, [c.task for c in contributions])
-        self.stats["pushes"] += len(contributions)
-        self.global_step = aggregator.step
-        for contribution in contributions:
-            self._answer_push(contribution.request, made_step=contribution.task == last_task)
-        self.buffer_bank.step_made(made, [c.task for c in contributions])
-
-    def _departed_workers(self) -> set[str]:
-        """Workers a sync step does not wait for: done, and lost when shrinking."""
-        return self.roster.departed(including_lost=self.discipline.lost_worker == "shrink")
-
     def _answer_push(self, request: Request, made_step: bool, dropped: bool = False) -> None:
         extra = {"made_step": made_step, "dropped": dropped}
         if request.body.get("want_values") is True:
@@ -498,39 +342,6 @@ class ParameterService:
     def _worker_of(self, request: Request) -> str:
         """The worker task that sent ``request`` (ProtocolError for any other name)."""
         return self.roster.worker_of(request.op, request.body.get("task"))
-
-    def _done(self, request: Request) -> None:
-        task = self._worker_of(request)
-        self.roster.mark_done(task)
-        self.socket.reply(request, {})
-        if self.gate is not None:
-            # A push of this worker still held would put it back among the live clocks.
-            for held in [h for h in self._held if h[1] == task]:
-                self._held.remove(held)
-                self.socket.fail(
-                    held[0],
-                    RequestRefused.code,
-                    f"{task} said it is done; its held push is dropped",
-                )
-            self.gate.leave(task)
-            self._release_held()
-        if self.aggregator is not None:
-            self._complete_sync_step(last_task=None)
-        self._answer_wait_done()
-
-    def _wait_done(self, request: Request) -> None:
-        """The chief waits here (after ``end``) until every other live worker has said
-        ``done``; at its deadline it is answered with the workers still running."""
-        self._waiting_for_done.append(request)
-        self._answer_wait_done()
-
-    def _answer_wait_done(self, expired: bool = False) -> None:
-        now = time.monotonic()
-        for request in list(self._waiting_for_done):
-            running = self.roster.running(exclude=request.body.get("task"))
-            if not running or expired and request.deadline <= now:
-                self._waiting_for_done.remove(request)
-                self.socket.reply(request, {"running": running})
 
     def _heartbeat(self, request: Request) -> None:
         self._worker_of(request)
@@ -625,29 +436,6 @@ class ParameterService:
         if self._waiting_for_done and change.changed:
             self._answer_wait_done()
 
-    def _fail_sync_step(self, lost: set[str]) -> None:
-        names = ", ".join(sorted(lost))
-        for contribution in self.aggregator.waiting:
-            self.aggregator.withdraw(contribution.task)
-            self.socket.fail(
-                contribution.request,
-                WorkerLost.code,
-                f"step {self.aggregator.step} needs gradients from {names}, not heard from for "
-                f"{self.config.liveness_timeout_s:g} s (dead or cut off), and lost_worker='fail'. "
-                "Restart it (tensorfleet launch --max-restarts N), or train with "
-                "lost_worker='shrink' or with backup workers (replicas_to_aggregate)",
-            )
-
-    def _end(self, request: Request) -> None:
-        if self.end_declared_at is None:
-            self.end_declared_at = time.monotonic()
-            log.info(
-                "%s: the chief declared training over at global step %d",
-                self.config.name,
-                self.global_step,
-            )
-        self.socket.reply(request, {"grace_s": self.config.end_grace_s})
-
     def _stats(self, request: Request) -> None:
         self.socket.reply(
             request,
@@ -696,29 +484,8 @@ class ParameterService:
             self._waiting_for_init = [r for r in self._waiting_for_init if r.deadline > now]
         if self._waiting_for_done:
             self._answer_wait_done(expired=True)
-        for request, task, _ in [h for h in self._held if h[0].deadline <= now]:
-            self._held = [h for h in self._held if h[0] is not request]
-            self.socket.fail(
-                request,
-                RemoteDeadlineExceeded.code,
-                f"{task} is {self.gate.gap(task)} steps ahead of the slowest live worker(s) "
-                f"{', '.join(self.gate.slowest())} (max_staleness={self.gate.max_staleness}) and "
-                "they did not catch up in time: are they still running?",
-            )
-        if self.aggregator is not None:
-            expired = [c for c in self.aggregator.waiting if c.request.deadline <= now]
-            # Who has not pushed, named before the expired ones withdraw (not the requester).
-            missing = ", ".join(self.aggregator.missing()) if expired else ""
-            for contribution in expired:
-                self.aggregator.withdraw(contribution.task)
-                self.socket.fail(
-                    contribution.request,
-                    RemoteDeadlineExceeded.code,
-                    f"step {self.aggregator.step} still waits for gradients from {missing} "
-                    f"({self.aggregator.needed(self._departed_workers())} of {len(self.config.worker_tasks)} needed): "
-                    "are they still running? Backup workers (replicas_to_aggregate < workers) let "
-                    "training go on without the slowest",
-                )
+        self._expire_held(now)
+        self._expire_sync_step(now)
 
 
 def refusal_code(exc: Exception) -> str:
@@ -730,19 +497,6 @@ def refusal_code(exc: Exception) -> str:
     if isinstance(exc, ProtocolError):
         return RemoteProtocolError.code
     return RequestRefused.code
-
-
-def _clip_by_global_norm(gradients: list[torch.Tensor], max_norm: float) -> None:
-    """Scale ``gradients`` in place so that their joint L2 norm is at most ``max_norm``
-    (``torch.nn.utils.clip_grad_norm_``'s rule)."""
-    if not gradients:  # a shard without variables (only table rows)
-        return
-    total = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g.float()) for g in gradients])
-    )
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in gradients:
-        g.mul_(coefficient.to(g.dtype))
 
 
 def _layout_from(variables: object) -> FusedLayout:

@@ -2,14 +2,15 @@
 
 :class:`ServiceSettings` holds the shard's timeouts and message limits, their defaults and
 their checks. Every way of configuring a ps starts from it: the service's own
-:class:`~tensorfleet.ps.service.ServiceConfig` (these settings plus the shard's index and the
-cluster's workers), the user-facing ``ServerConfig`` of :mod:`tensorfleet.session.server`
+:class:`ServiceConfig` (these settings plus the shard's index and the cluster's workers; also
+importable from :mod:`tensorfleet.ps.service`), the user-facing ``ServerConfig`` of :mod:`tensorfleet.session.server`
 (which extends it), and the defaults of ``tensorfleet server``'s flags. It imports neither
 torch nor ZeroMQ, so the command line can read its defaults cheaply.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -46,3 +47,52 @@ class ServiceSettings:
         """These settings as keyword arguments (of :class:`ServiceSettings` only, not of a
         subclass's own fields)."""
         return {f.name: getattr(self, f.name) for f in fields(ServiceSettings)}
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything one parameter-server shard is started with: which shard it is, the cluster's
+    workers, and its :class:`ServiceSettings` (whose defaults and checks these fields take)."""
+
+    shard_index: int
+    """This shard's index in the ps job."""
+    worker_tasks: tuple[str, ...]
+    """Names of the worker tasks (``worker:0`` ...) that must say ``done`` before the ps ends."""
+    idle_timeout_s: float = ServiceSettings.idle_timeout_s
+    """End (with an error) when no valid request arrived for this long."""
+    end_grace_s: float = ServiceSettings.end_grace_s
+    """After the chief's ``end``, how long to wait for the other workers' ``done``."""
+    liveness_timeout_s: float = ServiceSettings.liveness_timeout_s
+    """A worker not heard from (requests or heartbeats) for this long is lost."""
+    limits: Limits = ServiceSettings.limits
+    max_memory: int | None = ServiceSettings.max_memory
+    model: str = ""
+    """The model this service holds (its namespace; ``""``: the default model), and
+    ``worker_tasks`` are that model's workers (:mod:`tensorfleet.ps.model_router`)."""
+
+    @property
+    def name(self) -> str:
+        """``ps:0``, or ``ps:0 model 'trial-3'`` for a named model (for messages)."""
+        return f"ps:{self.shard_index}" + (f" model {self.model!r}" if self.model else "")
+
+    def __post_init__(self) -> None:
+        self.settings  # noqa: B018 (checks the settings: ConfigError)
+
+    @property
+    def settings(self) -> ServiceSettings:
+        """The shard's settings (timeouts and limits), checked."""
+        return ServiceSettings(
+            idle_timeout_s=self.idle_timeout_s,
+            end_grace_s=self.end_grace_s,
+            liveness_timeout_s=self.liveness_timeout_s,
+            limits=self.limits,
+            max_memory=self.max_memory,
+        )
+
+    @classmethod
+    def for_shard(
+        cls, shard_index: int, worker_tasks: Sequence[str], settings: ServiceSettings
+    ) -> ServiceConfig:
+        """The config of shard ``shard_index`` of a cluster with ``worker_tasks``, with
+        ``settings`` (a :class:`ServiceSettings` or a subclass such as ``ServerConfig``)."""
+        return cls(shard_index, tuple(worker_tasks), **settings.settings_fields())

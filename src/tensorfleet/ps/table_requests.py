@@ -33,8 +33,8 @@ from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, from_buffer
-from tensorfleet.wire.transport import Request, ServiceSocket
 
 
 class TableRequests:

@@ -21,7 +21,7 @@ from tensorfleet.ps.model_router import ModelRouter
 from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.wire.secret import load_secret
-from tensorfleet.wire.transport import ServiceSocket
+from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.task_resources import AppliedResources, apply_task_resources
 
 log = logging.getLogger("tensorfleet.server")

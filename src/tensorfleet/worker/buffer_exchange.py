@@ -21,8 +21,8 @@ import torch
 from tensorfleet.errors import ProtocolError
 from tensorfleet.ps.buffer_bank import describe
 from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.wire.channel import Reply
 from tensorfleet.wire.tensors import as_buffer, from_buffer
-from tensorfleet.wire.transport import Reply
 from tensorfleet.worker.shard_fanout import ShardFanout
 
 

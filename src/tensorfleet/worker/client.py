@@ -46,8 +46,8 @@ from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.version import __version__
+from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
-from tensorfleet.wire.transport import Channel, Reply
 from tensorfleet.worker.fused_parameters import FusedParameters
 from tensorfleet.worker.heartbeat import Heartbeat
 from tensorfleet.worker.progress import Progress

@@ -24,8 +24,8 @@ import zmq
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.version import __version__
+from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.message import PROTOCOL_VERSION
-from tensorfleet.wire.transport import Channel
 
 log = logging.getLogger("tensorfleet.worker")
 

@@ -19,8 +19,8 @@ from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.sparse_rows import SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.table_requests import partition_to_wire
+from tensorfleet.wire.channel import Reply
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
-from tensorfleet.wire.transport import Reply
 from tensorfleet.worker.shard_fanout import ShardFanout
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.errors import UsageError
-from tensorfleet.wire.transport import Channel, Reply
+from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.worker.heartbeat import Heartbeat
 from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
 

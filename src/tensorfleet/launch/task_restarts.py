@@ -1,0 +1,127 @@
+"""Restarting a failed task in place, for :class:`~tensorfleet.launch.supervisor.ClusterSupervisor`
+(a mixin): the back-off, the announcement, the restart itself, and the cancellation of
+restarts that are no longer allowed. Whether a failure is restarted, and after how long, is
+the :class:`~tensorfleet.launch.restart_policy.RestartPolicy`'s.
+
+Rule. A task that ends on its own with a failure while the run is running is restarted
+when the policy allows it: what its old process group left behind is killed at once, and
+after the policy's back-off (a deadline the supervising loop wakes up for, never a sleep)
+the same command runs with the same environment plus ``TENSORFLEET_PREDECESSOR_DEAD=1``.
+Once the run drains, fails, or is stopped or interrupted, a restart still waiting is
+cancelled and the task counts as failed.
+
+Invariant. A task has at most one restart pending; a restart that cannot start is reported
+as the task's failure, and ``restarts`` / ``restart_history`` count only restarts that started.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from tensorfleet.launch.restart_policy import describe_returncode
+from tensorfleet.launch.task import Task
+
+if TYPE_CHECKING:
+    from tensorfleet.launch.output import Output
+    from tensorfleet.launch.restart_policy import RestartPolicy
+
+
+class TaskRestarts:
+    """Restarts failed tasks in place (mixed into ``ClusterSupervisor``, which provides the
+    attributes below and ``_restarts_allowed``, ``_on_failure`` and ``_spawn``)."""
+
+    _tasks: list[Task]
+    _interrupt: int | None
+    _phase: str
+    output: Output
+    restart_policy: RestartPolicy
+
+    def _restart_delay(self, task: Task) -> float | None:
+        """The back-off before ``task``, which just failed on its own, is restarted; None when
+        it is reported instead (restarts not allowed now, or the policy says no)."""
+        if not self._restarts_allowed():
+            return None
+        assert task.returncode is not None
+        decision = self.restart_policy.decide(
+            task.returncode, task.restart_history, time.monotonic()
+        )
+        return decision.delay_s if decision.restart else None
+
+    def _schedule_restart(self, task: Task, delay: float) -> None:
+        """Announce the failure of ``task``, kill what its process group left behind (it
+        could hold the task's port or files), and set the restart's deadline: the supervising
+        loop wakes up for it like for a phase deadline."""
+        assert task.process is not None and task.returncode is not None
+        if task.process.signal_group(0):
+            self.output.message(
+                f"{task.name} left processes behind in its process group; killing them "
+                "before restarting it",
+                "warning",
+            )
+        task.process.signal_group(signal.SIGKILL)
+        decision = self.restart_policy.decide(
+            task.returncode, task.restart_history, time.monotonic()
+        )
+        task.restart_at, task.pending_restart = time.monotonic() + delay, decision
+        ran = (task.ended_at or task.started_at) - task.started_at
+        lines = list(task.recent)
+        last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
+        self.output.message(
+            f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
+            f"(restart {decision.used + 1} of {decision.limit}) in {delay:g} s "
+            f"(pid {task.pid} ran {ran:.1f} s).{last}",
+            "warning",
+        )
+
+    def _on_restarts_due(self, now: float) -> None:
+        """Restart the tasks whose back-off has passed, or, once the run is no longer
+        running (draining, failing, stopping, interrupted), cancel every pending restart:
+        such a task then counts as failed."""
+        pending = [t for t in self._tasks if t.restart_at is not None]
+        if not pending:
+            return
+        for task in pending:
+            if not self._restarts_allowed():
+                why = "interrupted" if self._interrupt is not None else self._phase
+                task.restart_at = task.pending_restart = None
+                self.output.message(f"not restarting {task.name}: the run is {why}", "warning")
+                self._on_failure(task)
+            elif task.restart_at is not None and now >= task.restart_at:
+                task.restart_at = None
+                self._restart(task)  # on failure to start, restarts are no longer allowed
+
+    def _restart(self, task: Task) -> None:
+        """Start ``task`` again with the same command and environment (its identity), telling
+        it that its predecessor is dead."""
+        assert task.process is not None and task.returncode is not None
+        old_process, old_recent = task.process, task.recent
+        decision, task.pending_restart = task.pending_restart, None
+        assert decision is not None
+        # The new process's lines; a failure report must not show the old process's lines
+        # as if the new one printed them (the log keeps them all).
+        task.recent = deque(maxlen=old_recent.maxlen)
+        try:
+            self._spawn(task, restarted=True)
+        except OSError as exc:
+            task.recent = old_recent
+            self.output.message(
+                f"cannot restart {task.name} with command {task.command!r}: {exc}", "error"
+            )
+            self._on_failure(task)
+            return
+        task.previous.append(old_process)
+        task.restarts += 1
+        task.restart_history.append((time.monotonic(), decision.kind))
+        task.returncode = task.stop_signal = task.ended_at = None
+        where = (
+            ""
+            if task.process is None or task.process.host == "local"
+            else f" on {task.process.host}"
+        )
+        self.output.message(
+            f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
+            f"{task.pid}{where}"
+        )

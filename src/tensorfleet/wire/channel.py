@@ -1,0 +1,345 @@
+"""The client end of request/reply over ZeroMQ: a :class:`Channel` from one client to one
+service (a DEALER socket), with request ids, deadlines, verified :class:`Reply` s and typed
+remote errors.
+
+Several requests can be in flight on one channel; a reply is matched to its request by id,
+and one that answers an abandoned request is dropped and counted. A request in flight when
+its connection drops ends its wait at once (:class:`~tensorfleet.errors.ConnectionLost`): ZeroMQ
+does not resend it. A refusal is raised as the :class:`~tensorfleet.errors.RemoteError`
+subclass its code names. See :mod:`tensorfleet.wire.transport` for what both ends share and
+:mod:`tensorfleet.wire.service_socket` for the server end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from tensorfleet.errors import (
+    AuthenticationError,
+    ConfigError,
+    ConnectionLost,
+    DeadlineExceeded,
+    ProtocolError,
+    RemoteError,
+    ServiceRestarted,
+    remote_error_class,
+)
+from tensorfleet.wire import message as wire
+from tensorfleet.wire import shared_memory as shm
+from tensorfleet.wire.auth import (
+    REPLY_ROLE,
+    REQUEST_ROLE,
+    Buffer,
+    MessageSigner,
+    MessageVerifier,
+    derive_curve_server_keys,
+)
+from tensorfleet.wire.transport import (
+    check_resolvable,
+    set_connection_heartbeats,
+    shared_memory_wanted,
+    tcp_endpoint,
+)
+
+#: A client send that cannot be queued for this long fails (a send never blocks forever).
+SEND_TIMEOUT_MS = 10_000
+#: At most this many characters of a refusal's code are shown in the client's message.
+MAX_CODE_CHARS = 64
+#: How often a waiting client checks its abort condition (e.g. a ps silent for too long).
+ABORT_CHECK_S = 0.25
+
+
+@dataclass
+class Reply:
+    """A verified reply: its body and buffers."""
+
+    body: dict[str, Any]
+    buffers: list[Buffer] = field(default_factory=list)
+
+
+class Channel:
+    """The client end towards one service: requests with ids and deadlines, verified replies.
+
+    Several requests may be in flight; :meth:`wait` returns the reply to one of them and
+    keeps the others' replies for later. Not thread-safe (one ZeroMQ socket).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        peer_name: str,
+        limits: wire.Limits | None = None,
+        context: zmq.Context | None = None,
+        encrypt: bool = False,
+        shared_memory: bool | None = None,
+    ) -> None:
+        check_resolvable(address, peer_name)
+        self._shared_memory_allowed = shared_memory_wanted(shared_memory)
+        self._segments: shm.ClientSegments | None = None
+        self.address = address
+        self.peer_name = peer_name
+        self.limits = limits or wire.Limits()
+        self.encrypt = encrypt
+        self._own_context = context is None
+        self._context = context or zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        self._socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        set_connection_heartbeats(self._socket)
+        if encrypt:
+            server_public, _ = derive_curve_server_keys(secret)
+            public, secret_key = zmq.curve_keypair()  # ephemeral, per connection
+            self._socket.curve_serverkey = server_public
+            self._socket.curve_publickey = public
+            self._socket.curve_secretkey = secret_key
+        # Connection events: a request in flight when its connection drops is lost (ZeroMQ
+        # does not resend it, and its answer could not come back), so its wait ends at once.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._disconnects = 0
+        self._sent_at_disconnects: dict[int, int] = {}
+        self._socket.connect(tcp_endpoint(address))
+        self._signer = MessageSigner(secret, REQUEST_ROLE)
+        self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
+        self._next_id = 0
+        self._pending: dict[int, str] = {}
+        self._arrived: dict[int, Reply | RemoteError] = {}
+        self.server_session: bytes | None = None
+        self.dropped: Counter[str] = Counter()
+        """Replies dropped, by reason (late replies to abandoned requests, bad messages)."""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        """Bytes of the requests sent and the valid replies received: each message's envelope,
+        header and tags plus its payload, whether in frames or in shared memory."""
+
+    def send(
+        self,
+        op: str,
+        body: dict[str, Any],
+        buffers: list[Buffer] | None = None,
+        timeout_s: float = 60.0,
+    ) -> int:
+        """Send a request; return its id for :meth:`wait`. Buffers are not copied and must
+        stay unchanged until the reply has arrived."""
+        self._next_id += 1
+        request_id = self._next_id
+        header = {
+            "op": op,
+            "id": request_id,
+            "srv": self.server_session,
+            "timeout_ms": int(timeout_s * 1000),
+            "body": body,
+        }
+        buffers, in_frames = list(buffers or []), True
+        payload_bytes = sum(memoryview(b).nbytes for b in buffers)
+        if self._segments is not None and self.server_session is not None:
+            extra, placed = self._segments.headers(request_id, buffers, self._pending)
+            header.update(extra)
+            if placed is not None:
+                buffers, in_frames = placed, False
+        frames = wire.encode(wire.KIND_REQUEST, header, buffers, self._signer, in_frames)
+        try:
+            self._socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise DeadlineExceeded(
+                f"cannot queue '{op}' for {self.peer_name} at {self.address} within "
+                f"{SEND_TIMEOUT_MS / 1000:.0f} s: its send queue is full (unreachable for long?)"
+            ) from None
+        self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
+        self._pending[request_id] = op
+        self._count_disconnects()
+        self._sent_at_disconnects[request_id] = self._disconnects
+        return request_id
+
+    def staging(self, sizes: list[int]) -> list[memoryview] | None:
+        """Writable buffers of ``sizes`` bytes in this channel's request segment, for the
+        caller to build the payload of its next :meth:`send` in place (then passed to it
+        as its buffers: nothing is copied into shared memory). None when the next request
+        will not go through shared memory (TCP peer, small payload, segment in use): build
+        the payload elsewhere. The views are valid until the next ``send``."""
+        if self._segments is None or self.server_session is None:
+            return None
+        return self._segments.staging(sizes, self._pending)
+
+    def wait(
+        self,
+        request_id: int,
+        timeout_s: float,
+        abort: Callable[[], str | None] | None = None,
+    ) -> Reply:
+        """The reply to ``request_id``, or :class:`DeadlineExceeded` after ``timeout_s``.
+        A refusal is raised as the :class:`RemoteError` subclass of its code
+        (:func:`~tensorfleet.errors.remote_error_class`: e.g. :class:`ServiceRestarted` when
+        the service restarted since the hello, :class:`IdentityInUse`,
+        :class:`RequestRefused`). ``abort`` is asked every quarter second while waiting; a
+        reason it returns ends the wait with :class:`ConnectionLost`."""
+        if request_id not in self._pending and request_id not in self._arrived:
+            raise ConfigError(
+                f"request {request_id} was not sent on this channel or was already awaited"
+            )
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self._arrived:
+            remaining = deadline - time.monotonic()
+            slice_s = remaining if abort is None else min(remaining, ABORT_CHECK_S)
+            ready = dict(self._poller.poll(max(1, int(slice_s * 1000)))) if remaining > 0 else {}
+            if self._socket in ready:
+                self._receive_one()  # answers that arrived before a disconnect come first
+                continue
+            if self._monitor in ready:
+                self._count_disconnects()
+                if self._sent_at_disconnects.get(request_id, self._disconnects) < self._disconnects:
+                    op = self._pending.pop(request_id, "?")
+                    self._sent_at_disconnects.pop(request_id, None)
+                    raise ConnectionLost(
+                        f"the connection to {self.peer_name} at {self.address} dropped while "
+                        f"'{op}' was in flight; the request or its answer is lost"
+                        + (
+                            ". It never answered: check that every task agrees on encryption "
+                            "(TENSORFLEET_ENCRYPT / --encrypt)"
+                            if self.server_session is None
+                            else ""
+                        )
+                    )
+                continue
+            if remaining > 0:
+                reason = abort() if abort is not None else None
+                if reason is None:
+                    continue
+                op = self._pending.pop(request_id, "?")
+                self._sent_at_disconnects.pop(request_id, None)
+                raise ConnectionLost(
+                    f"gave up waiting for {self.peer_name} at {self.address} to answer '{op}': {reason}"
+                )
+            if remaining <= 0:
+                op = self._pending.pop(request_id, "?")
+                self._sent_at_disconnects.pop(request_id, None)
+                raise DeadlineExceeded(
+                    f"no answer from {self.peer_name} at {self.address} to '{op}' within {timeout_s:.1f} s: "
+                    f"check that the {self.peer_name} task is running and reachable at that address"
+                    + (
+                        ", and that every task agrees on encryption (TENSORFLEET_ENCRYPT / --encrypt)"
+                        if self.server_session is None
+                        else ""
+                    )
+                )
+        self._pending.pop(request_id, None)
+        self._sent_at_disconnects.pop(request_id, None)
+        outcome = self._arrived.pop(request_id)
+        if isinstance(outcome, RemoteError):
+            raise outcome
+        return outcome
+
+    def call(
+        self,
+        op: str,
+        body: dict[str, Any],
+        buffers: list[Buffer] | None = None,
+        timeout_s: float = 60.0,
+    ) -> Reply:
+        """Send a request and wait for its reply."""
+        return self.wait(self.send(op, body, buffers, timeout_s), timeout_s)
+
+    def _receive_one(self) -> None:
+        frames = [f.buffer for f in self._socket.recv_multipart(copy=False)]
+        notice = wire.decode_notice(frames)
+        if notice is not None:
+            if self.server_session is None:  # before the handshake, a notice explains a refusal
+                raise wire.notice_error(notice, f"{self.peer_name} at {self.address}")
+            self.dropped["notice"] += 1
+            return
+        try:
+            msg = wire.decode(
+                frames,
+                wire.KIND_REPLY,
+                self._verifier,
+                self.limits,
+                resolve=self._segments.resolve if self._segments is not None else None,
+            )
+        except (AuthenticationError, ProtocolError):
+            self.dropped["invalid"] += 1
+            return
+        self.bytes_received += sum(memoryview(f).nbytes for f in frames[:3]) + sum(
+            memoryview(b).nbytes for b in msg.buffers
+        )
+        header = msg.header
+        self._note_reply_placement(header)
+        re, to = header.get("re"), header.get("to")
+        if to != self._signer.session_id or re not in self._pending:
+            self.dropped["unexpected"] += 1
+            return
+        if header.get("ok") is True and isinstance(header.get("body"), dict):
+            if self._pending[re] == "hello":
+                self.server_session = msg.session_id
+            self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
+        else:
+            self._arrived[re] = self._refusal(header, self._pending[re])
+
+    def _refusal(self, header: dict[str, Any], op: str) -> RemoteError:
+        """The typed exception for a refusal: the class registered for its code (plain
+        :class:`RemoteError` for a code this version does not know), its message naming the
+        peer, the operation, the code and the server's explanation."""
+        code = header.get("error_type")
+        cls = remote_error_class(code)
+        if cls is ServiceRestarted:
+            return ServiceRestarted(
+                f"{self.peer_name} at {self.address} restarted since this task said hello "
+                f"(its answer to '{op}')"
+            )
+        label = code[:MAX_CODE_CHARS] if isinstance(code, str) and code else "Error"
+        return cls(
+            f"{self.peer_name} at {self.address} refused '{op}': "
+            f"{label}: {header.get('error', 'no explanation given')}"
+        )
+
+    def _note_reply_placement(self, header: dict[str, Any]) -> None:
+        """Use shared memory with a service that said (in its hello) it is on this host."""
+        if self._segments is not None:
+            self._segments.arrived(header)
+        if "host" in header and header.get("re") in self._pending:
+            local = self._shared_memory_allowed and header["host"] == shm.host_identity()
+            if local and self._segments is None:
+                self._segments = shm.ClientSegments()
+            elif not local and self._segments is not None:
+                self._segments.close()
+                self._segments = None
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether payloads to and from this service go through shared memory."""
+        return self._segments is not None
+
+    def forget_pending(self) -> None:
+        """Drop every request still in flight (after a failure, before saying hello again):
+        late answers to them are ignored."""
+        self._pending.clear()
+        self._arrived.clear()
+        self._sent_at_disconnects.clear()
+
+    def _count_disconnects(self) -> None:
+        """Take the connection events that arrived (without waiting)."""
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._disconnects += 1
+
+    def close(self) -> None:
+        """Close the socket (and the context if this channel made it)."""
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+        if self._own_context:
+            self._context.term()
+        if self._segments is not None:
+            self._segments.close()
+            self._segments = None

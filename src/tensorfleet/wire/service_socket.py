@@ -1,0 +1,333 @@
+"""The server end of request/reply over ZeroMQ: a :class:`ServiceSocket` binds, serves many
+peers, receives authenticated :class:`Request` s and sends signed replies (or refusals).
+
+Every request has an id and a deadline, every reply names the request it answers, and every
+message is authenticated (see :mod:`tensorfleet.wire.message`). A service never crashes on
+bad input: it drops and counts what it cannot accept, ignores a connection for good after
+``QUARANTINE_AFTER_INVALID`` invalid messages, and tells a peer that cannot authenticate
+(once) so that the peer fails with a clear error instead of a timeout. A request addressed to
+an earlier incarnation of the service is refused with ``STALE_SESSION``.
+
+The service can hold a request and answer it later (ROUTER socket; see
+:mod:`tensorfleet.wire.transport` for what both ends share, and
+:mod:`tensorfleet.wire.channel` for the client end).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from tensorfleet.errors import (
+    AuthenticationError,
+    ListenError,
+    ProtocolError,
+    ServiceRestarted,
+)
+from tensorfleet.wire import message as wire
+from tensorfleet.wire import shared_memory as shm
+from tensorfleet.wire.auth import (
+    REPLY_ROLE,
+    REQUEST_ROLE,
+    Buffer,
+    MessageSigner,
+    MessageVerifier,
+    derive_curve_server_keys,
+)
+from tensorfleet.wire.transport import (
+    set_connection_heartbeats,
+    shared_memory_wanted,
+    tcp_endpoint,
+)
+
+#: Messages a peer may have queued at a service before ZeroMQ stops reading from it.
+RECEIVE_QUEUE_MESSAGES = 64
+#: Invalid messages after which a connection is ignored (quarantined) for good.
+QUARANTINE_AFTER_INVALID = 8
+#: Error code of the answer to a request addressed to an earlier incarnation of a service.
+STALE_SESSION = ServiceRestarted.code
+
+
+class _StaleSession(ProtocolError):
+    """A valid request addressed to another incarnation of this service."""
+
+
+@dataclass
+class Request:
+    """A request received by a service, with what is needed to answer it."""
+
+    peer: bytes
+    op: str
+    request_id: int
+    body: dict[str, Any]
+    buffers: list[Buffer]
+    deadline: float
+    """``time.monotonic()`` after which the requester no longer waits for the answer."""
+    session_id: bytes
+    reply_segment: object = None
+    """Where the requester wants the reply's payload (its shared-memory segment), or None."""
+
+
+class _SegmentUnavailable(ProtocolError):
+    """An authentic request whose shared-memory payload cannot be mapped (stale, gone)."""
+
+    def __init__(self, text: str, header: dict[str, Any]) -> None:
+        super().__init__(text)
+        self.header = header
+
+
+def reply_header(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    """The header of a successful answer to ``request``."""
+    return {"re": request.request_id, "to": request.session_id, "ok": True, "body": body}
+
+
+def failure_header(request: Request, error_type: str, text: str) -> dict[str, Any]:
+    """The header of an error answer to ``request``. ``error_type`` is the refusal's *code*
+    (a :class:`~tensorfleet.errors.RemoteError` subclass's ``code``); the client raises
+    ``remote_error_class(code)`` with ``text`` in its message."""
+    return {
+        "re": request.request_id,
+        "to": request.session_id,
+        "ok": False,
+        "body": {},
+        "error_type": error_type,
+        "error": text,
+    }
+
+
+class ServiceSocket:
+    """The server end: binds, receives authenticated requests, sends signed replies.
+
+    Single-threaded by design (a ZeroMQ socket belongs to one thread): the owner calls
+    :meth:`receive` in its loop and :meth:`reply` with what it decided.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes,
+        limits: wire.Limits | None = None,
+        encrypt: bool = False,
+        shared_memory: bool | None = None,
+    ) -> None:
+        self.limits = limits or wire.Limits()
+        self.address = address
+        self.encrypt = encrypt
+        use_memory = shared_memory_wanted(shared_memory)
+        self._peer_segments = shm.PeerSegments() if use_memory else None
+        self._host = shm.host_identity() if use_memory else None
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        set_connection_heartbeats(self._socket)
+        if encrypt:
+            public, secret_key = derive_curve_server_keys(secret)
+            self._socket.curve_secretkey = secret_key
+            self._socket.curve_publickey = public
+            self._socket.curve_server = True
+        endpoint = tcp_endpoint(address, bind=True)
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            hint = (
+                "another process is using that port: stop it, or pick another port in the cluster spec"
+                if exc.errno == zmq.EADDRINUSE
+                else "check that the host in the cluster spec is an address of this machine"
+            )
+            raise ListenError(
+                exc.errno, f"cannot listen on {address} ({endpoint}): {exc.strerror}; {hint}"
+            ) from None
+        self._signer = MessageSigner(secret, REPLY_ROLE)
+        self._verifier = MessageVerifier(secret, REQUEST_ROLE)
+        self._noticed: OrderedDict[bytes, None] = OrderedDict()
+        self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()
+        self.rejected: Counter[str] = Counter()
+        """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``)."""
+        self.last_valid_request_time = time.monotonic()
+
+    @property
+    def session_id(self) -> bytes:
+        """This service's session: clients address their requests to it."""
+        return self._signer.session_id
+
+    def poll(self, timeout_s: float) -> bool:
+        """Whether a message is waiting, after waiting up to ``timeout_s``."""
+        return bool(self._socket.poll(max(0, int(timeout_s * 1000))))
+
+    def receive(self) -> Request | None:
+        """One request, or None when the waiting message was not acceptable (it is counted in
+        :attr:`rejected`). Call after :meth:`poll` said a message waits."""
+        frames = self._socket.recv_multipart(copy=False)
+        peer = frames[0].bytes
+        if self._invalid_by_peer.get(peer, 0) >= QUARANTINE_AFTER_INVALID:
+            self.rejected["quarantined"] += 1  # a connection that sent garbage again and again
+            return None
+        payload = [f.buffer for f in frames[1:]]
+        try:
+            msg = wire.decode(
+                payload,
+                wire.KIND_REQUEST,
+                self._verifier,
+                self.limits,
+                resolve=self._resolve_request if self._peer_segments is not None else None,
+            )
+            request = self._request_from(peer, msg)
+        except _StaleSession as stale:
+            # Authentic, but meant for the process this one replaced: tell the client to say
+            # hello again at once, rather than leave it waiting for a deadline. Not counted
+            # as invalid: every client of a restarted ps sends a few of these.
+            self.rejected["stale"] += 1
+            request = stale.args[1]
+            self.fail(
+                request,
+                STALE_SESSION,
+                f"{self.address} restarted since this client said hello; say hello again",
+            )
+            return None
+        except _SegmentUnavailable as exc:
+            # Authentic (its header verified), but its payload cannot be reached: say why.
+            self.rejected["shm"] += 1
+            request_id = exc.header.get("id")
+            if isinstance(request_id, int):
+                session = bytes(memoryview(payload[0])[4:20])
+                stub = Request(peer, str(exc.header.get("op")), request_id, {}, [], 0.0, session)
+                self.fail(stub, "ProtocolError", f"{exc} [service {self.address}]")
+            return None
+        except AuthenticationError as exc:
+            self.rejected["auth"] += 1
+            self._count_invalid(peer)
+            self._notice_once(peer, "auth", f"{exc} [service {self.address}]")
+            return None
+        except ProtocolError as exc:
+            reason = (
+                "protocol"
+                if wire.peek_protocol(payload) not in (None, wire.PROTOCOL_VERSION)
+                else "malformed"
+            )
+            self.rejected[reason] += 1
+            self._count_invalid(peer)
+            if reason == "protocol":
+                self._notice_once(peer, "protocol", str(exc))
+            return None
+        self.last_valid_request_time = time.monotonic()
+        return request
+
+    def _request_from(self, peer: bytes, msg: wire.Message) -> Request:
+        header = msg.header
+        op, request_id, body = header.get("op"), header.get("id"), header.get("body")
+        timeout_ms, addressed_to = header.get("timeout_ms"), header.get("srv")
+        if not isinstance(op, str) or not isinstance(request_id, int) or not isinstance(body, dict):
+            raise ProtocolError("request header needs op (str), id (int) and body (map)")
+        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= 7 * 24 * 3600 * 1000:
+            raise ProtocolError(
+                f"request timeout_ms must be a non-negative int, got {timeout_ms!r}"
+            )
+        request = Request(
+            peer=peer,
+            op=op,
+            request_id=request_id,
+            body=body,
+            buffers=msg.buffers,
+            deadline=time.monotonic() + timeout_ms / 1000,
+            session_id=msg.session_id,
+            reply_segment=header.get("shm_reply") if self._peer_segments is not None else None,
+        )
+        if op != "hello" and addressed_to != self.session_id:
+            # Addressed to an earlier incarnation of this service (or a replay from one).
+            raise _StaleSession("request addressed to another service session", request)
+        return request
+
+    def reply(
+        self, request: Request, body: dict[str, Any], buffers: list[Buffer] | None = None
+    ) -> zmq.MessageTracker | None:
+        """Answer ``request`` successfully. Buffers are sent without a copy and must stay
+        unchanged until the returned tracker is done (None when the reply had no buffers or
+        could not be queued)."""
+        return self._send(request, reply_header(request, body), buffers or [])
+
+    def fail(self, request: Request, error_type: str, text: str) -> None:
+        """Answer ``request`` with a refusal: ``error_type`` is its code (e.g.
+        ``IdentityInUse.code``), which the client raises as ``remote_error_class(code)``."""
+        self._send(request, failure_header(request, error_type, text), [])
+
+    def _send(
+        self, request: Request, header: dict[str, Any], buffers: list[Buffer]
+    ) -> zmq.MessageTracker | None:
+        header, buffers, in_frames = self._place_reply(request, header, buffers)
+        frames = wire.encode(wire.KIND_REPLY, header, buffers, self._signer, in_frames)
+        tracked = bool(buffers) and in_frames
+        try:
+            tracker = self._socket.send_multipart(
+                [request.peer, *frames], copy=False, flags=zmq.NOBLOCK, track=tracked
+            )
+        except zmq.Again:
+            self.rejected["unsent_reply"] += 1
+            return None
+        return tracker if tracked else None
+
+    def _resolve_request(self, header: dict[str, Any], sizes: list[int]) -> list[Buffer]:
+        try:
+            return self._peer_segments.buffers(header["shm"], sizes)
+        except ProtocolError as exc:
+            raise _SegmentUnavailable(str(exc), header) from None
+
+    def _place_reply(
+        self, request: Request, header: dict[str, Any], buffers: list[Buffer]
+    ) -> tuple[dict[str, Any], list[Buffer], bool]:
+        """The reply's header and buffers, and whether the buffers go in frames: into the
+        requester's shared-memory segment when it offered one and they fit (then the buffers
+        signed are the copies there); this service's host in answers to ``hello``."""
+        if request.op == "hello" and self._host is not None:
+            header = {**header, "host": self._host}
+        if not buffers or request.reply_segment is None:
+            return header, buffers, True
+        try:
+            placed = self._peer_segments.write(request.reply_segment, buffers)
+        except ProtocolError:
+            self.rejected["shm"] += 1
+            placed = None
+        if placed is None:
+            # The caller may have given live values (replies_in_shared_memory said yes):
+            # frames leave later, so they carry a copy.
+            return header, [bytes(memoryview(b)) for b in buffers], True
+        return {**header, "shm": {}}, placed, False
+
+    def replies_in_shared_memory(self, request: Request) -> bool:
+        """Whether a reply to ``request`` with buffers goes into the requester's shared memory
+        (copied there before :meth:`reply` returns, so the buffers may change right after)."""
+        return request.reply_segment is not None
+
+    def _count_invalid(self, peer: bytes) -> None:
+        """Count an invalid message of ``peer``; past the limit its connection is ignored."""
+        self._invalid_by_peer[peer] = self._invalid_by_peer.get(peer, 0) + 1
+        self._invalid_by_peer.move_to_end(peer)
+        if len(self._invalid_by_peer) > 4096:
+            self._invalid_by_peer.popitem(last=False)
+
+    def _notice_once(self, peer: bytes, reason: str, text: str) -> None:
+        if peer in self._noticed:
+            return
+        self._noticed[peer] = None
+        if len(self._noticed) > 1024:
+            self._noticed.popitem(last=False)
+        try:
+            self._socket.send_multipart(
+                [peer, *wire.encode_notice(reason, text)], flags=zmq.NOBLOCK
+            )
+        except zmq.ZMQError:
+            pass  # the peer is gone or not reading; the notice was a courtesy
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket and its context, first giving queued replies up to ``linger_s``
+        to leave (the last ``done`` must reach the last worker)."""
+        self._socket.close(linger=int(linger_s * 1000))
+        self._context.term()
+        if self._peer_segments is not None:
+            self._peer_segments.close()
