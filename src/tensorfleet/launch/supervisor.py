@@ -72,7 +72,7 @@ from tensorfleet.launch.restart_policy import (
 )
 from tensorfleet.launch.task import Task
 from tensorfleet.launch.task_restarts import TaskRestarts
-from tensorfleet.launch.training_completion import retired_after_completion, training_complete
+from tensorfleet.launch.training_completion import TrainingCompletion, retired_after_completion
 from tensorfleet.wire.secret import generate_secret
 
 #: How many of a task's latest output lines are kept for failure reports.
@@ -96,7 +96,7 @@ def default_ps_command() -> list[str]:
     return [sys.executable, "-m", "tensorfleet", "server"]
 
 
-class ClusterSupervisor(ProcessGroups, TaskRestarts):
+class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
     supervise them.
 
@@ -430,46 +430,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts):
             self._schedule_restart(task, restart_delay)
         elif failed:
             self._on_failure(task)
-        elif self._phase == _RUNNING:
-            self._drain_when_done()
-
-    def _drain_when_done(self) -> None:
-        """Enter the draining phase once every worker exited 0 (the ps tasks then exit by
-        themselves) or once training is complete (:mod:`~tensorfleet.launch.training_completion`:
-        a restart still waiting is cancelled, and the workers still running get the grace
-        period to exit)."""
-        workers = [t for t in self._tasks if t.job == "worker"]
-        if all(t.returncode == 0 for t in workers):
-            ps_left = [t.name for t in self._tasks if t.running]
-            if ps_left:
-                self.output.message(
-                    f"all workers finished; waiting up to {self.grace_period:g} s for "
-                    f"{', '.join(ps_left)} to exit"
-                )
+        elif self._phase == _RUNNING and self._run_is_over():
             self._enter(_DRAINING, self.grace_period)
-        elif training_complete(self._tasks, ClusterSpec(self.cluster)):
-            for task in [t for t in workers if t.restart_pending and t.pending_signal_restart]:
-                task.restart_at = task.pending_restart = None
-                self._retire(task, "restart cancelled")
-            left = [t.name for t in workers if t.running]
-            if left:
-                self.output.message(
-                    "training is complete (the chief and every ps task exited 0); giving "
-                    f"{', '.join(left)} up to {self.grace_period:g} s to exit"
-                )
-            self._enter(_DRAINING, self.grace_period)
-
-    def _retire(self, task: Task, what: str) -> None:
-        """Report a worker that ended after training was complete: not a failure, and not
-        restarted (:mod:`~tensorfleet.launch.training_completion`)."""
-        task.retired = True
-        lines = list(task.recent)
-        last = f"; its last line: {lines[-1]}" if lines else ""
-        self.output.message(
-            f"{task.name}: {what}; not restarting it, and not a failure: training was "
-            f"complete (the chief and every ps task had exited 0){last}",
-            "warning",
-        )
 
     def _on_failure(self, task: Task) -> None:
         assert task.returncode is not None

@@ -28,9 +28,13 @@ answer and ended the run with exit status 2 though training had completed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.launch.task import Task
+
+if TYPE_CHECKING:
+    from tensorfleet.launch.output import Output
 
 
 def training_complete(tasks: Sequence[Task], cluster: ClusterSpec) -> bool:
@@ -51,3 +55,52 @@ def retired_after_completion(task: Task, tasks: Sequence[Task], cluster: Cluster
     assert task.returncode is not None
     by_signal = task.returncode < 0 or task.stop_signal is not None
     return task.job != "ps" and by_signal and training_complete(tasks, cluster)
+
+
+class TrainingCompletion:
+    """The end of a run for :class:`~tensorfleet.launch.supervisor.ClusterSupervisor` (a
+    mixin, which provides the attributes below): when the run may drain, and the retiring of
+    workers that end after training is complete."""
+
+    _tasks: list[Task]
+    cluster: dict[str, list[str]]
+    grace_period: float
+    output: Output
+
+    def _run_is_over(self) -> bool:
+        """True once every worker exited 0 (the ps tasks then exit by themselves) or once
+        training is complete; then a restart after a signal still waiting is cancelled, and
+        the caller gives the tasks still running the grace period to exit."""
+        workers = [t for t in self._tasks if t.job == "worker"]
+        if all(t.returncode == 0 for t in workers):
+            ps_left = [t.name for t in self._tasks if t.running]
+            if ps_left:
+                self.output.message(
+                    f"all workers finished; waiting up to {self.grace_period:g} s for "
+                    f"{', '.join(ps_left)} to exit"
+                )
+            return True
+        if not training_complete(self._tasks, ClusterSpec(self.cluster)):
+            return False
+        for task in [t for t in workers if t.restart_pending and t.pending_signal_restart]:
+            task.restart_at = task.pending_restart = None
+            self._retire(task, "restart cancelled")
+        left = [t.name for t in workers if t.running]
+        if left:
+            self.output.message(
+                "training is complete (the chief and every ps task exited 0); giving "
+                f"{', '.join(left)} up to {self.grace_period:g} s to exit"
+            )
+        return True
+
+    def _retire(self, task: Task, what: str) -> None:
+        """Report a worker that ended after training was complete: not a failure, and not
+        restarted."""
+        task.retired = True
+        lines = list(task.recent)
+        last = f"; its last line: {lines[-1]}" if lines else ""
+        self.output.message(
+            f"{task.name}: {what}; not restarting it, and not a failure: training was "
+            f"complete (the chief and every ps task had exited 0){last}",
+            "warning",
+        )
