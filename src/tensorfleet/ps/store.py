@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorfleet.errors import ConfigError, UsageError
+from tensorfleet.errors import CheckpointMismatch, ConfigError, UsageError
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.tensors import DTYPES
@@ -200,7 +200,11 @@ class _NoVariables(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("state"):
-            raise ValueError("a shard without variables has no optimizer state to load")
+            raise CheckpointMismatch(
+                f"optimizer state for {len(state_dict['state'])} variable(s) given to a shard "
+                "that holds no dense variable (only embedding-table rows): the checkpoint was "
+                "written for another placement; restore it with the placement it was saved with"
+            )
 
 
 def _build(rule: UpdateRule, params: list[torch.Tensor]) -> torch.optim.Optimizer:
