@@ -31,6 +31,7 @@ from results_writer import RESULTS, write_results  # noqa: E402
 #: name -> (script arguments, quick arguments)
 BENCHMARKS = {
     "wire": ([], ["--megabytes", "8", "--batches", "2", "--per-batch", "5"]),
+    "wire_floor": ([], ["--megabytes", "8", "--batches", "2", "--per-batch", "5"]),
     "ps_capacity": ([], ["--workers", "1", "4", "--duration", "1"]),
     "ps_sharding_links": ([], ["--duration", "2"]),
     "throughput": ([], ["--steps", "100", "--repeats", "1"]),
