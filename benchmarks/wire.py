@@ -5,6 +5,11 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
 
 * ``raw_tcp_echo``: a plain socket server that receives the model's bytes and sends them
   back (no framing, no authentication, no update): the ceiling for one round trip over TCP;
+* ``raw_tcp_sgd``: the same socket server, but it applies the SGD update a ps applies
+  (``weight.add_(gradient, alpha=-lr)`` on a float32 tensor over the received bytes) and
+  sends the updated weights back: the same work as a push+pull with nothing of
+  tensorfleet's (no framing, authentication, snapshot or copy into the model). The push+pull
+  rows apply that update too, so their ratio against this row compares like with like;
 * ``push_pull``: a ParameterClient pushing the gradients to a ``tensorfleet server`` ps over
   TCP (``TENSORFLEET_SHARED_MEMORY=0``), which authenticates them, applies SGD and sends the
   new values back in the reply (what every training step does);
@@ -14,7 +19,7 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   path (payloads in shared memory, the wire carrying headers and tags).
 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
-bytes of an echo).
+bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``.
 
     .venv/bin/python benchmarks/wire.py [--megabytes 8 32 --batches 10 --per-batch 10]
 
@@ -50,33 +55,53 @@ SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
 ECHO_SERVER = r"""
 import socket, sys
-n, rounds = int(sys.argv[1]), int(sys.argv[2])
+n, rounds, sgd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "sgd"
 listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
 print(listener.getsockname()[1], flush=True)
 conn, _ = listener.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 buf = bytearray(n); view = memoryview(buf)
+if sgd:  # the update a ps applies, in place, then the weights go back
+    import torch
+    gradient = torch.frombuffer(buf, dtype=torch.float32)
+    weight = torch.randn(n // 4)
+    reply = memoryview(weight.numpy()).cast("B")
+else:
+    reply = buf
 for _ in range(rounds):
     got = 0
     while got < n:
         got += conn.recv_into(view[got:])
-    conn.sendall(buf)
+    if sgd:
+        weight.add_(gradient, alpha=-0.1)
+    conn.sendall(reply)
 """
 
 
 class RawEcho:
-    """A plain TCP echo server in its own process, and the client end of it."""
+    """A plain TCP echo server in its own process, and the client end of it. With
+    ``sgd`` the server applies an SGD update to its weights with the received bytes as the
+    gradient and sends the weights back (the work of a push+pull, over a bare socket)."""
 
-    def __init__(self, model_bytes: int, rounds: int) -> None:
+    def __init__(self, model_bytes: int, rounds: int, sgd: bool = False) -> None:
         self.model_bytes = model_bytes
         self.server = subprocess.Popen(
-            [sys.executable, "-c", ECHO_SERVER, str(model_bytes), str(rounds)],
+            [
+                sys.executable,
+                "-c",
+                ECHO_SERVER,
+                str(model_bytes),
+                str(rounds),
+                "sgd" if sgd else "echo",
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )
         port = int(self.server.stdout.readline())
         self.conn = socket.create_connection(("127.0.0.1", port), timeout=60)
         self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.payload, self.back = os.urandom(model_bytes), bytearray(model_bytes)
+        # Small float32 values, so that the gradient the SGD server reads is finite.
+        self.payload = memoryview((torch.randn(model_bytes // 4) * 1e-6).numpy()).cast("B")
+        self.back = bytearray(model_bytes)
 
     def round_trip(self) -> None:
         self.conn.sendall(self.payload)
@@ -136,9 +161,13 @@ class TensorfleetPs:
                 self.ps.kill()
 
 
+#: The kinds that apply an SGD update on the server, compared with ``raw_tcp_sgd`` too.
+UPDATING = ("push_pull", "push_pull_encrypted", "push_pull_shared_memory")
+
 #: Bytes each kind moves per round trip, in units of the model's size.
 MOVES = {
     "raw_tcp_echo": 2,
+    "raw_tcp_sgd": 2,
     "push_pull": 2,
     "pull": 1,
     "push_pull_encrypted": 2,
@@ -152,6 +181,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
     machine's drift (this is a shared 2-core VM) hits every kind alike."""
     torch.set_num_threads(1)
     raw = RawEcho(model_bytes, (batches + 1) * per_batch)
+    raw_sgd = RawEcho(model_bytes, (batches + 1) * per_batch, sgd=True)
     ours = TensorfleetPs(model_bytes)
     encrypted = TensorfleetPs(model_bytes, encrypt=True)
     local = TensorfleetPs(model_bytes, shared_memory=True)
@@ -159,6 +189,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         raise RuntimeError("the shared-memory fast path was not chosen as asked")
     kinds = {
         "raw_tcp_echo": raw.round_trip,
+        "raw_tcp_sgd": raw_sgd.round_trip,
         "push_pull": ours.push_pull,
         "pull": ours.pull,
         "push_pull_encrypted": encrypted.push_pull,
@@ -176,6 +207,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
                         times[name].append(time.perf_counter() - start)
     finally:
         raw.close()
+        raw_sgd.close()
         for ps in (ours, encrypted, local):
             ps.close()
     return times
@@ -202,8 +234,8 @@ def main() -> int:
     args = parser.parse_args()
     sizes: dict[str, dict] = {}
     table = [
-        "| MB | run | median ms | p10-p90 ms | GB/s | ratio vs raw TCP |",
-        "|---|---|---|---|---|---|",
+        "| MB | run | median ms | p10-p90 ms | GB/s | ratio vs raw TCP | vs raw TCP + SGD |",
+        "|---|---|---|---|---|---|---|",
     ]
     for megabytes in args.megabytes:
         model_bytes = int(megabytes * 1e6) // 4 * 4
@@ -211,10 +243,14 @@ def main() -> int:
         rows = {name: summary(t, MOVES[name] * model_bytes) for name, t in times.items()}
         for name, row in rows.items():
             row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
+            same_work = ""
+            if name in UPDATING:
+                row["ratio_vs_raw_tcp_sgd"] = row["gb_per_s"] / rows["raw_tcp_sgd"]["gb_per_s"]
+                same_work = f"{row['ratio_vs_raw_tcp_sgd']:.2f}x"
             table.append(
                 f"| {megabytes:g} | {name} | {row['median_ms']:.2f} | "
                 f"{row['p10_ms']:.2f}-{row['p90_ms']:.2f} | {row['gb_per_s']:.2f} | "
-                f"{row['ratio_vs_raw_tcp']:.2f}x |"
+                f"{row['ratio_vs_raw_tcp']:.2f}x | {same_work} |"
             )
         sizes[f"{megabytes:g}"] = rows
     result = {

@@ -1,0 +1,270 @@
+"""The floor under the wire: what the transports cost with nothing of tensorfleet's in them.
+
+``benchmarks/wire.py`` compares a push+pull with a raw TCP echo. Part of the gap is not
+tensorfleet's framing, authentication or copies but ZeroMQ itself (its I/O thread, its
+message allocation) and, with ``--encrypt``, CURVE. This benchmark measures those floors
+alone, all in one run, each echo server in its own process on localhost, in alternating
+batches:
+
+* ``raw_tcp_echo``: a plain socket receives the bytes and sends them back;
+* ``zmq_echo``: a ZeroMQ ROUTER echoes one DEALER's message (``copy=False`` both ways,
+  as the transport does): the ceiling for any protocol over ZeroMQ tcp;
+* ``zmq_curve_echo``: the same with CURVE encryption (what ``--encrypt`` uses);
+
+and, on this thread, the cryptography an encrypted or authenticated message needs, in GB/s
+over one buffer of the size: ``aes_gcm_encrypt`` (AES-256-GCM into a fresh output buffer,
+what an application-level encryption would cost per direction and per end),
+``aes_gcm_encrypt_into`` (the same into a buffer reused across calls, no page faults) and
+``gmac`` (the MAC tensorfleet computes on every payload, see ``wire/auth.py``).
+
+    .venv/bin/python benchmarks/wire_floor.py [--megabytes 8 32 --batches 10 --per-batch 10]
+
+Writes benchmarks/results/wire_floor.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from results_writer import write_results  # noqa: E402
+
+#: Seconds any one round trip may take before the benchmark gives up.
+ROUND_TRIP_TIMEOUT_S = 60
+
+TCP_SERVER = r"""
+import socket, sys
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
+listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+conn.settimeout(60)
+buf = bytearray(n); view = memoryview(buf)
+for _ in range(rounds):
+    got = 0
+    while got < n:
+        got += conn.recv_into(view[got:])
+    conn.sendall(buf)
+"""
+
+ZMQ_SERVER = r"""
+import sys, zmq
+curve_secret = sys.argv[1]
+router = zmq.Context().socket(zmq.ROUTER)
+router.setsockopt(zmq.LINGER, 1000)
+router.setsockopt(zmq.RCVTIMEO, 60_000)
+if curve_secret != "-":
+    router.curve_secretkey = curve_secret.encode()
+    router.curve_publickey = zmq.curve_public(curve_secret.encode())
+    router.curve_server = True
+port = router.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+while True:
+    frames = router.recv_multipart(copy=False)
+    if len(frames[-1]) == 0:  # the client is done
+        break
+    router.send_multipart(frames, copy=False)
+"""
+
+
+def _start(program: str, *args: str) -> tuple[subprocess.Popen, int]:
+    server = subprocess.Popen(
+        [sys.executable, "-c", program, *args], stdout=subprocess.PIPE, text=True
+    )
+    line = server.stdout.readline()
+    if not line.strip().isdigit():
+        server.kill()
+        raise RuntimeError(f"echo server did not start (said {line!r})")
+    return server, int(line)
+
+
+class TcpEcho:
+    """A plain TCP echo server in its own process, and the client end of it."""
+
+    def __init__(self, payload: bytes, rounds: int) -> None:
+        self.server, port = _start(TCP_SERVER, str(len(payload)), str(rounds))
+        self.conn = socket.create_connection(("127.0.0.1", port), timeout=ROUND_TRIP_TIMEOUT_S)
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.payload, self.back = payload, bytearray(len(payload))
+
+    def round_trip(self) -> None:
+        self.conn.sendall(self.payload)
+        view, got = memoryview(self.back), 0
+        while got < len(self.payload):
+            got += self.conn.recv_into(view[got:])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class ZmqEcho:
+    """A ZeroMQ ROUTER echo server in its own process, and a DEALER talking to it."""
+
+    def __init__(self, payload: bytes, curve: bool) -> None:
+        server_public, server_secret = zmq.curve_keypair() if curve else (b"", b"-")
+        self.server, port = _start(ZMQ_SERVER, server_secret.decode())
+        self.context = zmq.Context()
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        if curve:
+            public, secret = zmq.curve_keypair()
+            self.dealer.curve_serverkey = server_public
+            self.dealer.curve_publickey = public
+            self.dealer.curve_secretkey = secret
+        self.dealer.connect(f"tcp://127.0.0.1:{port}")
+        self.payload = payload
+        # Ping until the server answers: a message sent while the connection (and CURVE's
+        # handshake) is being set up was seen lost now and then on this machine.
+        deadline = time.monotonic() + ROUND_TRIP_TIMEOUT_S
+        while True:
+            self.dealer.send(b"p")
+            if self.dealer.poll(1000):
+                self.dealer.recv()
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the ZeroMQ echo server did not answer a ping in {ROUND_TRIP_TIMEOUT_S} s"
+                )
+        while self.dealer.poll(200):  # answers to earlier pings
+            self.dealer.recv()
+
+    def round_trip(self) -> None:
+        self.dealer.send(self.payload, copy=False)
+        if not self.dealer.poll(ROUND_TRIP_TIMEOUT_S * 1000):
+            raise TimeoutError(f"no echo within {ROUND_TRIP_TIMEOUT_S} s")
+        self.dealer.recv(copy=False)
+
+    def close(self) -> None:
+        self.dealer.send(b"")  # tells the server to exit
+        self.dealer.close(linger=1000)
+        self.context.term()
+
+
+def crypto_rates(payload: bytes, repeats: int) -> dict[str, float]:
+    """GB/s of AES-256-GCM encryption and of GMAC over ``payload`` on this thread (medians)."""
+    key = os.urandom(32)
+    aes = AESGCM(key)
+
+    def encrypt() -> None:
+        aes.encrypt(os.urandom(12), payload, None)
+
+    out = bytearray(len(payload))
+
+    def encrypt_into() -> None:
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(os.urandom(12))).encryptor()
+        encryptor.update_into(payload, out)
+        encryptor.finalize()
+
+    def gmac() -> None:
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(os.urandom(12))).encryptor()
+        encryptor.authenticate_additional_data(payload)
+        encryptor.finalize()
+
+    rates = {}
+    kinds = (("aes_gcm_encrypt", encrypt), ("aes_gcm_encrypt_into", encrypt_into), ("gmac", gmac))
+    for name, call in kinds:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        rates[name] = len(payload) / statistics.median(times) / 1e9
+    return rates
+
+
+def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, list[float]]:
+    """Seconds per round trip of each echo, in alternating batches (the first warms up)."""
+    payload = os.urandom(model_bytes)
+    rounds = (batches + 1) * per_batch
+    echoes: dict[str, TcpEcho | ZmqEcho] = {}
+    try:
+        echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
+        echoes["zmq_echo"] = ZmqEcho(payload, curve=False)
+        echoes["zmq_curve_echo"] = ZmqEcho(payload, curve=True)
+        kinds: dict[str, Callable[[], None]] = {n: e.round_trip for n, e in echoes.items()}
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        for batch in range(batches + 1):
+            for name, call in kinds.items():
+                for _ in range(per_batch):
+                    start = time.perf_counter()
+                    call()
+                    if batch > 0:
+                        times[name].append(time.perf_counter() - start)
+    finally:
+        for echo in echoes.values():
+            echo.close()
+            try:
+                echo.server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                echo.server.kill()
+                echo.server.wait()
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--megabytes", type=float, nargs="+", default=[8.0, 32.0])
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--per-batch", type=int, default=10)
+    args = parser.parse_args()
+    table = [
+        "| MB | run | median ms | p10-p90 ms | GB/s | ratio vs raw TCP |",
+        "|---|---|---|---|---|---|",
+    ]
+    sizes: dict[str, dict] = {}
+    for megabytes in args.megabytes:
+        model_bytes = int(megabytes * 1e6)
+        times = interleaved(model_bytes, args.batches, args.per_batch)
+        rows: dict[str, dict] = {}
+        for name, samples in times.items():
+            ordered, median = sorted(samples), statistics.median(samples)
+            rows[name] = {
+                "median_ms": median * 1e3,
+                "p10_ms": ordered[int(len(ordered) * 0.1)] * 1e3,
+                "p90_ms": ordered[int(len(ordered) * 0.9)] * 1e3,
+                "gb_per_s": 2 * model_bytes / median / 1e9,
+            }
+        for name, row in rows.items():
+            row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
+            table.append(
+                f"| {megabytes:g} | {name} | {row['median_ms']:.2f} | "
+                f"{row['p10_ms']:.2f}-{row['p90_ms']:.2f} | {row['gb_per_s']:.2f} | "
+                f"{row['ratio_vs_raw_tcp']:.2f}x |"
+            )
+        for name, rate in crypto_rates(os.urandom(model_bytes), 15).items():
+            rows[name] = {"gb_per_s": rate}
+            table.append(f"| {megabytes:g} | {name} (one thread) | | | {rate:.2f} | |")
+        sizes[f"{megabytes:g}"] = rows
+    result = {
+        "benchmark": "transport floors on localhost: raw TCP, ZeroMQ, ZeroMQ CURVE echoes",
+        "round_trips_per_kind": args.batches * args.per_batch,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "sizes": sizes,
+    }
+    heading = (
+        f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, "
+        f"interleaved, {result['date']}"
+    )
+    write_results("wire_floor", result, heading, table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
