@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from collections import Counter
 
     from tensorfleet.ps.buffer_bank import BufferBank
-    from tensorfleet.ps.service import ServiceConfig
+    from tensorfleet.ps.service_settings import ServiceConfig
     from tensorfleet.ps.staleness_gate import StalenessGate
     from tensorfleet.ps.store import VariableStore
     from tensorfleet.ps.sync_aggregator import SyncAggregator
