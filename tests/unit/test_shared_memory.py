@@ -291,6 +291,27 @@ def test_stale_segment_is_a_clear_error() -> None:
         replacement.close()
 
 
+def test_a_segment_retired_between_the_name_check_and_the_open_is_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client may close its descriptor at any moment (an abandoned request): an open
+    that fails after the name matched is a stale segment, not an OSError out of the loop."""
+    segment = shm.Segment(BIG)
+    real_open = os.open
+
+    def retired_meanwhile(path: str, flags: int, *args: object) -> int:
+        if path.startswith("/proc/") and "/fd/" in path:
+            raise FileNotFoundError(2, "No such file or directory")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(shm.os, "open", retired_meanwhile)
+    try:
+        with pytest.raises(ProtocolError, match="stale shared-memory segment: .* cannot be opened"):
+            shm.PeerSegments().buffers(segment.describe(), [10])
+    finally:
+        segment.close()
+
+
 def test_a_service_answers_a_request_naming_a_stale_segment(service: EchoService) -> None:
     channel = _connected(service.address)
     try:

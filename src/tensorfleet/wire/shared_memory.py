@@ -284,13 +284,21 @@ class PeerSegments:
 
     @staticmethod
     def _map(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
+        """Map the client's segment. Its name is checked on the opened file
+        (``/proc/self/fd``), not only on the path: the client may retire the segment at any
+        moment (an abandoned request), and its descriptor number may then name another file
+        between a check of the path and the open."""
         path = f"/proc/{pid}/fd/{fd}"
         expected = f"/memfd:{_NAME_PREFIX}{token} (deleted)"
+        # The name is checked before the open (so that nothing but a segment is ever opened:
+        # no tty, no FIFO) and again on the opened file below.
         try:
             link = os.readlink(path)
+            if link == expected:
+                opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
         except OSError as exc:
             raise ProtocolError(
-                f"stale shared-memory segment: {path} cannot be read ({exc.strerror}); the "
+                f"stale shared-memory segment: {path} cannot be opened ({exc.strerror}); the "
                 "sending process has ended or retired it. Set TENSORFLEET_SHARED_MEMORY=0 if "
                 "this system does not let tasks of one user open each other's /proc/PID/fd"
             ) from None
@@ -299,8 +307,13 @@ class PeerSegments:
                 f"stale shared-memory segment: {path} is {link!r}, expected {expected!r}; the "
                 "sending process has retired it"
             )
-        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
+            link = os.readlink(f"/proc/self/fd/{opened}")
+            if link != expected:
+                raise ProtocolError(
+                    f"stale shared-memory segment: {path} is {link!r}, expected {expected!r}; "
+                    "the sending process has retired it"
+                )
             actual = os.fstat(opened).st_size
             if actual != size:
                 raise ProtocolError(
