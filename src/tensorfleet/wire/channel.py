@@ -155,6 +155,13 @@ class Channel:
             raise DeadlineExceeded(
                 f"cannot queue '{op}' for {self.peer_name} at {self.address} within "
                 f"{SEND_TIMEOUT_MS / 1000:.0f} s: its send queue is full (unreachable for long?)"
+                + (
+                    "; no connection to it ever completed: check that it is running at that "
+                    "address and that every task agrees on encryption (TENSORFLEET_ENCRYPT / "
+                    "--encrypt)"
+                    if self.server_session is None
+                    else ""
+                )
             ) from None
         self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
         self._pending[request_id] = op
