@@ -135,11 +135,11 @@ def test_sbatch_runs_the_script_tensorfleet_slurm_writes(slurm_cluster, tmp_path
     )  # fmt: skip
     assert code == 0, capsys.readouterr().err
     assert oct((tmp_path / "secret").stat().st_mode & 0o777) == "0o600"
-    run = run_client(["sbatch", "--wait", str(script)], slurm_cluster, ROOT)
+    state, exit_code, record = slurm_cluster.run_batch_job(script, ROOT, RUN_TIMEOUT_S)
     logs = list(tmp_path.glob("job-*.out"))
     output = logs[0].read_text() if logs else "(no job log)"
-    describe = f"$ sbatch --wait {script}\nexit {run.returncode}\n{run.stdout}\n{run.stderr}\n--- script ---\n{script.read_text()}\n--- job log ---\n{output}"  # fmt: skip
-    assert run.returncode == 0, f"{describe}\n{slurm_cluster.logs()}"
+    describe = f"$ sbatch {script}\n{state}, exit {exit_code}\n{record}\n--- script ---\n{script.read_text()}\n--- job log ---\n{output}"  # fmt: skip
+    assert (state, exit_code) == ("COMPLETED", 0), f"{describe}\n{slurm_cluster.logs()}"
     check_run(output, describe)
 
 
