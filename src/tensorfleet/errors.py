@@ -7,6 +7,12 @@ Classes also derive from the closest built-in exception (``ValueError``,
 
 from __future__ import annotations
 
+import signal
+
+#: The exit status of a task that ended because it was preempted (SIGTERM): 128 + SIGTERM,
+#: what a shell reports for a process killed by that signal.
+PREEMPTED_EXIT_STATUS = 128 + signal.SIGTERM
+
 
 class TensorfleetError(Exception):
     """Base class of every error tensorfleet raises on purpose."""
@@ -151,3 +157,18 @@ class LaunchError(TensorfleetError):
 class LaunchConfigError(LaunchError, ValueError):
     """An argument of the launcher is invalid (a negative restart limit, a Ray address that
     does not answer); raised before anything starts."""
+
+
+class Preempted(SystemExit):
+    """This task was preempted (SIGTERM from outside, e.g. a cluster manager reclaiming its
+    machine): it saved what it could (the chief a checkpoint) and ends the process with exit
+    status 143 (128 + SIGTERM), which the launcher and cluster managers treat as a kill by a
+    signal and restart. A ``SystemExit``, not an ``Exception``: a broad ``except Exception``
+    in a training loop does not swallow it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(PREEMPTED_EXIT_STATUS)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -69,6 +69,7 @@ OPS = (
     "heartbeat",
     "save",
     "restore",
+    "leave",
 )
 
 #: Four dtype groups: float32 [w (2, 3), b (3,)], float64 [d (4,)], float16 [h (2, 2)],

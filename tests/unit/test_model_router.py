@@ -20,6 +20,7 @@ from tensorfleet.ps.model_namespace import ModelClaim, fingerprint
 from tensorfleet.ps.model_router import ModelRouter
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.version import __version__
 from tensorfleet.wire.channel import Channel
@@ -183,3 +184,24 @@ def test_requests_for_an_unopened_or_malformed_model_are_refused(router):
         assert list(router.router.models) == [""]
     finally:
         channel.close()
+
+
+def test_every_setting_of_the_task_reaches_each_models_service() -> None:
+    """A model's service is opened with the task's settings (a setting left out would be
+    silently back at its default: ``--max-memory`` once was, for every model)."""
+    settings = ServiceSettings(
+        idle_timeout_s=61.0,
+        end_grace_s=7.0,
+        liveness_timeout_s=9.0,
+        max_memory=12_345_678,
+        preempt_grace_s=3.0,
+    )
+    config = ServiceConfig.for_shard(0, WORKERS, settings)
+    address = f"127.0.0.1:{free_port()}"
+    socket = ServiceSocket(address, SECRET, config.limits)
+    try:
+        service = ModelRouter(socket, config)._open(ModelClaim("trial-1", ("worker:1",)))
+    finally:
+        socket.close()
+    assert service.config.settings == settings
+    assert service.config.worker_tasks == ("worker:1",) and service.config.model == "trial-1"

@@ -22,10 +22,9 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 
-from tensorfleet.errors import TensorfleetError
+from tensorfleet.errors import Preempted, TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
 from tensorfleet.patterns.sweep_cli import add_sweep_command
@@ -110,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="most memory this ps's embedding tables may take, counted at their full size "
         "(e.g. 8GB, 512MiB, or bytes); a table that would not fit is refused when created "
         "(default: no limit)",
+    )
+    server.add_argument(
+        "--preempt-grace",
+        type=float,
+        default=ServiceSettings.preempt_grace_s,
+        metavar="S",
+        help="after a SIGTERM (a preemption), keep serving up to S seconds until the chief "
+        "has written a checkpoint, then exit with status 143 to be restarted "
+        "(default: %(default)g)",
     )
     server.set_defaults(handler=_server)
 
@@ -198,6 +206,7 @@ def _server(args: argparse.Namespace) -> int:
                     for field, value in (
                         ("liveness_timeout_s", args.liveness_timeout),
                         ("end_grace_s", args.end_grace),
+                        ("preempt_grace_s", args.preempt_grace),
                         ("max_memory", _memory_size(args.max_memory)),
                     )
                     if value is not None
@@ -210,9 +219,11 @@ def _server(args: argparse.Namespace) -> int:
     ) as exc:  # cannot listen on the task's address; the message says why
         print(f"tensorfleet: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: server.stop())
-    outcome = server.join()
+    try:
+        outcome = server.join()  # a SIGTERM meanwhile is a preemption (session/preemption.py)
+    except Preempted as preempted:
+        print(f"tensorfleet: {preempted}", file=sys.stderr)
+        return preempted.code
     if outcome is not None and not outcome.clean:
         print(
             f"tensorfleet: {task.task_id} ended without a clean finish ({outcome.reason})",

@@ -79,8 +79,10 @@ from tensorfleet.wire.secret import generate_secret
 DEFAULT_HISTORY = 20
 #: Seconds the other tasks get to finish after a failure, and ps tasks after the workers.
 DEFAULT_GRACE_PERIOD = 15.0
-#: Seconds between SIGTERM and SIGKILL.
-DEFAULT_KILL_TIMEOUT = 5.0
+#: Seconds between SIGTERM and SIGKILL. A task takes SIGTERM as a preemption and saves what it
+#: can first (session/preemption.py): a ps waits up to its ``preempt_grace_s`` (10 s) for the
+#: chief's checkpoint, so this must be longer.
+DEFAULT_KILL_TIMEOUT = 15.0
 
 # Phases of a run. Each phase after RUNNING ends at a deadline (``_phase_deadline``).
 _RUNNING = "running"

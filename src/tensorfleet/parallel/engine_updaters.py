@@ -66,6 +66,9 @@ class _Decorator:
     def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
         self.inner.finish(before_done, failed)
 
+    def leave(self) -> None:
+        self.inner.leave()
+
     def close(self) -> None:
         self.inner.close()
 

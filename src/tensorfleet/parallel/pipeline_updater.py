@@ -181,6 +181,11 @@ class PipelineLeaderUpdater:
                     if not failed:
                         raise
 
+    def leave(self) -> None:
+        """The ps shards are told; the pipeline's stages notice the leader's end at their
+        next exchange and fail with a message naming it."""
+        self.inner.leave()
+
     def close(self) -> None:
         try:
             self.inner.close()

@@ -34,6 +34,7 @@ import time
 
 from tensorfleet.errors import NotInitialized, ProtocolError, RemoteProtocolError, RequestRefused
 from tensorfleet.ps.model_namespace import DEFAULT_MODEL, ModelClaim, check_model_name, label
+from tensorfleet.ps.preemption_drain import PreemptionDrain
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 
@@ -54,15 +55,20 @@ class ModelRouter:
         self.over: dict[str, str] = {}
         """The models whose training is over, and why (``finished`` or ``ended``)."""
         self._all_over_since: float | None = None
+        self._drain: PreemptionDrain | None = None
 
     @property
     def name(self) -> str:
         return f"ps:{self.config.shard_index}"
 
-    def serve(self, stop: threading.Event | None = None) -> ServiceOutcome:
-        """Run the request loop until every model's training is over (or ``stop`` is set)."""
+    def serve(
+        self, stop: threading.Event | None = None, preempt: threading.Event | None = None
+    ) -> ServiceOutcome:
+        """Run the request loop until every model's training is over, ``stop`` is set, or
+        ``preempt`` is set and the task is drained (:mod:`tensorfleet.ps.preemption_drain`:
+        the outcome is then ``preempted``)."""
         while True:
-            reason = self._finished_reason(stop)
+            reason = self._finished_reason(stop) or self._preempted(preempt)
             if reason is not None:
                 steps = {name: service.global_step for name, service in self.models.items()}
                 default = self.models.get(DEFAULT_MODEL)
@@ -145,6 +151,8 @@ class ModelRouter:
             end_grace_s=self.config.end_grace_s,
             liveness_timeout_s=self.config.liveness_timeout_s,
             limits=self.config.limits,
+            max_memory=self.config.max_memory,
+            preempt_grace_s=self.config.preempt_grace_s,
             model=claim.name,
         )
         service = ParameterService(self.socket, config)
@@ -153,6 +161,17 @@ class ModelRouter:
         if claim.name != DEFAULT_MODEL or claim.workers is not None:
             log.info("%s: opened for %s", config.name, ", ".join(config.worker_tasks))
         return service
+
+    def _preempted(self, preempt: threading.Event | None) -> str | None:
+        """``preempted`` once a preemption notice came and every model is drained."""
+        if preempt is None or not preempt.is_set():
+            return None
+        if self._drain is None:
+            self._drain = PreemptionDrain(time.monotonic(), self.config.preempt_grace_s, self.name)
+            self._drain.start(self.models)
+        for service in self.models.values():  # a model opened meanwhile is asked too
+            service.checkpoint_wanted = True
+        return "preempted" if self._drain.drained(self.models) else None
 
     def _finished_reason(self, stop: threading.Event | None) -> str | None:
         now = time.monotonic()

@@ -112,6 +112,13 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         self.worker_data: dict[str, dict] = {}
         """Each worker's last reported data position (saved in checkpoints)."""
         self._waiting_for_done: list[Request] = []
+        self.checkpoint_wanted = False
+        """Set during a preemption (:mod:`tensorfleet.ps.preemption_drain`): every reply with
+        the progress asks the chief for a checkpoint."""
+        self.checkpointing_chief: str | None = None
+        """The chief, when it said at ``create`` that it keeps checkpoints."""
+        self.last_save_at: float | None = None
+        """When a ``save`` was last answered (monotonic seconds)."""
         self._handlers = {
             "hello": self._hello,
             "create": self._create,
@@ -124,6 +131,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
             "heartbeat": self._heartbeat,
             "save": self._save,
             "restore": self._restore,
+            "leave": self._leave,
             "stats": self._stats,
         }
         self.buffer_bank = BufferBank(socket, len(config.worker_tasks), self._departed_workers)
@@ -213,7 +221,9 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         document of a checkpoint. Everything is checked before anything changes."""
         layout = _layout_from(request.body.get("variables"))
         task = request.body.get("task")
+        saves = request.body.get("saves_checkpoints") is True and self.roster.is_worker(task)
         if self.store.initialized:
+            self.checkpointing_chief = task if saves else None
             difference = layout.describe_difference(self.store.layout)
             if difference is not None:
                 raise ConfigError(f"variables already created with another layout: {difference}")
@@ -260,6 +270,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
                 raise
         # Only now: a create that is refused (a rule torch rejects) changes nothing.
         self.aggregator, self.gate = aggregator, gate
+        self.checkpointing_chief = task if saves else None
         self.tables.follow(sync=aggregator is not None, gated=gate is not None)
         self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
@@ -363,6 +374,25 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
             {"global_step": self.global_step, "version": self.store.version},
             [document],
         )
+        self.last_save_at = time.monotonic()
+
+    def _leave(self, request: Request) -> None:
+        """A worker stops for now and will be back (it was preempted): it counts as lost at
+        once, so that sync steps and the staleness bound stop waiting for it and its
+        restarted process takes over its identity without waiting for the liveness timeout."""
+        task = self._worker_of(request)
+        self.roster.mark_left(task)
+        self.socket.reply(request, {})
+        self._check_liveness()
+
+    def chief_saved_since(self, when: float) -> bool | None:
+        """For a preemption drain: whether a checkpoint was saved after ``when``; None when
+        none will come (no chief keeping checkpoints created the variables here, or it is
+        not running)."""
+        chief = self.checkpointing_chief
+        if chief is None or chief not in self.roster.running():
+            return None
+        return self.last_save_at is not None and self.last_save_at > when
 
     def _restore(self, request: Request) -> None:
         """Take the state of a shard document (every shard of a run is restored to the same
@@ -414,10 +444,13 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         change = self.roster.check_liveness()
         for task in change.newly_lost:
             log.warning(
-                "%s: %s has not been heard from for %g s: lost (dead, or cut off)%s",
+                "%s: %s %s%s",
                 self.config.name,
                 task,
-                self.config.liveness_timeout_s,
+                "left (preempted): lost until its restarted process is back"
+                if task in self.roster.left
+                else f"has not been heard from for {self.config.liveness_timeout_s:g} s: lost "
+                "(dead, or cut off)",
                 ""
                 if self.aggregator is None
                 else f"; sync steps {'go on without it' if self.discipline.lost_worker == 'shrink' else 'fail'}",
@@ -455,11 +488,14 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
     # -- helpers --------------------------------------------------------------------------------
 
     def _progress(self) -> dict[str, object]:
-        return {
+        progress: dict[str, object] = {
             "global_step": self.global_step,
             "version": self.store.version,
             "stop": self.end_declared_at is not None,
         }
+        if self.checkpoint_wanted:
+            progress["checkpoint"] = True
+        return progress
 
     def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
         body = {**self._progress(), **(extra or {})}

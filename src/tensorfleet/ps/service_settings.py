@@ -33,12 +33,23 @@ class ServiceSettings:
     max_memory: int | None = None
     """Most bytes the shard's embedding tables may take (counted at their full size); a
     table that would not fit is refused at creation. None: no limit."""
+    preempt_grace_s: float = 10.0
+    """After a preemption notice (SIGTERM), how long the shard keeps serving while it waits
+    for each model's chief to write a checkpoint, before it exits with status 143
+    (:mod:`tensorfleet.ps.preemption_drain`)."""
 
     def __post_init__(self) -> None:
-        if not (self.idle_timeout_s > 0 and self.liveness_timeout_s > 0 and self.end_grace_s >= 0):
+        if not (
+            self.idle_timeout_s > 0
+            and self.liveness_timeout_s > 0
+            and self.end_grace_s >= 0
+            and self.preempt_grace_s >= 0
+        ):
             raise ConfigError(
-                "idle_timeout_s and liveness_timeout_s must be > 0 and end_grace_s >= 0, got "
-                f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}"
+                "idle_timeout_s and liveness_timeout_s must be > 0, end_grace_s >= 0 and "
+                "preempt_grace_s >= 0, got "
+                f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}, "
+                f"{self.preempt_grace_s}"
             )
         if self.max_memory is not None and self.max_memory <= 0:
             raise ConfigError(f"max_memory must be > 0 bytes (or None), got {self.max_memory}")
@@ -66,6 +77,8 @@ class ServiceConfig:
     """A worker not heard from (requests or heartbeats) for this long is lost."""
     limits: Limits = ServiceSettings.limits
     max_memory: int | None = ServiceSettings.max_memory
+    preempt_grace_s: float = ServiceSettings.preempt_grace_s
+    """After a preemption notice, how long to wait for the chiefs' checkpoints."""
     model: str = ""
     """The model this service holds (its namespace; ``""``: the default model), and
     ``worker_tasks`` are that model's workers (:mod:`tensorfleet.ps.model_router`)."""
@@ -87,6 +100,7 @@ class ServiceConfig:
             liveness_timeout_s=self.liveness_timeout_s,
             limits=self.limits,
             max_memory=self.max_memory,
+            preempt_grace_s=self.preempt_grace_s,
         )
 
     @classmethod

@@ -44,7 +44,8 @@ class ServiceOutcome:
     """Why the service loop ended."""
 
     reason: str
-    """``finished`` (all workers done), ``ended`` (chief's end plus grace), ``idle``, ``stopped``."""
+    """``finished`` (all workers done), ``ended`` (chief's end plus grace), ``idle``,
+    ``stopped``, ``preempted`` (SIGTERM, then drained: :mod:`tensorfleet.ps.preemption_drain`)."""
     global_step: int
     models: dict[str, int] = field(default_factory=dict)
     """Each model's global step, by name, when a :class:`~tensorfleet.ps.model_router.ModelRouter` served."""

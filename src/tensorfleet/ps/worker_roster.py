@@ -89,6 +89,8 @@ class WorkerRoster:
     """Workers not heard from for ``liveness_timeout_s``."""
     heard: dict[str, float] = field(default_factory=dict)
     """When each worker was last heard from (``clock`` seconds)."""
+    left: set[str] = field(default_factory=set)
+    """Workers that said they left (preempted) and have not said hello since."""
     holders: dict[str, str] = field(default_factory=dict)
     """The instance (process) that holds each worker's identity."""
     _sessions: OrderedDict[bytes, tuple[str, str]] = field(default_factory=OrderedDict)
@@ -152,6 +154,7 @@ class WorkerRoster:
                 self._sessions.popitem(last=False)
         self.heard[task] = self.clock()
         self.lost.discard(task)
+        self.left.discard(task)
 
     def admit(self, session: bytes) -> None:
         """Refuse (:class:`IdentityInUse`) a request on a channel whose process no longer
@@ -190,6 +193,14 @@ class WorkerRoster:
         )
         self.lost = lost
         return change
+
+    def mark_left(self, task: str) -> None:
+        """``task`` stopped for now (preempted) and will be back: the next
+        :meth:`check_liveness` finds it lost, as if silent for the liveness timeout, and a
+        new process may take its identity at once."""
+        if task in self.heard:
+            self.heard[task] = min(self.heard[task], self.clock() - self.liveness_timeout_s - 1.0)
+            self.left.add(task)
 
     def mark_done(self, task: str) -> None:
         """``task`` has finished training; it is no longer lost."""

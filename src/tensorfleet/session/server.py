@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from tensorfleet import environment
 from tensorfleet.cluster.resources import TaskResources
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
-from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, TensorfleetError
+from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, Preempted, TensorfleetError
 from tensorfleet.ps.model_router import ModelRouter
 from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.service_settings import ServiceSettings
+from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.task_resources import AppliedResources, apply_task_resources
@@ -82,6 +83,7 @@ class Server:
         self.outcome: ServiceOutcome | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._preempt = threading.Event()
         self._failure: BaseException | None = None
         if job_name == PS_JOB:
             self._start_parameter_service()
@@ -128,7 +130,7 @@ class Server:
                 return
             started.set()
             try:
-                self.outcome = ModelRouter(socket, config).serve(self._stop)
+                self.outcome = ModelRouter(socket, config).serve(self._stop, self._preempt)
                 log.info(
                     "%s: parameter service ended (%s) at global step %d",
                     self.task,
@@ -151,21 +153,38 @@ class Server:
     def join(self, timeout_s: float | None = None) -> ServiceOutcome | None:
         """Wait until this task's service has ended: for a ps, until training is over (every
         worker finished, or the chief's end plus a grace period, or the idle timeout). Returns
-        at once for a worker. Raises :class:`DeadlineExceeded` after ``timeout_s``."""
+        at once for a worker. Raises :class:`DeadlineExceeded` after ``timeout_s``.
+
+        A SIGTERM meanwhile (called from the main thread, as a ps script does) is a
+        preemption: the ps asks the chief for a checkpoint, waits for it up to
+        ``preempt_grace_s``, then this raises :class:`~tensorfleet.errors.Preempted`, which
+        ends the process with exit status 143 so that the launcher or the cluster manager
+        restarts it (:mod:`tensorfleet.ps.preemption_drain`)."""
         if self._thread is None:
             return None
-        self._thread.join(timeout_s)
+        with PreemptionNotice(self._preempt.set):
+            self._thread.join(timeout_s)
         if self._thread.is_alive():
             raise DeadlineExceeded(f"{self.task}: still serving after {timeout_s} s")
         if self._failure is not None:
             raise TensorfleetError(
                 f"{self.task}: the parameter service failed: {self._failure!r}"
             ) from self._failure
+        if self.outcome is not None and self.outcome.reason == "preempted":
+            raise Preempted(
+                f"{self.task}: preempted at global step {self.outcome.global_step}; exiting "
+                "with status 143 to be restarted"
+            )
         return self.outcome
 
     def stop(self) -> None:
-        """Ask the service to end now (used by tests and signal handlers)."""
+        """Ask the service to end now (used by tests)."""
         self._stop.set()
+
+    def preempt(self) -> None:
+        """A preemption notice (what SIGTERM does during :meth:`join`): ask the chief for a
+        checkpoint, then end with the outcome ``preempted``."""
+        self._preempt.set()
 
 
 def _pipeline_stages(configured: int | None, cluster: ClusterSpec) -> int:

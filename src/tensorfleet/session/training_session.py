@@ -21,6 +21,10 @@ command again resumes. A ps that restarts mid-training is restored the same way.
 ``data=`` (anything with ``state_dict()``/``load_state_dict()``, e.g. a
 :class:`~tensorfleet.datasets.batches.BatchStream`) and each worker's position in its data is
 saved with the checkpoint and given back on resume, so no batch is replayed.
+
+A SIGTERM while the session is open is a preemption (:mod:`tensorfleet.session.preemption`):
+the step in progress finishes, the chief writes a checkpoint, and
+:class:`~tensorfleet.errors.Preempted` ends the process with status 143 to be restarted.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from tensorfleet.errors import (
     CheckpointError,
     ConfigError,
     ConfigTypeError,
+    Preempted,
     TensorfleetError,
     UsageError,
 )
@@ -47,6 +52,7 @@ from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
+from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
 from tensorfleet.session.update_modes import (
@@ -227,6 +233,7 @@ class TrainingSession:
         self._stop_requested = False
         self._started = False
         self._closed = False
+        self._preemption = PreemptionNotice()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -243,6 +250,7 @@ class TrainingSession:
         if self._started:
             raise UsageError("the session has already started")
         self._started = True
+        self._preemption.__enter__()
         try:
             self._updater.connect(next(self.model.parameters()).device)
             model = self.model
@@ -265,6 +273,7 @@ class TrainingSession:
         except BaseException:
             self._updater.close()
             self._closed = True
+            self._preemption.__exit__(None, None, None)
             raise
         for hook in self.hooks:
             hook.begin(self)
@@ -289,9 +298,13 @@ class TrainingSession:
                 "%s: could not tell the others that this worker stopped: %s", self.task_name, exc
             )
         finally:
-            self._updater.close()
-            if self.timeline_path is not None:
-                self._timeline.write(self.timeline_path)
+            self._release()
+
+    def _release(self) -> None:
+        self._updater.close()
+        self._preemption.__exit__(None, None, None)
+        if self.timeline_path is not None:
+            self._timeline.write(self.timeline_path)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -305,11 +318,15 @@ class TrainingSession:
         ``allreduce`` mode every worker gets the same answer (they must leave together):
         call it once per step on every worker."""
         if not self._closed:
+            # In allreduce mode a preempted worker's checkpoint is collective: asked for here.
+            preempted = self._preemption.received.is_set() and self._updater.collective
             self._stop_requested, checkpoint = self._updater.agree(
-                self._stop_requested, self._checkpoint_requested
+                self._stop_requested, self._checkpoint_requested or preempted
             )
             if checkpoint:
                 self._save()
+            if preempted:
+                self._leave_preempted()
         return self._stop_requested
 
     def request_stop(self) -> None:
@@ -349,6 +366,8 @@ class TrainingSession:
         self._global_step = progress.global_step
         if progress.stop:
             self._stop_requested = True
+        if progress.checkpoint_requested and self.is_chief and self.checkpoints is not None:
+            self._save()  # a preempted ps waits for this checkpoint before it exits
         result = StepResult(
             loss=float(loss.detach()),
             global_step=progress.global_step,
@@ -359,7 +378,29 @@ class TrainingSession:
         self._timeline.add("step", started_ns, time.perf_counter_ns(), step=result.global_step)
         for hook in self.hooks:
             hook.after_step(self, result)
+        if self._preemption.received.is_set() and not self._updater.collective:
+            self._leave_preempted()
         return result
+
+    def _leave_preempted(self) -> None:
+        """After a SIGTERM (see the module): the chief saves a checkpoint (done already in a
+        collective mode), the shards are told this worker left, and :class:`Preempted` ends
+        the process with status 143 so that it is restarted."""
+        saved = ""
+        if not self._updater.collective and self.is_chief and self.checkpoints is not None:
+            saved = f"; checkpoint saved in {self._save()}"
+        log.warning(
+            "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 to be restarted",
+            self.task_name,
+            self._global_step,
+            saved,
+        )
+        self._closed = True
+        try:
+            self._updater.leave()
+        finally:
+            self._release()
+        raise Preempted(f"{self.task_name}: preempted at global step {self._global_step}")
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -393,9 +434,8 @@ class TrainingSession:
         self._checkpoint_requested = False
         data = self._data.state_dict() if self._data is not None else None
         saved = self._updater.save(data)
-        if saved is None:
-            return None
-        assert self.checkpoints is not None
+        if saved is None or self.checkpoints is None:
+            return None  # not the chief, or (a collective save asked by another) no directory
         path = self.checkpoints.write(
             saved.global_step,
             list(saved.documents),

@@ -364,6 +364,10 @@ class AllReduceUpdater:
     def stats(self) -> list[dict[str, Any]]:
         return []
 
+    def leave(self) -> None:
+        """Nothing to tell: the others notice at their next collective (all-reduce mode has
+        no partial restart; the run is started again and resumes from the checkpoint)."""
+
     def close(self) -> None:
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()

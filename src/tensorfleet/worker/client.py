@@ -39,6 +39,7 @@ from tensorfleet.errors import (
     ProtocolError,
     RemoteError,
     ServiceRestarted,
+    TensorfleetError,
     UsageError,
 )
 from tensorfleet.ps.model_namespace import ModelClaim
@@ -64,6 +65,10 @@ T = TypeVar("T")
 #: Failures after which the client recovers and tries again: the ps restarted, fell silent,
 #: did not answer in time, or answered from a new process that has no variables yet.
 RECOVERABLE = (ServiceRestarted, DeadlineExceeded, NotInitialized)
+
+
+#: How long a preempted worker tries to tell the shards it left (then they find it silent).
+LEAVE_TIMEOUT_S = 5.0
 
 
 class ParameterClient:
@@ -104,6 +109,9 @@ class ParameterClient:
         """Whether the hello asks the ps to hand this process the identity at once (the
         launcher says the previous process of this task is dead)."""
         self.is_chief = False
+        self.saves_checkpoints = False
+        """The chief keeps checkpoints: a preempted ps waits for its checkpoint (said at
+        ``create``)."""
         self.restore_shards: Callable[[], tuple[int, Sequence[bytes]] | None] | None = None
         self.restored_data: dict[str, Any] | None = None
         """This worker's data position as the ps last recorded it (None: none recorded)."""
@@ -205,6 +213,7 @@ class ParameterClient:
                 "owns_global_step": i == 0,
                 "discipline": (discipline or UpdateDiscipline()).to_wire(),
                 "task": self.task_name,
+                "saves_checkpoints": self.saves_checkpoints,
             }
             for i in range(self.num_shards)
         ]
@@ -490,6 +499,18 @@ class ParameterClient:
         )
         return running
 
+    def leave(self) -> None:
+        """Tell every shard this worker left for now (preempted, to be restarted; not done):
+        it counts as lost at once. The heartbeat stops first, so that nothing says it is
+        alive afterwards. A shard that cannot be told within :data:`LEAVE_TIMEOUT_S` (a
+        preemption's grace period is short) is logged, not raised: it will find the worker
+        silent."""
+        self._heartbeat.stop()
+        try:
+            self._shards.call("leave", self._task, min(LEAVE_TIMEOUT_S, self.timeouts.connect_s))
+        except TensorfleetError as exc:
+            log.warning("%s: could not tell every ps that it left: %s", self.task_name, exc)
+
     def close(self) -> None:
         self._heartbeat.stop()
         for channel in self._shards.channels:
@@ -532,4 +553,5 @@ class ParameterClient:
             stop=any(r.body.get("stop") is True for r in replies),
             made_step=replies[0].body.get("made_step", True) is True,
             dropped=any(r.body.get("dropped") is True for r in replies),
+            checkpoint_requested=any(r.body.get("checkpoint") is True for r in replies),
         )

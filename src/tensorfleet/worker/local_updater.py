@@ -147,6 +147,9 @@ class LocalUpdater:
         if before_done is not None and not failed:
             before_done()
 
+    def leave(self) -> None:
+        """Nobody waits for this process."""
+
     def close(self) -> None:
         """Nothing to close."""
 

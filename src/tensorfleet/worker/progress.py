@@ -24,3 +24,6 @@ class Progress:
     step was lost to a ps failure and the client recovered)."""
     recovered: bool = False
     """The exchange failed (a ps died, restarted or was cut off) and the client recovered."""
+    checkpoint_requested: bool = False
+    """A ps shard asks for a checkpoint now: it was preempted and exits once the chief has
+    written one (:mod:`tensorfleet.ps.preemption_drain`)."""

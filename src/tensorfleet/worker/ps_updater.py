@@ -121,6 +121,9 @@ class PsUpdater:
         if self._rule is None:
             raise UsageError("register() the model before restore()")
         resume_from = None
+        # The shards wait for the chief's checkpoint when they are preempted (only if it
+        # keeps checkpoints: ps/preemption_drain.py).
+        self.client.saves_checkpoints = self.is_chief and checkpoints is not None
         if self.is_chief and checkpoints is not None:
             if resume and not all(self._initialized):
                 resume_from = checkpoints.newest()  # the ps tasks started empty: resume
@@ -223,6 +226,11 @@ class PsUpdater:
         others and runs ``before_done`` meanwhile (not after a failure: then it only tells
         them, so that they do not wait for it)."""
         self.client.finish(declare_end=self.is_chief, before_done=None if failed else before_done)
+
+    def leave(self) -> None:
+        """Tell every shard this worker left (preempted; not done): it counts as lost at
+        once, and its restarted process takes over its identity at once."""
+        self.client.leave()
 
     def close(self) -> None:
         self.client.close()

@@ -174,6 +174,13 @@ class Updater(Protocol):
         error; tell the others without waiting for anyone and without ``before_done``."""
         ...
 
+    def leave(self) -> None:
+        """This worker stops for now and will be back (it was preempted): tell whoever
+        waits for it that it left, without saying it is done, so that nobody waits for it
+        until its restarted process is back. Then :meth:`close`. Never raises for a peer
+        that cannot be told (it will notice the silence)."""
+        ...
+
     def close(self) -> None:
         """Release connections and threads (idempotent; after :meth:`finish` or a failure)."""
         ...

@@ -1,0 +1,78 @@
+"""A SIGTERM from outside is a preemption, not the end of the job.
+
+Cluster managers reclaim machines with SIGTERM and a grace period before SIGKILL (Kubernetes:
+``terminationGracePeriodSeconds``, 30 s by default; Slurm: ``KillWait``, 30 s; spot
+instances: a notice of 30-120 s). Python's default for SIGTERM ends the process at once,
+losing everything since the newest checkpoint. Here a task that gets SIGTERM saves what it
+can and then exits with status 143 (128 + SIGTERM), which the launcher (by its restart
+policy) and cluster managers treat as a kill by a signal, so the task is restarted and the
+run goes on:
+
+* a **worker** finishes the step it is in (its push is applied, nothing is half sent); the
+  **chief** then writes a checkpoint (in ``allreduce`` mode a collective one, at the next
+  ``should_stop()``, with every worker); the worker tells the ps shards it *left* (it counts as
+  lost at once: sync steps stop waiting for it, and its restarted process takes over its
+  identity at once), and :class:`~tensorfleet.errors.Preempted` ends the process;
+* a **ps** asks the chief for a checkpoint and keeps serving until it is written (or the grace
+  period ``preempt_grace_s`` passes), then exits (:mod:`tensorfleet.ps.preemption_drain`).
+
+When the whole job is preempted (every task gets SIGTERM, as when the launcher itself is
+stopped or Slurm preempts the job), the ps tasks wait for the chief's checkpoint and the chief
+writes it: the next run resumes at the step of the preemption.
+
+A second SIGTERM while the first is being handled ends the process at once (the default
+action), for the impatient and for the cases where saving hangs.
+
+The handler is only installed from the main thread (Python delivers signals there); a
+session or server driven from another thread keeps the process's own SIGTERM handling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+log = logging.getLogger("tensorfleet.session")
+
+
+class PreemptionNotice:
+    """While entered (``with``), SIGTERM calls ``on_notice`` instead of ending the process;
+    a second SIGTERM ends it with the default action. The previous handler is restored on
+    exit. Outside the main thread it installs nothing (:attr:`installed` False)."""
+
+    def __init__(self, on_notice: Callable[[], None] | None = None) -> None:
+        self.received = threading.Event()
+        """Set by the first SIGTERM."""
+        self._on_notice = on_notice
+        self._previous: Any = None
+        self.installed = False
+
+    def __enter__(self) -> PreemptionNotice:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self.installed = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, self._previous)
+            self.installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received.is_set():  # the second one: end now, as SIGTERM does by default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.received.set()
+        if self._on_notice is not None:
+            self._on_notice()

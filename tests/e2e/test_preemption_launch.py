@@ -1,0 +1,125 @@
+"""SIGTERM (a preemption) to the ps and then to the chief of the CNN example under the
+launcher's default settings (``session/preemption.py``, ``ps/preemption_drain.py``).
+
+The ps asks the chief for a checkpoint, exits with status 143 once it is written, is
+restarted, and the chief restores it from that checkpoint: at the very global step the ps had
+reached, so no step is lost (periodic checkpoints are off, so no other checkpoint exists).
+Then the chief, preempted, writes a checkpoint at the end of its step, exits with 143 and is
+restarted. The run completes with exit status 0 and the accuracy line.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.launch.local_cluster import LocalCluster
+from tensorfleet.launch.output import PlainOutput
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data, pytest.mark.timeout(300)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mnist_cnn.py"
+DATA = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+LAST_STEP = 150
+WAIT_S = 120.0
+STEP_LINE = re.compile(r"^Worker: (\d+), Step: (\d+)")
+PS_PREEMPTED = re.compile(r"parameter service ended \(preempted\) at global step (\d+)")
+RESTORING = re.compile(r"restoring checkpoint \S+ \(global step (\d+)\)")
+CHIEF_PREEMPTED = re.compile(
+    r"worker:0: preempted \(SIGTERM\) at global step (\d+); checkpoint saved"
+)
+
+
+class WatchedOutput(PlainOutput):
+    """The plain log, and a way to wait for the first line of a task that matches a pattern."""
+
+    def __init__(self) -> None:
+        self.log = io.StringIO()
+        super().__init__(self.log, self.log)
+        self._lines: list[tuple[str, str]] = []
+        self._changed = threading.Condition()
+
+    def line(self, task: str, text: str) -> None:
+        super().line(task, text)
+        with self._changed:
+            self._lines.append((task, text))
+            self._changed.notify_all()
+
+    def wait_for(
+        self, task: str, pattern: re.Pattern[str], after: int = 0, min_number: int = 0
+    ) -> tuple[int, re.Match]:
+        """The index and match of the first line of ``task`` from ``after`` on that matches
+        ``pattern`` with its last group's number at least ``min_number``."""
+        with self._changed:
+            found = None
+
+            def seen() -> bool:
+                nonlocal found
+                for index in range(after, len(self._lines)):
+                    name, text = self._lines[index]
+                    match = pattern.search(text) if name == task else None
+                    if match and int(match.groups()[-1]) >= min_number:
+                        found = (index, match)
+                        return True
+                return False
+
+            if not self._changed.wait_for(seen, WAIT_S):
+                raise AssertionError(
+                    f"no line of {task} matched {pattern.pattern!r} within {WAIT_S} s\n"
+                    + self.log.getvalue()
+                )
+            assert found is not None
+            return found
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
+def test_a_preempted_ps_and_chief_save_first_and_lose_no_step(tmp_path: Path) -> None:
+    command = [
+        sys.executable, str(EXAMPLE), "--steps", str(LAST_STEP), "--log-every", "1",
+        "--train-limit", "3000", "--test-limit", "1000", "--logdir", str(tmp_path / "run"),
+        "--checkpoint-steps", "100000", "--summary-steps", "100000",
+    ]  # fmt: skip
+    output = WatchedOutput()
+    cluster = LocalCluster(1, 2, command, output=output)  # the launcher's defaults
+    seen: dict[str, int] = {}
+    failures: list[BaseException] = []
+
+    def preempt_the_ps_then_the_chief() -> None:
+        """Runs beside the supervision (``cluster.wait``), which restarts the tasks."""
+        try:
+            at, _ = output.wait_for("worker:1", STEP_LINE, min_number=20)
+            os.kill(cluster.pids["ps:0"], signal.SIGTERM)
+            at, preempted = output.wait_for("ps:0", PS_PREEMPTED, at)
+            seen["ps_step"] = int(preempted.group(1))
+            at, restored = output.wait_for("worker:0", RESTORING, at)
+            seen["restored_step"] = int(restored.group(1))
+            at, _ = output.wait_for("worker:1", STEP_LINE, at, min_number=seen["ps_step"] + 20)
+            os.kill(cluster.pids["worker:0"], signal.SIGTERM)
+            _, chief = output.wait_for("worker:0", CHIEF_PREEMPTED, at)
+            seen["chief_step"] = int(chief.group(1))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            failures.append(exc)
+
+    driver = threading.Thread(target=preempt_the_ps_then_the_chief, daemon=True)
+    try:
+        cluster.start()
+        driver.start()
+        status = cluster.wait(timeout=240)
+        driver.join(WAIT_S)
+    finally:
+        cluster.stop()
+    text = output.log.getvalue()
+    assert not failures, f"{failures[0]}"
+    assert seen["restored_step"] == seen["ps_step"], f"{seen}\n{text}"  # no step lost
+    assert seen["chief_step"] > seen["ps_step"], f"{seen}\n{text}"
+    assert status == 0, text
+    assert cluster.restarts == {"ps:0": 1, "worker:0": 1, "worker:1": 0}, text
+    assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
+    assert text.count("restoring checkpoint") == 1, "the restarted chief adopts the live ps"

@@ -1,0 +1,270 @@
+"""A SIGTERM is a preemption (``session/preemption.py``, ``ps/preemption_drain.py``): the
+notice itself, a ps that waits for the chief's checkpoint before it ends (and what it waits
+for), a worker that leaves (lost at once, its identity free), and a one-process session
+that saves and exits with status 143 at the end of the step it is in, then resumes there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import tensorfleet as tfl
+from tensorfleet.errors import PREEMPTED_EXIT_STATUS, ConfigError, Preempted
+from tensorfleet.launch.ports import free_port
+from tensorfleet.ps.placement import VariableSpec, plan_placement
+from tensorfleet.ps.preemption_drain import PreemptionDrain
+from tensorfleet.ps.service_settings import ServiceSettings
+from tensorfleet.ps.update_rules import SGD
+from tensorfleet.ps.worker_roster import WorkerRoster
+from tensorfleet.session.preemption import PreemptionNotice
+from tensorfleet.session.server import Server, ServerConfig
+from tensorfleet.wire.tensors import dtype_name
+from tensorfleet.worker.client import ParameterClient
+from tensorfleet.worker.timeouts import ClientTimeouts
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"preemption-unit-test-secret-0000000000"
+TIMEOUTS = ClientTimeouts(connect_s=10.0, initialize_s=10.0, step_s=10.0, recover_s=5.0)
+
+
+# -- the notice ------------------------------------------------------------------------------
+
+
+def test_sigterm_inside_the_notice_is_a_notice_and_the_handler_comes_back() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    called = threading.Event()
+    with PreemptionNotice(called.set) as notice:
+        assert notice.installed
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (the main) thread
+        assert notice.received.wait(5.0) and called.is_set()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_outside_the_main_thread_nothing_is_installed() -> None:
+    seen: list[bool] = []
+
+    def enter() -> None:
+        with PreemptionNotice() as notice:
+            seen.append(notice.installed)
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join(5.0)
+    assert seen == [False]
+
+
+def test_a_second_sigterm_ends_the_process_at_once() -> None:
+    """In a child process: the first SIGTERM is a notice, the second kills it by SIGTERM."""
+    import subprocess
+    import sys
+
+    program = (
+        "import os, signal, time\n"
+        "from tensorfleet.session.preemption import PreemptionNotice\n"
+        "with PreemptionNotice() as n:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    assert n.received.wait(5)\n"
+        "    print('noticed', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(10)\n"
+        "print('not reached', flush=True)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=30
+    )
+    assert run.stdout == "noticed\n", run.stdout + run.stderr
+    assert run.returncode == -signal.SIGTERM, run.stderr
+
+
+def test_preempted_is_a_system_exit_with_status_143() -> None:
+    error = Preempted("worker:0: preempted at global step 7")
+    assert isinstance(error, SystemExit) and not isinstance(error, Exception)
+    assert error.code == PREEMPTED_EXIT_STATUS == 143
+    assert str(error) == "worker:0: preempted at global step 7"
+
+
+def test_a_negative_preempt_grace_is_refused() -> None:
+    with pytest.raises(ConfigError, match="preempt_grace_s"):
+        ServiceSettings(preempt_grace_s=-1.0)
+
+
+# -- the drain's rule ----------------------------------------------------------------------
+
+
+class FakeService:
+    def __init__(self, answer: bool | None) -> None:
+        self.answer = answer
+        self.checkpoint_wanted = False
+
+    def chief_saved_since(self, when: float) -> bool | None:
+        return self.answer
+
+
+def test_the_drain_waits_only_for_models_whose_chief_will_save() -> None:
+    drain = PreemptionDrain(time.monotonic(), grace_s=60.0)
+    services = {"": FakeService(False), "b": FakeService(None), "c": FakeService(True)}
+    drain.start(services)
+    assert all(s.checkpoint_wanted for s in services.values())
+    assert not drain.drained(services)  # the default model's chief has not saved yet
+    services[""].answer = True
+    assert drain.drained(services)
+
+
+def test_the_drain_ends_at_its_grace_period(caplog: pytest.LogCaptureFixture) -> None:
+    drain = PreemptionDrain(time.monotonic() - 2.0, grace_s=1.0, task="ps:3")
+    with caplog.at_level(logging.WARNING, logger="tensorfleet.ps"):
+        assert drain.drained({"m": FakeService(False)})
+    assert "ps:3: no checkpoint from the chief of 'm' within 1 s" in caplog.text
+
+
+# -- a worker that leaves ------------------------------------------------------------------
+
+
+def test_a_worker_that_left_is_lost_at_once_and_its_identity_is_free() -> None:
+    now = [100.0]
+    roster = WorkerRoster(("worker:0", "worker:1"), 15.0, clock=lambda: now[0])
+    roster.claim("worker:1", "old-process", b"s1")
+    roster.heard_from("worker:1")
+    roster.mark_left("worker:1")
+    change = roster.check_liveness()
+    assert change.newly_lost == ("worker:1",) and roster.left == {"worker:1"}
+    roster.claim("worker:1", "new-process", b"s2")  # no takeover flag needed
+    assert roster.holders["worker:1"] == "new-process"
+    assert "worker:1" not in roster.lost and not roster.left
+
+
+# -- a ps task: waits for the chief's checkpoint, then Preempted -----------------------------
+
+
+def _ps_and_chief(
+    grace_s: float, saves_checkpoints: bool
+) -> tuple[Server, ParameterClient, dict[str, nn.Parameter]]:
+    address = f"127.0.0.1:{free_port()}"
+    cluster = {"ps": [address], "worker": ["127.0.0.1:1"]}  # the worker's address is unused
+    server = Server(cluster, "ps", 0, secret=SECRET, config=ServerConfig(preempt_grace_s=grace_s))
+    params = {"w": nn.Parameter(torch.ones(3, 2)), "b": nn.Parameter(torch.zeros(2))}
+    specs = [VariableSpec(n, tuple(p.shape), dtype_name(p.dtype), 4) for n, p in params.items()]
+    client = ParameterClient([address], SECRET, "worker:0", TIMEOUTS)
+    client.connect()
+    client.saves_checkpoints = saves_checkpoints
+    client.register(list(params.items()), plan_placement(specs, 1), SGD(lr=0.5), is_chief=True)
+    return server, client, params
+
+
+def _join_in_thread(server: Server) -> tuple[threading.Thread, list[BaseException]]:
+    raised: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            server.join(30.0)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            raised.append(exc)
+
+    thread = threading.Thread(target=join, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_preempted_ps_asks_the_chief_and_ends_right_after_its_checkpoint() -> None:
+    server, client, params = _ps_and_chief(grace_s=30.0, saves_checkpoints=True)
+    thread, raised = _join_in_thread(server)
+    try:
+        for param in params.values():
+            param.grad = torch.ones_like(param)
+        assert not client.push_pull().checkpoint_requested
+        server.preempt()  # what SIGTERM does during join(); the loop sees it between requests
+        pushes = 1
+        while not (progress := client.push_pull()).checkpoint_requested and pushes < 50:
+            pushes += 1
+        pushes += 1
+        assert progress.checkpoint_requested and progress.global_step == pushes
+        assert thread.is_alive(), "the ps must wait for the chief's checkpoint"
+        global_step, documents = client.save()
+        thread.join(10.0)
+        assert not thread.is_alive(), "the ps must end right after the checkpoint"
+    finally:
+        client.close()
+    assert global_step == pushes and len(documents) == 1
+    assert len(raised) == 1 and isinstance(raised[0], Preempted), raised
+    assert raised[0].code == 143 and f"preempted at global step {pushes}" in str(raised[0])
+    assert server.outcome is not None and server.outcome.reason == "preempted"
+
+
+def test_a_ps_whose_chief_keeps_no_checkpoints_ends_at_once() -> None:
+    server, client, _ = _ps_and_chief(grace_s=30.0, saves_checkpoints=False)
+    thread, raised = _join_in_thread(server)
+    try:
+        started = time.monotonic()
+        server.preempt()
+        thread.join(10.0)
+        assert not thread.is_alive() and time.monotonic() - started < 5.0
+    finally:
+        client.close()
+    assert [type(e) for e in raised] == [Preempted]
+
+
+def test_a_ps_gives_up_on_the_checkpoint_after_its_grace_period() -> None:
+    server, client, _ = _ps_and_chief(grace_s=0.5, saves_checkpoints=True)
+    thread, raised = _join_in_thread(server)
+    try:
+        server.preempt()  # the chief never saves
+        thread.join(10.0)
+        assert not thread.is_alive()
+    finally:
+        client.close()
+    assert [type(e) for e in raised] == [Preempted]
+
+
+# -- a one-process session: saves at the end of the step, exits 143, resumes there ----------
+
+
+def test_a_session_saves_at_the_end_of_the_step_and_exits_with_143(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def loss() -> torch.Tensor:
+        if sess.global_step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 5 computes
+        return nn.functional.mse_loss(model(x), y)
+
+    # Should the session not take SIGTERM, this handler does (instead of ending pytest).
+    leaked: list[int] = []
+
+    def fallback(signum: int, frame: object) -> None:
+        leaked.append(signum)
+
+    before = signal.signal(signal.SIGTERM, fallback)
+    try:
+        with pytest.raises(Preempted) as preempted:
+            with tfl.TrainingSession(
+                None, model, optimizer=tfl.optim.SGD(lr=0.1), checkpoint_dir=tmp_path / "ckpt"
+            ) as sess:
+                while not sess.should_stop() and sess.global_step < 20:
+                    sess.step(loss)
+        assert signal.getsignal(signal.SIGTERM) is fallback  # the session restored it
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not leaked, "the session did not take the SIGTERM"
+    assert preempted.value.code == 143
+    assert "preempted at global step 5" in str(preempted.value)
+    saved = dict(model.state_dict())
+
+    resumed = nn.Linear(4, 1)
+    with tfl.TrainingSession(
+        None, resumed, optimizer=tfl.optim.SGD(lr=0.1), checkpoint_dir=tmp_path / "ckpt"
+    ) as again:
+        assert again.global_step == 5
+        for name, value in resumed.state_dict().items():
+            assert torch.equal(value, saved[name]), name
+        again.request_stop()
