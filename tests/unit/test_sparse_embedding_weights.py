@@ -192,9 +192,13 @@ def test_sync_mean_of_two_workers_equals_torch_on_the_mean_sparse_gradient(shard
         n: p.detach().clone().requires_grad_(True) for n, p in models[0].named_parameters()
     }
     optimizers = {n: torch.optim.Adagrad([reference[n]], lr=0.3) for n in WEIGHTS}
-    updaters = [_updater(services, m, w, rule, None, "sync") for m, w in zip(models, workers)]
+    updaters = [
+        _updater(services, m, w, rule, None, "sync") for m, w in zip(models, workers, strict=True)
+    ]
     try:
-        _in_threads([lambda u=u, m=m: _start(u, m, rule) for u, m in zip(updaters, models)])
+        _in_threads(
+            [lambda u=u, m=m: _start(u, m, rule) for u, m in zip(updaters, models, strict=True)]
+        )
         for step in range(STEPS):
             grads = [_gradients(models[k], step, k) for k in range(2)]
             _in_threads([lambda u=u: u.exchange(step, None) for u in updaters])
