@@ -201,7 +201,7 @@ def test_sync_mean_of_two_workers_equals_torch_on_the_mean_sparse_gradient(shard
         )
         for step in range(STEPS):
             grads = [_gradients(models[k], step, k) for k in range(2)]
-            _in_threads([lambda u=u: u.exchange(step, None) for u in updaters])
+            _in_threads([lambda u=u, s=step: u.exchange(s, None) for u in updaters])
             for name in WEIGHTS:
                 reference[name].grad = (grads[0][name] + grads[1][name]).coalesce() / 2
                 optimizers[name].step()
