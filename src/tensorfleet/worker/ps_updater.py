@@ -159,8 +159,6 @@ class PsUpdater:
         self.plan = self._replan(names) if self._replan is not None else _without(self.plan, names)
         # Half the message limit: the header and the other buffers fit beside the rows.
         self.mirrored = MirroredEmbeddings(weights, source, self._limits.max_message_bytes // 2)
-        if self._log_placement:
-            print(self.mirrored.report(), flush=True)
 
     def placement(self) -> dict[str, Any]:
         """What the placement report shows beyond the plan: where the rows of the sparse
@@ -179,6 +177,8 @@ class PsUpdater:
                     f"registered parameters; register the parameters of the model given to wrap()"
                 )
             self.mirrored.bind_rules(rule, self.sparse_rule)
+            if self._log_placement:  # with the rules: their slots count in the bytes
+                print(self.mirrored.report(), flush=True)
             named_params = [(n, p) for n, p in named_params if n not in self.mirrored.names]
         self._named_params, self._rule = named_params, rule
 
