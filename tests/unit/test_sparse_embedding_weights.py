@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,6 +249,67 @@ def test_a_shard_restarted_without_a_checkpoint_gets_the_rows_again_from_the_chi
         for name in WEIGHTS:
             rows = _ps_rows(services, name)
             assert torch.equal(rows, dict(model.named_parameters())[name].detach())
+    finally:
+        updater.close()
+
+
+class _Checkpoints:
+    """A checkpoint source holding one saved state (what a session's directory gives)."""
+
+    def __init__(self, global_step: int, documents: list[bytes]) -> None:
+        self.checkpoint = SimpleNamespace(path="step", global_step=global_step, documents=documents)
+
+    def newest(self) -> SimpleNamespace:
+        return self.checkpoint
+
+    def restoring(self, checkpoint: SimpleNamespace) -> None:
+        pass
+
+
+def test_shards_restored_from_a_checkpoint_continue_exactly(shards):
+    """Lazy Adam for the weights, Adam for the head: 2 steps, a checkpoint, then 2 more
+    steps on fresh shards restored from it (rows, their moments and step count, the head's
+    Adam state) equal 4 uninterrupted steps bit for bit; the chief sends no row at the
+    restore (the table is complete) and pulls every row (another incarnation)."""
+    rule, sparse_rule = tfl.optim.Adam(lr=0.01), tfl.optim.SparseAdam(lr=0.05)
+    first = shards(2)
+    torch.manual_seed(3)
+    model = Net()
+    initial = copy.deepcopy(model.state_dict())
+    updater = _updater(first, model, "worker:0", rule, sparse_rule)
+    try:
+        _start(updater, model, rule)
+        for step in range(4):
+            _gradients(model, step, 0)
+            updater.exchange(step, None)
+            if step == 1:
+                saved = updater.save()
+        uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        updater.close()
+    stop_services(first)
+    first.clear()
+    second = shards(2)
+    resumed = Net()
+    resumed.load_state_dict(initial)  # a fresh start: the checkpoint must bring the values
+    updater = _updater(second, resumed, "worker:0", rule, sparse_rule)
+    fills: list[int] = []
+    try:
+        updater.connect()
+        updater.wrap(resumed)
+        updater.register(list(resumed.named_parameters()), rule)
+        sent = updater.mirrored.source.fill_rows
+        updater.mirrored.source.fill_rows = lambda *a, **k: fills.append(1) or sent(*a, **k)
+        updater.restore(_Checkpoints(saved.global_step, [bytes(d) for d in saved.documents]))
+        updater.pull()
+        assert fills == []
+        for step in range(2, 4):
+            _gradients(resumed, step, 0)
+            updater.exchange(step, None)
+        for name, param in resumed.named_parameters():
+            assert torch.equal(param.detach(), uninterrupted[name]), name
+        for name in WEIGHTS:
+            assert torch.equal(_ps_rows(second, name), uninterrupted[name])
     finally:
         updater.close()
 
