@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file as safetensors_load_file
 from torch import nn
 
 import tensorfleet as tfl
@@ -176,6 +177,8 @@ def test_async_rows_equal_torchs_optimizer_bit_for_bit(shards, num_shards, rule_
         assert torch.equal(state[name], reference[name].detach())
         assert torch.equal(dict(fresh.named_parameters())[name].detach(), reference[name].detach())
     assert saved.placement["table/emb.weight"]["param"] == "emb.weight"
+    exported = safetensors_load_file(tfl.export_checkpoint(path, tmp_path / "model.safetensors"))
+    assert set(exported) == set(state) and torch.equal(exported["bag.weight"], state["bag.weight"])
 
 
 def test_sync_mean_of_two_workers_equals_torch_on_the_mean_sparse_gradient(shards):

@@ -109,20 +109,9 @@ class PsUpdater:
         self._initialized = self.client.connect()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The model as it is; its persistent buffers are placed on the shards."""
-        buffers = persistent_buffers(model)
-        if buffers:
-            placement = place_buffers(self.plan, buffers)
-            if self._log_placement:
-                print(placement_report(placement, buffers), flush=True)
-            self.buffers = BufferExchange(
-                lambda: self.client._shards,
-                self.client._recovering,
-                buffers,
-                placement,
-                self.client.task_name,
-                self.client.timeouts.step_s,
-            )
+        """The model as it is. Its embedding tables and ``sparse=True`` embedding weights
+        are attached to the shards (the weights leave the dense plan), then its persistent
+        buffers are placed next to their modules' parameters in the plan that remains."""
         tables = find_tables(model)
         sparse = find_sparse_embeddings(model, self._variable_names)
         if tables or sparse:
@@ -137,6 +126,19 @@ class PsUpdater:
             self.tables = TableAttachment(tables, source, self.client.num_shards)
         if sparse:
             self._mirror(sparse, source)
+        buffers = persistent_buffers(model)
+        if buffers:
+            placement = place_buffers(self.plan, buffers)
+            if self._log_placement:
+                print(placement_report(placement, buffers), flush=True)
+            self.buffers = BufferExchange(
+                lambda: self.client._shards,
+                self.client._recovering,
+                buffers,
+                placement,
+                self.client.task_name,
+                self.client.timeouts.step_s,
+            )
         return model
 
     def _mirror(self, sparse: list[tuple[str, nn.Module]], source: PsRowSource) -> None:
