@@ -10,6 +10,10 @@ uniformly, so about that many unique rows per step). Runs:
   pushed whole every step (what the table is for avoiding);
 * ``sparse_10M``: a table 10 times larger, the same batches: bytes follow the unique ids,
   not the table size;
+* ``mirrored_1M``: ``nn.Embedding(1M, 64, sparse=True)``: the ps holds its weight as rows,
+  each step pushes the touched rows' gradient and pulls the rows changed since the last
+  pull into the worker's whole copy (before, such a weight was a dense variable and moved
+  like ``dense_1M``);
 * ``big`` (``--big-rows``, default 20M x 64 = 5.1 GB of fp32): every row created on the 2 ps
   before training (``--precreate``, shard after shard), then ``--big-steps`` steps; the
   worker's and the ps's resident memory are measured.
@@ -179,12 +183,15 @@ def main() -> int:
     common = ["--dim", "64", "--batch", str(args.batch)]
     sparse, dense = f"sparse_{_count(args.rows)}", f"dense_{_count(args.rows)}"
     sparse_10x = f"sparse_{_count(10 * args.rows)}"
+    mirrored = f"mirrored_{_count(args.rows)}"
     configs = {
         sparse: ["--kind", "sparse", "--rows", str(args.rows), "--steps", str(args.sparse_steps)],
         dense: ["--kind", "dense", "--rows", str(args.rows), "--steps", str(args.dense_steps),
                 "--warmup", "2"],
         sparse_10x: ["--kind", "sparse", "--rows", str(10 * args.rows),
                      "--steps", str(args.sparse_steps)],
+        mirrored: ["--kind", "mirrored", "--rows", str(args.rows),
+                   "--steps", str(args.sparse_steps)],
     }  # fmt: skip
     rounds: list[dict[str, dict]] = []
     for _ in range(args.repeats):
@@ -216,6 +223,7 @@ def main() -> int:
             "sent_bytes_per_step": median(name, "sent_bytes_per_step"),
             "received_bytes_per_step": median(name, "received_bytes_per_step"),
             "step_ms_median": median(name, "step_ms_median"),
+            "start_s_median": median(name, "start_s"),
             "worker_peak_rss_kib": max(r[name]["memory_kib"]["VmHWM"] for r in rounds),
             "ps_peak_rss_kib": max(r[name]["ps_peak_total_rss_kib"] for r in rounds),
             "ps_trained_rss_kib": max(sum(r[name]["ps_trained_rss_kib"].values()) for r in rounds),
@@ -228,16 +236,22 @@ def main() -> int:
         f"{sparse_10x}_vs_{sparse}_step_time": ratio(
             sparse_10x, sparse, lambda r: r["step_ms_median"]
         ),
+        f"{dense}_vs_{mirrored}_bytes": ratio(dense, mirrored, bytes_of),
+        f"{dense}_vs_{mirrored}_step_time": ratio(dense, mirrored, lambda r: r["step_ms_median"]),
+        f"{mirrored}_vs_{sparse}_bytes": ratio(mirrored, sparse, bytes_of),
+        f"{mirrored}_vs_{sparse}_step_time": ratio(mirrored, sparse, lambda r: r["step_ms_median"]),
     }
     table = [
         "| run | table | unique ids/step | bytes/step (sent + received) | ms/step median | "
-        "worker peak RSS | 2 ps: peak RSS together | 2 ps: RSS after the last step |",
-        "|---|---|---|---|---|---|---|---|",
+        "session start s | worker peak RSS | 2 ps: peak RSS together | "
+        "2 ps: RSS after the last step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         table.append(
             f"| {name} | {row['table_rows']:,} x 64 | {row['unique_ids_per_step']:.0f} | "
             f"{row['wire_bytes_per_step'] / 1e6:.3f} MB | {row['step_ms_median']:.1f} | "
+            f"{row['start_s_median']:.1f} | "
             f"{_gb(row['worker_peak_rss_kib'])} | {_gb(row['ps_peak_rss_kib'])} | "
             f"{_gb(row['ps_trained_rss_kib'])} |"
         )
@@ -249,7 +263,8 @@ def main() -> int:
             f"| big (every row created) | {args.big_rows:,} x 64 ({big['table_bytes'] / 1e9:.2f} "
             f"GB) | {big['unique_ids_per_step']:.0f} | "
             f"{(big['sent_bytes_per_step'] + big['received_bytes_per_step']) / 1e6:.3f} MB | "
-            f"{big['step_ms_median']:.1f} | {_gb(big['memory_kib']['VmHWM'])} | "
+            f"{big['step_ms_median']:.1f} | {big['start_s']:.1f} | "
+            f"{_gb(big['memory_kib']['VmHWM'])} | "
             f"{_gb(big['ps_peak_total_rss_kib'])} | {_gb(sum(big['ps_trained_rss_kib'].values()))} |"
         )
     table += [
@@ -259,7 +274,8 @@ def main() -> int:
         *(f"| {k} | {v:.2f}x |" for k, v in ratios.items()),
     ]
     result = {
-        "benchmark": "embedding table rows vs the dense table, 2 ps + 1 worker, async SGD",
+        "benchmark": "embedding table rows, nn.Embedding(sparse=True) as rows, and the dense "
+        "table, 2 ps + 1 worker, async SGD",
         "command": " ".join(["python", "benchmarks/sparse_tables.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "repeats": args.repeats,

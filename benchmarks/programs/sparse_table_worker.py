@@ -1,11 +1,16 @@
 """The worker of ``benchmarks/sparse_tables.py``: an embedding of ``--rows`` x ``--dim``
 followed by a linear head, trained on ids drawn uniformly (``--batch`` ids per step), either
-as a ``tfl.EmbeddingTable`` whose rows live on the ps shards (``--kind sparse``) or as a
-dense ``nn.Embedding`` parameter pulled and pushed whole every step (``--kind dense``).
+as a ``tfl.EmbeddingTable`` whose rows live on the ps shards (``--kind sparse``), as a
+dense ``nn.Embedding`` parameter pulled and pushed whole every step (``--kind dense``), or
+as an ``nn.Embedding(sparse=True)`` whose weight the ps holds as rows and every worker
+mirrors whole (``--kind mirrored``: each step pushes the touched rows' gradient and pulls
+the rows changed since the last pull).
 
     sparse_table_worker.py OUT --kind sparse --rows 1000000 --dim 64 --batch 1024 --steps 100
 
-It writes OUT (JSON): the median time of a step after ``--warmup`` steps, the bytes this
+It writes OUT (JSON): the time the session took to start (``start_s``: for ``mirrored``
+the chief sends every row of its weight to the shards), the median time of a step after
+``--warmup`` steps, the bytes this
 worker's transport sent and received per step (``ParameterClient.wire_bytes``: requests and
 replies, payloads included, counted by the channels), the unique ids per step, the loss
 before and after, and this process's resident memory (``VmRSS`` now, ``VmHWM`` its peak).
@@ -41,8 +46,8 @@ class Net(nn.Module):
             self.embedding: nn.Module = tfl.EmbeddingTable(
                 rows, dim, name="embedding", initializer=initializer
             )
-        else:
-            self.embedding = nn.Embedding(rows, dim)  # dense gradient: the whole table moves
+        else:  # dense: the whole table moves; mirrored: the rows a step touches
+            self.embedding = nn.Embedding(rows, dim, sparse=kind == "mirrored")
             nn.init.normal_(self.embedding.weight, std=0.01)
         self.out = nn.Linear(dim, 1)
 
@@ -85,7 +90,7 @@ def precreate(model: Net) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--kind", choices=("sparse", "dense"), required=True)
+    parser.add_argument("--kind", choices=("sparse", "dense", "mirrored"), required=True)
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1024)
@@ -101,13 +106,16 @@ def main() -> int:
     model = Net(args.kind, args.rows, args.dim, zeros=args.precreate)
     total = args.warmup + args.steps
     report: dict[str, object] = {"kind": args.kind, "rows": args.rows, "dim": args.dim}
-    with tfl.TrainingSession(
+    session = tfl.TrainingSession(
         server,
         model,
         optimizer=tfl.optim.SGD(lr=args.lr),
         mode="async",
         hooks=[tfl.StopAtStep(last_step=total)],
-    ) as sess:
+    )
+    started = time.perf_counter()
+    with session as sess:
+        report["start_s"] = time.perf_counter() - started
         client = sess._updater.client  # the benchmark reads the transport's byte counters
         if args.precreate:
             report["precreate_s"] = precreate(model)

@@ -1,16 +1,21 @@
 """``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)`` train in every ps mode
-(async, sync, bounded staleness) across processes: no crash, and the loss falls."""
+(async, sync, bounded staleness) across processes, their weights held by the ps as rows and
+pushed as rows: the loss falls, every worker's copy of each weight equals the shards' rows
+bit for bit, and the final checkpoint loads strictly into a fresh model (the weights
+reassembled whole from the shards' rows)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import tensorfleet as tfl
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -29,16 +34,20 @@ STEPS = 40
         ("async", []),
         ("sync", []),
         ("async", ["--max-staleness", "1"]),
+        ("sync", ["--optimizer", "sparse_adam"]),
+        ("async", ["--optimizer", "adagrad"]),
         ("async", ["--table"]),
         ("async", ["--table", "--max-staleness", "0"]),  # rows held by the gate
     ],
 )
 def test_sparse_embeddings_converge_across_processes(tmp_path, mode, extra):
     """``--table``: the first lookup is a ``tfl.EmbeddingTable`` on the ps shards; the
-    final checkpoint then holds each shard's rows and the partition plan in its manifest."""
+    final checkpoint then holds each shard's rows and the partition plan in its manifest.
+    Without it both lookups are sparse ``nn.Embedding``/``nn.EmbeddingBag`` weights held as
+    rows: each worker's copy equals the shards' rows (in sync training also the final
+    checkpoint's, bit for bit), and the checkpoint loads strictly into a fresh model."""
     out = tmp_path / "result.json"
-    if "--table" in extra:
-        extra = [*extra, "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    extra = [*extra, "--checkpoint-dir", str(tmp_path / "checkpoints")]
     command = [
         sys.executable, str(PROGRAMS / "sparse_embedding_worker.py"), str(out), mode, str(STEPS),
         *extra,
@@ -54,18 +63,45 @@ def test_sparse_embeddings_converge_across_processes(tmp_path, mode, extra):
         assert manifest["placement"]["table/embedding"]["shards"] == 2, manifest
         for shard in range(2):
             document = (newest / f"shard-{shard}-of-2.safetensors").read_bytes()
-            assert set(decode_shard(document).tables) == {"embedding"}, str(run)
+            # the EmbeddingTable, and the sparse nn.EmbeddingBag's weight held as rows
+            assert set(decode_shard(document).tables) == {"embedding", "bag.weight"}, str(run)
+    else:
+        _check_mirrored_weights(tmp_path, out, mode, run)
+
+
+def _check_mirrored_weights(tmp_path, out, mode: str, run) -> None:
+    program = _program()
+    (newest,) = sorted((tmp_path / "checkpoints").glob("step-*"))[-1:]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    for name in ("embedding.weight", "bag.weight"):
+        assert manifest["placement"][f"table/{name}"]["param"] == name, manifest["placement"]
+        assert name not in manifest["placement"]  # not a dense variable
+        for shard in range(2):
+            document = decode_shard((newest / f"shard-{shard}-of-2.safetensors").read_bytes())
+            assert name in document.tables and f"value/{name}" not in document.values
+    state = tfl.load_checkpoint(newest, program.Net())  # strict: every parameter, whole
+    for index in range(2):
+        mine = json.loads(Path(f"{out}.{index}.json").read_text())
+        assert mine["matches_ps"], f"worker:{index}'s copy differs from the ps rows\n{run}"
+        if mode == "sync":  # nothing changes after the last step: the checkpoint's rows
+            for name, weight in mine["weights"].items():
+                assert torch.equal(torch.tensor(weight), state[name]), (index, name)
+
+
+def _program():
+    spec = importlib.util.spec_from_file_location(
+        "program", PROGRAMS / "sparse_embedding_worker.py"
+    )
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    return program
 
 
 def _one_process_sync_reference(steps: int, workers: int) -> tuple[torch.Tensor, list]:
     """What sync training of ``sparse_embedding_worker.py --table-only`` must give: each
     step's gradient is the mean of the workers' (equal slices, mean losses), the gradient of
     one process on their whole batch; the table's rows take the same SGD as the head."""
-    spec = importlib.util.spec_from_file_location(
-        "program", PROGRAMS / "sparse_embedding_worker.py"
-    )
-    program = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(program)
+    program = _program()
     torch.manual_seed(3)
     model = program.TableOnly()
     model.embedding.table_name = "embedding"

@@ -4,7 +4,9 @@ table that would not fit.
 Rows are created lazily, so a table's memory grows with the ids training touches; with
 hashing every row can end up touched. The check therefore counts a table at its *full*
 size on the shard: every row the partition gives it, times (values + one tensor per
-optimizer slot) plus 16 bytes of bookkeeping per row (its slot index and its id). A table
+optimizer slot) plus 16 bytes of bookkeeping per row (its slot index and its id), and 8 more
+for a table created from given values (the version at which each row last changed, which
+the workers' copies are refreshed by: :mod:`tensorfleet.ps.row_store`). A table
 refused here is refused when it is created, with the numbers, instead of the ps being killed
 by the kernel's OOM killer hours into training.
 """
@@ -17,6 +19,8 @@ from tensorfleet.errors import ConfigError, TensorfleetError
 
 #: Bookkeeping bytes per row: the local-row -> slot index and the slot -> row id (int64 each).
 ROW_OVERHEAD_BYTES = 16
+#: Per row of a table created from given values: the version it last changed at (int64).
+ROW_VERSION_BYTES = 8
 _UNITS = {
     "": 1,
     "b": 1,
@@ -52,9 +56,13 @@ def parse_memory_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def table_shard_bytes(rows_on_shard: int, row_bytes: int, slot_count: int) -> int:
-    """The most bytes a shard's part of a table can take: values, slots and bookkeeping."""
-    return rows_on_shard * (row_bytes * (1 + slot_count) + ROW_OVERHEAD_BYTES)
+def table_shard_bytes(
+    rows_on_shard: int, row_bytes: int, slot_count: int, versioned: bool = False
+) -> int:
+    """The most bytes a shard's part of a table can take: values, slots and bookkeeping
+    (``versioned``: with each row's version, for a table created from given values)."""
+    overhead = ROW_OVERHEAD_BYTES + (ROW_VERSION_BYTES if versioned else 0)
+    return rows_on_shard * (row_bytes * (1 + slot_count) + overhead)
 
 
 def check_fits(
@@ -72,7 +80,7 @@ def check_fits(
         return
     raise TableDoesNotFit(
         f"table {table!r} needs up to {_human(needed_bytes)} on ps:{shard} (values, optimizer "
-        f"slots and 16 B per row), which already holds {_human(used_bytes)} of other tables, "
+        f"slots and 16 B per row, 24 B for a table of given rows), which already holds {_human(used_bytes)} of other tables, "
         f"and its --max-memory is {_human(max_bytes)}; fix: run more ps tasks (now "
         f"{num_shards}), raise --max-memory, or make the table smaller (fewer rows: hash ids "
         f"into fewer buckets; or a smaller dim; or an update rule with fewer slots: sgd keeps "

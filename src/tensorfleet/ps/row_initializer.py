@@ -13,7 +13,11 @@ embeddings: small enough that dot products begin near zero):
 
 * ``normal``: N(0, std^2) by Box-Muller from two 53-bit uniforms;
 * ``uniform``: U(-bound, bound);
-* ``zeros``.
+* ``zeros``;
+* ``given``: no formula. The rows are sent by the chief (``fill_rows``), from the values of
+  a ``sparse=True`` ``nn.Embedding`` weight the ps holds as a table of rows (see
+  :mod:`tensorfleet.worker.mirrored_embeddings`); a row that has not arrived has no value,
+  and asking for one is refused.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ import torch
 
 from tensorfleet.errors import ConfigError
 from tensorfleet.ps.id_hashing import splitmix64
+from tensorfleet.ps.sparse_rows import SparseGradientError
 
-KINDS = ("normal", "uniform", "zeros")
+KINDS = ("normal", "uniform", "zeros", "given")
 _TWO_53 = float(1 << 53)
 
 
 @dataclass(frozen=True)
 class RowInitializer:
-    """``kind`` (normal|uniform|zeros), ``scale`` (std for normal, bound for uniform), ``seed``."""
+    """``kind`` (normal|uniform|zeros|given), ``scale`` (std for normal, bound for uniform),
+    ``seed``."""
 
     kind: str = "normal"
     scale: float = 0.01
@@ -55,7 +61,14 @@ class RowInitializer:
             raise ConfigError(f"row initializer seed must be an int, got {self.seed!r}")
 
     def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-        """The initial values of rows ``ids`` (1-D int64): ``[len(ids), dim]`` of ``dtype``."""
+        """The initial values of rows ``ids`` (1-D int64): ``[len(ids), dim]`` of ``dtype``.
+        A ``given`` table has none (SparseGradientError naming the first row)."""
+        if self.kind == "given" and ids.numel():
+            raise SparseGradientError(
+                f"row {int(ids[0])} has no value yet: its table is created from values the "
+                f"chief sends (fill_rows), and they have not all arrived; the chief fills the "
+                f"table when training starts, before the other workers may use it"
+            )
         if self.kind == "zeros" or ids.numel() == 0:
             return torch.zeros((ids.numel(), dim), dtype=dtype)
         counters = (

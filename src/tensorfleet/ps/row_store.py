@@ -11,6 +11,17 @@ A pull is one ``index_select``; an update is the row-sparse rule on the touched 
 Every refusal (an id of another shard, out of range, a gradient of the wrong dim or dtype)
 happens before any state changes: a bad request loses nothing.
 
+A table created from given values (its initializer's kind is ``given``: the ps's copy of a
+``sparse=True`` ``nn.Embedding`` weight, which every worker also holds whole) has no lazy
+rows: the chief sends them (:meth:`RowStore.fill`), and until every row of the shard has
+arrived (:attr:`RowStore.complete`) a row that is missing is refused. Such a store also
+remembers, per row, the version at which it last changed (:attr:`RowStore.version` counts
+the fills and the updates that touched rows), so that a worker refreshes its copy with only
+the rows changed since the version it last saw (:meth:`RowStore.changed_since`). Versions
+are only comparable within one :attr:`RowStore.incarnation` (a random number drawn when the
+store is built, and again when it is restored from a checkpoint): a worker that remembers
+another incarnation takes every row.
+
 A checkpoint of the store is one safetensors document (:meth:`RowStore.encode`): tensors
 ``ids`` (the created rows' global ids, ascending), ``values`` and ``slot/<name>`` (the rows in
 that order), and the metadata ``tensorfleet_table`` (JSON: format, table spec, partition,
@@ -21,6 +32,7 @@ store: shapes, dtypes, ids unique, on this shard and in range.
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
 import torch
@@ -60,13 +72,20 @@ class RowStore:
         self._slots = {name: self._values.clone() for name in rule.slot_names}
         self.size = 0
         """Rows created so far."""
+        self.given = table.initializer.kind == "given"
+        """Rows come from :meth:`fill`, never from an initializer; each row has a version."""
+        self.version = 0
+        """Fills and row-touching updates so far (a table of given rows; else always 0)."""
+        self.incarnation = secrets.randbits(62)
+        """Which store the versions belong to: a new one after a restart or a restore."""
+        self._changed_at = torch.empty(0, dtype=torch.int64)
 
     # -- reads -------------------------------------------------------------------------------
 
     def pull(self, ids: torch.Tensor) -> torch.Tensor:
         """The current values of rows ``ids`` (global ids of this shard, 1-D int64), created
         on first use: a new ``[len(ids), dim]`` tensor."""
-        positions = self._positions(self._check_ids(ids), create=True)
+        positions = self._positions(self._check_ids(ids), create=not self.given)
         return self._values.index_select(0, positions)
 
     def created_rows(self) -> torch.Tensor:
@@ -77,7 +96,43 @@ class RowStore:
     def nbytes(self) -> int:
         """Bytes held now (capacity, not just created rows), bookkeeping included."""
         row = self.table.row_bytes * (1 + len(self._slots))
-        return self._values.shape[0] * (row + 8) + self.local_rows * 8
+        versions = self._changed_at.numel() * 8
+        return self._values.shape[0] * (row + 8) + self.local_rows * 8 + versions
+
+    @property
+    def complete(self) -> bool:
+        """Whether every row of this shard exists (a table of given rows: all arrived)."""
+        return self.size == self.local_rows
+
+    def changed_since(
+        self, since: int | None, start: int = 0, max_rows: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """The rows of a table of given rows that changed after version ``since`` (None:
+        every row), scanning storage positions from ``start``, at most ``max_rows`` of them:
+        ``(ids, values, next_start)``, ``next_start`` None when the scan reached the end.
+        Refused (SparseGradientError) for a lazily created table, or one not filled yet."""
+        if not self.given:
+            raise SparseGradientError(
+                f"table {self.table.name!r} keeps no row versions: only a table created from "
+                f"given values (a sparse nn.Embedding weight held as rows) is mirrored whole by "
+                f"the workers; look rows up with pull_rows"
+            )
+        self._require_complete()
+        if not 0 <= start <= self.size:
+            raise SparseGradientError(
+                f"table {self.table.name!r}: scan start {start} is outside [0, {self.size}]"
+            )
+        if since is None:
+            positions = torch.arange(start, self.size, dtype=torch.int64)
+        else:
+            changed = self._changed_at[start : self.size] > since
+            positions = torch.nonzero(changed).flatten().add_(start)
+        next_start = None
+        if max_rows is not None and positions.numel() > max_rows:
+            next_start = int(positions[max_rows])
+            positions = positions[:max_rows]
+        ids = self._ids.index_select(0, positions)
+        return ids, self._values.index_select(0, positions), next_start
 
     # -- updates -----------------------------------------------------------------------------
 
@@ -88,6 +143,59 @@ class RowStore:
         positions = self._positions(gradient.indices, create=True)
         self.step += 1
         self.rule.apply(self._values, self._slots, positions, gradient.values, self.step)
+        if self.given and gradient.num_rows:
+            self.version += 1
+            self._changed_at[positions] = self.version
+
+    def fill(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set rows ``ids`` (of this shard, unique) of a table of given rows to ``values``,
+        creating them, their optimizer slots at their initial value. Refused (nothing
+        changed) for a lazily created table, for a table whose rows have all arrived (a fill
+        would overwrite trained rows), and for ids or values that do not fit."""
+        name = self.table.name
+        if not self.given:
+            raise SparseGradientError(
+                f"table {name!r} creates its rows from its initializer "
+                f"({self.table.initializer.kind}); only a table created from given values "
+                f"takes fill_rows"
+            )
+        if ids.numel() == 0:
+            return
+        if self.complete:
+            raise SparseGradientError(
+                f"table {name!r} on shard {self.shard} has all its rows already: a fill would "
+                f"overwrite rows that may have trained; the chief fills a table only while it "
+                f"is incomplete (table_create answers whether it is)"
+            )
+        self._check_ids(ids)
+        if values.dtype != self.table.torch_dtype or tuple(values.shape) != (
+            ids.numel(),
+            self.table.dim,
+        ):
+            raise SparseGradientError(
+                f"table {name!r} is {self.table.torch_dtype} [rows, {self.table.dim}]; the "
+                f"fill carries {values.dtype} {list(values.shape)} for {ids.numel()} ids; fix: "
+                f"send the rows of the weight the table was created for"
+            )
+        if torch.unique(ids).numel() != ids.numel():
+            raise SparseGradientError(f"table {name!r}: the ids of a fill repeat")
+        local = self.partition.local_of(ids)
+        missing = self._slot_of[local] < 0
+        if bool(missing.any()):
+            new_ids = ids[missing]
+            start = self.size
+            self._grow(start + new_ids.numel())
+            self._ids[start : start + new_ids.numel()] = new_ids
+            self._slot_of[self.partition.local_of(new_ids)] = torch.arange(
+                start, start + new_ids.numel(), dtype=torch.int64
+            )
+            self.size = start + new_ids.numel()
+        positions = self._slot_of[local]
+        self._values[positions] = values
+        for slot_name, slot in self._slots.items():
+            slot[positions] = self.rule.slot_initial_value(slot_name)
+        self.version += 1
+        self._changed_at[positions] = self.version
 
     def check(self, gradient: SparseRows) -> None:
         """Refuse (SparseGradientError) a gradient that does not fit this shard's part of
@@ -100,6 +208,16 @@ class RowStore:
             dtype=self.table.torch_dtype,
         )
         self._check_ids(gradient.indices)
+        if self.given and gradient.num_rows:
+            self._require_complete()
+
+    def _require_complete(self) -> None:
+        if not self.complete:
+            raise SparseGradientError(
+                f"table {self.table.name!r} on shard {self.shard} has {self.size:,d} of its "
+                f"{self.local_rows:,d} rows: the chief has not sent them all (fill_rows); it "
+                f"fills the table when training starts, before the other workers may use it"
+            )
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -219,6 +337,8 @@ class RowStore:
         local = self.partition.local_of(ids)
         positions = self._slot_of[local]
         missing = positions < 0
+        if self.given and bool(missing.any()):
+            self._require_complete()  # refused: a given table's rows exist once filled
         if create and bool(missing.any()):
             new_ids = torch.unique(ids[missing])  # ascending; a pull may repeat an id
             start = self.size
@@ -245,6 +365,8 @@ class RowStore:
         self._ids = _resized(self._ids, new)
         self._values = _resized(self._values, new)
         self._slots = {name: _resized(slot, new) for name, slot in self._slots.items()}
+        if self.given:
+            self._changed_at = _resized(self._changed_at, new)
 
 
 def _resized(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -136,13 +136,19 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         }
         self.buffer_bank = BufferBank(socket, len(config.worker_tasks), self._departed_workers)
         self._handlers.update(self.buffer_bank.handlers())
-        self.tables = TableRequests(socket, config.shard_index, config.max_memory)
+        self.tables = TableRequests(
+            socket, config.shard_index, config.max_memory, dense_variables=self._dense_names
+        )
         self._handlers.update(self.tables.handlers())
 
     @property
     def done_workers(self) -> set[str]:
         """Workers that said ``done`` (the roster's)."""
         return self.roster.done
+
+    def _dense_names(self) -> list[str]:
+        """The variables this shard holds dense (none before the chief created them)."""
+        return [v.name for v in self.store.layout.variables] if self.store.initialized else []
 
     @property
     def lost_workers(self) -> set[str]:

@@ -66,7 +66,10 @@ class ShardTables:
     def full_bytes(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> int:
         """The most this shard's part of ``table`` can take (every row created)."""
         return table_shard_bytes(
-            partition.rows_on(self.shard), table.row_bytes, len(rule.slot_names)
+            partition.rows_on(self.shard),
+            table.row_bytes,
+            len(rule.slot_names),
+            versioned=table.initializer.kind == "given",
         )
 
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
@@ -84,6 +87,10 @@ class ShardTables:
                 f"starts: was this ps restarted without a checkpoint to restore?"
             )
         return store
+
+    def names(self) -> list[str]:
+        """The tables this shard holds."""
+        return list(self._stores)
 
     def save(self) -> dict[str, bytes]:
         """Each table's document (:meth:`RowStore.encode`), by table name."""

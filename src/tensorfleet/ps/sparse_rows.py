@@ -92,8 +92,10 @@ def check_sparse_rows(
     if held_dense:
         raise SparseGradientError(
             f"a sparse gradient was pushed for {table!r}, which the ps holds as a dense "
-            f"variable (its update rule reads every element); fix: make it an "
-            f"EmbeddingTable, or give the parameter dense gradients (nn.Embedding(sparse=False))"
+            f"variable (its update rule reads every element); fix: build the same model on "
+            f"every worker (the ps holds an nn.Embedding(sparse=True) weight as rows, and the "
+            f"chief's model has this one dense), make it an EmbeddingTable, or give the "
+            f"parameter dense gradients (nn.Embedding(sparse=False))"
         )
     if rows.values.dim() != 2 or rows.indices.dim() != 1:
         raise SparseGradientError(

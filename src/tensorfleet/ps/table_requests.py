@@ -2,14 +2,27 @@
 :class:`~tensorfleet.ps.shard_tables.ShardTables`.
 
 =================  =====================================================================
-``table_create``   a table (spec, partition, row-sparse rule) -> ``created`` (idempotent;
-                   refused over the shard's ``max_memory``, naming the table and the fix)
+``table_create``   a table (spec, partition, row-sparse rule) -> ``created``, ``complete``
+                   (idempotent; refused over the shard's ``max_memory``, naming the table
+                   and the fix)
 ``pull_rows``      table name + int64 row ids (one buffer) -> the rows (one buffer)
 ``push_rows``      table name + a :class:`~tensorfleet.ps.sparse_rows.SparseRows` (two
                    buffers) -> applied at once with the table's row-sparse rule (async);
                    in sync training (with the ``step`` of the rows) and with
                    ``max_staleness``, checked and held (:mod:`tensorfleet.ps.held_row_gradients`)
+``fill_rows``      a table of given rows: ids + their values (two buffers, a chunk) -> set;
+                   the reply carries the store's ``incarnation``, ``version``, ``complete``
+``pull_changed``   a table of given rows, ``since`` (``[incarnation, version]`` a worker last
+                   saw, or none), ``start``, ``max_rows`` -> the ids and values of the rows
+                   changed since then (all of them for another incarnation), at most
+                   ``max_rows``, with the store's ``incarnation``, ``version`` and ``next``
+                   (the position to go on from, or none)
 =================  =====================================================================
+
+The last two serve the ``sparse=True`` ``nn.Embedding`` weights the workers mirror whole
+(:mod:`tensorfleet.worker.mirrored_embeddings`): the chief creates such a table from its
+weight's values in chunks that fit the message limits, and each worker refreshes its copy
+with the rows changed since its last pull.
 
 The service says which discipline it follows (:meth:`TableRequests.follow`) and tells it when
 a sync step is made (:meth:`TableRequests.step_made`) and when the staleness gate releases a
@@ -22,7 +35,7 @@ to it: the service's request loop is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -31,19 +44,28 @@ from tensorfleet.ps.held_row_gradients import HeldRowGradients
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
-from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows
+from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows, check_sparse_rows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, from_buffer
 
 
 class TableRequests:
-    """The tables of shard ``shard``, limited to ``max_memory`` bytes (None: no limit)."""
+    """The tables of shard ``shard``, limited to ``max_memory`` bytes (None: no limit);
+    ``dense_variables()``: the names of the variables the shard holds dense (a sparse
+    gradient pushed for one of them is refused, naming it)."""
 
-    def __init__(self, socket: ServiceSocket, shard: int, max_memory: int | None) -> None:
+    def __init__(
+        self,
+        socket: ServiceSocket,
+        shard: int,
+        max_memory: int | None,
+        dense_variables: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
         self.socket = socket
         self.shard = shard
         self.max_memory = max_memory
+        self._dense_variables = dense_variables or (lambda: ())
         self.tables: ShardTables | None = None
         self.held: HeldRowGradients | None = None
         """Row gradients held for the sync step or the staleness gate (None: async)."""
@@ -71,6 +93,8 @@ class TableRequests:
             "table_create": self._create,
             "pull_rows": self._pull_rows,
             "push_rows": self._push_rows,
+            "fill_rows": self._fill_rows,
+            "pull_changed": self._pull_changed,
         }
 
     def documents(self) -> dict[str, bytes]:
@@ -102,7 +126,8 @@ class TableRequests:
             self.tables = tables
         else:
             created = self.tables.create(spec, partition, rule)
-        self.socket.reply(request, {"created": created})
+        complete = self.tables.store(spec.name).complete
+        self.socket.reply(request, {"created": created, "complete": complete})
 
     def _pull_rows(self, request: Request) -> None:
         name = self._name(request)
@@ -117,6 +142,12 @@ class TableRequests:
     def _push_rows(self, request: Request) -> None:
         name = self._name(request)
         gradient = SparseRows.from_wire(request.body.get("gradient"), request.buffers)
+        if self.tables is None or name not in self.tables.names():
+            dense = set(self._dense_variables())
+            if name in dense or any(v.startswith(f"{name}/part_") for v in dense):
+                check_sparse_rows(
+                    name, gradient, num_rows=0, dim=0, dtype=torch.float32, held_dense=True
+                )
         if self.held is None:
             self._tables().apply(name, gradient)
             self.socket.reply(request, {"applied": gradient.num_rows})
@@ -127,6 +158,42 @@ class TableRequests:
         self._tables().store(name).check(gradient)
         self.held.hold(task, name, gradient, request.body.get("step"))
         self.socket.reply(request, {"held": gradient.num_rows})
+
+    def _fill_rows(self, request: Request) -> None:
+        store = self._tables().store(self._name(request))
+        rows = SparseRows.from_wire(request.body.get("rows"), request.buffers)
+        store.fill(rows.indices, rows.values)  # copied into the store
+        self.socket.reply(request, self._version_of(store))
+
+    def _pull_changed(self, request: Request) -> None:
+        store = self._tables().store(self._name(request))
+        since, start = request.body.get("since"), request.body.get("start", 0)
+        max_rows = request.body.get("max_rows", MAX_ROWS)
+        for key, value in (("start", start), ("max_rows", max_rows)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ProtocolError(f"pull_changed: {key} must be an int >= 0, got {value!r}")
+        if since is not None and not (
+            isinstance(since, list)
+            and len(since) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in since)
+        ):
+            raise ProtocolError(
+                f"pull_changed: since is [incarnation, version] or none, got {since!r}"
+            )
+        version = since[1] if since is not None and since[0] == store.incarnation else None
+        ids, values, next_start = store.changed_since(
+            version, start, max(1, min(max_rows, MAX_ROWS))
+        )
+        body = {**self._version_of(store), "rows": int(ids.numel()), "next": next_start}
+        self.socket.reply(request, body, [as_buffer(ids), as_buffer(values)])
+
+    @staticmethod
+    def _version_of(store: RowStore) -> dict[str, object]:
+        return {
+            "incarnation": store.incarnation,
+            "version": store.version,
+            "complete": store.complete,
+        }
 
     def _tables(self) -> ShardTables:
         if self.tables is None:

@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
+from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.version import __version__
 
@@ -234,11 +235,16 @@ def load_checkpoint(
     placement = checkpoint.manifest.get("placement", {})
     pieces: dict[str, list[tuple[int, int | None, torch.Tensor]]] = {}
     buffers: dict[str, torch.Tensor] = {}  # persistent buffers: whole, the same in both views
+    mirrored = _mirrored_weights(placement)
+    table_rows: dict[str, list[bytes]] = {name: [] for name in mirrored}
     for document in checkpoint.documents:
         try:
             shard = decode_shard(document)
         except ProtocolError as exc:
             raise CheckpointError(f"checkpoint {checkpoint.path}: {exc}") from None
+        for table in mirrored:
+            if table in shard.tables:
+                table_rows[table].append(shard.tables[table])
         source = shard.values
         if moving_average:
             if shard.ema is None:
@@ -261,6 +267,10 @@ def load_checkpoint(
             if len(parts) == 1 and parts[0][1] is None
             else torch.cat([tensor for _, _, tensor in parts])
         )
+    for table, entry in mirrored.items():
+        state[str(entry["param"])] = _assemble_rows(
+            checkpoint.path, table, entry, table_rows[table]
+        )
     state.update(buffers)
     if model is not None:
         result = model.load_state_dict(state, strict=strict)
@@ -271,6 +281,48 @@ def load_checkpoint(
                 result.unexpected_keys,
             )
     return state
+
+
+def _mirrored_weights(placement: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The manifest's tables that are the weight of a parameter (``table/<name>`` entries
+    with ``param``: a ``sparse=True`` embedding weight the ps held as rows), by table."""
+    return {
+        str(entry["table"]): entry
+        for key, entry in placement.items()
+        if key.startswith("table/") and isinstance(entry, dict) and "param" in entry
+    }
+
+
+def _assemble_rows(
+    path: Path, table: str, entry: Mapping[str, Any], documents: list[bytes]
+) -> torch.Tensor:
+    """The whole weight of ``table`` from the shards' row documents: every row exactly once
+    (CheckpointError naming the table and what is missing)."""
+    num_rows, dim = entry.get("num_rows"), entry.get("dim")
+    if not isinstance(num_rows, int) or not isinstance(dim, int) or num_rows < 1 or dim < 1:
+        raise CheckpointError(f"checkpoint {path}: table/{table} has no valid num_rows and dim")
+    weight: torch.Tensor | None = None
+    seen = torch.zeros(num_rows, dtype=torch.bool)
+    for document in documents:
+        store = RowStore.decode(document)
+        if (store.table.num_rows, store.table.dim) != (num_rows, dim):
+            raise CheckpointError(
+                f"checkpoint {path}: table {table!r} is {store.table.num_rows} x "
+                f"{store.table.dim} in a shard document, {num_rows} x {dim} in the manifest"
+            )
+        ids = store.created_rows()
+        if weight is None:
+            weight = torch.empty((num_rows, dim), dtype=store.table.torch_dtype)
+        weight[ids] = store.pull(ids)
+        seen[ids] = True
+    missing = int((~seen).sum())
+    if weight is None or missing:
+        raise CheckpointError(
+            f"checkpoint {path}: the weight {entry['param']!r} (table {table!r}) lacks "
+            f"{missing if weight is not None else num_rows} of its {num_rows} rows in the "
+            f"shard documents: the checkpoint is incomplete"
+        )
+    return weight
 
 
 def export_checkpoint(

@@ -98,6 +98,7 @@ def placement_table(updater: Any, model: Any, task: str) -> str:
         stage_tasks=shown.get("stage_tasks"),
         replica_devices=shown.get("replica_devices"),
         stage_devices=shown.get("stage_devices"),
+        stored_on=shown.get("stored_on"),
     )
 
 

@@ -48,6 +48,7 @@ from tensorfleet.errors import (
     UsageError,
 )
 from tensorfleet.ps.model_namespace import check_model_name, label
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table
@@ -93,6 +94,12 @@ class TrainingSession:
     aggregated gradient in ``sync`` and ``allreduce`` modes. ``ema_decay`` keeps an
     exponential moving average of the parameters where they live (the ps shards, or the
     workers without ps); :meth:`moving_average` returns it.
+
+    ``sparse_optimizer`` (modes ``async`` and ``sync``): the row-sparse rule (e.g.
+    ``tfl.optim.SparseAdam(lr=1e-3)``) the ps shards apply to the weights of
+    ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``, which they hold as rows,
+    and to the embedding tables; default: ``optimizer``'s row-sparse twin (``sgd``,
+    ``adagrad``; ``adam`` has none). See docs/sparse.md.
 
     ``lost_worker`` (sync mode): when a worker stops sending heartbeats for the ps's liveness
     timeout, ``"shrink"`` goes on with the live workers, ``"fail"`` stops training with an
@@ -153,6 +160,7 @@ class TrainingSession:
         model_name: str = "",
         model_workers: Iterable[str | int] | None = None,
         timeline: str | os.PathLike[str] | None = None,
+        sparse_optimizer: SparseRowRule | None = None,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -171,8 +179,19 @@ class TrainingSession:
             soft_placement=soft_placement,
             model_name=check_model_name(model_name),
             model_workers=None if model_workers is None else tuple(model_workers),
+            sparse_optimizer=sparse_optimizer,
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
+        if isinstance(optimizer, SparseRowRule) or not (
+            sparse_optimizer is None or isinstance(sparse_optimizer, SparseRowRule)
+        ):
+            raise ConfigTypeError(
+                "a row-sparse rule (tfl.optim.SparseAdam(...), tfl.optim.SparseRowRule) goes in "
+                "sparse_optimizer=, for the sparse=True embedding weights and the embedding "
+                "tables; optimizer= takes a dense rule for the other parameters, e.g. "
+                f"tfl.optim.Adam(lr=1e-3); got optimizer={type(optimizer).__name__}, "
+                f"sparse_optimizer={type(sparse_optimizer).__name__}"
+            )
         if not isinstance(optimizer, UpdateRule):
             raise ConfigTypeError(
                 f"optimizer must be a tensorfleet update rule such as tensorfleet.optim.Adam(lr=1e-4), "

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from tensorfleet.errors import ClusterConfigError, ConfigError
 from tensorfleet.ps.model_namespace import ModelClaim, fingerprint, model_workers
-from tensorfleet.ps.placement import VariableSpec, plan_placement
+from tensorfleet.ps.placement import PlacementPlan, VariableSpec, plan_placement
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.session.device_engines import with_device_engine
 from tensorfleet.session.server import Server
@@ -51,6 +52,7 @@ class UpdateSettings:
     soft_placement: bool = False
     model_name: str = ""
     model_workers: tuple[str | int, ...] | None = None
+    sparse_optimizer: SparseRowRule | None = None
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -138,6 +140,15 @@ def build_updater(
 ) -> Updater:
     """The updater for ``settings.mode`` on ``server``'s task (this process without one)."""
     mode = update_mode(settings)
+    if settings.sparse_optimizer is not None and (server is None or mode.name not in _PS_MODES):
+        where = "in one process" if server is None else f"in mode {mode.name!r}"
+        raise ConfigError(
+            f"sparse_optimizer={settings.sparse_optimizer.name!r} is the row-sparse rule the ps "
+            f"shards apply to the sparse=True embedding weights they hold as rows (modes "
+            f"'async', 'sync'); {where} the model's optimizer (torch's) updates them itself "
+            f"(torch.optim.SGD and Adagrad take sparse gradients, Adam does not); fix: leave "
+            f"sparse_optimizer out here, or train through ps tasks"
+        )
     if server is None:
         updater: Updater = LocalUpdater(settings.ema_decay)
     else:
@@ -176,6 +187,12 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         for name, p in named_params
     ]
     plan = plan_placement(specs, shards, settings.placement, settings.partition_threshold_bytes)
+
+    def replan(leave_out: set[str]) -> PlacementPlan:
+        """The plan without the sparse embedding weights (the ps holds them as rows)."""
+        kept = [spec for spec in specs if spec.name not in leave_out]
+        return plan_placement(kept, shards, settings.placement, settings.partition_threshold_bytes)
+
     # log_placement: the session prints the whole table once the model is wrapped
     model = model_claim(server, settings, named_params)
     chief = model.chief == str(server.task)
@@ -190,6 +207,9 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         timeouts=settings.timeouts,
         encrypt=server.encrypt,
         log_placement=settings.log_placement and chief,
+        sparse_rule=settings.sparse_optimizer,
+        replan=replan,
+        variables=named_params,
     )
 
 

@@ -113,6 +113,9 @@ class ParameterClient:
         """The chief keeps checkpoints: a preempted ps waits for its checkpoint (said at
         ``create``)."""
         self.restore_shards: Callable[[], tuple[int, Sequence[bytes]] | None] | None = None
+        self.recreate_tables: Callable[[Sequence[int]], None] | None = None
+        """The chief's: give restarted shards (no checkpoint to restore) the tables that
+        come from its values, before their variables are re-created from them."""
         self.restored_data: dict[str, Any] | None = None
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)
@@ -373,6 +376,8 @@ class ParameterClient:
             fresh,
             self._last_global_step,
         )
+        if self.recreate_tables is not None:  # before the variables: the others wait for those
+            self.recreate_tables(fresh)
         self._create(fresh, self.timeouts.step_s, global_step=self._last_global_step)
 
     def _recovering(self, attempt: Callable[[], T], reinitialize: bool = True) -> T:

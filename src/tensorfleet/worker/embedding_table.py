@@ -89,6 +89,12 @@ class EmbeddingTable(nn.Module):
         self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
         self.table_name = name
         self.initializer = initializer or RowInitializer()
+        if self.initializer.kind == "given":
+            raise ConfigError(
+                "an EmbeddingTable creates its rows on first use from its initializer (normal, "
+                "uniform or zeros); kind 'given' is for the ps's copy of an "
+                "nn.Embedding(sparse=True) weight, whose rows the chief sends"
+            )
         self.dtype = dtype
         self.partition_scheme = partition
         TableSpec(name or "unnamed", num_rows, dim, _TORCH_DTYPES[dtype], self.initializer)

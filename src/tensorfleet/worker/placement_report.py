@@ -4,8 +4,9 @@ module computes.
 ``log_placement=True`` prints it on the chief. Rows:
 
 - ``variable``: each trainable parameter, its shape, the ps shard(s) storing it (``ps:1``;
-  several for a partitioned one; ``local`` when no ps holds it: one process, all-reduce, or
-  a pipeline's stage-local state), and the device its working copy is on here;
+  several for a partitioned one; ``ps:0,ps:1 (rows mod 2)`` for a ``sparse=True`` embedding
+  weight held as rows; ``local`` when no ps holds it: one process, all-reduce, or a
+  pipeline's stage-local state), and the device its working copy is on here;
 - ``module``: each module that holds parameters directly (the leaves that compute), the task
   it computes on and its device: the device of its parameters (what torch will really use),
   and, when a ``tfl.device`` scope or ``tfl.place`` asked for something else (soft
@@ -48,16 +49,19 @@ def placement_rows(
     stage_tasks: Mapping[str, str] | None = None,
     replica_devices: Sequence[str] | None = None,
     stage_devices: Mapping[str, str] | None = None,
+    stored_on: Mapping[str, str] | None = None,
 ) -> list[PlacementRow]:
     """The report's rows: every trainable variable, then every module holding parameters.
     ``replica_devices``: the model computes on each of these (in-graph replicas);
     ``stage_devices``: the logical device of each module-name prefix (a pipeline's stages:
-    ``/cpu:1`` is its own thread although torch has one CPU device)."""
+    ``/cpu:1`` is its own thread although torch has one CPU device); ``stored_on``: where
+    the variables outside the plan are stored (the sparse embedding weights' rows)."""
     shards: dict[str, list[str]] = {}
     if plan is not None:
         for shard in plan.shards:
             for piece in shard:
                 shards.setdefault(piece.variable.name, []).append(f"ps:{piece.shard}")
+    outside = dict(stored_on or {})
     rows: list[PlacementRow] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -67,7 +71,7 @@ def placement_rows(
                 "variable",
                 name,
                 str(list(param.shape)),
-                ",".join(sorted(set(shards.get(name, [])))) or "local",
+                outside.get(name) or ",".join(sorted(set(shards.get(name, [])))) or "local",
                 _task_of(name, task, stage_tasks),
                 _task_of(name, _spec_of(param.device), stage_devices),
             )
@@ -104,6 +108,7 @@ def placement_report(
     stage_tasks: Mapping[str, str] | None = None,
     replica_devices: Sequence[str] | None = None,
     stage_devices: Mapping[str, str] | None = None,
+    stored_on: Mapping[str, str] | None = None,
 ) -> str:
     """The table as text, one row per variable and per module (see the module docstring)."""
     rows = placement_rows(
@@ -113,6 +118,7 @@ def placement_report(
         stage_tasks=stage_tasks,
         replica_devices=replica_devices,
         stage_devices=stage_devices,
+        stored_on=stored_on,
     )
     header = PlacementRow("kind", "name", "shape/type", "stored on", "task", "device", "asked")
     widths = [

@@ -6,11 +6,20 @@ client's recovering wrapper): ``create`` tells every shard its part of a table, 
 asks one shard for the rows of the ids it holds, ``push_rows`` sends each shard its part of a
 gradient (an empty part too: a shard counts every step of its tables) in one round trip to
 all shards at once. Only the rows a batch touches cross the wire.
+
+For the ``sparse=True`` ``nn.Embedding`` weights held as tables of given rows
+(:mod:`tensorfleet.worker.mirrored_embeddings`): ``create_given`` (the replies say whether
+each shard's part is complete), ``fill_rows`` (one chunk of rows to each of some shards) and
+``pull_changed`` (the rows changed since the version a worker last saw, one chunk per shard).
+Each takes ``direct=True`` to skip the client's recovering wrapper: the chief re-creates such
+a table on a restarted shard from inside a recovery.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +30,21 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.table_requests import partition_to_wire
 from tensorfleet.wire.channel import Reply
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
+from tensorfleet.worker.client import RECOVERABLE
 from tensorfleet.worker.shard_fanout import ShardFanout
+
+
+@dataclass(frozen=True)
+class ChangedRows:
+    """One shard's answer to ``pull_changed``: the rows (``ids``, ``values``), the store's
+    ``incarnation`` and ``version`` when it answered, and ``next`` (where to go on from;
+    None: the scan is over)."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+    incarnation: int
+    version: int
+    next: int | None
 
 
 class PsRowSource:
@@ -34,9 +57,16 @@ class PsRowSource:
         call: Callable[[Callable[[], list[Reply]]], list[Reply]],
         task_name: str,
         timeout_s: float,
+        recover: Callable[[Exception], None] | None = None,
     ) -> None:
         self._fanout = fanout
         self._call = call
+        self._recover = recover
+        """The client's recovery: with it, a push that fails because a ps restarted, fell
+        silent or timed out is not sent again (its rows may have been applied on the other
+        shards): the client recovers and the rows are dropped, like a dense push's step."""
+        self.dropped_pushes = 0
+        """Row pushes dropped that way."""
         self.task_name = task_name
         self.timeout_s = timeout_s
         self._dtypes: dict[str, torch.dtype] = {}
@@ -59,6 +89,95 @@ class PsRowSource:
         self._dtypes[table.name] = DTYPES[table.dtype]
         return any(r.body.get("created") is True for r in replies)
 
+    def create_given(
+        self,
+        table: TableSpec,
+        partition: RowPartition,
+        rule: SparseRowRule,
+        shards: Sequence[int] | None = None,
+        direct: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Every shard (or ``shards``) holds its part of ``table``, a table of given rows
+        (idempotent): each reply body (``created``, ``complete``), in shard order."""
+        body = {
+            "task": self.task_name,
+            "table": table.to_wire(),
+            "partition": partition_to_wire(partition),
+            "rule": rule.to_wire(),
+        }
+        replies = self._run(
+            lambda: self._fanout().call("table_create", body, self.timeout_s, shards=shards),
+            direct,
+        )
+        self._dtypes[table.name] = DTYPES[table.dtype]
+        return [r.body for r in replies]
+
+    def fill_rows(
+        self, table: str, parts: dict[int, SparseRows], direct: bool = False
+    ) -> dict[int, tuple[int, int]]:
+        """Send shard ``k`` the rows ``parts[k]`` (ids and values) of table ``table``: one
+        round trip to all of them. Returns each shard's ``(incarnation, version)`` after it."""
+        shards = sorted(parts)
+        wired = [parts[k].to_wire() for k in shards]
+        bodies = [{"task": self.task_name, "table": table, "rows": h} for h, _ in wired]
+        replies = self._run(
+            lambda: self._fanout().call(
+                "fill_rows", bodies, self.timeout_s, buffers=[b for _, b in wired], shards=shards
+            ),
+            direct,
+        )
+        self.bytes_sent += sum(parts[k].nbytes for k in shards)
+        return {k: _version(k, r.body) for k, r in zip(shards, replies, strict=True)}
+
+    def pull_changed(
+        self,
+        table: str,
+        requests: dict[int, tuple[list[int] | None, int]],
+        max_rows: int,
+        dim: int,
+        direct: bool = False,
+    ) -> dict[int, ChangedRows]:
+        """Ask shard ``k`` for the rows of ``table`` changed since ``requests[k][0]``
+        (``[incarnation, version]``, or None: every row), from position ``requests[k][1]``,
+        at most ``max_rows``: one round trip to all of them. Every reply is checked (counts,
+        sizes) before it is used."""
+        shards = sorted(requests)
+        bodies = [
+            {
+                "task": self.task_name,
+                "table": table,
+                "since": requests[k][0],
+                "start": requests[k][1],
+                "max_rows": max_rows,
+            }
+            for k in shards
+        ]
+        replies = self._run(
+            lambda: self._fanout().call("pull_changed", bodies, self.timeout_s, shards=shards),
+            direct,
+        )
+        dtype = self._dtypes.get(table, torch.float32)
+        changed = {}
+        for shard, reply in zip(shards, replies, strict=True):
+            rows, following = reply.body.get("rows"), reply.body.get("next")
+            if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= max_rows:
+                raise ProtocolError(f"ps:{shard} answered pull_changed with {rows!r} rows")
+            if following is not None and (not isinstance(following, int) or following < 0):
+                raise ProtocolError(f"ps:{shard} answered pull_changed with next={following!r}")
+            if len(reply.buffers) != 2:
+                raise ProtocolError(
+                    f"ps:{shard} answered pull_changed with {len(reply.buffers)} buffers, not 2"
+                )
+            ids = from_buffer(reply.buffers[0], torch.int64, (rows,)).clone()
+            values = from_buffer(reply.buffers[1], dtype, (rows, dim)).clone()
+            incarnation, version = _version(shard, reply.body)
+            changed[shard] = ChangedRows(ids, values, incarnation, version, following)
+            self.bytes_sent += ids.numel() * 8 + values.numel() * values.element_size()
+        return changed
+
+    def _run(self, attempt: Callable[[], list[Reply]], direct: bool) -> list[Reply]:
+        return attempt() if direct else self._call(attempt)
+
     def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
         body = {"task": self.task_name, "table": table}
@@ -78,9 +197,29 @@ class PsRowSource:
         wired = [part.to_wire() for part in parts]
         step = {} if self.sync_step is None else {"step": self.sync_step}
         bodies = [{"task": self.task_name, "table": table, "gradient": h, **step} for h, _ in wired]
-        self._call(
-            lambda: self._fanout().call(
+
+        def attempt() -> list[Reply]:
+            return self._fanout().call(
                 "push_rows", bodies, self.timeout_s, buffers=[b for _, b in wired]
             )
-        )
+
         self.bytes_sent += sum(part.nbytes for part in parts)
+        if self._recover is None:
+            self._call(attempt)
+            return
+        try:
+            attempt()
+        except RECOVERABLE as exc:  # never sent twice: the rows are dropped
+            self._recover(exc)
+            self.dropped_pushes += 1
+
+
+def _version(shard: int, body: dict[str, Any]) -> tuple[int, int]:
+    """The ``(incarnation, version)`` of a shard's reply, checked."""
+    incarnation, version = body.get("incarnation"), body.get("version")
+    for value in (incarnation, version):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ProtocolError(
+                f"ps:{shard} answered with incarnation {incarnation!r}, version {version!r}"
+            )
+    return incarnation, version

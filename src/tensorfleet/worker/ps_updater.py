@@ -7,7 +7,9 @@ which variable), the update discipline the shards apply, who restores the shards
 at start when they are empty, and whenever one restarts empty during training), and what a
 vetoed update means per discipline (async: push nothing; sync: push zeros, because every
 step waits for its quota of workers), and the model's persistent buffers, which live on the
-shards too (:mod:`tensorfleet.worker.buffer_exchange`).
+shards too (:mod:`tensorfleet.worker.buffer_exchange`). The model's ``tfl.EmbeddingTable``
+modules and its ``sparse=True`` embedding weights (held as rows, mirrored whole here:
+:mod:`tensorfleet.worker.mirrored_embeddings`) are attached to the shards in :meth:`wrap`.
 """
 
 from __future__ import annotations
@@ -18,15 +20,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorfleet.errors import UsageError
+from tensorfleet.errors import ConfigError, UsageError
 from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.message import Limits
 from tensorfleet.worker.buffer_exchange import BufferExchange, place_buffers, placement_report
 from tensorfleet.worker.client import ParameterClient
+from tensorfleet.worker.mirrored_embeddings import (
+    MirroredEmbeddings,
+    find_sparse_embeddings,
+    mirror_weight,
+)
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
@@ -46,7 +54,14 @@ from tensorfleet.worker.updater import (
 class PsUpdater:
     """One worker training through the ps shards at ``ps_addresses`` with ``plan`` and
     ``discipline``; ``is_chief``: this worker creates (or restores) the variables, saves the
-    checkpoints and declares the end of training."""
+    checkpoints and declares the end of training.
+
+    ``sparse_rule``: the row-sparse rule of the ``sparse=True`` embedding weights and of the
+    embedding tables without a rule of their own (None: the update rule's row-sparse twin).
+    ``replan(leave_out)``: the placement plan without the variables named (the sparse
+    embedding weights, held as rows); None: ``plan`` with them taken out.
+    ``variables``: the session's trainable parameters, which name the weights found in the
+    model (an engine may wrap it); None: the model's own names."""
 
     collective = False
 
@@ -64,6 +79,9 @@ class PsUpdater:
         limits: Limits | None = None,
         log_placement: bool = False,
         model: ModelClaim | None = None,
+        sparse_rule: SparseRowRule | None = None,
+        replan: Callable[[set[str]], PlacementPlan] | None = None,
+        variables: Sequence[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         self.client = ParameterClient(
             ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt, model=model
@@ -79,13 +97,35 @@ class PsUpdater:
         """The model's persistent buffers on the shards (None: the model has none)."""
         self.tables: TableAttachment | None = None
         """The model's embedding tables on the shards (None: the model has none)."""
+        self.mirrored: MirroredEmbeddings | None = None
+        """The model's sparse=True embedding weights, rows on the shards (None: none)."""
+        self.sparse_rule = sparse_rule
+        self._replan = replan
+        self._variable_names = None if variables is None else {id(p): n for n, p in variables}
+        self._limits = limits or Limits()
 
     def connect(self, device: torch.device | None = None) -> None:
         """Say hello to every shard (the device does not matter: values travel via the CPU)."""
         self._initialized = self.client.connect()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The model as it is; its persistent buffers are placed on the shards."""
+        """The model as it is. Its embedding tables and ``sparse=True`` embedding weights
+        are attached to the shards (the weights leave the dense plan), then its persistent
+        buffers are placed next to their modules' parameters in the plan that remains."""
+        tables = find_tables(model)
+        sparse = find_sparse_embeddings(model, self._variable_names)
+        if tables or sparse:
+            source = PsRowSource(
+                lambda: self.client._shards,
+                self.client._recovering,
+                self.client.task_name,
+                self.client.timeouts.step_s,
+                recover=self.client.recover,
+            )
+        if tables:
+            self.tables = TableAttachment(tables, source, self.client.num_shards)
+        if sparse:
+            self._mirror(sparse, source)
         buffers = persistent_buffers(model)
         if buffers:
             placement = place_buffers(self.plan, buffers)
@@ -99,19 +139,50 @@ class PsUpdater:
                 self.client.task_name,
                 self.client.timeouts.step_s,
             )
-        tables = find_tables(model)
-        if tables:
-            source = PsRowSource(
-                lambda: self.client._shards,
-                self.client._recovering,
-                self.client.task_name,
-                self.client.timeouts.step_s,
-            )
-            self.tables = TableAttachment(tables, source, self.client.num_shards)
         return model
 
+    def _mirror(self, sparse: list[tuple[str, nn.Module]], source: PsRowSource) -> None:
+        """Hold the ``sparse=True`` embedding weights as rows: out of the dense plan."""
+        weights = [mirror_weight(name, m, self.client.num_shards) for name, m in sparse]
+        names = {w.name for w in weights}
+        clash = names & {t.spec().name for t in self.tables.tables} if self.tables else set()
+        if clash:
+            raise ConfigError(
+                f"the ps would hold an EmbeddingTable and a sparse=True embedding weight under "
+                f"the same name {sorted(clash)}; fix: give the EmbeddingTable another name"
+            )
+        if self.discipline is not None and self.discipline.ema_decay is not None:
+            raise ConfigError(
+                f"ema_decay: the ps keeps no moving average of the sparse=True embedding "
+                f"weights {sorted(names)}, which it holds as rows; fix: train without "
+                f"ema_decay, or build those embeddings with sparse=False (dense variables, "
+                f"averaged like the others)"
+            )
+        self.plan = self._replan(names) if self._replan is not None else _without(self.plan, names)
+        # Half the message limit: the header and the other buffers fit beside the rows.
+        self.mirrored = MirroredEmbeddings(weights, source, self._limits.max_message_bytes // 2)
+
+    def placement(self) -> dict[str, Any]:
+        """What the placement report shows beyond the plan: where the rows of the sparse
+        embedding weights are."""
+        return {} if self.mirrored is None else {"stored_on": self.mirrored.stored_on()}
+
     def register(self, named_params: NamedParams, rule: UpdateRule) -> None:
-        self._named_params, self._rule = list(named_params), rule
+        """The dense variables are ``named_params`` but the sparse embedding weights (held as
+        rows, whose row-sparse rules are decided here: a refusal before any shard changes)."""
+        named_params = list(named_params)
+        if self.mirrored is not None:
+            missing = self.mirrored.names - {name for name, _ in named_params}
+            if missing:
+                raise ConfigError(
+                    f"the sparse=True embedding weights {sorted(missing)} are not among the "
+                    f"registered parameters; register the parameters of the model given to wrap()"
+                )
+            self.mirrored.bind_rules(rule, self.sparse_rule)
+            if self._log_placement:  # with the rules: their slots count in the bytes
+                print(self.mirrored.report(), flush=True)
+            named_params = [(n, p) for n, p in named_params if n not in self.mirrored.names]
+        self._named_params, self._rule = named_params, rule
 
     def restore(self, checkpoints: CheckpointSource | None, resume: bool = True) -> Restored:
         """The chief creates the variables, or, when the shards started empty and ``resume``,
@@ -130,6 +201,11 @@ class PsUpdater:
                 if resume_from is not None:
                     checkpoints.restoring(resume_from)
             self.client.restore_shards = lambda: self._checkpoint_for_restarted(checkpoints)
+        if self.mirrored is not None and self.is_chief:
+            # A shard restarted without a checkpoint takes the tables again from this copy.
+            self.client.recreate_tables = self.mirrored.recreate
+            if resume_from is None:  # filled before the dense variables: see the module
+                self.mirrored.create(is_chief=True)
         global_step = self.client.register(
             self._named_params,
             self.plan,
@@ -140,8 +216,10 @@ class PsUpdater:
             if resume_from is None
             else (resume_from.global_step, resume_from.documents),
         )
+        if self.mirrored is not None and (not self.is_chief or resume_from is not None):
+            self.mirrored.create(is_chief=self.is_chief)  # the same tables, complete
         if self.tables is not None:
-            self.tables.create(self._rule)
+            self.tables.create(self._rule, self.sparse_rule)
         if self.buffers is not None:
             mode = (
                 "sync"
@@ -163,6 +241,8 @@ class PsUpdater:
 
     def pull(self) -> Progress:
         progress = self.client.pull()
+        if self.mirrored is not None:
+            self.mirrored.pull()
         if self.buffers is not None:
             self.buffers.pull()
         return progress
@@ -172,13 +252,20 @@ class PsUpdater:
         self.client.trace(timeline)
 
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
-        """Push the gradients (sparse ones, from ``sparse=True`` embeddings, as the dense
-        gradient of their variable: see :func:`densify_sparse_gradients`) and the buffers."""
-        densify_sparse_gradients(self._named_params)
+        """Push the rows of the sparse embedding weights and of the tables, then the dense
+        gradients (a sparse gradient of another parameter as the dense gradient of its
+        variable: see :func:`densify_sparse_gradients`), bring the changed rows into the
+        sparse embedding weights, and exchange the buffers."""
+        sync_step = step if self.discipline is not None and self.discipline.mode == "sync" else None
+        if self.mirrored is not None:
+            self.mirrored.push(sync_step=sync_step)
         if self.tables is not None:
-            sync = self.discipline is not None and self.discipline.mode == "sync"
-            self.tables.push(sync_step=step if sync else None)
-        return self._exchange_buffers(step, self.client.push_pull(step=step, data=data))
+            self.tables.push(sync_step=sync_step)
+        densify_sparse_gradients(self._named_params)
+        progress = self.client.push_pull(step=step, data=data)
+        if self.mirrored is not None:
+            self.mirrored.pull()  # after the dense reply: this step's rows are applied
+        return self._exchange_buffers(step, progress)
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
         """After the gradients' trip: push the buffers (only with gradients that counted)."""
@@ -199,7 +286,10 @@ class PsUpdater:
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
         densify_sparse_gradients(self._named_params)
         zero_gradients(self._named_params)
-        return self._exchange_buffers(step, self.client.push_pull(step=step))
+        progress = self.client.push_pull(step=step)  # no rows: each table counts the step
+        if self.mirrored is not None:
+            self.mirrored.pull()
+        return self._exchange_buffers(step, progress)
 
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return stop, checkpoint
@@ -219,6 +309,8 @@ class PsUpdater:
         }
         if self.tables is not None:
             placement.update(self.tables.placement())
+        if self.mirrored is not None:
+            placement.update(self.mirrored.placement())
         return SavedState(global_step, documents, placement)
 
     def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
@@ -240,3 +332,9 @@ class PsUpdater:
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         return self.client.moving_average()
+
+
+def _without(plan: PlacementPlan, names: set[str]) -> PlacementPlan:
+    """``plan`` with the variables ``names`` taken out (the others stay where they were)."""
+    shards = tuple(tuple(s for s in shard if s.variable.name not in names) for shard in plan.shards)
+    return PlacementPlan(plan.num_shards, plan.strategy, shards)

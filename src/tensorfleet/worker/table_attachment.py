@@ -3,9 +3,10 @@ attached to the shards, created there, and their row gradients pushed each step.
 
 ``PsUpdater`` holds one :class:`TableAttachment` when the model has
 :class:`~tensorfleet.worker.embedding_table.EmbeddingTable` modules. A table without a name
-takes its place in the model (``towers.user``). Its row-sparse rule is the session's update
-rule by name (``sgd``, ``adagrad``; or ``tfl.optim.SparseAdam(...)`` given as the table's
-``rule``). Each step the table's touched rows are pushed before the dense gradients: applied
+takes its place in the model (``towers.user``). Its row-sparse rule is the table's own
+``rule`` attribute when it has one, else the session's ``sparse_optimizer`` (e.g.
+``tfl.optim.SparseAdam(...)``) when it has one, else the session's update rule by name
+(``sgd``, ``adagrad``). Each step the table's touched rows are pushed before the dense gradients: applied
 at once by their shards in async training, held for the step's mean in sync training (the
 push names its step) and until the staleness gate releases the dense push with
 ``max_staleness`` (:mod:`tensorfleet.ps.held_row_gradients`).
@@ -37,11 +38,14 @@ class TableAttachment:
         for place, table in tables:
             table.attach(source, num_shards, name=table.table_name or place)
 
-    def create(self, rule: UpdateRule) -> None:
-        """Every shard holds its part of every table (idempotent: every worker asks)."""
+    def create(self, rule: UpdateRule, sparse_rule: SparseRowRule | None = None) -> None:
+        """Every shard holds its part of every table (idempotent: every worker asks), with
+        the table's own rule, else ``sparse_rule``, else ``rule``'s row-sparse twin."""
         for table in self.tables:
-            row_rule = getattr(table, "rule", None) or SparseRowRule.from_dense(
-                rule.name, rule.hyperparameters
+            row_rule = (
+                getattr(table, "rule", None)
+                or sparse_rule
+                or SparseRowRule.from_dense(rule.name, rule.hyperparameters)
             )
             self.source.create(table.spec(), table.partition, row_rule)
 

@@ -2,14 +2,19 @@
 ``nn.EmbeddingBag(sparse=True)`` learns labels that are a known function of the ids.
 
     sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--table-only]
-                               [--checkpoint-dir D]
+                               [--checkpoint-dir D] [--optimizer sgd|adagrad|sparse_adam]
 
 ``--table``: the first lookup is a ``tfl.EmbeddingTable`` whose rows live on the ps shards.
 ``--table-only``: the model is that table and a linear head (2 dense variables), so that on
-3 ps or more some shard holds only table rows.
+3 ps or more some shard holds only table rows. ``--optimizer sparse_adam``: Adam for the
+head and lazy Adam (``sparse_optimizer``) for the sparse weights.
 
 The chief writes OUT (JSON): the loss on all the data before and after training (with
-``--table-only`` also the trained table's rows and the head's parameters).
+``--table-only`` also the trained table's rows and the head's parameters). Without a table
+every worker also writes ``OUT.<index>.json``: its copy of each sparse embedding weight
+after a last pull, and whether that copy equals the rows the ps shards hold at the version
+it pulled (``matches_ps``: compared bit for bit once a pull and a whole read of the shards'
+rows find the same versions, which they do when the other worker no longer pushes).
 """
 
 from __future__ import annotations
@@ -57,6 +62,38 @@ def make_data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids[:, 0] % CLASSES  # the label is a function of the first id
 
 
+OPTIMIZERS = {
+    "sgd": (tfl.optim.SGD(lr=2.0), None),
+    "adagrad": (tfl.optim.Adagrad(lr=0.5), None),
+    "sparse_adam": (tfl.optim.Adam(lr=0.05), tfl.optim.SparseAdam(lr=0.1)),
+}
+
+
+def mirror_matches_ps(sess: tfl.TrainingSession, attempts: int = 1000) -> bool:
+    """Whether this worker's copies of the sparse embedding weights equal the shards' rows
+    bit for bit at the versions it pulled (see the module docstring)."""
+    mirrored = sess._updater.mirrored
+    for _ in range(attempts):
+        sess.pull()
+        settled = True
+        for weight in mirrored.weights:
+            shards = range(weight.partition.num_shards)
+            whole = mirrored.source.pull_changed(
+                weight.name, {k: (None, 0) for k in shards}, 1 << 20, weight.spec.dim
+            )
+            if any([whole[k].incarnation, whole[k].version] != weight.seen[k] for k in shards):
+                settled = False  # another worker pushed in between: try again
+                break
+            rows = torch.full_like(weight.param.detach(), float("nan"))
+            for k in shards:
+                rows[whole[k].ids] = whole[k].values
+            if not torch.equal(rows, weight.param.detach()):
+                return False
+        if settled:
+            return True
+    raise RuntimeError(f"the shards' versions did not settle in {attempts} attempts")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -66,7 +103,9 @@ def main() -> int:
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     args = parser.parse_args()
+    optimizer, sparse_optimizer = OPTIMIZERS[args.optimizer]
     torch.set_num_threads(1)
     task = tfl.resolve_task(argv=[])
     server = tfl.Server(task.cluster, task.job, task.index)
@@ -75,7 +114,7 @@ def main() -> int:
     ids, labels = make_data((args.steps + 16) * task.num_workers * BATCH)
     before = None
     with tfl.TrainingSession(
-        server, model, optimizer=tfl.optim.SGD(lr=2.0), mode=args.mode,
+        server, model, optimizer=optimizer, mode=args.mode, sparse_optimizer=sparse_optimizer,
         hooks=[tfl.StopAtStep(last_step=args.steps)], max_staleness=args.max_staleness,
         checkpoint_dir=args.checkpoint_dir,
     ) as sess:  # fmt: skip
@@ -85,6 +124,13 @@ def main() -> int:
             start = (sess.global_step * task.num_workers + task.index) * BATCH
             xb, yb = ids[start : start + BATCH], labels[start : start + BATCH]
             sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
+        if not args.table and not args.table_only:  # the weights mirrored from the ps rows
+            mine = {
+                "matches_ps": mirror_matches_ps(sess),
+                "weights": {w.name: w.param.tolist() for w in sess._updater.mirrored.weights},
+            }
+            with open(f"{args.out}.{task.index}.json", "w") as f:
+                json.dump(mine, f)
         if sess.is_chief:
             sess.pull()
             with torch.no_grad():
