@@ -13,7 +13,11 @@ Preemption and time limits: with ``--requeue`` (the default) Slurm may requeue t
 it is preempted or its node fails, and ``--signal=B:USR1@N`` makes Slurm signal the script N
 seconds before the time limit; the script then requeues the job itself (as Lightning's
 ``SLURMEnvironment(auto_requeue=True)`` and submitit do), so that the next run resumes from
-the newest checkpoint. There is no restart inside a job: ``srun --kill-on-bad-exit=1`` ends
+the newest checkpoint. Slurm ends the requeued (or preempted) job's tasks with SIGTERM, then
+SIGKILL after its ``KillWait``; tensorfleet's tasks take that SIGTERM as a preemption
+(:mod:`tensorfleet.session.preemption`): the ps tasks wait for the chief's checkpoint and the
+chief writes it, so the next run resumes at the step of the requeue. There is no restart
+inside a job: ``srun --kill-on-bad-exit=1`` ends
 the step as soon as one task fails, and the job's exit status is the step's.
 """
 
