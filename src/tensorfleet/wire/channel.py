@@ -8,6 +8,11 @@ its connection drops ends its wait at once (:class:`~tensorfleet.errors.Connecti
 does not resend it. A refusal is raised as the :class:`~tensorfleet.errors.RemoteError`
 subclass its code names. See :mod:`tensorfleet.wire.transport` for what both ends share and
 :mod:`tensorfleet.wire.service_socket` for the server end.
+
+With ``encrypt=True`` a channel exchanges keys with the service before its first request
+and before every ``hello``, seals its requests and accepts only sealed replies, besides the
+answer to its key exchange and a service's refusal of keys it no longer holds
+(:mod:`tensorfleet.wire.encryption`).
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from tensorfleet.wire.auth import (
     Buffer,
     MessageSigner,
     MessageVerifier,
-    derive_curve_server_keys,
 )
+from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, ChannelEncryption
 from tensorfleet.wire.transport import (
     check_resolvable,
     set_connection_heartbeats,
@@ -95,12 +100,6 @@ class Channel:
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         self._socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         set_connection_heartbeats(self._socket)
-        if encrypt:
-            server_public, _ = derive_curve_server_keys(secret)
-            public, secret_key = zmq.curve_keypair()  # ephemeral, per connection
-            self._socket.curve_serverkey = server_public
-            self._socket.curve_publickey = public
-            self._socket.curve_secretkey = secret_key
         # Connection events: a request in flight when its connection drops is lost (ZeroMQ
         # does not resend it, and its answer could not come back), so its wait ends at once.
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -112,6 +111,11 @@ class Channel:
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
+        self._encryption = ChannelEncryption(secret, self._signer.session_id) if encrypt else None
+        self._counters: dict[int, int] = {}
+        """The message counter of each request in flight (encrypted: a refusal of keys the
+        service does not hold names the counter, the request id being sealed)."""
+        self._key_exchange_answered_by: dict[int, bytes] = {}
         self._next_id = 0
         self._pending: dict[int, str] = {}
         self._arrived: dict[int, Reply | RemoteError] = {}
@@ -131,7 +135,30 @@ class Channel:
         timeout_s: float = 60.0,
     ) -> int:
         """Send a request; return its id for :meth:`wait`. Buffers are not copied and must
-        stay unchanged until the reply has arrived."""
+        stay unchanged until the reply has arrived. Encrypted, the keys are exchanged first
+        (a round trip within ``timeout_s``) when there are none yet or ``op`` is ``hello``."""
+        encryption = self._encryption
+        if encryption is not None and (op == "hello" or encryption.sealer is None):
+            self._exchange_keys(encryption, timeout_s)
+        return self._send(op, body, buffers, timeout_s)
+
+    def _exchange_keys(self, encryption: ChannelEncryption, timeout_s: float) -> None:
+        """One key exchange with the service (signed, not sealed); raises what :meth:`wait`
+        raises, e.g. :class:`~tensorfleet.errors.EncryptionMismatch` from a service that
+        does not encrypt."""
+        body = encryption.start()
+        request_id = self._send(KEY_EXCHANGE_OP, body, None, timeout_s, sealed=False)
+        reply = self.wait(request_id, timeout_s)
+        encryption.finish(reply.body, self._key_exchange_answered_by.pop(request_id))
+
+    def _send(
+        self,
+        op: str,
+        body: dict[str, Any],
+        buffers: list[Buffer] | None,
+        timeout_s: float,
+        sealed: bool = True,
+    ) -> int:
         self._next_id += 1
         request_id = self._next_id
         header = {
@@ -148,7 +175,10 @@ class Channel:
             header.update(extra)
             if placed is not None:
                 buffers, in_frames = placed, False
-        frames = wire.encode(wire.KIND_REQUEST, header, buffers, self._signer, in_frames)
+        sealer = self._encryption.sealer if sealed and self._encryption is not None else None
+        frames = wire.encode(
+            wire.KIND_REQUEST, header, buffers, self._signer, in_frames, sealer=sealer
+        )
         try:
             self._socket.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -158,6 +188,8 @@ class Channel:
             ) from None
         self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
         self._pending[request_id] = op
+        if self._encryption is not None:
+            self._counters[request_id] = self._signer.counter
         self._count_disconnects()
         self._sent_at_disconnects[request_id] = self._disconnects
         return request_id
@@ -200,7 +232,7 @@ class Channel:
                 self._count_disconnects()
                 if self._sent_at_disconnects.get(request_id, self._disconnects) < self._disconnects:
                     op = self._pending.pop(request_id, "?")
-                    self._sent_at_disconnects.pop(request_id, None)
+                    self._forget_request(request_id)
                     raise ConnectionLost(
                         f"the connection to {self.peer_name} at {self.address} dropped while "
                         f"'{op}' was in flight; the request or its answer is lost"
@@ -217,13 +249,13 @@ class Channel:
                 if reason is None:
                     continue
                 op = self._pending.pop(request_id, "?")
-                self._sent_at_disconnects.pop(request_id, None)
+                self._forget_request(request_id)
                 raise ConnectionLost(
                     f"gave up waiting for {self.peer_name} at {self.address} to answer '{op}': {reason}"
                 )
             if remaining <= 0:
                 op = self._pending.pop(request_id, "?")
-                self._sent_at_disconnects.pop(request_id, None)
+                self._forget_request(request_id)
                 raise DeadlineExceeded(
                     f"no answer from {self.peer_name} at {self.address} to '{op}' within {timeout_s:.1f} s: "
                     f"check that the {self.peer_name} task is running and reachable at that address"
@@ -234,11 +266,15 @@ class Channel:
                     )
                 )
         self._pending.pop(request_id, None)
-        self._sent_at_disconnects.pop(request_id, None)
+        self._forget_request(request_id)
         outcome = self._arrived.pop(request_id)
         if isinstance(outcome, RemoteError):
             raise outcome
         return outcome
+
+    def _forget_request(self, request_id: int) -> None:
+        self._sent_at_disconnects.pop(request_id, None)
+        self._counters.pop(request_id, None)
 
     def call(
         self,
@@ -258,6 +294,7 @@ class Channel:
                 raise wire.notice_error(notice, f"{self.peer_name} at {self.address}")
             self.dropped["notice"] += 1
             return
+        encryption = self._encryption
         try:
             msg = wire.decode(
                 frames,
@@ -265,9 +302,13 @@ class Channel:
                 self._verifier,
                 self.limits,
                 resolve=self._segments.resolve if self._segments is not None else None,
+                openers=encryption.opener if encryption is not None else None,
             )
         except (AuthenticationError, ProtocolError):
             self.dropped["invalid"] += 1
+            return
+        if encryption is not None and not msg.sealed and not self._unsealed_reply_expected(msg):
+            self.dropped["unencrypted"] += 1
             return
         self.bytes_received += sum(memoryview(f).nbytes for f in frames[:3]) + sum(
             memoryview(b).nbytes for b in msg.buffers
@@ -275,15 +316,38 @@ class Channel:
         header = msg.header
         self._note_reply_placement(header)
         re, to = header.get("re"), header.get("to")
+        if re is None and encryption is not None and not msg.sealed:
+            # The service holds no keys for us: its refusal names the request's counter.
+            re = next((r for r, c in self._counters.items() if c == header["re_counter"]), None)
+            if re is not None and to == self._signer.session_id:
+                encryption.forget()
         if to != self._signer.session_id or re not in self._pending:
             self.dropped["unexpected"] += 1
             return
         if header.get("ok") is True and isinstance(header.get("body"), dict):
             if self._pending[re] == "hello":
                 self.server_session = msg.session_id
+            elif self._pending[re] == KEY_EXCHANGE_OP:
+                self._key_exchange_answered_by[re] = msg.session_id
             self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
         else:
             self._arrived[re] = self._refusal(header, self._pending[re])
+
+    def _unsealed_reply_expected(self, msg: wire.Message) -> bool:
+        """Whether an encrypted channel takes this reply that came signed but not sealed:
+        the answer to its key exchange, or a refusal of keys the service does not hold
+        (no payload either way)."""
+        header = msg.header
+        if msg.buffers:
+            return False
+        if self._pending.get(header.get("re")) == KEY_EXCHANGE_OP:
+            return True
+        return (
+            header.get("re") is None
+            and header.get("ok") is False
+            and header.get("error_type") == ServiceRestarted.code
+            and isinstance(header.get("re_counter"), int)
+        )
 
     def _refusal(self, header: dict[str, Any], op: str) -> RemoteError:
         """The typed exception for a refusal: the class registered for its code (plain
@@ -325,6 +389,8 @@ class Channel:
         self._pending.clear()
         self._arrived.clear()
         self._sent_at_disconnects.clear()
+        self._counters.clear()
+        self._key_exchange_answered_by.clear()
 
     def _count_disconnects(self) -> None:
         """Take the connection events that arrived (without waiting)."""
