@@ -402,3 +402,42 @@ def test_a_restarted_service_refuses_old_keys_and_the_client_exchanges_new_ones(
         channel.close()
         if second is not None:
             second.close()
+
+
+# -- requests that wait for the keys -------------------------------------------------------------
+
+
+def test_send_does_not_wait_for_the_key_exchange_and_requests_behind_it_all_leave(
+    echo: EchoService,
+) -> None:
+    channel = Channel(echo.address, SECRET, "ps:0", encrypt=True, shared_memory=False)
+    try:
+        # Hellos (a request before the first hello's answer names no service session): the
+        # first starts the exchange, all three wait for it.
+        ids = [channel.send("hello", {}, [bytes([n]) * 10], TIMEOUT_S) for n in range(3)]
+        assert echo.served == 0  # nothing sealed can leave before the service's key is in
+        replies = [channel.wait(i, TIMEOUT_S) for i in reversed(ids)]
+        assert [bytes(r.buffers[0]) for r in replies] == [bytes([n]) * 10 for n in (2, 1, 0)]
+        assert echo.served == 3 and echo.socket.encrypted_connections == 1
+    finally:
+        channel.close()
+
+
+def test_a_key_exchange_nobody_answers_ends_with_the_request_deadline_and_is_retried() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    silent = ServiceSocket(address, SECRET, encrypt=True, shared_memory=False)  # never polled
+    channel = Channel(address, SECRET, "ps:0", encrypt=True, shared_memory=False)
+    service = None
+    try:
+        request = channel.send("hello", {}, timeout_s=0.5)  # returns at once: deferred
+        with pytest.raises(DeadlineExceeded, match="agrees on encryption"):
+            channel.wait(request, 0.5)
+        silent.close()
+        service = EchoService(int(address.rsplit(":", 1)[1]))
+        channel.forget_pending()
+        reply = channel.call("hello", {}, timeout_s=TIMEOUT_S)  # a fresh key exchange
+        assert reply.body == {"op": "hello"} and service.socket.encrypted_connections == 1
+    finally:
+        channel.close()
+        if service is not None:
+            service.close()

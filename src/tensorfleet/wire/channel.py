@@ -12,7 +12,7 @@ subclass its code names. See :mod:`tensorfleet.wire.transport` for what both end
 With ``encrypt=True`` a channel exchanges keys with the service before its first request
 and before every ``hello``, seals its requests and accepts only sealed replies, besides the
 answer to its key exchange and a service's refusal of keys it no longer holds
-(:mod:`tensorfleet.wire.encryption`).
+(:mod:`tensorfleet.wire.encryption`, :mod:`tensorfleet.wire.channel_handshake`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from tensorfleet.wire.auth import (
     MessageSigner,
     MessageVerifier,
 )
-from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, ChannelEncryption
+from tensorfleet.wire.channel_handshake import ChannelHandshake, DeferredRequest
+from tensorfleet.wire.encryption import KEY_EXCHANGE_OP
 from tensorfleet.wire.transport import (
     check_resolvable,
     set_connection_heartbeats,
@@ -111,14 +112,10 @@ class Channel:
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
-        self._encryption = ChannelEncryption(secret, self._signer.session_id) if encrypt else None
-        self._counters: dict[int, int] = {}
-        """The message counter of each request in flight (encrypted: a refusal of keys the
-        service does not hold names the counter, the request id being sealed)."""
-        self._key_exchange_answered_by: dict[int, bytes] = {}
+        self._handshake = ChannelHandshake(secret, self._signer.session_id) if encrypt else None
         self._next_id = 0
         self._pending: dict[int, str] = {}
-        self._arrived: dict[int, Reply | RemoteError] = {}
+        self._arrived: dict[int, Reply | Exception] = {}
         self.server_session: bytes | None = None
         self.dropped: Counter[str] = Counter()
         """Replies dropped, by reason (late replies to abandoned requests, bad messages)."""
@@ -135,32 +132,35 @@ class Channel:
         timeout_s: float = 60.0,
     ) -> int:
         """Send a request; return its id for :meth:`wait`. Buffers are not copied and must
-        stay unchanged until the reply has arrived. Encrypted, the keys are exchanged first
-        (a round trip within ``timeout_s``) when there are none yet or ``op`` is ``hello``."""
-        encryption = self._encryption
-        if encryption is not None and (op == "hello" or encryption.sealer is None):
-            self._exchange_keys(encryption, timeout_s)
-        return self._send(op, body, buffers, timeout_s)
+        stay unchanged until the reply has arrived. Encrypted, a key exchange goes first
+        when there are no keys yet or ``op`` is ``hello``, and the request leaves when the
+        keys arrive (:mod:`tensorfleet.wire.channel_handshake`)."""
+        handshake = self._handshake
+        if handshake is not None and handshake.needs_exchange(op):
+            self._next_id += 1
+            exchange_id = self._next_id
+            body_of_exchange = handshake.start(exchange_id)
+            self._transmit(exchange_id, KEY_EXCHANGE_OP, body_of_exchange, None, timeout_s, False)
+        self._next_id += 1
+        request_id = self._next_id
+        if handshake is not None and handshake.exchange_id is not None:
+            handshake.deferred.append(DeferredRequest(request_id, op, body, buffers, timeout_s))
+            self._pending[request_id] = op
+            self._count_disconnects()
+            self._sent_at_disconnects[request_id] = self._disconnects
+            return request_id
+        self._transmit(request_id, op, body, buffers, timeout_s)
+        return request_id
 
-    def _exchange_keys(self, encryption: ChannelEncryption, timeout_s: float) -> None:
-        """One key exchange with the service (signed, not sealed); raises what :meth:`wait`
-        raises, e.g. :class:`~tensorfleet.errors.EncryptionMismatch` from a service that
-        does not encrypt."""
-        body = encryption.start()
-        request_id = self._send(KEY_EXCHANGE_OP, body, None, timeout_s, sealed=False)
-        reply = self.wait(request_id, timeout_s)
-        encryption.finish(reply.body, self._key_exchange_answered_by.pop(request_id))
-
-    def _send(
+    def _transmit(
         self,
+        request_id: int,
         op: str,
         body: dict[str, Any],
         buffers: list[Buffer] | None,
         timeout_s: float,
         sealed: bool = True,
-    ) -> int:
-        self._next_id += 1
-        request_id = self._next_id
+    ) -> None:
         header = {
             "op": op,
             "id": request_id,
@@ -175,7 +175,8 @@ class Channel:
             header.update(extra)
             if placed is not None:
                 buffers, in_frames = placed, False
-        sealer = self._encryption.sealer if sealed and self._encryption is not None else None
+        handshake = self._handshake
+        sealer = handshake.encryption.sealer if sealed and handshake is not None else None
         frames = wire.encode(
             wire.KIND_REQUEST, header, buffers, self._signer, in_frames, sealer=sealer
         )
@@ -188,11 +189,10 @@ class Channel:
             ) from None
         self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
         self._pending[request_id] = op
-        if self._encryption is not None:
-            self._counters[request_id] = self._signer.counter
+        if handshake is not None:
+            handshake.sent(request_id, self._signer.counter)
         self._count_disconnects()
         self._sent_at_disconnects[request_id] = self._disconnects
-        return request_id
 
     def staging(self, sizes: list[int]) -> list[memoryview] | None:
         """Writable buffers of ``sizes`` bytes in this channel's request segment, for the
@@ -268,13 +268,17 @@ class Channel:
         self._pending.pop(request_id, None)
         self._forget_request(request_id)
         outcome = self._arrived.pop(request_id)
-        if isinstance(outcome, RemoteError):
+        if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
     def _forget_request(self, request_id: int) -> None:
         self._sent_at_disconnects.pop(request_id, None)
-        self._counters.pop(request_id, None)
+        if self._handshake is not None:
+            abandoned = self._handshake.forget(request_id)
+            if abandoned is not None:  # nobody waits for that key exchange any more
+                self._pending.pop(abandoned, None)
+                self._sent_at_disconnects.pop(abandoned, None)
 
     def call(
         self,
@@ -294,7 +298,7 @@ class Channel:
                 raise wire.notice_error(notice, f"{self.peer_name} at {self.address}")
             self.dropped["notice"] += 1
             return
-        encryption = self._encryption
+        handshake = self._handshake
         try:
             msg = wire.decode(
                 frames,
@@ -302,12 +306,16 @@ class Channel:
                 self._verifier,
                 self.limits,
                 resolve=self._segments.resolve if self._segments is not None else None,
-                openers=encryption.opener if encryption is not None else None,
+                openers=handshake.encryption.opener if handshake is not None else None,
             )
         except (AuthenticationError, ProtocolError):
             self.dropped["invalid"] += 1
             return
-        if encryption is not None and not msg.sealed and not self._unsealed_reply_expected(msg):
+        if (
+            handshake is not None
+            and not msg.sealed
+            and not handshake.unsealed_reply_expected(msg, self._pending)
+        ):
             self.dropped["unencrypted"] += 1
             return
         self.bytes_received += sum(memoryview(f).nbytes for f in frames[:3]) + sum(
@@ -316,38 +324,54 @@ class Channel:
         header = msg.header
         self._note_reply_placement(header)
         re, to = header.get("re"), header.get("to")
-        if re is None and encryption is not None and not msg.sealed:
-            # The service holds no keys for us: its refusal names the request's counter.
-            re = next((r for r, c in self._counters.items() if c == header["re_counter"]), None)
-            if re is not None and to == self._signer.session_id:
-                encryption.forget()
+        if handshake is not None and not msg.sealed and to == self._signer.session_id:
+            if re is None:  # the service holds no keys for us: the refusal names a counter
+                re = handshake.refused_request(header)
+            elif re == handshake.exchange_id:
+                self._pending.pop(re, None)
+                self._forget_request(re)
+                self._keys_answered(handshake, msg)
+                return
         if to != self._signer.session_id or re not in self._pending:
             self.dropped["unexpected"] += 1
             return
         if header.get("ok") is True and isinstance(header.get("body"), dict):
             if self._pending[re] == "hello":
                 self.server_session = msg.session_id
-            elif self._pending[re] == KEY_EXCHANGE_OP:
-                self._key_exchange_answered_by[re] = msg.session_id
             self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
         else:
             self._arrived[re] = self._refusal(header, self._pending[re])
 
-    def _unsealed_reply_expected(self, msg: wire.Message) -> bool:
-        """Whether an encrypted channel takes this reply that came signed but not sealed:
-        the answer to its key exchange, or a refusal of keys the service does not hold
-        (no payload either way)."""
+    def _keys_answered(self, handshake: ChannelHandshake, msg: wire.Message) -> None:
+        """The service answered the key exchange: take its key and send the requests that
+        waited for it, or give each of them the refusal (e.g. ``EncryptionMismatch``)."""
         header = msg.header
-        if msg.buffers:
-            return False
-        if self._pending.get(header.get("re")) == KEY_EXCHANGE_OP:
-            return True
-        return (
-            header.get("re") is None
-            and header.get("ok") is False
-            and header.get("error_type") == ServiceRestarted.code
-            and isinstance(header.get("re_counter"), int)
-        )
+        failure: Exception | None = None
+        if header.get("ok") is True and isinstance(header.get("body"), dict):
+            try:
+                handshake.encryption.finish(header["body"], msg.session_id)
+            except ProtocolError as exc:
+                failure = exc
+        for request in handshake.take_deferred():
+            if request.request_id not in self._pending:
+                continue  # abandoned meanwhile
+            if failure is not None:
+                self._arrived[request.request_id] = ProtocolError(
+                    f"key exchange with {self.peer_name} at {self.address} failed: {failure}"
+                )
+            elif header.get("ok") is not True:
+                self._arrived[request.request_id] = self._refusal(header, request.op)
+            else:
+                try:
+                    self._transmit(
+                        request.request_id,
+                        request.op,
+                        request.body,
+                        request.buffers,
+                        request.timeout_s,
+                    )
+                except DeadlineExceeded as exc:
+                    self._arrived[request.request_id] = exc
 
     def _refusal(self, header: dict[str, Any], op: str) -> RemoteError:
         """The typed exception for a refusal: the class registered for its code (plain
@@ -389,8 +413,8 @@ class Channel:
         self._pending.clear()
         self._arrived.clear()
         self._sent_at_disconnects.clear()
-        self._counters.clear()
-        self._key_exchange_answered_by.clear()
+        if self._handshake is not None:
+            self._handshake.clear()
 
     def _count_disconnects(self) -> None:
         """Take the connection events that arrived (without waiting)."""
