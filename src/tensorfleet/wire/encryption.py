@@ -6,10 +6,11 @@ How it works, and why:
 
 * **Key exchange.** Before its first request, and again before every ``hello``, a client
   (:class:`~tensorfleet.wire.channel.Channel`) sends a :data:`KEY_EXCHANGE_OP` request with a
-  fresh X25519 public key; the service answers with a fresh key of its own. Both are
-  ordinary signed messages (:mod:`tensorfleet.wire.auth`: AES-GMAC under keys derived from
-  the secret, counters against replay), so a peer without the secret can neither take part
-  nor put its own key in the middle. Both ends derive ``request key || reply key =
+  fresh X25519 public key (requests sent meanwhile wait for the answer:
+  :mod:`tensorfleet.wire.channel_handshake`); the service answers with a fresh key of its
+  own. Both are ordinary signed messages (:mod:`tensorfleet.wire.auth`: AES-GMAC under keys
+  derived from the secret, counters against replay), so a peer without the secret can
+  neither take part nor put its own key in the middle. Both ends derive ``request key || reply key =
   HKDF-SHA256(X25519 shared secret, salt=cluster secret, info=label || client session ||
   service session || client public key || service public key)``: two keys per connection,
   one per direction. The private keys exist only in memory for the exchange, so a secret
