@@ -441,3 +441,34 @@ def test_a_key_exchange_nobody_answers_ends_with_the_request_deadline_and_is_ret
         channel.close()
         if service is not None:
             service.close()
+
+
+def test_a_sealed_reply_with_buffers_returns_a_tracker_that_says_when_it_left() -> None:
+    """Publishers pace slow subscribers by the tracker (patterns/broadcast.py): a sealed
+    reply returns one like a plain reply, although its buffers were already copied."""
+    address = f"127.0.0.1:{free_port()}"
+    service = ServiceSocket(address, SECRET, encrypt=True, shared_memory=False)
+    channel = Channel(address, SECRET, "ps:0", encrypt=True, shared_memory=False)
+    answers: list = []
+    client = threading.Thread(
+        target=lambda: answers.append(channel.call("hello", {}, timeout_s=TIMEOUT_S))
+    )
+    client.start()
+    try:
+        request = None
+        for _ in range(int(TIMEOUT_S / 0.1)):
+            if request is None and service.poll(0.1):
+                request = service.receive()  # None for the key exchange, answered inside
+            if request is not None:
+                break
+        assert request is not None and request.sealer is not None
+        assert service.reply_copies_buffers(request)
+        tracker = service.reply(request, {}, [MARKER * 4096])
+        assert tracker is not None
+        tracker.wait(TIMEOUT_S)
+        client.join(TIMEOUT_S)
+        assert bytes(answers[0].buffers[0]) == MARKER * 4096
+    finally:
+        client.join(TIMEOUT_S)
+        channel.close()
+        service.close()

@@ -319,10 +319,11 @@ class ServiceSocket:
     def reply(
         self, request: Request, body: dict[str, Any], buffers: list[Buffer] | None = None
     ) -> zmq.MessageTracker | None:
-        """Answer ``request`` successfully. Buffers are sent without a copy and must stay
-        unchanged until the returned tracker is done (None when the reply had no buffers,
-        could not be queued, or its buffers were copied before this returned: see
-        :meth:`reply_copies_buffers`)."""
+        """Answer ``request`` successfully. The returned tracker is done once the reply has
+        left (None when it had no buffers in frames, or could not be queued). Buffers are
+        sent without a copy and must stay unchanged until then, unless
+        :meth:`reply_copies_buffers` says they are copied (or encrypted) before this
+        returns."""
         return self._send(request, reply_header(request, body), buffers or [])
 
     def fail(self, request: Request, error_type: str, text: str) -> None:
@@ -337,7 +338,7 @@ class ServiceSocket:
         frames = wire.encode(
             wire.KIND_REPLY, header, buffers, self._signer, in_frames, sealer=request.sealer
         )
-        tracked = bool(buffers) and in_frames and request.sealer is None
+        tracked = bool(buffers) and in_frames
         try:
             tracker = self._socket.send_multipart(
                 [request.peer, *frames], copy=False, flags=zmq.NOBLOCK, track=tracked
