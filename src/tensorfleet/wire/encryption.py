@@ -60,9 +60,10 @@ traffic, the all-reduce and pipeline groups included, and is left to the user
 (docs/security.md). AES-256-GCM in OpenSSL ran at 8.6-23 GB/s on one thread on this
 machine (the VM's speed varies between sessions) and takes the place of the GMAC pass
 (19-31 GB/s) rather than adding to it, and on the ps the encryption is the copy of the
-values that a plain reply makes anyway. Measured with ``benchmarks/wire.py`` (6 runs under
-load): an encrypted 8 MB push+pull ran at 0.87x the speed of the plain one of the same run,
-32 MB at 1.13x, where CURVE ran at 0.20-0.33x; docs/wire-performance.md has the figures.
+values that a plain reply makes anyway. Measured with ``benchmarks/wire.py`` (7 runs on the
+shared machine): an encrypted 8 MB push+pull ran at 0.88x the speed of the plain one of
+the same run, 32 MB at 1.07x, where CURVE ran at 0.40x and 0.25x; docs/wire-performance.md
+has the figures.
 """
 
 from __future__ import annotations
