@@ -14,7 +14,8 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   TCP (``TENSORFLEET_SHARED_MEMORY=0``), which authenticates them, applies SGD and sends the
   new values back in the reply (what every training step does);
 * ``pull``: values only (the model one way, a small request the other);
-* ``push_pull_encrypted``: the push+pull over TCP with ZeroMQ CURVE encryption on;
+* ``push_pull_encrypted``: the push+pull over TCP with ``--encrypt`` (every message sealed
+  with AES-256-GCM under per-connection keys, ``wire/encryption.py``);
 * ``push_pull_shared_memory`` / ``pull_shared_memory``: the same, with the same-host fast
   path (payloads in shared memory, the wire carrying headers and tags).
 

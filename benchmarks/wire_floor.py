@@ -2,14 +2,19 @@
 
 ``benchmarks/wire.py`` compares a push+pull with a raw TCP echo. Part of the gap is not
 tensorfleet's framing, authentication or copies but ZeroMQ itself (its I/O thread, its
-message allocation) and, with ``--encrypt``, CURVE. This benchmark measures those floors
+message allocation) and, with ``--encrypt``, the encryption. This benchmark measures those floors
 alone, all in one run, each echo server in its own process on localhost, in alternating
 batches:
 
 * ``raw_tcp_echo``: a plain socket receives the bytes and sends them back;
 * ``zmq_echo``: a ZeroMQ ROUTER echoes one DEALER's message (``copy=False`` both ways,
   as the transport does): the ceiling for any protocol over ZeroMQ tcp;
-* ``zmq_curve_echo``: the same with CURVE encryption (what ``--encrypt`` uses);
+* ``zmq_curve_echo``: the same with CURVE encryption (what ``--encrypt`` used before
+  protocol 3);
+* ``zmq_aes_gcm_echo``: the ZeroMQ echo with the payload sealed by AES-256-GCM in 1 MiB
+  chunks before every send and opened after every receive, on one thread at each end
+  (four passes per round trip: what ``--encrypt`` adds to the wire since protocol 3, see
+  ``wire/encryption.py``, without its second thread);
 
 and, on this thread, the cryptography an encrypted or authenticated message needs, in GB/s
 over one buffer of the size: ``aes_gcm_encrypt`` (AES-256-GCM into a fresh output buffer,
@@ -45,6 +50,8 @@ from results_writer import write_results  # noqa: E402
 
 #: Seconds any one round trip may take before the benchmark gives up.
 ROUND_TRIP_TIMEOUT_S = 60
+#: Payload bytes sealed under one tag (as ``wire/auth.py``'s CHUNK_BYTES).
+CHUNK_BYTES = 1 << 20
 
 TCP_SERVER = r"""
 import socket, sys
@@ -63,7 +70,27 @@ for _ in range(rounds):
 
 ZMQ_SERVER = r"""
 import sys, zmq
-curve_secret = sys.argv[1]
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+curve_secret, aes_key = sys.argv[1], bytes.fromhex(sys.argv[2])
+CHUNK = 1 << 20
+
+def seal(key, counter, source, target):
+    tags = []
+    for index, start in enumerate(range(0, len(source), CHUNK)):
+        nonce = (index + 1).to_bytes(4, "big") + counter.to_bytes(8, "big")
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        encryptor.update_into(source[start:start + CHUNK], target[start:start + CHUNK])
+        encryptor.finalize()
+        tags.append(encryptor.tag)
+    return b"".join(tags)
+
+def open_(key, counter, source, tags, target):
+    for index, start in enumerate(range(0, len(source), CHUNK)):
+        nonce = (index + 1).to_bytes(4, "big") + counter.to_bytes(8, "big")
+        tag = tags[16 * index:16 * index + 16]
+        decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+        decryptor.update_into(source[start:start + CHUNK], target[start:start + CHUNK])
+        decryptor.finalize()
 router = zmq.Context().socket(zmq.ROUTER)
 router.setsockopt(zmq.LINGER, 1000)
 router.setsockopt(zmq.RCVTIMEO, 60_000)
@@ -73,10 +100,20 @@ if curve_secret != "-":
     router.curve_server = True
 port = router.bind_to_random_port("tcp://127.0.0.1")
 print(port, flush=True)
+counter, plain, sealed = 0, None, None
 while True:
     frames = router.recv_multipart(copy=False)
     if len(frames[-1]) == 0:  # the client is done
         break
+    if aes_key and len(frames) == 3:  # [peer, ciphertext, tags]: open, then seal the answer
+        data = frames[1].buffer
+        if plain is None or len(plain) != len(data):
+            plain, sealed = bytearray(len(data)), bytearray(len(data))
+        open_(aes_key, counter + 1, data, frames[2].bytes, memoryview(plain))
+        counter += 2
+        tags = seal(aes_key, counter, memoryview(plain), memoryview(sealed))
+        router.send_multipart([frames[0], sealed, tags], copy=False)
+        continue
     router.send_multipart(frames, copy=False)
 """
 
@@ -112,11 +149,15 @@ class TcpEcho:
 
 
 class ZmqEcho:
-    """A ZeroMQ ROUTER echo server in its own process, and a DEALER talking to it."""
+    """A ZeroMQ ROUTER echo server in its own process, and a DEALER talking to it; with
+    ``aes_gcm`` both ends seal and open every payload (one thread each)."""
 
-    def __init__(self, payload: bytes, curve: bool) -> None:
+    def __init__(self, payload: bytes, curve: bool, aes_gcm: bool = False) -> None:
         server_public, server_secret = zmq.curve_keypair() if curve else (b"", b"-")
-        self.server, port = _start(ZMQ_SERVER, server_secret.decode())
+        self.key = os.urandom(32) if aes_gcm else b""
+        self.server, port = _start(ZMQ_SERVER, server_secret.decode(), self.key.hex())
+        self.counter = 0
+        self.sealed, self.opened = bytearray(len(payload)), bytearray(len(payload))
         self.context = zmq.Context()
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.LINGER, 0)
@@ -143,15 +184,49 @@ class ZmqEcho:
             self.dealer.recv()
 
     def round_trip(self) -> None:
-        self.dealer.send(self.payload, copy=False)
+        if self.key:
+            self.counter += 1
+            tags = _seal(self.key, self.counter, self.payload, memoryview(self.sealed))
+            self.dealer.send_multipart([self.sealed, tags], copy=False)
+        else:
+            self.dealer.send(self.payload, copy=False)
         if not self.dealer.poll(ROUND_TRIP_TIMEOUT_S * 1000):
             raise TimeoutError(f"no echo within {ROUND_TRIP_TIMEOUT_S} s")
-        self.dealer.recv(copy=False)
+        frames = self.dealer.recv_multipart(copy=False)
+        if self.key:
+            self.counter += 1
+            _open(self.key, self.counter, frames[0].buffer, frames[1].bytes, self.opened)
 
     def close(self) -> None:
         self.dealer.send(b"")  # tells the server to exit
         self.dealer.close(linger=1000)
         self.context.term()
+
+
+def _seal(key: bytes, counter: int, source: bytes, target: memoryview) -> bytes:
+    """AES-256-GCM of ``source`` into ``target`` in 1 MiB chunks; their tags."""
+    tags = []
+    view = memoryview(source)
+    for index, start in enumerate(range(0, len(source), CHUNK_BYTES)):
+        nonce = (index + 1).to_bytes(4, "big") + counter.to_bytes(8, "big")
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        stop = start + CHUNK_BYTES
+        encryptor.update_into(view[start:stop], target[start:stop])
+        encryptor.finalize()
+        tags.append(encryptor.tag)
+    return b"".join(tags)
+
+
+def _open(key: bytes, counter: int, source: memoryview, tags: bytes, target: bytearray) -> None:
+    """The inverse of :func:`_seal` into ``target`` (InvalidTag if anything was altered)."""
+    out = memoryview(target)
+    for index, start in enumerate(range(0, len(source), CHUNK_BYTES)):
+        nonce = (index + 1).to_bytes(4, "big") + counter.to_bytes(8, "big")
+        tag = tags[16 * index : 16 * index + 16]
+        decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+        stop = start + CHUNK_BYTES
+        decryptor.update_into(source[start:stop], out[start:stop])
+        decryptor.finalize()
 
 
 def crypto_rates(payload: bytes, repeats: int) -> dict[str, float]:
@@ -195,6 +270,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
         echoes["zmq_echo"] = ZmqEcho(payload, curve=False)
         echoes["zmq_curve_echo"] = ZmqEcho(payload, curve=True)
+        echoes["zmq_aes_gcm_echo"] = ZmqEcho(payload, curve=False, aes_gcm=True)
         kinds: dict[str, Callable[[], None]] = {n: e.round_trip for n, e in echoes.items()}
         times: dict[str, list[float]] = {name: [] for name in kinds}
         for batch in range(batches + 1):
@@ -252,7 +328,7 @@ def main() -> int:
             table.append(f"| {megabytes:g} | {name} (one thread) | | | {rate:.2f} | |")
         sizes[f"{megabytes:g}"] = rows
     result = {
-        "benchmark": "transport floors on localhost: raw TCP, ZeroMQ, ZeroMQ CURVE echoes",
+        "benchmark": "transport floors on localhost: raw TCP, ZeroMQ, ZeroMQ CURVE and AES-GCM echoes",
         "round_trips_per_kind": args.batches * args.per_batch,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -35,7 +35,8 @@ HOME_VAR = "HOME"
 #: uses shared memory there: tensorfleet.wire.shared_memory).
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
-#: "1" to encrypt all traffic between tasks with ZeroMQ CURVE (every task must agree).
+#: "1" to encrypt all traffic between tasks (AES-256-GCM under per-connection keys; every
+#: task must agree).
 ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"
 
 

@@ -113,6 +113,14 @@ class RemoteDeadlineExceeded(RemoteError, TimeoutError):
     code = "DeadlineExceeded"
 
 
+class EncryptionMismatch(RemoteError):
+    """The two ends disagree about encryption: one runs with ``--encrypt`` /
+    ``TENSORFLEET_ENCRYPT=1`` and the other without. Every task of a cluster must agree; the
+    message says which end to change."""
+
+    code = "EncryptionMismatch"
+
+
 def remote_error_class(code: object) -> type[RemoteError]:
     """The exception class a client raises for a refusal with ``code``."""
     for cls in (
@@ -123,6 +131,7 @@ def remote_error_class(code: object) -> type[RemoteError]:
         RequestRefused,
         RemoteProtocolError,
         RemoteDeadlineExceeded,
+        EncryptionMismatch,
     ):
         if cls.code == code:
             return cls

@@ -20,11 +20,18 @@ def _program():
     return module
 
 
-def test_two_workers_reach_the_closed_form_ridge_solution(tmp_path, python):
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_two_workers_reach_the_closed_form_ridge_solution(tmp_path, python, encrypt):
+    """Also with every task encrypting (what ``tensorfleet launch --encrypt`` sets): the ps
+    servers, the workers' channels and heartbeats agree, or the run fails at hello."""
     program = _program()
     out = tmp_path / "weights.json"
     run = run_local_cluster(
-        2, 2, [python, str(PROGRAMS / "ridge_worker.py"), str(out), "300"], timeout_s=150
+        2,
+        2,
+        [python, str(PROGRAMS / "ridge_worker.py"), str(out), "300"],
+        timeout_s=150,
+        env={"TENSORFLEET_ENCRYPT": "1" if encrypt else "0"},
     )
     assert run.returncode == 0, str(run)
     assert not any("had to be stopped" in t or "SIGTERM" in t for t in run.output.of("launcher")), (

@@ -110,12 +110,15 @@ def test_stale_batches_are_dropped_and_fresh_ones_kept():
             actor.close()
 
 
-def test_actors_follow_the_newest_weights_and_stamp_their_version():
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_actors_follow_the_newest_weights_and_stamp_their_version(encrypt):
     with (
-        WeightPublisher(free_address(), SECRET) as publisher,
-        SampleQueueServer(free_address(), SECRET, SPEC, weights_address=publisher.address) as queue,
+        WeightPublisher(free_address(), SECRET, encrypt=encrypt) as publisher,
+        SampleQueueServer(
+            free_address(), SECRET, SPEC, weights_address=publisher.address, encrypt=encrypt
+        ) as queue,
     ):
-        actor = ActorClient(queue.address, SECRET, "a")
+        actor = ActorClient(queue.address, SECRET, "a", encrypt=encrypt)
         try:
             for v in range(3):
                 publisher.publish({"w": torch.full((2,), float(v))})

@@ -34,9 +34,10 @@ def weights(version: int, n: int = 8) -> dict[str, torch.Tensor]:
     return {"w": torch.full((n,), float(version)), "b": torch.tensor([version], dtype=torch.int64)}
 
 
-def test_a_subscriber_gets_the_newest_version_after_missing_several():
-    with WeightPublisher(free_address(), SECRET) as publisher:
-        with WeightSubscriber(publisher.address, SECRET) as subscriber:
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_a_subscriber_gets_the_newest_version_after_missing_several(encrypt):
+    with WeightPublisher(free_address(), SECRET, encrypt=encrypt) as publisher:
+        with WeightSubscriber(publisher.address, SECRET, encrypt=encrypt) as subscriber:
             assert subscriber.newest() is None, "nothing published yet"
             publisher.publish(weights(1), {"global_step": 10})
             first = subscriber.newest()
@@ -66,22 +67,28 @@ def test_a_subscriber_gets_the_newest_version_after_missing_several():
             assert torch.equal(other.weight, model.weight)
 
 
-def test_a_stalled_subscriber_does_not_hold_back_the_publisher():
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_a_stalled_subscriber_does_not_hold_back_the_publisher(encrypt):
+    """Encrypted too: sealed 16 MB snapshots, a stalled encrypting subscriber."""
     big = 4 * 1024 * 1024  # 16 MB per snapshot: more than the kernel's socket buffers hold
     versions = 20
-    with WeightPublisher(free_address(), SECRET) as publisher:
+    with WeightPublisher(free_address(), SECRET, encrypt=encrypt) as publisher:
         tensor = torch.zeros(big)
         publisher.publish({"w": tensor})
         # A subscriber process that receives version 1 and is then frozen (SIGSTOP): its
         # socket stops reading, with a request in flight or a snapshot half sent.
         stalled = subprocess.Popen(
             [sys.executable, str(PROGRAMS / "subscriber.py"), publisher.address],
-            env=dict(os.environ, TENSORFLEET_SECRET=SECRET.decode()),
+            env=dict(
+                os.environ,
+                TENSORFLEET_SECRET=SECRET.decode(),
+                TENSORFLEET_ENCRYPT="1" if encrypt else "0",
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        live = WeightSubscriber(publisher.address, SECRET)
+        live = WeightSubscriber(publisher.address, SECRET, encrypt=encrypt)
         try:
             assert stalled.stdout.readline().strip() == "version 1", (
                 "the subscriber process did not start"
@@ -111,7 +118,7 @@ def test_a_stalled_subscriber_does_not_hold_back_the_publisher():
             stalled.kill()
             stalled.wait(timeout=30)
         # The publisher goes on serving after the stalled subscriber died.
-        with WeightSubscriber(publisher.address, SECRET) as late:
+        with WeightSubscriber(publisher.address, SECRET, encrypt=encrypt) as late:
             publisher.publish({"w": torch.ones(4)})
             assert late.wait_for(versions + 1, timeout_s=30).version == versions + 1
 

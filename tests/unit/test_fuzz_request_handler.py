@@ -175,7 +175,7 @@ class FakeSocket:
         self._record(request, answer, header, buffers)
         return None  # no tracker: the snapshot pool may reuse its buffer at once
 
-    def replies_in_shared_memory(self, request: Request) -> bool:
+    def reply_copies_buffers(self, request: Request) -> bool:
         return False  # reply() copies at once anyway; the pool path is the one fuzzed here
 
     def fail(self, request: Request, error_type: str, text: str) -> None:

@@ -3,7 +3,9 @@
 
 A raw DEALER sends what no client would: unauthenticated garbage, and messages signed with the
 cluster secret (so they pass the MAC) whose header or buffers were mutated before signing:
-authenticated but malformed. After each example, a signed request on the same connection is
+authenticated but malformed. Every property runs twice: against a plain shard, and against a
+shard that encrypts (``--encrypt``), to which the peer sends the same messages sealed under
+keys it exchanged first, plus sealed garbage from connections the shard holds no keys for. After each example, a signed request on the same connection is
 answered (so everything before it was handled) and the shard must be untouched: service
 thread alive, values bit for bit, version and global step 0. After all examples a
 well-behaved :class:`Channel` still gets answers, and its push gives exactly one SGD step.
@@ -35,6 +37,7 @@ from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, MessageVerifier
 from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, ChannelEncryption
 from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.tensors import as_buffer
 
@@ -100,9 +103,12 @@ def _sgd(values: list[torch.Tensor], gradients: list[torch.Tensor]) -> list[torc
 
 
 class RawPeer:
-    """A DEALER that sends frames as given, and signs (with the right secret) what it is told."""
+    """A DEALER that sends frames as given, and signs (with the right secret) what it is told;
+    towards a shard that encrypts, it exchanges keys first and seals what it is told."""
 
-    def __init__(self, context: zmq.Context, address: str, server_session: bytes) -> None:
+    def __init__(
+        self, context: zmq.Context, address: str, server_session: bytes, encrypt: bool = False
+    ) -> None:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(f"tcp://{address}")
@@ -110,6 +116,14 @@ class RawPeer:
         self.verifier = MessageVerifier(SECRET, REPLY_ROLE)
         self.server_session = server_session
         self.next_id = 0
+        self.encryption: ChannelEncryption | None = None
+        if encrypt:
+            encryption = ChannelEncryption(SECRET, self.signer.session_id)
+            header = self.header(KEY_EXCHANGE_OP, encryption.start())
+            self.send([bytes(f) for f in wire.encode(wire.KIND_REQUEST, header, [], self.signer)])
+            answer = self.reply_to(header["id"])
+            encryption.finish(answer.header["body"], answer.session_id)
+            self.encryption = encryption
 
     def header(self, op: str, body: dict, overrides: dict | None = None) -> dict[str, Any]:
         self.next_id += 1
@@ -122,14 +136,35 @@ class RawPeer:
             **(overrides or {}),
         }
 
+    def encode(self, header: dict, buffers: list[bytes]) -> list[bytes]:
+        """A valid request with this header (sealed towards a shard that encrypts)."""
+        sealer = self.encryption.sealer if self.encryption is not None else None
+        frames = wire.encode(wire.KIND_REQUEST, header, buffers, self.signer, sealer=sealer)
+        return [bytes(memoryview(f)) for f in frames]
+
     def signed(self, header_bytes: bytes, buffers: list[bytes]) -> list[bytes]:
-        """Frames carrying exactly these header bytes, with valid tags."""
+        """Frames carrying exactly these header bytes, with valid tags (sealed towards a
+        shard that encrypts)."""
         counter = self.signer.next_counter()
-        tags = self.signer.chunk_tags(counter, buffers)
-        return [
-            *wire.sign_frames(self.signer, wire.KIND_REQUEST, counter, header_bytes, tags),
-            *buffers,
-        ]
+        if self.encryption is None:
+            tags = self.signer.chunk_tags(counter, buffers)
+            return [
+                *wire.sign_frames(self.signer, wire.KIND_REQUEST, counter, header_bytes, tags),
+                *buffers,
+            ]
+        sealer = self.encryption.sealer
+        tags, sealed = sealer.seal_payload(counter, buffers)
+        envelope = ENVELOPE.pack(
+            wire.MAGIC,
+            wire.PROTOCOL_VERSION,
+            wire.KIND_REQUEST | wire.SEALED,
+            self.signer.session_id,
+            counter,
+            len(header_bytes),
+            b"",
+        )[: wire.ENVELOPE_BYTES - 16]
+        ciphertext, tag = sealer.seal_header(counter, header_bytes, [envelope, tags])
+        return [envelope + tag, ciphertext, tags, *(bytes(b) for b in sealed)]
 
     def send(self, frames: list[bytes]) -> None:
         self.socket.send_multipart(frames)
@@ -138,9 +173,7 @@ class RawPeer:
         """Send a valid request; return its reply, skipping everything that arrives first
         (so the reply proves every earlier message on this connection was handled)."""
         header = self.header(op, body)
-        self.send(
-            [bytes(f) for f in wire.encode(wire.KIND_REQUEST, header, buffers or [], self.signer)]
-        )
+        self.send(self.encode(header, buffers or []))
         return self.reply_to(header["id"])
 
     def reply_to(self, request_id: int) -> wire.Message:
@@ -149,7 +182,10 @@ class RawPeer:
             frames = self.socket.recv_multipart()
             if wire.decode_notice(frames) is not None:
                 continue
-            reply = wire.decode(frames, wire.KIND_REPLY, self.verifier, wire.Limits())
+            openers = self.encryption.opener if self.encryption is not None else None
+            reply = wire.decode(
+                frames, wire.KIND_REPLY, self.verifier, wire.Limits(), openers=openers
+            )
             if reply.header.get("re") == request_id:
                 return reply
 
@@ -161,20 +197,21 @@ class Shard:
     stop: threading.Event
     thread: threading.Thread
     context: zmq.Context
+    encrypt: bool = False
     result: dict[str, Any] = field(default_factory=dict)
 
     @contextmanager
     def peer(self) -> Iterator[RawPeer]:
         """A new connection: one per example, as the service ignores a connection for good
         after a few invalid messages (QUARANTINE_AFTER_INVALID)."""
-        peer = RawPeer(self.context, self.address, self.service.socket.session_id)
+        peer = RawPeer(self.context, self.address, self.service.socket.session_id, self.encrypt)
         try:
             yield peer
         finally:
             peer.socket.close(linger=0)
 
     def channel(self) -> Channel:
-        return Channel(self.address, SECRET, "ps:0", context=self.context)
+        return Channel(self.address, SECRET, "ps:0", context=self.context, encrypt=self.encrypt)
 
     def rejected(self) -> int:
         return sum(self.service.socket.rejected.values())
@@ -199,22 +236,24 @@ class Shard:
         assert "error" not in self.result, self.result
         assert self.thread.is_alive()
         assert pulled.header["ok"] is True, pulled.header
+        assert pulled.sealed is self.encrypt
         assert pulled.header["body"] == {"global_step": 0, "version": 0, "stop": False}
         assert [bytes(b) for b in pulled.buffers] == INITIAL
 
 
-@pytest.fixture
-def shard() -> Iterator[Shard]:
-    """A created shard (async SGD) serving in a background thread. After the test (all its
-    examples), a well-behaved client must still be served; then the shard is stopped, and
-    must not have crashed."""
+@pytest.fixture(params=[False, True], ids=["plain", "encrypted"])
+def shard(request: pytest.FixtureRequest) -> Iterator[Shard]:
+    """A created shard (async SGD) serving in a background thread, plain or encrypting. After
+    the test (all its examples), a well-behaved client must still be served; then the shard
+    is stopped, and must not have crashed."""
+    encrypt = request.param
     config = ServiceConfig(shard_index=0, worker_tasks=WORKERS, idle_timeout_s=60.0)
     address = f"127.0.0.1:{free_port()}"
-    socket = ServiceSocket(address, SECRET, config.limits)
+    socket = ServiceSocket(address, SECRET, config.limits, encrypt=encrypt)
     service = ParameterService(socket, config)
     stop = threading.Event()
     context = zmq.Context(io_threads=1)
-    handle = Shard(address, service, stop, threading.Thread(target=lambda: None), context)
+    handle = Shard(address, service, stop, threading.Thread(target=lambda: None), context, encrypt)
 
     def serve() -> None:
         try:
@@ -294,7 +333,8 @@ def plausible_envelopes(draw: st.DrawFn) -> list[bytes]:
     envelope = ENVELOPE.pack(
         wire.MAGIC,
         draw(st.sampled_from([wire.PROTOCOL_VERSION, wire.PROTOCOL_VERSION + 1])),
-        draw(st.sampled_from([wire.KIND_REQUEST, wire.KIND_REPLY])),
+        draw(st.sampled_from([wire.KIND_REQUEST, wire.KIND_REPLY]))
+        | draw(st.sampled_from([0, wire.SEALED])),
         draw(st.binary(min_size=16, max_size=16)),
         draw(st.integers(0, 2**64 - 1)),
         len(header),
@@ -362,6 +402,29 @@ def test_signed_requests_with_a_mutated_header_byte_change_nothing(
 @pytest.mark.timeout(600)
 @FUZZ
 @given(data=st.data())
+def test_a_valid_request_with_any_byte_flipped_is_dropped_and_changes_nothing(
+    shard: Shard, data: st.DataObject
+) -> None:
+    """A push that would be applied, or another request, signed (or sealed) properly, then
+    one bit flipped anywhere in its frames: the socket drops it, whatever the byte."""
+    valid_push = ("push", {"task": "worker:0", "count_step": True}, GRADIENTS)
+    op, body, buffers = data.draw(st.sampled_from([valid_push, *_base_requests()]))
+    with shard.peer() as peer:
+        frames = [bytearray(f) for f in peer.encode(peer.header(op, body), buffers)]
+        frame = data.draw(
+            st.sampled_from([i for i, f in enumerate(frames) if len(f)]), label="frame"
+        )
+        position = data.draw(st.integers(0, len(frames[frame]) - 1), label="position")
+        frames[frame][position] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+        rejected = shard.rejected()
+        peer.send([bytes(f) for f in frames])
+        shard.assert_untouched(peer)
+        assert shard.rejected() == rejected + 1
+
+
+@pytest.mark.timeout(600)
+@FUZZ
+@given(data=st.data())
 def test_signed_pushes_with_wrong_buffers_are_refused(shard: Shard, data: st.DataObject) -> None:
     """Buffers dropped, added, cut, grown, swapped or replaced, with the header's sizes to
     match (so the message decodes): the shard itself refuses the push, and nothing changes."""
@@ -388,8 +451,7 @@ def test_signed_pushes_with_wrong_buffers_are_refused(shard: Shard, data: st.Dat
     )
     with shard.peer() as peer:
         header = peer.header("push", body)
-        frames = wire.encode(wire.KIND_REQUEST, header, buffers, peer.signer)
-        peer.send([bytes(f) for f in frames])
+        peer.send(peer.encode(header, buffers))
         reply = peer.reply_to(header["id"])
         assert reply.header["ok"] is False, reply.header
         assert reply.header["error_type"] == "ProtocolError", reply.header
@@ -430,8 +492,8 @@ def test_signed_requests_with_arbitrary_headers_change_nothing(
         buffers = [*buffers, b""]  # a push of the right sizes would be valid
     with shard.peer() as peer:
         header = peer.header(op, body, overrides)
-        frames = wire.encode(wire.KIND_REQUEST, header, buffers, peer.signer)
+        frames = peer.encode(header, buffers)
         before = shard.counters()
-        peer.send([bytes(f) for f in frames])
+        peer.send(frames)
         shard.assert_untouched(peer)
         event(shard.outcome(before))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tensorfleet.errors import (
+    EncryptionMismatch,
     IdentityInUse,
     NotInitialized,
     RemoteDeadlineExceeded,
@@ -53,6 +54,7 @@ CODED = [
     RequestRefused,
     RemoteProtocolError,
     RemoteDeadlineExceeded,
+    EncryptionMismatch,
 ]
 
 

@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--encrypt",
         action="store_true",
-        help="encrypt traffic with ZeroMQ CURVE (default: $TENSORFLEET_ENCRYPT); every task must agree",
+        help="encrypt traffic with AES-256-GCM under keys agreed per connection (default: "
+        "$TENSORFLEET_ENCRYPT); every task must agree",
     )
     server.add_argument(
         "--threads",

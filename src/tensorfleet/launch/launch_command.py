@@ -182,8 +182,10 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
     launch.add_argument(
         "--encrypt",
         action="store_true",
-        help="encrypt all traffic between tasks with ZeroMQ CURVE (sets TENSORFLEET_ENCRYPT=1 "
-        "for every task; keys are derived from the cluster secret)",
+        help="encrypt the traffic of tensorfleet's wire (parameter servers, weight broadcast, "
+        "sample queues) with AES-256-GCM under keys agreed per connection and authenticated "
+        "by the cluster secret (sets TENSORFLEET_ENCRYPT=1 for every task); all-reduce and "
+        "pipeline groups are not covered (docs/security.md)",
     )
     launch.add_argument(
         "--no-live",

@@ -505,8 +505,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
 
     def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
         body = {**self._progress(), **(extra or {})}
-        if self.socket.replies_in_shared_memory(request):
-            # Copied into the requester's shared memory before reply() returns: no snapshot.
+        if self.socket.reply_copies_buffers(request):
+            # Copied (into shared memory, or encrypted) before reply() returns: no snapshot.
             self.socket.reply(request, body, [as_buffer(t) for t in self.store.live_values()])
             return
         slot, values = self._snapshots.take()

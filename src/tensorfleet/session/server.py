@@ -38,7 +38,8 @@ class ServerConfig(ServiceSettings):
     ``liveness_timeout_s``, ``limits``) and whether to encrypt its traffic."""
 
     encrypt: bool | None = None
-    """Encrypt traffic with ZeroMQ CURVE (keys derived from the secret); None: from
+    """Encrypt traffic (AES-256-GCM under keys agreed per connection, authenticated by the
+    secret: ``tensorfleet.wire.encryption``); None: from
     ``TENSORFLEET_ENCRYPT``. Every task of a cluster must agree."""
     resources: TaskResources | None = None
     """This task's thread budget and GPU memory cap, applied to torch when the server is

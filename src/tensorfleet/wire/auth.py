@@ -31,6 +31,10 @@ signed and verified on two threads at once (OpenSSL runs without the GIL): measu
 8 MB in 0.35 ms on one thread, 0.2 ms on two (when a second core is free; on a busy machine
 the calling thread does the chunks the helper has not taken). A chunk moved to another position, another
 message or another session fails its tag; a truncated payload fails the size checks.
+
+With ``--encrypt``, messages are sealed instead (AES-256-GCM under keys agreed per
+connection, see :mod:`tensorfleet.wire.encryption`); the signer's session id and counter
+still name and order them, and the key exchange that starts each connection is signed here.
 """
 
 from __future__ import annotations
@@ -78,22 +82,9 @@ def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
     return hkdf.derive(secret)
 
 
-def derive_curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
-    """The ps tasks' ZeroMQ CURVE key pair (public, secret; Z85), derived from the cluster
-    secret: encryption needs no key files beyond the secret every task already holds.
-    Clients use a fresh ephemeral key pair per connection."""
-    import zmq  # the transport's dependency; auth itself needs only cryptography
-    from zmq.utils import z85
-
-    raw = HKDF(
-        algorithm=hashes.SHA256(), length=32, salt=None, info=b"tensorfleet/curve-server"
-    ).derive(secret)
-    secret_key = z85.encode(raw)
-    return zmq.curve_public(secret_key), secret_key
-
-
-def _nonce(counter: int, index: int = 0) -> bytes:
-    """Index 0 is the message's own tag; chunks use 1, 2, ..."""
+def nonce(counter: int, index: int = 0) -> bytes:
+    """The 96-bit GCM nonce ``index || counter``. Index 0 is the message's own tag (or its
+    sealed header, :mod:`tensorfleet.wire.encryption`); chunks use 1, 2, ..."""
     return struct.pack(">IQ", index, counter)
 
 
@@ -107,7 +98,7 @@ def chunk_spans(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     ]
 
 
-def _in_parallel(jobs: list, run, total_bytes: int) -> list:
+def in_parallel(jobs: list, run, total_bytes: int) -> list:
     """``run(job)`` for every job, on this thread and (for large payloads) one helper that
     takes jobs from the same list. This thread never waits for the helper to start: on a
     busy machine it may do every job itself, and then waits only for a job the helper is in
@@ -146,13 +137,13 @@ def _in_parallel(jobs: list, run, total_bytes: int) -> list:
     return results
 
 
-def _bytes_view(buffer: Buffer) -> memoryview:
+def bytes_view(buffer: Buffer) -> memoryview:
     view = memoryview(buffer)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _chunk_jobs(buffers: Sequence[Buffer]) -> tuple[list[tuple[int, memoryview]], int]:
-    views = [_bytes_view(b) for b in buffers]
+def chunk_jobs(buffers: Sequence[Buffer]) -> tuple[list[tuple[int, memoryview]], int]:
+    views = [bytes_view(b) for b in buffers]
     spans = chunk_spans([v.nbytes for v in views])
     jobs = [(index + 1, views[b][start:stop]) for index, (b, start, stop) in enumerate(spans)]
     return jobs, sum(v.nbytes for v in views)
@@ -174,9 +165,14 @@ class MessageSigner:
         self._counter += 1
         return self._counter
 
+    @property
+    def counter(self) -> int:
+        """The counter of the last message signed (0 before the first)."""
+        return self._counter
+
     def tag(self, counter: int, parts: Iterable[Buffer]) -> bytes:
         """The 16-byte GMAC tag of ``parts`` (concatenated) under this session's counter."""
-        encryptor = Cipher(algorithms.AES(self._key), modes.GCM(_nonce(counter))).encryptor()
+        encryptor = Cipher(algorithms.AES(self._key), modes.GCM(nonce(counter))).encryptor()
         for part in parts:
             encryptor.authenticate_additional_data(part)
         encryptor.finalize()
@@ -184,16 +180,16 @@ class MessageSigner:
 
     def chunk_tags(self, counter: int, buffers: Sequence[Buffer]) -> bytes:
         """The tags of every chunk of ``buffers`` (see :func:`chunk_spans`), concatenated."""
-        jobs, total = _chunk_jobs(buffers)
+        jobs, total = chunk_jobs(buffers)
         key = self._key
 
         def run(job: tuple[int, memoryview]) -> bytes:
-            encryptor = Cipher(algorithms.AES(key), modes.GCM(_nonce(counter, job[0]))).encryptor()
+            encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce(counter, job[0]))).encryptor()
             encryptor.authenticate_additional_data(job[1])
             encryptor.finalize()
             return encryptor.tag
 
-        return b"".join(_in_parallel(jobs, run, total))
+        return b"".join(in_parallel(jobs, run, total))
 
 
 class VerifiedHeader:
@@ -241,7 +237,7 @@ class MessageVerifier:
         key = self._keys.get(session_id)
         if key is None:
             key = derive_session_key(self._secret, session_id, self._role)
-        decryptor = Cipher(algorithms.AES(key), modes.GCM(_nonce(counter), tag)).decryptor()
+        decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce(counter), tag)).decryptor()
         for part in parts:
             decryptor.authenticate_additional_data(part)
         try:
@@ -258,7 +254,7 @@ class MessageVerifier:
     ) -> None:
         """Verify every chunk of ``buffers`` against ``chunk_tags`` (their count was checked by
         the caller against the header), then record the counter: the message is accepted."""
-        jobs, total = _chunk_jobs(buffers)
+        jobs, total = chunk_jobs(buffers)
         tags = memoryview(chunk_tags)
         if tags.nbytes != TAG_BYTES * len(jobs):
             raise AuthenticationError(
@@ -270,7 +266,7 @@ class MessageVerifier:
             index, data = job
             expected = bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES])
             decryptor = Cipher(
-                algorithms.AES(key), modes.GCM(_nonce(counter, index), expected)
+                algorithms.AES(key), modes.GCM(nonce(counter, index), expected)
             ).decryptor()
             decryptor.authenticate_additional_data(data)
             try:
@@ -280,7 +276,7 @@ class MessageVerifier:
             return True
 
         bad = [
-            job[0] for job, ok in zip(jobs, _in_parallel(jobs, run, total), strict=True) if not ok
+            job[0] for job, ok in zip(jobs, in_parallel(jobs, run, total), strict=True) if not ok
         ]
         if bad:
             raise AuthenticationError(

@@ -8,6 +8,11 @@ its connection drops ends its wait at once (:class:`~tensorfleet.errors.Connecti
 does not resend it. A refusal is raised as the :class:`~tensorfleet.errors.RemoteError`
 subclass its code names. See :mod:`tensorfleet.wire.transport` for what both ends share and
 :mod:`tensorfleet.wire.service_socket` for the server end.
+
+With ``encrypt=True`` a channel exchanges keys with the service before its first request
+and before every ``hello``, seals its requests and accepts only sealed replies, besides the
+answer to its key exchange and a service's refusal of keys it no longer holds
+(:mod:`tensorfleet.wire.encryption`, :mod:`tensorfleet.wire.channel_handshake`).
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ from tensorfleet.wire.auth import (
     Buffer,
     MessageSigner,
     MessageVerifier,
-    derive_curve_server_keys,
 )
+from tensorfleet.wire.channel_handshake import ChannelHandshake, DeferredRequest
+from tensorfleet.wire.encryption import KEY_EXCHANGE_OP
 from tensorfleet.wire.transport import (
     check_resolvable,
     set_connection_heartbeats,
@@ -95,12 +101,6 @@ class Channel:
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         self._socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         set_connection_heartbeats(self._socket)
-        if encrypt:
-            server_public, _ = derive_curve_server_keys(secret)
-            public, secret_key = zmq.curve_keypair()  # ephemeral, per connection
-            self._socket.curve_serverkey = server_public
-            self._socket.curve_publickey = public
-            self._socket.curve_secretkey = secret_key
         # Connection events: a request in flight when its connection drops is lost (ZeroMQ
         # does not resend it, and its answer could not come back), so its wait ends at once.
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -112,9 +112,10 @@ class Channel:
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
+        self._handshake = ChannelHandshake(secret, self._signer.session_id) if encrypt else None
         self._next_id = 0
         self._pending: dict[int, str] = {}
-        self._arrived: dict[int, Reply | RemoteError] = {}
+        self._arrived: dict[int, Reply | Exception] = {}
         self.server_session: bytes | None = None
         self.dropped: Counter[str] = Counter()
         """Replies dropped, by reason (late replies to abandoned requests, bad messages)."""
@@ -131,9 +132,35 @@ class Channel:
         timeout_s: float = 60.0,
     ) -> int:
         """Send a request; return its id for :meth:`wait`. Buffers are not copied and must
-        stay unchanged until the reply has arrived."""
+        stay unchanged until the reply has arrived. Encrypted, a key exchange goes first
+        when there are no keys yet or ``op`` is ``hello``, and the request leaves when the
+        keys arrive (:mod:`tensorfleet.wire.channel_handshake`)."""
+        handshake = self._handshake
+        if handshake is not None and handshake.needs_exchange(op):
+            self._next_id += 1
+            exchange_id = self._next_id
+            body_of_exchange = handshake.start(exchange_id)
+            self._transmit(exchange_id, KEY_EXCHANGE_OP, body_of_exchange, None, timeout_s, False)
         self._next_id += 1
         request_id = self._next_id
+        if handshake is not None and handshake.exchange_id is not None:
+            handshake.deferred.append(DeferredRequest(request_id, op, body, buffers, timeout_s))
+            self._pending[request_id] = op
+            self._count_disconnects()
+            self._sent_at_disconnects[request_id] = self._disconnects
+            return request_id
+        self._transmit(request_id, op, body, buffers, timeout_s)
+        return request_id
+
+    def _transmit(
+        self,
+        request_id: int,
+        op: str,
+        body: dict[str, Any],
+        buffers: list[Buffer] | None,
+        timeout_s: float,
+        sealed: bool = True,
+    ) -> None:
         header = {
             "op": op,
             "id": request_id,
@@ -148,7 +175,11 @@ class Channel:
             header.update(extra)
             if placed is not None:
                 buffers, in_frames = placed, False
-        frames = wire.encode(wire.KIND_REQUEST, header, buffers, self._signer, in_frames)
+        handshake = self._handshake
+        sealer = handshake.encryption.sealer if sealed and handshake is not None else None
+        frames = wire.encode(
+            wire.KIND_REQUEST, header, buffers, self._signer, in_frames, sealer=sealer
+        )
         try:
             self._socket.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -165,9 +196,10 @@ class Channel:
             ) from None
         self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
         self._pending[request_id] = op
+        if handshake is not None:
+            handshake.sent(request_id, self._signer.counter)
         self._count_disconnects()
         self._sent_at_disconnects[request_id] = self._disconnects
-        return request_id
 
     def staging(self, sizes: list[int]) -> list[memoryview] | None:
         """Writable buffers of ``sizes`` bytes in this channel's request segment, for the
@@ -207,7 +239,7 @@ class Channel:
                 self._count_disconnects()
                 if self._sent_at_disconnects.get(request_id, self._disconnects) < self._disconnects:
                     op = self._pending.pop(request_id, "?")
-                    self._sent_at_disconnects.pop(request_id, None)
+                    self._forget_request(request_id)
                     raise ConnectionLost(
                         f"the connection to {self.peer_name} at {self.address} dropped while "
                         f"'{op}' was in flight; the request or its answer is lost"
@@ -224,13 +256,13 @@ class Channel:
                 if reason is None:
                     continue
                 op = self._pending.pop(request_id, "?")
-                self._sent_at_disconnects.pop(request_id, None)
+                self._forget_request(request_id)
                 raise ConnectionLost(
                     f"gave up waiting for {self.peer_name} at {self.address} to answer '{op}': {reason}"
                 )
             if remaining <= 0:
                 op = self._pending.pop(request_id, "?")
-                self._sent_at_disconnects.pop(request_id, None)
+                self._forget_request(request_id)
                 raise DeadlineExceeded(
                     f"no answer from {self.peer_name} at {self.address} to '{op}' within {timeout_s:.1f} s: "
                     f"check that the {self.peer_name} task is running and reachable at that address"
@@ -241,11 +273,19 @@ class Channel:
                     )
                 )
         self._pending.pop(request_id, None)
-        self._sent_at_disconnects.pop(request_id, None)
+        self._forget_request(request_id)
         outcome = self._arrived.pop(request_id)
-        if isinstance(outcome, RemoteError):
+        if isinstance(outcome, Exception):
             raise outcome
         return outcome
+
+    def _forget_request(self, request_id: int) -> None:
+        self._sent_at_disconnects.pop(request_id, None)
+        if self._handshake is not None:
+            abandoned = self._handshake.forget(request_id)
+            if abandoned is not None:  # nobody waits for that key exchange any more
+                self._pending.pop(abandoned, None)
+                self._sent_at_disconnects.pop(abandoned, None)
 
     def call(
         self,
@@ -265,6 +305,7 @@ class Channel:
                 raise wire.notice_error(notice, f"{self.peer_name} at {self.address}")
             self.dropped["notice"] += 1
             return
+        handshake = self._handshake
         try:
             msg = wire.decode(
                 frames,
@@ -272,9 +313,17 @@ class Channel:
                 self._verifier,
                 self.limits,
                 resolve=self._segments.resolve if self._segments is not None else None,
+                openers=handshake.encryption.opener if handshake is not None else None,
             )
         except (AuthenticationError, ProtocolError):
             self.dropped["invalid"] += 1
+            return
+        if (
+            handshake is not None
+            and not msg.sealed
+            and not handshake.unsealed_reply_expected(msg, self._pending)
+        ):
+            self.dropped["unencrypted"] += 1
             return
         self.bytes_received += sum(memoryview(f).nbytes for f in frames[:3]) + sum(
             memoryview(b).nbytes for b in msg.buffers
@@ -282,6 +331,14 @@ class Channel:
         header = msg.header
         self._note_reply_placement(header)
         re, to = header.get("re"), header.get("to")
+        if handshake is not None and not msg.sealed and to == self._signer.session_id:
+            if re is None:  # the service holds no keys for us: the refusal names a counter
+                re = handshake.refused_request(header)
+            elif re == handshake.exchange_id:
+                self._pending.pop(re, None)
+                self._forget_request(re)
+                self._keys_answered(handshake, msg)
+                return
         if to != self._signer.session_id or re not in self._pending:
             self.dropped["unexpected"] += 1
             return
@@ -291,6 +348,37 @@ class Channel:
             self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
         else:
             self._arrived[re] = self._refusal(header, self._pending[re])
+
+    def _keys_answered(self, handshake: ChannelHandshake, msg: wire.Message) -> None:
+        """The service answered the key exchange: take its key and send the requests that
+        waited for it, or give each of them the refusal (e.g. ``EncryptionMismatch``)."""
+        header = msg.header
+        failure: Exception | None = None
+        if header.get("ok") is True and isinstance(header.get("body"), dict):
+            try:
+                handshake.encryption.finish(header["body"], msg.session_id)
+            except ProtocolError as exc:
+                failure = exc
+        for request in handshake.take_deferred():
+            if request.request_id not in self._pending:
+                continue  # abandoned meanwhile
+            if failure is not None:
+                self._arrived[request.request_id] = ProtocolError(
+                    f"key exchange with {self.peer_name} at {self.address} failed: {failure}"
+                )
+            elif header.get("ok") is not True:
+                self._arrived[request.request_id] = self._refusal(header, request.op)
+            else:
+                try:
+                    self._transmit(
+                        request.request_id,
+                        request.op,
+                        request.body,
+                        request.buffers,
+                        request.timeout_s,
+                    )
+                except DeadlineExceeded as exc:
+                    self._arrived[request.request_id] = exc
 
     def _refusal(self, header: dict[str, Any], op: str) -> RemoteError:
         """The typed exception for a refusal: the class registered for its code (plain
@@ -332,6 +420,8 @@ class Channel:
         self._pending.clear()
         self._arrived.clear()
         self._sent_at_disconnects.clear()
+        if self._handshake is not None:
+            self._handshake.clear()
 
     def _count_disconnects(self) -> None:
         """Take the connection events that arrived (without waiting)."""

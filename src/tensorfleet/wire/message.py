@@ -10,15 +10,18 @@ The envelope is fixed-size binary so that it can be checked before anything is p
 
 The envelope's tag covers the envelope up to the tag, the header and the chunk tags; each
 chunk of the buffers (:data:`~tensorfleet.wire.auth.CHUNK_BYTES`) has its own tag (see
-:mod:`tensorfleet.wire.auth`). The header's own length is in the envelope and the buffers'
+:mod:`tensorfleet.wire.auth`). A *sealed* message (kind with :data:`SEALED` set: ``--encrypt``)
+has the same frames, its header and buffers encrypted: the envelope's tag is the header's
+GCM tag, the chunk tags are the chunks' (see :mod:`tensorfleet.wire.encryption`). The header's own length is in the envelope and the buffers'
 lengths are in the header (``sizes``), so the chunks are unambiguous. Buffers are raw tensor
 bytes, sent and received without copies; their dtypes and shapes are described in the header
 by whoever defines the operation. A header with a ``shm`` key carries no buffer frames: its
 buffers lie in shared memory (:mod:`tensorfleet.wire.shared_memory`), found by the
 transport's resolver, and are verified there like frames, before anyone uses them.
 
-Nothing is parsed before the envelope's tag verifies: bytes from someone without the secret
-never reach msgpack. Even then, msgpack runs with limits and the header must be a map with
+Nothing is parsed before the envelope's tag verifies (for a sealed message: before the
+header decrypts and its tag verifies): bytes from someone without the secret never reach
+msgpack. Even then, msgpack runs with limits and the header must be a map with
 string keys (see :func:`decode`). No buffer is handed out before its chunks verify.
 """
 
@@ -39,13 +42,17 @@ from tensorfleet.wire.auth import (
     MessageVerifier,
     chunk_spans,
 )
+from tensorfleet.wire.encryption import Opener, Sealer
 
 #: Version of the framing and of the operations; both sides must speak the same one.
-#: 2: chunk tags (version 1 had one tag over everything).
-PROTOCOL_VERSION = 2
+#: 2: chunk tags (version 1 had one tag over everything). 3: sealed messages and the key
+#: exchange (``--encrypt`` used ZeroMQ CURVE before).
+PROTOCOL_VERSION = 3
 MAGIC = b"TF"
 KIND_REQUEST = 0
 KIND_REPLY = 1
+#: Set in the kind of a sealed (encrypted) message.
+SEALED = 0x10
 _ENVELOPE = struct.Struct(">2sBB16sQI16s")
 ENVELOPE_BYTES = _ENVELOPE.size
 _SIGNED_ENVELOPE_BYTES = ENVELOPE_BYTES - 16
@@ -55,6 +62,19 @@ FIXED_FRAMES = 3
 #: Finds the buffers of a message whose header has ``shm`` (the header is verified, the
 #: buffers not yet); raises ProtocolError when it cannot.
 Resolver = Callable[[dict[str, Any], list[int]], list[Buffer]]
+#: The opener of sealed messages from a session id, or None when this end holds no keys
+#: for it.
+Openers = Callable[[bytes], Opener | None]
+
+
+class UnknownConnection(ProtocolError):
+    """A sealed message from a session this end holds no keys for (the service restarted or
+    forgot the connection; or the message is forged)."""
+
+    def __init__(self, session_id: bytes, counter: int) -> None:
+        super().__init__("a sealed message from a connection without keys here")
+        self.session_id, self.counter = session_id, counter
+
 
 #: Unauthenticated notices a server sends to a peer it cannot talk to (wrong secret, other
 #: protocol version), so that the peer can fail with a clear error instead of timing out.
@@ -87,6 +107,8 @@ class Message:
     counter: int
     header: dict[str, Any]
     buffers: list[Buffer] = field(default_factory=list)
+    sealed: bool = False
+    """Whether it came encrypted (see :mod:`tensorfleet.wire.encryption`)."""
 
 
 def encode(
@@ -95,18 +117,34 @@ def encode(
     buffers: list[Buffer],
     signer: MessageSigner,
     in_frames: bool = True,
+    sealer: Sealer | None = None,
 ) -> list[Buffer]:
-    """Frames for one message, signed by ``signer``. Buffers are not copied. With
-    ``in_frames=False`` the buffers are signed but left out of the frames (the header says
-    where the receiver finds them, e.g. in shared memory)."""
+    """Frames for one message, signed by ``signer``, or with ``sealer`` sealed (encrypted
+    under its connection's keys, named by ``signer``'s session and counter). Plain buffers
+    are not copied; sealed ones are encrypted into buffers the frames keep alive. With
+    ``in_frames=False`` the buffers are signed (sealed: authenticated) but left out of the
+    frames (the header says where the receiver finds them, e.g. in shared memory)."""
     header = dict(header, sizes=[memoryview(b).nbytes for b in buffers])
     header_bytes = msgpack.packb(header, use_bin_type=True)
     counter = signer.next_counter()
-    tags = signer.chunk_tags(counter, buffers)
-    return [
-        *sign_frames(signer, kind, counter, header_bytes, tags),
-        *(buffers if in_frames else []),
-    ]
+    if sealer is None:
+        tags = signer.chunk_tags(counter, buffers)
+        return [
+            *sign_frames(signer, kind, counter, header_bytes, tags),
+            *(buffers if in_frames else []),
+        ]
+    tags, sealed_buffers = sealer.seal_payload(counter, buffers, encrypt=in_frames)
+    envelope = _ENVELOPE.pack(
+        MAGIC,
+        PROTOCOL_VERSION,
+        kind | SEALED,
+        signer.session_id,
+        counter,
+        len(header_bytes),
+        b"\0" * 16,
+    )[:_SIGNED_ENVELOPE_BYTES]
+    ciphertext, tag = sealer.seal_header(counter, header_bytes, [envelope, tags])
+    return [envelope + tag, ciphertext, tags, *sealed_buffers]
 
 
 def sign_frames(
@@ -136,11 +174,15 @@ def decode(
     verifier: MessageVerifier,
     limits: Limits,
     resolve: Resolver | None = None,
+    openers: Openers | None = None,
 ) -> Message:
     """Check and decode one message; raise :class:`ProtocolError` or
     :class:`AuthenticationError` (never anything else) if it is not acceptable. ``resolve``
     finds the buffers of a message whose header says they are not in its frames (without
-    it, such a message is refused)."""
+    it, such a message is refused). ``openers`` finds the keys of a sealed message's
+    connection (without it, a sealed message is refused; when it has none for the sender,
+    :class:`UnknownConnection`). A sealed message's buffers are decrypted into memory that
+    the caller then owns."""
     if len(frames) < FIXED_FRAMES:
         raise ProtocolError(f"a message has at least {FIXED_FRAMES} frames, got {len(frames)}")
     if len(frames) - FIXED_FRAMES > limits.max_buffers:
@@ -162,18 +204,32 @@ def decode(
             f"protocol version {protocol} received, this tensorfleet speaks {PROTOCOL_VERSION}: "
             "run the same tensorfleet version on every task"
         )
+    sealed = bool(kind & SEALED)
+    kind &= ~SEALED
     if kind != expected_kind:
         raise ProtocolError(f"message kind {kind} where {expected_kind} was expected")
     if header_len != views[1].nbytes or header_len > limits.max_header_bytes:
         raise ProtocolError(
             f"header of {views[1].nbytes} bytes (declared {header_len}, limit {limits.max_header_bytes})"
         )
-    verified = verifier.check(
-        session_id, counter, tag, [envelope[:_SIGNED_ENVELOPE_BYTES], views[1], views[2]]
-    )
+    associated = [envelope[:_SIGNED_ENVELOPE_BYTES], views[2]]
+    opener, verified = None, None
+    if sealed:
+        if openers is None:
+            raise ProtocolError(
+                "an encrypted message to an end that does not encrypt: every task must agree "
+                "on --encrypt / TENSORFLEET_ENCRYPT"
+            )
+        opener = openers(session_id)
+        if opener is None:
+            raise UnknownConnection(session_id, counter)
+        header_bytes: Buffer = opener.open_header(counter, views[1], tag, associated)
+    else:
+        verified = verifier.check(session_id, counter, tag, [associated[0], views[1], views[2]])
+        header_bytes = views[1]
     try:
         header = msgpack.unpackb(
-            views[1],
+            header_bytes,
             raw=False,
             strict_map_key=True,
         )
@@ -211,9 +267,18 @@ def decode(
         raise ProtocolError(
             f"{views[2].nbytes} bytes of chunk tags for {chunks} chunks ({TAG_BYTES} bytes each)"
         )
-    verifier.accept(verified, views[2], buffers)
+    if opener is not None:
+        buffers = opener.open_payload(counter, views[2], buffers, decrypt="shm" not in header)
+        opener.accept(counter)
+    else:
+        verifier.accept(verified, views[2], buffers)
     return Message(
-        kind=kind, session_id=session_id, counter=counter, header=header, buffers=list(buffers)
+        kind=kind,
+        session_id=session_id,
+        counter=counter,
+        header=header,
+        buffers=list(buffers),
+        sealed=sealed,
     )
 
 

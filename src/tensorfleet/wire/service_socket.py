@@ -11,6 +11,10 @@ an earlier incarnation of the service is refused with ``STALE_SESSION``.
 The service can hold a request and answer it later (ROUTER socket; see
 :mod:`tensorfleet.wire.transport` for what both ends share, and
 :mod:`tensorfleet.wire.channel` for the client end).
+
+With ``encrypt=True`` the socket answers key exchanges itself, opens sealed requests and
+seals the replies to them (:mod:`tensorfleet.wire.encryption`); a request that was not
+sealed is refused with ``EncryptionMismatch``, as is a key exchange without ``encrypt``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import zmq
 
 from tensorfleet.errors import (
     AuthenticationError,
+    EncryptionMismatch,
     ListenError,
     ProtocolError,
+    RemoteProtocolError,
     ServiceRestarted,
 )
 from tensorfleet.wire import message as wire
@@ -36,8 +42,8 @@ from tensorfleet.wire.auth import (
     Buffer,
     MessageSigner,
     MessageVerifier,
-    derive_curve_server_keys,
 )
+from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, Sealer, ServiceEncryption
 from tensorfleet.wire.transport import (
     set_connection_heartbeats,
     shared_memory_wanted,
@@ -70,6 +76,8 @@ class Request:
     session_id: bytes
     reply_segment: object = None
     """Where the requester wants the reply's payload (its shared-memory segment), or None."""
+    sealer: Sealer | None = None
+    """Seals the answer (the request came sealed), or None: the answer goes signed."""
 
 
 class _SegmentUnavailable(ProtocolError):
@@ -126,11 +134,6 @@ class ServiceSocket:
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         set_connection_heartbeats(self._socket)
-        if encrypt:
-            public, secret_key = derive_curve_server_keys(secret)
-            self._socket.curve_secretkey = secret_key
-            self._socket.curve_publickey = public
-            self._socket.curve_server = True
         endpoint = tcp_endpoint(address, bind=True)
         try:
             self._socket.bind(endpoint)
@@ -146,10 +149,13 @@ class ServiceSocket:
             ) from None
         self._signer = MessageSigner(secret, REPLY_ROLE)
         self._verifier = MessageVerifier(secret, REQUEST_ROLE)
+        self._encryption = ServiceEncryption(secret, self._signer.session_id) if encrypt else None
         self._noticed: OrderedDict[bytes, None] = OrderedDict()
         self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()
         self.rejected: Counter[str] = Counter()
-        """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``)."""
+        """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``,
+        ``unencrypted``: not sealed where the service encrypts, or the reverse;
+        ``unknown_connection``: sealed under keys this service does not hold)."""
         self.last_valid_request_time = time.monotonic()
 
     @property
@@ -177,8 +183,14 @@ class ServiceSocket:
                 self._verifier,
                 self.limits,
                 resolve=self._resolve_request if self._peer_segments is not None else None,
+                openers=self._encryption.opener if self._encryption is not None else None,
             )
             request = self._request_from(peer, msg)
+        except wire.UnknownConnection as exc:
+            self.rejected["unknown_connection"] += 1
+            self._count_invalid(peer)
+            self._refuse_unknown_connection(peer, exc)
+            return None
         except _StaleSession as stale:
             # Authentic, but meant for the process this one replaced: tell the client to say
             # hello again at once, rather than leave it waiting for a deadline. Not counted
@@ -198,6 +210,8 @@ class ServiceSocket:
             if isinstance(request_id, int):
                 session = bytes(memoryview(payload[0])[4:20])
                 stub = Request(peer, str(exc.header.get("op")), request_id, {}, [], 0.0, session)
+                if self._encryption is not None:
+                    stub.sealer = self._encryption.sealer(session)
                 self.fail(stub, "ProtocolError", f"{exc} [service {self.address}]")
             return None
         except AuthenticationError as exc:
@@ -217,7 +231,60 @@ class ServiceSocket:
                 self._notice_once(peer, "protocol", str(exc))
             return None
         self.last_valid_request_time = time.monotonic()
+        if not msg.sealed and (self._encryption is not None or request.op == KEY_EXCHANGE_OP):
+            self._answer_unsealed(request)
+            return None
         return request
+
+    def _answer_unsealed(self, request: Request) -> None:
+        """A request that was not sealed where it must be (or a key exchange where nothing
+        is sealed): refused with ``EncryptionMismatch`` naming the flag; or a key exchange,
+        answered with this service's public key."""
+        if self._encryption is None:
+            self.rejected["unencrypted"] += 1
+            self.fail(
+                request,
+                EncryptionMismatch.code,
+                f"the service at {self.address} does not encrypt its traffic (started without "
+                "--encrypt) and this client does (--encrypt / TENSORFLEET_ENCRYPT=1): every task "
+                "of a cluster must agree; start the service with --encrypt, or the client without",
+            )
+        elif request.op != KEY_EXCHANGE_OP:
+            self.rejected["unencrypted"] += 1
+            self.fail(
+                request,
+                EncryptionMismatch.code,
+                f"the service at {self.address} encrypts its traffic (started with --encrypt) and "
+                "this client does not: set TENSORFLEET_ENCRYPT=1 (or pass --encrypt) on every "
+                "task of the cluster",
+            )
+        else:
+            try:
+                public = self._encryption.answer(request.session_id, request.body.get("public_key"))
+            except ProtocolError as exc:
+                self.fail(request, RemoteProtocolError.code, f"{exc} [service {self.address}]")
+                return
+            self._send(request, reply_header(request, {"public_key": public}), [])
+
+    def _refuse_unknown_connection(self, peer: bytes, exc: wire.UnknownConnection) -> None:
+        """Answer a sealed request this service holds no keys for (it restarted, or forgot the
+        connection) with a signed ``StaleSession`` refusal naming its counter (its id is
+        sealed), so that the client exchanges keys and says hello again at once."""
+        header = {
+            "re": None,
+            "re_counter": exc.counter,
+            "to": exc.session_id,
+            "ok": False,
+            "body": {},
+            "error_type": STALE_SESSION,
+            "error": f"{self.address} holds no keys for this connection (it restarted, or "
+            "forgot the connection): exchange keys and say hello again",
+        }
+        frames = wire.encode(wire.KIND_REPLY, header, [], self._signer)
+        try:
+            self._socket.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.rejected["unsent_reply"] += 1
 
     def _request_from(self, peer: bytes, msg: wire.Message) -> Request:
         header = msg.header
@@ -238,8 +305,13 @@ class ServiceSocket:
             deadline=time.monotonic() + timeout_ms / 1000,
             session_id=msg.session_id,
             reply_segment=header.get("shm_reply") if self._peer_segments is not None else None,
+            sealer=(
+                self._encryption.sealer(msg.session_id)
+                if msg.sealed and self._encryption is not None
+                else None
+            ),
         )
-        if op != "hello" and addressed_to != self.session_id:
+        if op not in ("hello", KEY_EXCHANGE_OP) and addressed_to != self.session_id:
             # Addressed to an earlier incarnation of this service (or a replay from one).
             raise _StaleSession("request addressed to another service session", request)
         return request
@@ -247,9 +319,11 @@ class ServiceSocket:
     def reply(
         self, request: Request, body: dict[str, Any], buffers: list[Buffer] | None = None
     ) -> zmq.MessageTracker | None:
-        """Answer ``request`` successfully. Buffers are sent without a copy and must stay
-        unchanged until the returned tracker is done (None when the reply had no buffers or
-        could not be queued)."""
+        """Answer ``request`` successfully. The returned tracker is done once the reply has
+        left (None when it had no buffers in frames, or could not be queued). Buffers are
+        sent without a copy and must stay unchanged until then, unless
+        :meth:`reply_copies_buffers` says they are copied (or encrypted) before this
+        returns."""
         return self._send(request, reply_header(request, body), buffers or [])
 
     def fail(self, request: Request, error_type: str, text: str) -> None:
@@ -261,7 +335,9 @@ class ServiceSocket:
         self, request: Request, header: dict[str, Any], buffers: list[Buffer]
     ) -> zmq.MessageTracker | None:
         header, buffers, in_frames = self._place_reply(request, header, buffers)
-        frames = wire.encode(wire.KIND_REPLY, header, buffers, self._signer, in_frames)
+        frames = wire.encode(
+            wire.KIND_REPLY, header, buffers, self._signer, in_frames, sealer=request.sealer
+        )
         tracked = bool(buffers) and in_frames
         try:
             tracker = self._socket.send_multipart(
@@ -294,15 +370,23 @@ class ServiceSocket:
             self.rejected["shm"] += 1
             placed = None
         if placed is None:
-            # The caller may have given live values (replies_in_shared_memory said yes):
-            # frames leave later, so they carry a copy.
-            return header, [bytes(memoryview(b)) for b in buffers], True
+            # The caller may have given live values (reply_copies_buffers said yes): frames
+            # leave later, so they carry a copy (sealed ones are one: the ciphertext).
+            if request.sealer is None:
+                buffers = [bytes(memoryview(b)) for b in buffers]
+            return header, buffers, True
         return {**header, "shm": {}}, placed, False
 
-    def replies_in_shared_memory(self, request: Request) -> bool:
-        """Whether a reply to ``request`` with buffers goes into the requester's shared memory
-        (copied there before :meth:`reply` returns, so the buffers may change right after)."""
-        return request.reply_segment is not None
+    def reply_copies_buffers(self, request: Request) -> bool:
+        """Whether a reply to ``request`` copies its buffers before :meth:`reply` returns, so
+        that they may change right after (the caller may give live values): into the
+        requester's shared memory, or encrypted into a buffer of the socket's."""
+        return request.reply_segment is not None or request.sealer is not None
+
+    @property
+    def encrypted_connections(self) -> int:
+        """How many client connections this socket holds encryption keys for."""
+        return 0 if self._encryption is None else self._encryption.connections
 
     def _count_invalid(self, peer: bytes) -> None:
         """Count an invalid message of ``peer``; past the limit its connection is ignored."""

@@ -53,14 +53,11 @@ import torch
 from tensorfleet import environment
 from tensorfleet.errors import ProtocolError
 from tensorfleet.wire.auth import Buffer
+from tensorfleet.wire.buffer_pool import ALIGN, BufferPool, offsets
 
 #: Payloads smaller than this go in ZeroMQ frames (the copy into shared memory and the
 #: bookkeeping cost more than they save).
 MIN_BYTES = 64 << 10
-#: Each buffer starts at a multiple of this many bytes in a segment.
-ALIGN = 64
-#: Private buffers a client keeps for reply payloads (see ClientSegments._private).
-PRIVATE_POOL = 3
 #: A service keeps at most this many peers' segments mapped.
 MAX_MAPPED = 64
 _NAME_PREFIX = "tensorfleet-"
@@ -87,15 +84,6 @@ def host_identity() -> str | None:
     except OSError:
         return None
     return f"{boot}/{pid_namespace}/{os.getuid()}"
-
-
-def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Where each buffer of ``sizes`` starts in a segment, and the bytes they need."""
-    starts, end = [], 0
-    for size in sizes:
-        starts.append(end)
-        end += -(-size // ALIGN) * ALIGN
-    return starts, end
 
 
 class Segment:
@@ -139,7 +127,8 @@ class ClientSegments:
         self._reply: Segment | None = None
         self._reply_wanted = 0
         self._busy: int | None = None
-        self._pool: list[tuple[torch.Tensor, int | None]] = []
+        self._private = BufferPool()
+        """Private memory for reply payloads (often adopted as the model's parameters)."""
         self.retired = 0
         """Segment pairs retired because a request that used them was abandoned."""
 
@@ -210,26 +199,10 @@ class ClientSegments:
         starts, end = offsets(sizes)
         if end > self._reply.size:
             raise ProtocolError(f"a reply of {end} bytes in a reply segment of {self._reply.size}")
-        private = self._private(end)
+        private = self._private.take(end)
         private.copy_(self._reply.bytes[:end])
         view = memoryview(private.numpy())
         return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
-
-    def _private(self, size: int) -> torch.Tensor:
-        """Private memory for a reply's payload: a pooled buffer nobody references any more
-        (a reply's buffers are often adopted as the model's parameters, which keeps theirs
-        alive until the next reply replaces them), else a fresh one. Reusing mapped memory
-        saves the page faults of a fresh allocation (about as long as the copy itself)."""
-        for index, (pooled, alone) in enumerate(self._pool):
-            if pooled.numel() >= size and _storage_users(pooled) == alone:
-                self._pool.append(self._pool.pop(index))
-                return pooled[:size]
-        fresh = torch.empty(size, dtype=torch.uint8)
-        if _storage_users(fresh) is not None:
-            self._pool.append((fresh, _storage_users(fresh)))
-            if len(self._pool) > PRIVATE_POOL:
-                self._pool.pop(0)
-        return fresh
 
     def _retire(self) -> None:
         for segment in (self._request, self._reply):
@@ -345,12 +318,6 @@ class PeerSegments:
     def close(self) -> None:
         while self._maps:
             _close_map(self._maps.popitem()[1])
-
-
-def _storage_users(tensor: torch.Tensor) -> int | None:
-    """How many tensors share ``tensor``'s memory (None where torch cannot tell)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(tensor.untyped_storage()._cdata)
 
 
 def _write(target: torch.Tensor, buffers: Sequence[Buffer]) -> list[memoryview]:
