@@ -171,7 +171,10 @@ class RawPeer:
 
     def call(self, op: str, body: dict, buffers: list[bytes] | None = None) -> wire.Message:
         """Send a valid request; return its reply, skipping everything that arrives first
-        (so the reply proves every earlier message on this connection was handled)."""
+        (so the reply proves every earlier message on this connection was handled). Its id is
+        far above those of the fuzzed requests: a mutated header byte can turn a request's
+        id into the next one, whose reply must not pass for this one's."""
+        self.next_id += 1_000_000
         header = self.header(op, body)
         self.send(self.encode(header, buffers or []))
         return self.reply_to(header["id"])
