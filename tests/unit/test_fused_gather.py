@@ -84,3 +84,21 @@ def test_gather_into_a_buffer_of_the_wrong_size_or_read_only_is_refused() -> Non
         fused.gather(0, values=False, into=wrong)
     with pytest.raises(ConfigError, match="read-only"):
         fused.gather(0, values=False, into=[memoryview(bytes(n)) for n in sizes])
+
+
+def test_scatter_keeps_a_channels_last_parameter_in_its_memory_order() -> None:
+    """The values a shard sends are adopted as a contiguous parameter's storage (no copy),
+    but copied into a parameter in another memory order, which keeps that order."""
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last))
+    bias = torch.nn.Parameter(torch.randn(4))
+    params = [("conv", conv), ("bias", bias)]
+    specs = [VariableSpec(n, tuple(p.shape), "float32", 4) for n, p in params]
+    fused = FusedParameters(params, plan_placement(specs, 1))
+    new_conv, new_bias = torch.randn(4, 3, 2, 2), torch.randn(4)
+    members = {m.param is conv: m for m in fused._members[0][0]}
+    flat = torch.empty(fused.layouts[0].groups[0].numel)
+    flat[members[True].offset : members[True].offset + 48] = new_conv.reshape(-1)
+    flat[members[False].offset : members[False].offset + 4] = new_bias
+    fused.scatter(0, [flat.numpy().tobytes()])
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(conv.detach(), new_conv) and torch.equal(bias.detach(), new_bias)

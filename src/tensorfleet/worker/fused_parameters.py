@@ -144,9 +144,11 @@ class FusedParameters:
                 flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
                 for m in members:
                     values = flat[m.offset : m.offset + m.numel]
-                    if m.whole and m.param.device.type == "cpu":
+                    if m.whole and m.param.device.type == "cpu" and m.param.is_contiguous():
                         # Adopt the received memory as the parameter's storage: no copy.
                         # The tensor keeps the received frame alive; nothing else uses it.
+                        # (A parameter in another memory order, e.g. channels-last, is
+                        # copied into below and keeps its order.)
                         m.param.data = values.view(m.param.shape)
                     else:
                         target = m.param if m.whole else m.param[m.row_start : m.row_stop]
