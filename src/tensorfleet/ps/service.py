@@ -78,6 +78,7 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
+from tensorfleet.wire.gradient_encoding import GradientDecoder
 from tensorfleet.wire.message import PROTOCOL_VERSION
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
@@ -110,6 +111,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         self._held: list[tuple[Request, str, list[torch.Tensor]]] = []
         """async pushes held back by the staleness gate, in arrival order."""
         self.worker_data: dict[str, dict] = {}
+        self.gradient_decoder = GradientDecoder()
+        """Each worker's declared wire dtype for its gradients, and the check of each push."""
         """Each worker's last reported data position (saved in checkpoints)."""
         self._waiting_for_done: list[Request] = []
         self._handlers = {
@@ -199,6 +202,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
             request.session_id,
             takeover=request.body.get("takeover") is True,
         )
+        self.gradient_decoder.declare(request.body.get("task"), request.body.get("gradient_dtype"))
         self.socket.reply(
             request,
             {
@@ -310,7 +314,10 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
 
     def _push(self, request: Request) -> None:
         self._require_initialized()
-        gradients = _group_tensors(self.store.layout, request.buffers, "gradients")
+        body = request.body
+        gradients = self.gradient_decoder.decode(
+            self.store.layout.groups, body.get("task"), body.get("gradient_dtype"), request.buffers
+        )
         data = request.body.get("data")
         if data is not None:
             task = self._worker_of(request)

@@ -64,9 +64,17 @@ class PsUpdater:
         limits: Limits | None = None,
         log_placement: bool = False,
         model: ModelClaim | None = None,
+        gradient_dtype: str | None = None,
     ) -> None:
         self.client = ParameterClient(
-            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt, model=model
+            ps_addresses,
+            secret,
+            task_name,
+            timeouts,
+            limits=limits,
+            encrypt=encrypt,
+            model=model,
+            gradient_dtype=gradient_dtype,
         )
         self.is_chief = is_chief
         self.plan = plan
