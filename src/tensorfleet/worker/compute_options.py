@@ -16,22 +16,21 @@ Three options, each off by default:
 
 Why these are options and not defaults, measured on this project's machine (an AMD EPYC
 with AVX-512 and avx512_bf16, no AMX; torch 2.13; the classic CNN of
-``examples/mnist_cnn.py``, batch 50, one thread; docs/performance.md has the table and the
-command): one-process PyTorch runs the step in 57 ms where TensorFlow takes 38 ms. The
-profile says why: in NCHW order the two max-pools cost 10 ms (TensorFlow computes in NHWC)
-and the second convolution's forward runs at 88 GFLOP/s against 120 in channels-last;
-the Adam update, four passes over the 1.6 M weights of ``fc1`` in torch's default
-implementation, costs 7.7 ms against 1.2 ms for its fused kernel (``tfl.optim.Adam(...,
-fused=True)``). Channels-last plus the fused Adam bring the step to 40 ms. Channels-last is
-not the default because it changes the order of the sums (results equal to about 1e-6, not
-bit for bit, and the project keeps one-process PyTorch's results bit for bit by default) and
-helps only convolutional models. ``torch.compile`` is not a default because it makes this
-training step slower here: inductor's generated kernel for a ReLU whose mask is saved for
-the backward pass (a bool store) takes 12.6 ms for the first layer's 1.25 M activations,
-where eager PyTorch takes 0.2 ms, and the first step compiles for 10 to 20 s. bf16 autocast
-runs the step in 24 ms (with channels-last and the fused Adam) but rounds the forward pass
-to 8 bits of mantissa: an accuracy cost, reported next to each figure in
-benchmarks/README.md.
+``examples/mnist_cnn.py``, batch 50, one thread; docs/compute.md has the table and the
+command): one-process PyTorch ran the step in 53 ms where TensorFlow took 46 (36-50). The
+profile says why: in NCHW order the first max-pool alone costs 9.7 ms (TensorFlow computes
+in NHWC) and the second convolution's forward runs at 88 GFLOP/s against 120 in
+channels-last; torch's default Adam makes four passes over the 1.6 M weights of ``fc1``
+(``tfl.optim.Adam(..., fused=True)`` makes one). Channels-last plus the fused Adam bring the
+step to 40.8 ms. Channels-last is not the default because it changes the order of the sums
+(losses equal to plain training's to 1e-7, not bit for bit, and the project keeps torch's
+default arithmetic bit for bit) and helps only convolutional models. ``torch.compile`` is
+not a default because it makes this training step slower here (71.7 ms): inductor's kernel
+for a ReLU whose mask is saved for the backward pass (a bool store) takes 12.6 ms for the
+first layer's 1.25 M activations where eager PyTorch takes 0.2 ms, and the first step
+compiles for 10 to 20 s. bf16 autocast runs the step in 23.8 ms (with channels-last and the
+fused Adam) but rounds every convolution's and matmul's inputs to 8 bits of mantissa: an
+accuracy cost, reported next to each figure in benchmarks/README.md.
 
 A session applies them with :class:`ComputeSetup`: :meth:`ComputeSetup.prepare` before the
 update mode wraps the model (the memory order, an input hook), :meth:`ComputeSetup.wrap`
@@ -62,7 +61,7 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16}
 @dataclass(frozen=True)
 class ComputeOptions:
     """Faster compute for the step, each option off by default (see the module docstring
-    for what each does and costs, and docs/performance.md for the figures)::
+    for what each does and costs, and docs/compute.md for the figures)::
 
         compute = tfl.ComputeOptions(channels_last=True)            # fp32, same accuracy
         compute = tfl.ComputeOptions(channels_last=True, autocast="bf16")  # faster, rounds
