@@ -13,7 +13,11 @@ from torch import nn
 
 import tensorfleet as tfl
 from tensorfleet.errors import ConfigError, ConfigTypeError
-from tensorfleet.worker.compute_options import ComputeOptions, ComputeSetup
+from tensorfleet.worker.compute_options import (
+    ComputeOptions,
+    ComputeSetup,
+    channels_last_strides,
+)
 
 STEPS = 6
 #: Relative tolerance between plain fp32 training and channels-last (or compiled) fp32
@@ -93,6 +97,28 @@ def test_each_option_trains_with_the_same_parameter_names(options: ComputeOption
     _assert_trains(losses, names)
     if options.channels_last:
         assert model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_channels_last_reaches_the_first_convolution_of_a_one_channel_input() -> None:
+    """A [N, 1, H, W] input and a [C, 1, k, k] weight are channels-last in memory but carry
+    NCHW strides (the size-1 dimension's stride is free); unless both get the exact
+    channels-last strides, oneDNN computes the first layer, and all after it, in NCHW."""
+    torch.manual_seed(0)
+    model = SmallCNN()
+    x, y = _data()
+    outputs: list[torch.Tensor] = []
+    model.conv1.register_forward_hook(lambda module, args, out: outputs.append(out))
+    with tfl.TrainingSession(
+        None,
+        model,
+        optimizer=tfl.optim.SGD(lr=0.1),
+        progress_secs=None,
+        compute=ComputeOptions(channels_last=True),
+    ) as sess:
+        assert model.conv1.weight.stride() == channels_last_strides(model.conv1.weight)
+        sess.step(lambda: F.cross_entropy(sess.model(x), y))
+    assert outputs[0].stride() == channels_last_strides(outputs[0]), outputs[0].stride()
+    assert x.stride() == (64, 64, 8, 1)  # the caller's tensor is left as it was
 
 
 def test_channels_last_gives_plain_training_losses() -> None:

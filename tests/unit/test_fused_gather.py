@@ -88,17 +88,29 @@ def test_gather_into_a_buffer_of_the_wrong_size_or_read_only_is_refused() -> Non
 
 def test_scatter_keeps_a_channels_last_parameter_in_its_memory_order() -> None:
     """The values a shard sends are adopted as a contiguous parameter's storage (no copy),
-    but copied into a parameter in another memory order, which keeps that order."""
-    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).contiguous(memory_format=torch.channels_last))
-    bias = torch.nn.Parameter(torch.randn(4))
-    params = [("conv", conv), ("bias", bias)]
+    but copied into a parameter with other strides, which keeps them: channels-last, also
+    for one input channel, whose channels-last strides differ from NCHW's only in the
+    size-1 dimension (adopting the received memory would make it NCHW for oneDNN)."""
+    one_channel = torch.randn(4, 1, 2, 2)
+    params = [
+        ("conv", torch.nn.Parameter(torch.randn(4, 3, 2, 2))),
+        ("first", torch.nn.Parameter(one_channel)),
+        ("bias", torch.nn.Parameter(torch.randn(4))),
+    ]
+    for _, p in params[:2]:
+        p.data = torch.empty_like(p.data, memory_format=torch.channels_last).copy_(p.data)
+    strides = {name: p.stride() for name, p in params}
+    assert strides["first"] == (4, 1, 2, 1)
     specs = [VariableSpec(n, tuple(p.shape), "float32", 4) for n, p in params]
     fused = FusedParameters(params, plan_placement(specs, 1))
-    new_conv, new_bias = torch.randn(4, 3, 2, 2), torch.randn(4)
-    members = {m.param is conv: m for m in fused._members[0][0]}
+    new = {name: torch.randn(p.shape) for name, p in params}
     flat = torch.empty(fused.layouts[0].groups[0].numel)
-    flat[members[True].offset : members[True].offset + 48] = new_conv.reshape(-1)
-    flat[members[False].offset : members[False].offset + 4] = new_bias
+    for member, (variable, offset) in zip(
+        fused._members[0][0], fused.layouts[0].groups[0].members, strict=True
+    ):
+        name = next(n for n, p in params if p is member.param)
+        flat[offset : offset + variable.numel] = new[name].reshape(-1)
     fused.scatter(0, [flat.numpy().tobytes()])
-    assert conv.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(conv.detach(), new_conv) and torch.equal(bias.detach(), new_bias)
+    for name, p in params:
+        assert p.stride() == strides[name], name
+        assert torch.equal(p.detach(), new[name]), name

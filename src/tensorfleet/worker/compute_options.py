@@ -145,8 +145,9 @@ class ComputeSetup:
         if self.options.channels_last:
             with torch.no_grad():
                 for tensor in (*model.parameters(), *model.buffers()):
-                    if tensor.dim() == 4:
-                        tensor.data = tensor.data.contiguous(memory_format=torch.channels_last)
+                    if tensor.dim() == 4 and tensor.stride() != channels_last_strides(tensor):
+                        copy = torch.empty_like(tensor.data, memory_format=torch.channels_last)
+                        tensor.data = copy.copy_(tensor.data)
             self._hook = model.register_forward_pre_hook(_channels_last_inputs, with_kwargs=True)
         if self.options.autocast is not None:
             self._check_autocast()
@@ -195,6 +196,21 @@ def _channels_last_inputs(
 
 
 def _to_channels_last(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point():
-        return value.contiguous(memory_format=torch.channels_last)
-    return value
+    if not (isinstance(value, torch.Tensor) and value.dim() == 4 and value.is_floating_point()):
+        return value
+    strides = channels_last_strides(value)
+    if value.stride() == strides:
+        return value
+    if value.is_contiguous(memory_format=torch.channels_last):
+        # Already in channels-last order in memory, but with a dimension of size 1 (one input
+        # channel: MNIST) whose stride says NCHW: the same memory with the exact strides, no
+        # copy. Without them oneDNN takes the tensor for NCHW and the first convolution, and
+        # every layer after it, runs in NCHW (measured: the option then gains nothing).
+        return value.as_strided(value.shape, strides, value.storage_offset())
+    return value.contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a dense channels-last (NHWC) tensor of ``tensor``'s 4-D shape."""
+    _, c, h, w = tensor.shape
+    return (h * w * c, 1, w * c, c)

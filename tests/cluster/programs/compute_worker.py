@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorfleet as tfl
+from tensorfleet.worker.compute_options import channels_last_strides
 
 BATCH = 16
 
@@ -76,8 +77,10 @@ def main() -> int:
                     {
                         "losses": losses,
                         "names": [[n, list(p.shape)] for n, p in model.named_parameters()],
-                        "channels_last": model.conv2.weight.is_contiguous(
-                            memory_format=torch.channels_last
+                        "channels_last": all(
+                            p.stride() == channels_last_strides(p)
+                            for p in model.parameters()
+                            if p.dim() == 4
                         ),
                         "refused": sum(s.get("refused", 0) for s in stats),
                     },
