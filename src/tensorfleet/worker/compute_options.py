@@ -203,10 +203,10 @@ def _to_channels_last(value: Any) -> Any:
         return value
     if value.is_contiguous(memory_format=torch.channels_last):
         # Already in channels-last order in memory, but with a dimension of size 1 (one input
-        # channel: MNIST) whose stride says NCHW: the same memory with the exact strides, no
-        # copy. Without them oneDNN takes the tensor for NCHW and the first convolution, and
-        # every layer after it, runs in NCHW (measured: the option then gains nothing).
-        return value.as_strided(value.shape, strides, value.storage_offset())
+        # channel: MNIST) whose stride says NCHW, and ``contiguous`` leaves it so. oneDNN
+        # then takes it for NCHW. A copy with the exact strides (an input of one channel is
+        # small; ``as_strided`` would avoid the copy but torch.compile cannot trace it).
+        return torch.empty_like(value, memory_format=torch.channels_last).copy_(value)
     return value.contiguous(memory_format=torch.channels_last)
 
 
