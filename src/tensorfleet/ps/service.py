@@ -111,9 +111,9 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         self._held: list[tuple[Request, str, list[torch.Tensor]]] = []
         """async pushes held back by the staleness gate, in arrival order."""
         self.worker_data: dict[str, dict] = {}
+        """Each worker's last reported data position (saved in checkpoints)."""
         self.gradient_decoder = GradientDecoder()
         """Each worker's declared wire dtype for its gradients, and the check of each push."""
-        """Each worker's last reported data position (saved in checkpoints)."""
         self._waiting_for_done: list[Request] = []
         self._handlers = {
             "hello": self._hello,
