@@ -29,7 +29,8 @@ over rounds).
 
     .venv/bin/python benchmarks/throughput.py [--steps 600 --repeats 3] [--rows NAME ...]
 
-Writes benchmarks/results/throughput.json and .md.
+Writes benchmarks/results/throughput.json and .md (``--name`` for another name, e.g. a
+longer run for the accuracy at equal steps).
 """
 
 from __future__ import annotations
@@ -315,6 +316,9 @@ def main() -> int:
         default=list(TENSORFLEET_ROWS),
         help="the tensorfleet rows to run (default: all)",
     )
+    parser.add_argument(
+        "--name", default="throughput", help="results file name (benchmarks/results/NAME.json)"
+    )
     args = parser.parse_args()
     flops = step_flops()
     rounds = []
@@ -342,7 +346,7 @@ def main() -> int:
         f"{result['benchmark']}, {args.steps} steps, {args.repeats} interleaved rounds, "
         f"{result['date']}, {flops / 1e9:.2f} GFLOP per step"
     )
-    write_results("throughput", result, heading, markdown_table(rows))
+    write_results(args.name, result, heading, markdown_table(rows))
     return 0
 
 
