@@ -6,7 +6,8 @@ and an example should not show.
 * steady-state clocks: the chief's throughput is measured from its ``WARMUP_STEPS``-th local
   step on (connection set-up, first allocations and the other workers' start are not in it);
 * ``--metrics-json PATH``: the chief writes its figures there (global steps and steps/s,
-  steady-state steps/s, local steps, test accuracy, workers, mode).
+  steady-state steps/s, local steps, test accuracy, workers, mode and, in the ps modes, the
+  bytes its transport sent per steady-state step).
 
 Every other flag is the example's; the training itself is the example's ``train``. Run it as
 the example is run, e.g. ``tensorfleet launch --ps 1 --workers 3 -- python
@@ -40,10 +41,13 @@ class BenchmarkClocks(tfl.Hook):
         self.started = self.step_started = self.last_step_at = 0.0
         self.first_step = 0
         self.steady_from: tuple[float, int] | None = None  # (time, global step)
+        self.client = None  # the ps modes' ParameterClient, for its byte counters
+        self.sent_from = self.sent_to = 0
 
     def begin(self, session: tfl.TrainingSession) -> None:
         self.started = time.perf_counter()
         self.first_step = session.global_step
+        self.client = getattr(session._updater, "client", None)  # the benchmark reads counters
 
     def before_step(self, session: tfl.TrainingSession) -> None:
         self.step_started = time.perf_counter()
@@ -55,6 +59,10 @@ class BenchmarkClocks(tfl.Hook):
         self.last_step_at = time.perf_counter()
         if self.local_steps == WARMUP_STEPS:
             self.steady_from = (self.last_step_at, result.global_step)
+        if self.client is not None:
+            sent = self.client.wire_bytes()[0]
+            self.sent_from = sent if self.local_steps == WARMUP_STEPS else self.sent_from
+            self.sent_to = sent
 
     def figures(self, result: mnist_cnn.Result, mode: str) -> dict[str, float | int | str]:
         elapsed = self.last_step_at - self.started
@@ -67,9 +75,16 @@ class BenchmarkClocks(tfl.Hook):
             "steady_global_steps_per_s": (result.global_step - steady_step)
             / (self.last_step_at - steady_s),
             "chief_local_steps": self.local_steps,
+            "steady_local_ms_per_step": 1e3
+            * (self.last_step_at - steady_s)
+            / max(1, self.local_steps - WARMUP_STEPS),
             "test_accuracy": result.test_accuracy,
             "workers": result.workers,
             "mode": mode,
+            "sent_bytes_per_step": (self.sent_to - self.sent_from)
+            / max(1, self.local_steps - WARMUP_STEPS)
+            if self.client is not None
+            else None,
         }
 
 

@@ -4,20 +4,33 @@ Measured in one run, on the same machine, same model, batch and optimizer:
 
 * ``pytorch_single``: a plain PyTorch loop (no tensorfleet), 2 threads: the baseline;
 * ``tensorfleet_single``: the example in one process (TrainingSession without a cluster);
-* ``tensorfleet_async``: the example on a local 1 ps + 3 worker cluster (global steps/s);
+* ``tensorfleet_async_1ps_3w``: the example on a local 1 ps + 3 worker cluster (global
+  steps/s);
+* the same with the fast-compute options (docs/compute.md): ``_fast_fp32`` (channels-last
+  order and the fused Adam: fp32, compared with TensorFlow's fp32 runtime), ``_compile``
+  (those plus ``torch.compile``, one process), and, reported apart, ``_wire_bf16``
+  (gradients sent as bf16 with error feedback) and ``_autocast_bf16`` (the forward pass in
+  bf16 autocast);
 * ``tensorflow_async`` / ``tensorflow_single``: TensorFlow's own runtime on the same example
   (benchmarks/tf_reference), when a Python with tensorflow is available (``TF_PYTHON`` or
   the separate venv ``.venv-tf`` that ``make tf-reference`` makes); otherwise the row says why
   it is missing.
 
+Each row also gives its test accuracy after the same number of global steps, its FLOP/s
+(global steps/s times the step's FLOPs, which torch's FlopCounterMode counts: 3.61 GFLOP
+for a batch of 50) and their share of what a 2048 x 2048 fp32 ``torch.mm`` on 2 threads
+reaches in the same round, and, for the ps rows, the bytes the chief's transport sent per
+step and the chief's time per local step.
+
 One run is not a measurement on a shared machine whose speed drifts: every row runs
 ``--repeats`` times, interleaved (one of each per round), and the table gives the median,
-the spread (min-max) and the ratio to one-process PyTorch measured in the same round
-(median over rounds).
+the spread (min-max) and the ratios to the baselines measured in the same round (median
+over rounds).
 
-    .venv/bin/python benchmarks/throughput.py [--steps 600 --repeats 3]
+    .venv/bin/python benchmarks/throughput.py [--steps 600 --repeats 3] [--rows NAME ...]
 
-Writes benchmarks/results/throughput.json and .md.
+Writes benchmarks/results/throughput.json and .md (``--name`` for another name, e.g. a
+longer run for the accuracy at equal steps).
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from mnist_cnn import ClassicCNN  # noqa: E402
 from results_writer import write_results  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from tensorfleet.datasets import BatchStream, load_mnist, normalize  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
@@ -49,6 +63,8 @@ from tensorfleet.launch.output import Output  # noqa: E402
 
 TF_REFERENCE = ROOT / "benchmarks" / "tf_reference" / "run.sh"
 WARMUP = 20
+#: The fp32 fast-compute options (docs/compute.md): channels-last order, the fused Adam.
+FAST_FP32 = ("--channels-last", "--fused-optimizer")
 
 
 def pytorch_single(steps: int, threads: int = 2) -> float:
@@ -128,22 +144,64 @@ def tensorflow_reference(steps: int, mode: str) -> dict:
     return chief[0]
 
 
-def one_round(steps: int, tensorflow: bool) -> dict[str, dict]:
-    """Every row once."""
+#: The tensorfleet rows: name -> (ps tasks, workers, the example's flags, what is in bf16).
+#: fp32 rows compare with TensorFlow's fp32 runtime; the bf16 rows are reported separately.
+TENSORFLEET_ROWS: dict[str, tuple[int, int, tuple[str, ...], str]] = {
+    "tensorfleet_single": (0, 1, (), "fp32"),
+    "tensorfleet_single_fast_fp32": (0, 1, FAST_FP32, "fp32"),
+    "tensorfleet_single_compile": (0, 1, (*FAST_FP32, "--compile"), "fp32"),
+    "tensorfleet_async_1ps_3w": (1, 3, (), "fp32"),
+    "tensorfleet_async_1ps_3w_fast_fp32": (1, 3, FAST_FP32, "fp32"),
+    "tensorfleet_async_1ps_3w_wire_bf16": (1, 3, (*FAST_FP32, "--wire-dtype", "bf16"), "bf16 wire"),
+    "tensorfleet_async_1ps_3w_autocast_bf16": (
+        1,
+        3,
+        (*FAST_FP32, "--autocast", "bf16"),
+        "bf16 compute",
+    ),
+}
+
+
+def step_flops(batch: int = 50) -> float:
+    """FLOPs of one training step of the CNN (forward and backward), counted by torch."""
+    model = ClassicCNN()
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    return float(counter.get_total_flops())
+
+
+def gemm_flop_per_s(threads: int = 2, n: int = 2048) -> float:
+    """The best of a few fp32 n x n ``torch.mm`` on ``threads`` threads, in FLOP/s: what
+    this machine's BLAS reaches in this round (the ceiling the step's FLOP/s are put against)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def one_round(steps: int, tensorflow: bool, names: list[str], flops: float) -> dict[str, dict]:
+    """Every row once, and this round's GEMM."""
+    gemm = gemm_flop_per_s()
     rows: dict[str, dict] = {"pytorch_single": {"steps_per_s": pytorch_single(steps)}}
     print("pytorch_single", rows["pytorch_single"], flush=True)
-    single = example_run(steps, 0, 1)
-    rows["tensorfleet_single"] = {
-        "steps_per_s": single["steady_global_steps_per_s"],
-        "test_accuracy": single["test_accuracy"],
-    }
-    print("tensorfleet_single", rows["tensorfleet_single"], flush=True)
-    distributed = example_run(steps, 1, 3)
-    rows["tensorfleet_async_1ps_3w"] = {
-        "steps_per_s": distributed["steady_global_steps_per_s"],
-        "test_accuracy": distributed["test_accuracy"],
-    }
-    print("tensorfleet_async", rows["tensorfleet_async_1ps_3w"], flush=True)
+    for name in names:
+        num_ps, workers, flags, precision = TENSORFLEET_ROWS[name]
+        figures = example_run(steps, num_ps, workers, flags)
+        rows[name] = {
+            "steps_per_s": figures["steady_global_steps_per_s"],
+            "test_accuracy": figures["test_accuracy"],
+            "options": " ".join(flags) or "none",
+            "precision": precision,
+            "chief_ms_per_step": figures.get("steady_local_ms_per_step"),
+            "sent_bytes_per_step": figures.get("sent_bytes_per_step"),
+        }
+        print(name, rows[name], flush=True)
     if tensorflow:
         for mode in ("single", "async"):
             reference = tensorflow_reference(steps, mode)
@@ -153,17 +211,39 @@ def one_round(steps: int, tensorflow: bool) -> dict[str, dict]:
                 else {
                     "steps_per_s": reference["global_steps_per_s"],
                     "test_accuracy": reference.get("test_accuracy"),
+                    "precision": "fp32",
                 }
             )
             print(f"tensorflow_{mode}", rows[f"tensorflow_{mode}"], flush=True)
     baseline = rows["pytorch_single"]["steps_per_s"]
     tf_single = rows.get("tensorflow_single", {}).get("steps_per_s")
+    tf_async = rows.get("tensorflow_async", {}).get("steps_per_s")
     for row in rows.values():
         if "steps_per_s" in row:
             row["ratio_vs_pytorch_single"] = row["steps_per_s"] / baseline
+            row["gflop_per_s"] = row["steps_per_s"] * flops / 1e9
+            row["share_of_gemm"] = row["steps_per_s"] * flops / gemm
+            row["gemm_gflop_per_s"] = gemm / 1e9
             if tf_single:
                 row["ratio_vs_tensorflow_single"] = row["steps_per_s"] / tf_single
+            if tf_async:
+                row["ratio_vs_tensorflow_async"] = row["steps_per_s"] / tf_async
     return rows
+
+
+#: The figures combined over rounds as medians (with their min and max).
+MEDIAN_KEYS = (
+    "steps_per_s",
+    "ratio_vs_pytorch_single",
+    "ratio_vs_tensorflow_single",
+    "ratio_vs_tensorflow_async",
+    "test_accuracy",
+    "gflop_per_s",
+    "share_of_gemm",
+    "gemm_gflop_per_s",
+    "chief_ms_per_step",
+    "sent_bytes_per_step",
+)
 
 
 def combine(rounds: list[dict[str, dict]]) -> dict[str, dict]:
@@ -175,18 +255,51 @@ def combine(rounds: list[dict[str, dict]]) -> dict[str, dict]:
             combined[name] = {"missing": rounds[0][name].get("missing", "not measured")}
             continue
         row: dict = {"rounds": measured}
-        for key in (
-            "steps_per_s",
-            "ratio_vs_pytorch_single",
-            "ratio_vs_tensorflow_single",
-            "test_accuracy",
-        ):
+        for key in ("options", "precision"):
+            if key in measured[0]:
+                row[key] = measured[0][key]
+        for key in MEDIAN_KEYS:
             values = [m[key] for m in measured if m.get(key) is not None]
             if values:
                 row[key] = statistics.median(values)
                 row[f"{key}_min"], row[f"{key}_max"] = min(values), max(values)
         combined[name] = row
     return combined
+
+
+def _ratio(row: dict, key: str) -> str:
+    if key not in row:
+        return ""
+    return f"{row[key]:.2f}x ({row[key + '_min']:.2f}-{row[key + '_max']:.2f})"
+
+
+def markdown_table(rows: dict[str, dict]) -> list[str]:
+    """The table of the JSON's rows (medians over the rounds; ratios taken within a round)."""
+    table = [
+        "| run | precision, options | steps/s median (min-max) | vs one-process PyTorch "
+        "| vs TensorFlow one process | vs TensorFlow distributed | GFLOP/s (share of a 2048 "
+        "fp32 GEMM) | test accuracy | MB sent per step | chief ms per step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        if "missing" in row:
+            table.append(f"| {name} | | not measured: {row['missing']} | | | | | | | |")
+            continue
+        accuracy = f"{row['test_accuracy']:.3f}" if "test_accuracy" in row else ""
+        sent = f"{row['sent_bytes_per_step'] / 1e6:.2f}" if "sent_bytes_per_step" in row else ""
+        chief_ms = f"{row['chief_ms_per_step']:.1f}" if "chief_ms_per_step" in row else ""
+        options = row.get("precision", "fp32")
+        if row.get("options") not in (None, "none"):
+            options += f", `{row['options']}`"
+        table.append(
+            f"| {name} | {options} | {row['steps_per_s']:.2f} ({row['steps_per_s_min']:.2f}-"
+            f"{row['steps_per_s_max']:.2f}) | {_ratio(row, 'ratio_vs_pytorch_single')} "
+            f"| {_ratio(row, 'ratio_vs_tensorflow_single')} "
+            f"| {_ratio(row, 'ratio_vs_tensorflow_async')} "
+            f"| {row['gflop_per_s']:.0f} ({100 * row['share_of_gemm']:.0f}%) | {accuracy} "
+            f"| {sent} | {chief_ms} |"
+        )
+    return table
 
 
 def main() -> int:
@@ -196,52 +309,44 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600, help="global steps per measured run")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (medians)")
     parser.add_argument("--skip-tensorflow", action="store_true")
+    parser.add_argument(
+        "--rows",
+        nargs="*",
+        choices=sorted(TENSORFLEET_ROWS),
+        default=list(TENSORFLEET_ROWS),
+        help="the tensorfleet rows to run (default: all)",
+    )
+    parser.add_argument(
+        "--name", default="throughput", help="results file name (benchmarks/results/NAME.json)"
+    )
     args = parser.parse_args()
+    flops = step_flops()
     rounds = []
     for index in range(args.repeats):
         print(f"round {index + 1} of {args.repeats}", flush=True)
-        rounds.append(one_round(args.steps, not args.skip_tensorflow))
+        rounds.append(one_round(args.steps, not args.skip_tensorflow, args.rows, flops))
     rows = combine(rounds)
     result = {
         "benchmark": "CNN training throughput (batch 50, Adam 1e-4, Fashion-MNIST)",
         "steps": args.steps,
         "repeats": args.repeats,
+        "flop_per_step": flops,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "load_average_at_start": os.getloadavg(),
         },
         "command": " ".join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "rows": rows,
     }
-    table = [
-        "| run | steps/s median (min-max) | ratio vs one-process PyTorch (same round; median, min-max) "
-        "| ratio vs one-process TensorFlow | test accuracy median |",
-        "|---|---|---|---|---|",
-    ]
-    for name, row in rows.items():
-        if "missing" in row:
-            table.append(f"| {name} | not measured: {row['missing']} | | | |")
-            continue
-        accuracy = f"{row['test_accuracy']:.3f}" if "test_accuracy" in row else ""
-        versus_tf = (
-            f"{row['ratio_vs_tensorflow_single']:.2f}x"
-            if "ratio_vs_tensorflow_single" in row
-            else ""
-        )
-        table.append(
-            f"| {name} | {row['steps_per_s']:.2f} ({row['steps_per_s_min']:.2f}-"
-            f"{row['steps_per_s_max']:.2f}) | {row['ratio_vs_pytorch_single']:.2f}x "
-            f"({row['ratio_vs_pytorch_single_min']:.2f}-{row['ratio_vs_pytorch_single_max']:.2f}) "
-            f"| {versus_tf} | {accuracy} |"
-        )
     heading = (
         f"{result['benchmark']}, {args.steps} steps, {args.repeats} interleaved rounds, "
-        f"{result['date']}"
+        f"{result['date']}, {flops / 1e9:.2f} GFLOP per step"
     )
-    write_results("throughput", result, heading, table)
+    write_results(args.name, result, heading, markdown_table(rows))
     return 0
 
 

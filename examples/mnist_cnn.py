@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--summary-steps", type=int, default=100, help="summaries every N global steps")
     add("--fresh", action="store_true", help="delete --logdir first: start over")
     add("--timeline", type=Path, default=None, help="Chrome trace per task: FILE.<task>.json")
+    add("--channels-last", action="store_true", help="compute in channels-last memory order")
+    add("--compile", action="store_true", help="torch.compile the model (slower here: see docs)")
+    add("--autocast", choices=("bf16",), default=None, help="forward pass in bf16 autocast")
+    add("--fused-optimizer", action="store_true", help="torch's fused Adam kernel")
+    add("--wire-dtype", choices=("bf16",), default=None, help="gradients sent as bf16 (ps modes)")
     add("--job_name", default=None)  # the classic flags, read by tfl.resolve_task
     add("--task_index", default=None)
     add("--cluster", default=None, help="cluster spec: JSON text or a JSON file")
@@ -167,9 +172,11 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
         }
     result = None
     with tfl.TrainingSession(
-        server, model, optimizer=tfl.optim.Adam(lr=args.lr), mode=args.mode, hooks=hooks,
-        replicas_to_aggregate=args.replicas_to_aggregate, max_staleness=args.max_staleness,
-        placement=args.placement, log_placement=args.log_placement, timeline=args.timeline,
+        server, model, optimizer=tfl.optim.Adam(lr=args.lr, fused=args.fused_optimizer),
+        mode=args.mode, hooks=hooks, replicas_to_aggregate=args.replicas_to_aggregate,
+        max_staleness=args.max_staleness, placement=args.placement,
+        log_placement=args.log_placement, timeline=args.timeline, wire_dtype=args.wire_dtype,
+        compute=tfl.ComputeOptions(args.channels_last, args.compile, args.autocast),
         **checkpoints,
     ) as sess:  # fmt: skip
         while not sess.should_stop():

@@ -67,6 +67,7 @@ _EXPORTS = {
     "plot_metrics": "tensorfleet.summaries.plot",
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
     "ClientTimeouts": "tensorfleet.worker.timeouts",
+    "ComputeOptions": "tensorfleet.worker.compute_options",
     "EmbeddingTable": "tensorfleet.worker.embedding_table",
     "LocalRowSource": "tensorfleet.worker.embedding_table",
     "RowInitializer": "tensorfleet.ps.row_initializer",
@@ -152,6 +153,7 @@ if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
     from tensorfleet.summaries.plot import plot_metrics
     from tensorfleet.summaries.summary_writer import SummaryWriter
+    from tensorfleet.worker.compute_options import ComputeOptions
     from tensorfleet.worker.device import SoftPlacementWarning, torch_device
     from tensorfleet.worker.device_scope import device, place
     from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource

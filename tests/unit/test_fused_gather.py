@@ -84,3 +84,33 @@ def test_gather_into_a_buffer_of_the_wrong_size_or_read_only_is_refused() -> Non
         fused.gather(0, values=False, into=wrong)
     with pytest.raises(ConfigError, match="read-only"):
         fused.gather(0, values=False, into=[memoryview(bytes(n)) for n in sizes])
+
+
+def test_scatter_keeps_a_channels_last_parameter_in_its_memory_order() -> None:
+    """The values a shard sends are adopted as a contiguous parameter's storage (no copy),
+    but copied into a parameter with other strides, which keeps them: channels-last, also
+    for one input channel, whose channels-last strides differ from NCHW's only in the
+    size-1 dimension (adopting the received memory would make it NCHW for oneDNN)."""
+    one_channel = torch.randn(4, 1, 2, 2)
+    params = [
+        ("conv", torch.nn.Parameter(torch.randn(4, 3, 2, 2))),
+        ("first", torch.nn.Parameter(one_channel)),
+        ("bias", torch.nn.Parameter(torch.randn(4))),
+    ]
+    for _, p in params[:2]:
+        p.data = torch.empty_like(p.data, memory_format=torch.channels_last).copy_(p.data)
+    strides = {name: p.stride() for name, p in params}
+    assert strides["first"] == (4, 1, 2, 1)
+    specs = [VariableSpec(n, tuple(p.shape), "float32", 4) for n, p in params]
+    fused = FusedParameters(params, plan_placement(specs, 1))
+    new = {name: torch.randn(p.shape) for name, p in params}
+    flat = torch.empty(fused.layouts[0].groups[0].numel)
+    for member, (variable, offset) in zip(
+        fused._members[0][0], fused.layouts[0].groups[0].members, strict=True
+    ):
+        name = next(n for n, p in params if p is member.param)
+        flat[offset : offset + variable.numel] = new[name].reshape(-1)
+    fused.scatter(0, [flat.numpy().tobytes()])
+    for name, p in params:
+        assert p.stride() == strides[name], name
+        assert torch.equal(p.detach(), new[name]), name

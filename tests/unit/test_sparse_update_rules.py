@@ -133,3 +133,10 @@ def test_neutral_dense_options_are_accepted_and_rule_round_trips() -> None:
     assert rule.hyperparameters == {"lr": 0.1}
     adam = SparseRowRule("sparse_adam", {"betas": [0.5, 0.6]})
     assert SparseRowRule.from_wire(adam.to_wire()) == adam
+
+
+def test_a_table_under_a_fused_or_foreach_dense_rule_takes_the_rule_without_them() -> None:
+    """``fused``/``foreach`` choose torch's implementation of the dense rule; a table's rows
+    have their own, so the row-sparse rule drops them (and keeps the arithmetic)."""
+    rule = SparseRowRule.from_dense("adagrad", {"lr": 0.1, "fused": True, "foreach": False})
+    assert rule.hyperparameters == SparseRowRule("adagrad", {"lr": 0.1}).hyperparameters

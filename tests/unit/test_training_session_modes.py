@@ -50,6 +50,11 @@ def _model() -> nn.Module:
             {"mode": "allreduce", "max_staleness": 2},
             "max_staleness=2 only applies to mode 'async', not 'allreduce'",
         ),
+        (
+            {"mode": "allreduce", "wire_dtype": "bf16"},
+            "wire_dtype=bf16 only applies to mode 'async' or 'sync', not 'allreduce'",
+        ),
+        ({"wire_dtype": "fp8"}, "wire_dtype must be None (gradients in their own dtype) or one"),
         ({"clip_grad_norm": 0.0}, "clip_grad_norm must be > 0, got 0.0"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm must be > 0, got -1.0"),
         ({"mode": "sync", "clip_grad_norm": float("nan")}, "clip_grad_norm must be > 0, got nan"),

@@ -70,7 +70,18 @@ RULES: list[tuple[str, UpdateRule, ReferenceFactory]] = [
         UpdateRule("adam", {"lr": 0.01, "amsgrad": True, "foreach": True}),
         lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, foreach=True),
     ),
+    ("adam-fused", Adam(lr=0.01, fused=True), lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True)),
+    (
+        "momentum-fused",
+        Momentum(lr=0.1, momentum=0.9, fused=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    ),
     ("adagrad", Adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+    (
+        "adagrad-fused",
+        Adagrad(lr=0.1, fused=True),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True),
+    ),
     (
         "adagrad-accumulator",
         Adagrad(lr=0.1, initial_accumulator_value=0.1, eps=1e-6),

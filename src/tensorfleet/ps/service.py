@@ -78,6 +78,7 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
+from tensorfleet.wire.gradient_encoding import GradientDecoder
 from tensorfleet.wire.message import PROTOCOL_VERSION
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
@@ -111,6 +112,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         """async pushes held back by the staleness gate, in arrival order."""
         self.worker_data: dict[str, dict] = {}
         """Each worker's last reported data position (saved in checkpoints)."""
+        self.gradient_decoder = GradientDecoder()
+        """Each worker's declared wire dtype for its gradients, and the check of each push."""
         self._waiting_for_done: list[Request] = []
         self.checkpoint_wanted = False
         """Set during a preemption (:mod:`tensorfleet.ps.preemption_drain`): every reply with
@@ -213,6 +216,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
             request.session_id,
             takeover=request.body.get("takeover") is True,
         )
+        self.gradient_decoder.declare(request.body.get("task"), request.body.get("gradient_dtype"))
         self.socket.reply(
             request,
             {
@@ -327,7 +331,10 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
 
     def _push(self, request: Request) -> None:
         self._require_initialized()
-        gradients = _group_tensors(self.store.layout, request.buffers, "gradients")
+        body = request.body
+        gradients = self.gradient_decoder.decode(
+            self.store.layout.groups, body.get("task"), body.get("gradient_dtype"), request.buffers
+        )
         data = request.body.get("data")
         if data is not None:
             task = self._worker_of(request)

@@ -112,8 +112,11 @@ class SparseRowRule:
 
     @classmethod
     def from_dense(cls, name: str, hyperparameters: dict[str, Any]) -> SparseRowRule:
-        """The row-sparse rule for a dense rule's name (``adam`` is refused with the fix)."""
-        return cls(name, hyperparameters)
+        """The row-sparse rule for a dense rule's name (``adam`` is refused with the fix).
+        ``foreach`` and ``fused`` choose torch's implementation of the dense rule, not its
+        arithmetic: a table's rows have their own, so they are dropped."""
+        implementation = ("foreach", "fused")
+        return cls(name, {k: v for k, v in hyperparameters.items() if k not in implementation})
 
     @property
     def slot_names(self) -> tuple[str, ...]:

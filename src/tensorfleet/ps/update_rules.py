@@ -8,6 +8,14 @@ are SGD (with optional momentum / Nesterov), Adam and Adagrad; more can be regis
 
 All built-in rules are elementwise, which is why partitioning a variable across shards and
 fusing many variables into one buffer give the same result as one process.
+
+``fused=True`` (SGD, Adam, Adagrad) selects torch's fused kernel: one pass over the
+variables instead of several. Measured on this project's machine for the CNN's 1.66 M
+float32 variables, one thread: Adam 0.94 ms per update against 3.3 ms for torch's default
+implementation (docs/compute.md). It is not the default because its results differ from the
+default implementation's by rounding (2.4e-7 at most after 200 Adam steps, in 0.3 % of the
+elements), and a rule by name means torch's default arithmetic bit for bit; with
+``fused=True`` it means ``torch.optim.Adam(..., fused=True)`` bit for bit.
 """
 
 from __future__ import annotations
@@ -139,6 +147,7 @@ register_update_rule(
         "weight_decay": _NUMBER,
         "nesterov": (bool,),
         "foreach": (bool,),
+        "fused": (bool,),
     },
 )
 register_update_rule(
@@ -151,6 +160,7 @@ register_update_rule(
         "weight_decay": _NUMBER,
         "amsgrad": (bool,),
         "foreach": (bool,),
+        "fused": (bool,),
     },
 )
 register_update_rule(
@@ -163,22 +173,42 @@ register_update_rule(
         "initial_accumulator_value": _NUMBER,
         "eps": _NUMBER,
         "foreach": (bool,),
+        "fused": (bool,),
     },
 )
 
 
+def _fused(fused: bool) -> dict[str, Any]:
+    """The ``fused`` hyperparameter when asked for (absent otherwise: torch's default)."""
+    return {"fused": True} if fused else {}
+
+
 def SGD(
-    lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
+    lr: float = 0.01,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    fused: bool = False,
 ) -> UpdateRule:
-    """Plain SGD (``torch.optim.SGD``); with ``momentum`` > 0 it is momentum SGD."""
+    """Plain SGD (``torch.optim.SGD``); with ``momentum`` > 0 it is momentum SGD.
+    ``fused``: torch's fused kernel (see the module docstring)."""
     return UpdateRule(
-        "sgd", {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov}
+        "sgd",
+        {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            **_fused(fused),
+        },
     )
 
 
-def Momentum(lr: float = 0.01, momentum: float = 0.9, nesterov: bool = False) -> UpdateRule:
+def Momentum(
+    lr: float = 0.01, momentum: float = 0.9, nesterov: bool = False, fused: bool = False
+) -> UpdateRule:
     """SGD with momentum (TensorFlow's MomentumOptimizer), ``torch.optim.SGD`` semantics."""
-    return SGD(lr=lr, momentum=momentum, nesterov=nesterov)
+    return SGD(lr=lr, momentum=momentum, nesterov=nesterov, fused=fused)
 
 
 def Adam(
@@ -186,19 +216,37 @@ def Adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    fused: bool = False,
 ) -> UpdateRule:
-    """Adam (``torch.optim.Adam``)."""
+    """Adam (``torch.optim.Adam``). ``fused``: torch's fused kernel, one pass over the
+    variables (3.5x faster for the CNN here; rounding differs: see the module docstring)."""
     return UpdateRule(
-        "adam", {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        "adam",
+        {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            **_fused(fused),
+        },
     )
 
 
 def Adagrad(
-    lr: float = 0.01, initial_accumulator_value: float = 0.0, eps: float = 1e-10
+    lr: float = 0.01,
+    initial_accumulator_value: float = 0.0,
+    eps: float = 1e-10,
+    fused: bool = False,
 ) -> UpdateRule:
-    """Adagrad (``torch.optim.Adagrad``)."""
+    """Adagrad (``torch.optim.Adagrad``). ``fused``: torch's fused kernel."""
     return UpdateRule(
-        "adagrad", {"lr": lr, "initial_accumulator_value": initial_accumulator_value, "eps": eps}
+        "adagrad",
+        {
+            "lr": lr,
+            "initial_accumulator_value": initial_accumulator_value,
+            "eps": eps,
+            **_fused(fused),
+        },
     )
 
 

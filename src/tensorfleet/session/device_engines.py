@@ -56,6 +56,11 @@ def register_device_engine(engine: DeviceEngine) -> None:
     _ENGINES[engine.name] = engine
 
 
+def wanted_engines(server: Server | None, settings: UpdateSettings) -> list[str]:
+    """The names of the device engines a session with ``settings`` on ``server`` asks for."""
+    return [e.name for e in _ENGINES.values() if e.wanted(server, settings)]
+
+
 def with_device_engine(
     updater: Updater, server: Server | None, settings: UpdateSettings
 ) -> Updater:

@@ -51,7 +51,7 @@ from tensorfleet.ps.model_namespace import check_model_name, label
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
-from tensorfleet.session.device_engines import placement_table
+from tensorfleet.session.device_engines import placement_table, wanted_engines
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
 from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
@@ -62,6 +62,7 @@ from tensorfleet.session.update_modes import (
     is_chief,
     update_mode,
 )
+from tensorfleet.worker.compute_options import ComputeOptions, ComputeSetup
 from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
@@ -127,6 +128,11 @@ class TrainingSession:
     backward, and in the ps modes pack, push, wait, unpack) and writes it when the session
     closes as a Chrome trace named for the task (``trace.json`` -> ``trace.worker-0.json``,
     :attr:`timeline_path`), which Perfetto opens. See docs/timeline.md.
+
+    ``compute``: a :class:`~tensorfleet.worker.compute_options.ComputeOptions` (channels-last
+    memory order, ``torch.compile``, bf16 autocast around the closure); ``wire_dtype="bf16"``
+    (modes ``async`` and ``sync``): float32 gradients travel as bf16 with error feedback.
+    Both are off by default; docs/compute.md says what each costs and gains.
     """
 
     def __init__(
@@ -161,6 +167,8 @@ class TrainingSession:
         model_workers: Iterable[str | int] | None = None,
         timeline: str | os.PathLike[str] | None = None,
         sparse_optimizer: SparseRowRule | None = None,
+        compute: ComputeOptions | None = None,
+        wire_dtype: str | None = None,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -180,6 +188,7 @@ class TrainingSession:
             model_name=check_model_name(model_name),
             model_workers=None if model_workers is None else tuple(model_workers),
             sparse_optimizer=sparse_optimizer,
+            wire_dtype=wire_dtype,
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
         if isinstance(optimizer, SparseRowRule) or not (
@@ -240,7 +249,10 @@ class TrainingSession:
             clip_grad_norm if server is None or update_mode(settings).clips_on_worker else None
         )
         self.model: nn.Module = model
-        """What the step closure must call: the model, or its DDP wrapper in allreduce mode."""
+        """What the step closure must call: the model, or its DDP wrapper in allreduce mode
+        (compiled when ``compute`` asks for it)."""
+        engines = wanted_engines(server, settings)
+        self._compute = ComputeSetup(compute, engines[0] if engines else None)
         self._updater = build_updater(server, self._named_params, settings)
         self._timeline, self.timeline_path = task_timeline(timeline, self.task_name)
         """Where this task's timeline goes (``timeline`` with the task's name), or None."""
@@ -272,8 +284,8 @@ class TrainingSession:
         self._preemption.__enter__()
         try:
             self._updater.connect(next(self.model.parameters()).device)
-            model = self.model
-            self.model = self._updater.wrap(model)
+            model = self._compute.prepare(self.model)
+            self.model = self._compute.wrap(self._updater.wrap(model))
             if self._log_placement and self.is_chief:
                 heading = f"placement of model {self.model_name!r}:\n" if self.model_name else ""
                 print(heading + placement_table(self._updater, model, self.task_name), flush=True)
@@ -291,6 +303,7 @@ class TrainingSession:
             self._stop_requested = progress.stop
         except BaseException:
             self._updater.close()
+            self._compute.release()
             self._closed = True
             self._preemption.__exit__(None, None, None)
             raise
@@ -321,6 +334,7 @@ class TrainingSession:
 
     def _release(self) -> None:
         self._updater.close()
+        self._compute.release()
         self._preemption.__exit__(None, None, None)
         if self.timeline_path is not None:
             self._timeline.write(self.timeline_path)
@@ -364,7 +378,7 @@ class TrainingSession:
         for hook in self.hooks:
             hook.before_step(self)
         self.model.zero_grad(set_to_none=True)
-        with self._timeline.span("compute"):
+        with self._timeline.span("compute"), self._compute.autocast():
             out = closure()
         loss, aux = out if isinstance(out, tuple) else (out, None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -24,6 +24,7 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.session.device_engines import with_device_engine
 from tensorfleet.session.server import Server
+from tensorfleet.wire.gradient_encoding import check_wire_dtype
 from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
 from tensorfleet.worker.local_updater import LocalUpdater
@@ -53,6 +54,10 @@ class UpdateSettings:
     model_name: str = ""
     model_workers: tuple[str | int, ...] | None = None
     sparse_optimizer: SparseRowRule | None = None
+    wire_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        check_wire_dtype(self.wire_dtype)
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -73,7 +78,7 @@ class UpdateMode:
 
 
 #: Session options that only some modes accept; a mode lists those it takes in ``options``.
-MODE_OPTIONS = ("replicas_to_aggregate", "max_staleness")
+MODE_OPTIONS = ("replicas_to_aggregate", "max_staleness", "wire_dtype")
 
 _MODES: dict[str, UpdateMode] = {}
 
@@ -210,6 +215,7 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         sparse_rule=settings.sparse_optimizer,
         replan=replan,
         variables=named_params,
+        gradient_dtype=settings.wire_dtype,
     )
 
 
@@ -243,11 +249,19 @@ def _allreduce_updater(
 _PS_MODES = ("async", "sync")
 
 register_update_mode(
-    UpdateMode("async", _ps_updater, options=frozenset({"max_staleness"}), clips_on_worker=True)
+    UpdateMode(
+        "async",
+        _ps_updater,
+        options=frozenset({"max_staleness", "wire_dtype"}),
+        clips_on_worker=True,
+    )
 )
 register_update_mode(
     UpdateMode(
-        "sync", _ps_updater, options=frozenset({"replicas_to_aggregate"}), clips_on_worker=False
+        "sync",
+        _ps_updater,
+        options=frozenset({"replicas_to_aggregate", "wire_dtype"}),
+        clips_on_worker=False,
     )
 )
 register_update_mode(UpdateMode("allreduce", _allreduce_updater, clips_on_worker=True))

@@ -48,6 +48,7 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire.channel import Channel, Reply
+from tensorfleet.wire.gradient_encoding import ErrorFeedback
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
 from tensorfleet.worker.fused_parameters import FusedParameters
 from tensorfleet.worker.heartbeat import Heartbeat
@@ -82,6 +83,9 @@ class ParameterClient:
     their variables, for the checkpoint to bring every shard to: its global step and shard
     documents, or None when there is none (the client then re-creates those shards from the
     chief's current values).
+
+    ``gradient_dtype`` (e.g. ``"bf16"``): float32 gradients travel in that dtype with error
+    feedback (:mod:`~tensorfleet.wire.gradient_encoding`), declared in every hello and push.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class ParameterClient:
         limits: Limits | None = None,
         encrypt: bool = False,
         model: ModelClaim | None = None,
+        gradient_dtype: str | None = None,
     ) -> None:
         if not ps_addresses:
             raise ConfigError("a ParameterClient needs at least one ps address, got none")
@@ -119,6 +124,7 @@ class ParameterClient:
         self.restored_data: dict[str, Any] | None = None
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)
+        self._wire_fields = {"gradient_dtype": gradient_dtype} if gradient_dtype else {}
         channels = [
             Channel(
                 address, secret, f"ps:{i}", limits=limits, context=self._context, encrypt=encrypt
@@ -135,9 +141,11 @@ class ParameterClient:
             silence_s=self.timeouts.ps_silence_s,
             encrypt=encrypt,
             model=self.model,
+            hello_fields=self._wire_fields,
         )
         self._shards = ShardFanout(channels, self._heartbeat, self.model.request_fields())
         self._fused: FusedParameters | None = None
+        self._encoder = ErrorFeedback(gradient_dtype) if gradient_dtype is not None else None
         self._create_bodies: list[dict[str, Any]] = []
         self._wait_bodies: list[dict[str, Any]] = []
         self._initialized: list[bool] = []
@@ -182,6 +190,7 @@ class ParameterClient:
             "instance": self.instance,
             "takeover": self.takeover,
             **self.model.hello_fields(),
+            **self._wire_fields,
         }
         for channel in self._shards.channels:
             channel.forget_pending()
@@ -424,6 +433,7 @@ class ParameterClient:
                 "want_values": True,
                 "task": self.task_name,
                 "step": step,
+                **self._wire_fields,
                 **({"data": data} if data is not None and i == 0 else {}),
             }
             for i in range(self.num_shards)
@@ -532,6 +542,16 @@ class ParameterClient:
     def _gradient_buffers(self, fused: FusedParameters) -> list[list[memoryview]]:
         """Each shard's gradients packed for a push: straight into the shard's request
         segment where the channel offers one (same host), else into the send buffers."""
+        if self._encoder is not None:  # in the wire dtype, with error feedback
+            return [
+                self._encoder.encode(
+                    shard,
+                    fused.layouts[shard].groups,
+                    fused.gather(shard, values=False),
+                    self._shards.channels[shard].staging,
+                )
+                for shard in range(self.num_shards)
+            ]
         return [
             fused.gather(
                 shard,

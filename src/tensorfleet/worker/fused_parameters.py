@@ -144,7 +144,7 @@ class FusedParameters:
                 flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
                 for m in members:
                     values = flat[m.offset : m.offset + m.numel]
-                    if m.whole and m.param.device.type == "cpu":
+                    if _adoptable(m, values):
                         # Adopt the received memory as the parameter's storage: no copy.
                         # The tensor keeps the received frame alive; nothing else uses it.
                         m.param.data = values.view(m.param.shape)
@@ -178,3 +178,16 @@ class FusedParameters:
             raise ProtocolError(
                 f"ps:{shard} sent {len(buffers)} value buffers, expected {expected}"
             )
+
+
+def _adoptable(member: _Member, values: torch.Tensor) -> bool:
+    """Whether ``values`` can become ``member``'s storage as they are: a whole CPU tensor
+    whose strides are the contiguous ones. A parameter with other strides (channels-last,
+    including one input channel, where they differ from NCHW's only in a size-1 dimension)
+    is copied into instead and keeps them."""
+    param = member.param
+    return (
+        member.whole
+        and param.device.type == "cpu"
+        and param.stride() == values.view(param.shape).stride()
+    )

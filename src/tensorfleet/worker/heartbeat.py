@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -45,6 +46,7 @@ class Heartbeat:
         silence_s: float = 10.0,
         encrypt: bool = False,
         model: ModelClaim | None = None,
+        hello_fields: dict[str, Any] | None = None,
     ) -> None:
         if interval_s <= 0 or silence_s <= interval_s:
             raise ConfigError(
@@ -58,6 +60,9 @@ class Heartbeat:
         self._context = context
         self._encrypt = encrypt
         self._model = model or ModelClaim()
+        self._hello_fields = dict(hello_fields or {})
+        """What this process's hellos say besides its identity (the same as the client's, e.g.
+        the gradients' wire dtype): a heartbeat's hello must not contradict them."""
         self.interval_s = interval_s
         self.silence_s = silence_s
         now = time.monotonic()
@@ -103,6 +108,7 @@ class Heartbeat:
             "version": __version__,
             "task": self._task,
             **self._model.hello_fields(),
+            **self._hello_fields,
         }
         beat = {"task": self._task, **self._model.request_fields()}
         try:

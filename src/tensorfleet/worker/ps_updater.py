@@ -82,9 +82,17 @@ class PsUpdater:
         sparse_rule: SparseRowRule | None = None,
         replan: Callable[[set[str]], PlacementPlan] | None = None,
         variables: Sequence[tuple[str, torch.Tensor]] | None = None,
+        gradient_dtype: str | None = None,
     ) -> None:
         self.client = ParameterClient(
-            ps_addresses, secret, task_name, timeouts, limits=limits, encrypt=encrypt, model=model
+            ps_addresses,
+            secret,
+            task_name,
+            timeouts,
+            limits=limits,
+            encrypt=encrypt,
+            model=model,
+            gradient_dtype=gradient_dtype,
         )
         self.is_chief = is_chief
         self.plan = plan
