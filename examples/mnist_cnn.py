@@ -85,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--summary-steps", type=int, default=100, help="summaries every N global steps")
     add("--fresh", action="store_true", help="delete --logdir first: start over")
     add("--timeline", type=Path, default=None, help="Chrome trace per task: FILE.<task>.json")
+    add(
+        "--bucket-bytes",
+        type=int,
+        default=tfl.Overlap().bucket_bytes,
+        help="async: push the gradients during the backward in buckets of N bytes; 0: after it",
+    )
+    add(
+        "--prefetch",
+        action="store_true",
+        help="async: the next forward starts before the last reply (at most one step stale)",
+    )
     add("--job_name", default=None)  # the classic flags, read by tfl.resolve_task
     add("--task_index", default=None)
     add("--cluster", default=None, help="cluster spec: JSON text or a JSON file")
@@ -170,6 +181,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
         server, model, optimizer=tfl.optim.Adam(lr=args.lr), mode=args.mode, hooks=hooks,
         replicas_to_aggregate=args.replicas_to_aggregate, max_staleness=args.max_staleness,
         placement=args.placement, log_placement=args.log_placement, timeline=args.timeline,
+        overlap=tfl.Overlap(bucket_bytes=args.bucket_bytes or None, prefetch=args.prefetch),
         **checkpoints,
     ) as sess:  # fmt: skip
         while not sess.should_stop():

@@ -28,14 +28,23 @@ def _check_trace(path: Path, task: str) -> list[dict]:
     trace = json.loads(path.read_text())
     assert isinstance(trace["traceEvents"], list)
     meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
-    assert meta == [
-        {"name": "process_name", "ph": "M", "pid": meta[0]["pid"], "args": {"name": task}}
-    ]
+    assert meta[0] == {
+        "name": "process_name",
+        "ph": "M",
+        "pid": meta[0]["pid"],
+        "args": {"name": task},
+    }
+    tracks = meta[1:]  # named tracks (e.g. requests in flight): a thread name each
+    for track in tracks:
+        assert track["name"] == "thread_name" and track["pid"] == meta[0]["pid"], track
+        assert isinstance(track["tid"], int) and isinstance(track["args"]["name"], str)
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     for event in spans:
         assert set(event) >= {"name", "ph", "ts", "dur", "pid", "tid"}
         assert isinstance(event["ts"], float) and event["dur"] >= 0
         assert isinstance(event["pid"], int) and isinstance(event["tid"], int)
+    used = {event["tid"] for event in spans}
+    assert {track["tid"] for track in tracks} <= used  # no track without spans
     return spans
 
 

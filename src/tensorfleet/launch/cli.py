@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. 8GB, 512MiB, or bytes); a table that would not fit is refused when created "
         "(default: no limit)",
     )
+    server.add_argument(
+        "--timeline",
+        default=None,
+        metavar="FILE",
+        help="write a Chrome trace of where this ps's time goes (receive, apply, reply) to "
+        "FILE with the task's name before the suffix (trace.json -> trace.ps-0.json) when "
+        "it ends; Perfetto opens it (default: none)",
+    )
     server.set_defaults(handler=_server)
 
     plot = commands.add_parser(
@@ -199,6 +207,7 @@ def _server(args: argparse.Namespace) -> int:
                         ("liveness_timeout_s", args.liveness_timeout),
                         ("end_grace_s", args.end_grace),
                         ("max_memory", _memory_size(args.max_memory)),
+                        ("timeline", args.timeline),
                     )
                     if value is not None
                 },

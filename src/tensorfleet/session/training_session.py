@@ -46,7 +46,7 @@ from tensorfleet.ps.model_namespace import check_model_name, label
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table
-from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
+from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
 from tensorfleet.session.update_modes import (
@@ -55,6 +55,8 @@ from tensorfleet.session.update_modes import (
     is_chief,
     update_mode,
 )
+from tensorfleet.worker.bucketed_push import step_overlap
+from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
@@ -114,6 +116,11 @@ class TrainingSession:
     backward, and in the ps modes pack, push, wait, unpack) and writes it when the session
     closes as a Chrome trace named for the task (``trace.json`` -> ``trace.worker-0.json``,
     :attr:`timeline_path`), which Perfetto opens. See docs/timeline.md.
+
+    ``overlap`` (mode ``async`` without ``max_staleness``): push the gradients in buckets
+    during the backward pass and, with ``Overlap(prefetch=True)``, let the next step's
+    forward start before the last reply (at most one step stale); None: the step is
+    sequential. See :class:`~tensorfleet.worker.push_overlap.Overlap` and docs/timeline.md.
     """
 
     def __init__(
@@ -147,6 +154,7 @@ class TrainingSession:
         model_name: str = "",
         model_workers: Iterable[str | int] | None = None,
         timeline: str | os.PathLike[str] | None = None,
+        overlap: Overlap | None = Overlap(),  # noqa: B008 (frozen: one shared default is fine)
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -165,6 +173,7 @@ class TrainingSession:
             soft_placement=soft_placement,
             model_name=check_model_name(model_name),
             model_workers=None if model_workers is None else tuple(model_workers),
+            overlap=overlap,
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
         if not isinstance(optimizer, UpdateRule):
@@ -221,6 +230,11 @@ class TrainingSession:
         """Where this task's timeline goes (``timeline`` with the task's name), or None."""
         if self._timeline.enabled and hasattr(self._updater, "trace"):
             self._updater.trace(self._timeline)  # modes that can show their exchange do
+        # Buckets may go during the backward only when nothing after it changes or vetoes them.
+        self._overlap = step_overlap(
+            self._updater,
+            during_backward=self._clip_on_worker is None and not any(map(can_veto, self.hooks)),
+        )
         self.discipline = self._updater.discipline
         """The rule the parameter servers apply (None in modes without them)."""
         self._global_step = 0
@@ -328,6 +342,7 @@ class TrainingSession:
         for hook in self.hooks:
             hook.before_step(self)
         self.model.zero_grad(set_to_none=True)
+        self._overlap.before_forward()
         with self._timeline.span("compute"):
             out = closure()
         loss, aux = out if isinstance(out, tuple) else (out, None)
@@ -335,7 +350,7 @@ class TrainingSession:
             raise ConfigTypeError(
                 f"the step closure must return a scalar loss tensor (or (loss, aux)), got {type(loss).__name__}"
             )
-        with self._timeline.span("backward"):
+        with self._timeline.span("backward"), self._overlap.backward():
             loss.backward()
         if self._clip_on_worker is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)

@@ -27,6 +27,7 @@ from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
 from tensorfleet.worker.local_updater import LocalUpdater
 from tensorfleet.worker.ps_updater import PsUpdater
+from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import NamedParams, Updater
 
@@ -51,6 +52,7 @@ class UpdateSettings:
     soft_placement: bool = False
     model_name: str = ""
     model_workers: tuple[str | int, ...] | None = None
+    overlap: Overlap | None = None
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -190,6 +192,8 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         timeouts=settings.timeouts,
         encrypt=server.encrypt,
         log_placement=settings.log_placement and chief,
+        # sync and the staleness gate take one whole push per step (see push_overlap.py)
+        overlap=settings.overlap if mode == "async" and settings.max_staleness is None else None,
     )
 
 

@@ -1,0 +1,85 @@
+"""``Overlap``: how a training step in ``async`` mode overlaps its exchange with the
+parameter servers with its own computation.
+
+Without it a step is strictly sequential: the whole backward pass, then one push per shard,
+then the wait for the new values. Two settings change that:
+
+* **Buckets** (``bucket_bytes``): the gradients go out during the backward pass, one bucket
+  (a range of a shard's variables, at most ``bucket_bytes``, the model's last layers first)
+  as soon as every gradient of the bucket is complete, from a post-accumulate-grad hook; one
+  request is in flight per shard, the next bucket waits for its reply. The ps applies each
+  bucket at once (:mod:`tensorfleet.ps.partial_push`), so the transfer *and* the update of
+  the last layers overlap the backward pass of the first ones. A step pushed in buckets ends
+  bit for bit where the whole push ends (each variable is in one bucket; Adam's per-variable
+  step counts advance once). ``bucket_bytes=None``: one push per shard after the backward.
+* **Prefetch** (``prefetch``): the step returns without waiting for the reply to its last
+  push; the next step's forward pass uses the values already in the model (those of every
+  reply that has arrived by then), so the round trip and the ps's update overlap the next
+  batch's compute. This adds a *staleness of at most one step*: a step's gradient may be
+  computed on parameters that do not yet hold this worker's previous update (as in async
+  training another worker's update may not have arrived either), and the global step a
+  step reports is the one of the newest reply received, one step behind. The model holds
+  the newest values again whenever the session settles the exchange: before
+  ``sess.pull()``, a checkpoint, a vetoed step, and at the end.
+
+Where it applies. Only mode ``async`` without ``max_staleness``: ``sync`` averages whole
+gradients per step and the staleness gate counts whole steps (their exactness tests compare
+with one process bit for bit), so both keep one push per shard after the backward. Buckets
+go during the backward only when nothing after the backward may still change or veto the
+gradients: not when the worker clips (``clip_grad_norm`` needs the whole gradient's norm),
+and not when a hook overrides ``before_update`` (the NaN guard checks every gradient and may
+veto the step; a bucket already applied cannot be taken back): then the step pushes after
+the hooks, with prefetch still on. Prefetch is off for a model with persistent buffers or
+``tfl.EmbeddingTable`` s (their exchanges follow the gradients' outcome each step), and with
+a device engine (in-graph replicas, pipelines: the engine's own backward gives no hooks).
+
+The choice, the alternative, and the measured reason: see ``benchmarks/overlap.py`` and the
+figures in docs/timeline.md. The alternative to pushing from the hook on the backward
+thread is a sender thread per shard; the hooks run between the autograd engine's nodes on
+the thread that called ``backward()`` (on CPU), which releases the GIL while it computes,
+so a request is sent within one node of its bucket becoming complete, and the ZeroMQ
+sockets stay owned by one thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorfleet.errors import ConfigError, ConfigTypeError
+
+#: Default bucket size: see the module docstring for the measurement.
+DEFAULT_BUCKET_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How a step overlaps its exchange with its computation (mode ``async`` without
+    ``max_staleness``; see :mod:`tensorfleet.worker.push_overlap`).
+
+    ``bucket_bytes``: push the gradients during the backward pass in buckets of at most this
+    many bytes (a larger variable alone); None: one push per shard after the backward.
+    ``prefetch``: do not wait for the last reply of a step; the next forward uses the values
+    that have arrived (at most one step stale).
+    """
+
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes is not None and (
+            isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int)
+        ):
+            raise ConfigTypeError(
+                f"bucket_bytes must be an int (bytes) or None, got {type(self.bucket_bytes).__name__}"
+            )
+        if self.bucket_bytes is not None and self.bucket_bytes < 1:
+            raise ConfigError(
+                f"bucket_bytes must be >= 1 byte (or None: no buckets), got {self.bucket_bytes}"
+            )
+        if not isinstance(self.prefetch, bool):
+            raise ConfigTypeError(f"prefetch must be True or False, got {self.prefetch!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether anything overlaps (buckets or prefetch)."""
+        return self.bucket_bytes is not None or self.prefetch
