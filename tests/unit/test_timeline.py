@@ -140,7 +140,7 @@ def test_pushes_during_the_backward_start_before_it_ends_and_the_ps_records_its_
             model,
             SGD(lr=0.1),
             timeline=tmp_path / "t.json",
-            overlap=Overlap(bucket_bytes=1024),
+            overlap=Overlap(bucket_bytes=256),
             progress_secs=None,
         ) as sess:
             for _ in range(3):

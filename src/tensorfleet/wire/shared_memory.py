@@ -59,8 +59,10 @@ from tensorfleet.wire.auth import Buffer
 MIN_BYTES = 64 << 10
 #: Each buffer starts at a multiple of this many bytes in a segment.
 ALIGN = 64
-#: Private buffers a client keeps for reply payloads (see ClientSegments._private).
-PRIVATE_POOL = 3
+#: Private buffers a client keeps for reply payloads (see ClientSegments._private). With the
+#: gradients pushed in buckets, a step's replies (one per bucket) are all adopted as the
+#: model's parameters until the next step's replace them: the pool holds two steps' worth.
+PRIVATE_POOL = 8
 #: A service keeps at most this many peers' segments mapped.
 MAX_MAPPED = 64
 _NAME_PREFIX = "tensorfleet-"

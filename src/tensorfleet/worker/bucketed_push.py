@@ -9,8 +9,9 @@ registered parameter for the session's own ``loss.backward()`` only (never for a
 evaluation, nor for a backward the step closure runs itself, e.g. to accumulate gradients:
 a gradient accumulated there and completed in the session's backward fires its hook then).
 Each hook marks its parameter; a bucket whose parameters are all marked is queued for its
-shard, and every hook sends a shard's next queued bucket once the shard has no request in
-flight (a reply that has arrived is taken without waiting). :meth:`exchange` then queues
+shard, and every hook sends a shard's queued buckets once the shard has no request in
+flight (a reply that has arrived is taken without waiting), as one request when they are
+adjacent ranges (what queued up behind a request in flight goes in one round trip). :meth:`exchange` then queues
 every bucket not sent yet (a shard with none sent during the backward gets one whole push),
 and sends and waits until each shard's queue is empty; without prefetch it also waits for
 the last replies, and puts every reply's values into the model. The last bucket to shard 0
@@ -75,9 +76,8 @@ class _Shard:
     queue: deque[Bucket] = field(default_factory=deque)
     queued: set[int] = field(default_factory=set)
     """Positions of the buckets queued or sent this step."""
-    sent: int = 0
-    total: int = 0
-    """How many pushes this shard gets this step (its buckets, or 1 for a whole push)."""
+    unsent: set[int] = field(default_factory=set)
+    """Positions of the buckets not sent yet this step."""
     flight: _Flight | None = None
 
 
@@ -103,7 +103,7 @@ class BucketedPush:
             overlap.bucket_bytes if hooks else None,
         )
         self.prefetch = prefetch
-        self._shards = [_Shard(total=len(b)) for b in self._plan.shards]
+        self._shards = [_Shard(unsent=set(range(len(b)))) for b in self._plan.shards]
         self._step = 0
         self._fill: BucketFill | None = None
         self._replies: list[tuple[_Flight, Reply]] = []
@@ -152,7 +152,7 @@ class BucketedPush:
     @contextmanager
     def backward(self) -> Iterator[None]:
         """Arm the hooks for the session's ``loss.backward()``."""
-        if any(state.sent or state.queue for state in self._shards):
+        if any(state.queued for state in self._shards):
             self._next_step()  # a step that never reached its exchange (it raised)
         self._fill = BucketFill(self._plan) if self._handles else None
         self._mark_ns = time.perf_counter_ns()
@@ -168,8 +168,7 @@ class BucketedPush:
         self._in_exchange = True
         try:
             for shard, state in enumerate(self._shards):
-                if state.sent == 0 and not state.queue:
-                    state.total = 1
+                if not state.queued:  # nothing during the backward: one whole push
                     self._enqueue(self._plan.whole[shard])
                 else:
                     for bucket in self._plan.shards[shard]:
@@ -273,7 +272,43 @@ class BucketedPush:
     def _enqueue(self, bucket: Bucket) -> None:
         state = self._shards[bucket.shard]
         state.queue.append(bucket)
-        state.queued.add(bucket.position)
+        state.queued |= self._positions(bucket)
+
+    def _positions(self, bucket: Bucket) -> set[int]:
+        """The positions of the planned buckets that ``bucket`` (merged, or whole) covers."""
+        return {
+            b.position
+            for b in self._plan.shards[bucket.shard]
+            if bucket.start <= b.start and b.stop <= bucket.stop
+        }
+
+    @staticmethod
+    def _adjacent(queue: deque[Bucket]) -> list[Bucket]:
+        """The head of ``queue`` and every queued bucket that joins it into one range."""
+        taken = [queue[0]]
+        start, stop = queue[0].start, queue[0].stop
+        grew = True
+        while grew:
+            grew = False
+            for bucket in queue:
+                if bucket not in taken and (bucket.stop == start or bucket.start == stop):
+                    taken.append(bucket)
+                    start, stop = min(start, bucket.start), max(stop, bucket.stop)
+                    grew = True
+        return taken
+
+    @staticmethod
+    def _merged(buckets: list[Bucket]) -> Bucket:
+        if len(buckets) == 1:
+            return buckets[0]
+        return Bucket(
+            buckets[0].shard,
+            min(b.position for b in buckets),
+            min(b.start for b in buckets),
+            max(b.stop for b in buckets),
+            sum(b.nbytes for b in buckets),
+            frozenset().union(*(b.params for b in buckets)),
+        )
 
     def _pump(self) -> None:
         """Take the replies that have arrived (those that hold back a queued bucket, or all
@@ -287,9 +322,14 @@ class BucketedPush:
             if flight is not None and (state.queue or looking) and self._ready(shard, flight):
                 self._take(shard)
             if state.flight is None and state.queue and self._failure is None:
-                if not self._in_exchange and shard == 0 and state.sent == state.total - 1:
-                    continue  # shard 0's last bucket counts the step: the exchange sends it
-                self._send(shard, state.queue.popleft())
+                taken = self._adjacent(state.queue)
+                bucket = self._merged(taken)
+                last = not state.unsent - self._positions(bucket)
+                if last and shard == 0 and not self._in_exchange:
+                    continue  # shard 0's last request counts the step: the exchange sends it
+                for item in taken:
+                    state.queue.remove(item)
+                self._send(shard, bucket)
 
     def _ready(self, shard: int, flight: _Flight) -> bool:
         channel = self._client._shards.channels[shard]
@@ -299,7 +339,8 @@ class BucketedPush:
 
     def _send(self, shard: int, bucket: Bucket) -> None:
         state = self._shards[shard]
-        last = state.sent == state.total - 1
+        state.unsent -= self._positions(bucket)
+        last = not state.unsent
         whole = self._plan.is_whole(bucket)
         counting = last and shard == 0
         body: dict[str, Any] = {
@@ -314,9 +355,10 @@ class BucketedPush:
             body["data"] = self._data
         timeline = self._timeline()
         part = None if whole else bucket.part
+        span = f"{bucket.start}-{bucket.stop}"
         densify_sparse_gradients([self._named_params[i] for i in sorted(bucket.params)])
         try:
-            with timeline.span("pack", shard=shard, bucket=bucket.position):
+            with timeline.span("pack", shard=shard, bucket=bucket.position, variables=span):
                 channel = self._client._shards.channels[shard]
                 buffers = self._fused.gather(
                     shard,
@@ -324,14 +366,13 @@ class BucketedPush:
                     into=channel.staging(self._fused.group_nbytes(shard, part)),
                     part=part,
                 )
-            with timeline.span("push", shard=shard, bucket=bucket.position):
+            with timeline.span("push", shard=shard, bucket=bucket.position, variables=span):
                 request_id = self._client._shards.send(
                     shard, "push", body, self._client.timeouts.step_s, buffers
                 )
         except RECOVERABLE as exc:  # the send queue stayed full: the ps is unreachable
             self._failure = exc
             return
-        state.sent += 1
         state.flight = _Flight(
             request_id, bucket, whole, self._step, counting, time.perf_counter_ns()
         )
@@ -360,6 +401,7 @@ class BucketedPush:
             track=f"ps:{shard} pushes",
             bucket=flight.bucket.position,
             bytes=flight.bucket.nbytes,
+            variables=f"{flight.bucket.start}-{flight.bucket.stop}",
         )
         self._stop = self._stop or reply.body.get("stop") is True
         if shard == 0:  # the shard that owns the global step
@@ -387,7 +429,7 @@ class BucketedPush:
         for state, buckets in zip(self._shards, self._plan.shards, strict=True):
             state.queue.clear()
             state.queued.clear()
-            state.sent, state.total = 0, len(buckets)
+            state.unsent = set(range(len(buckets)))
 
     def _recover(self) -> Progress:
         """After a failure: forget what is in flight, recover, pull; a dropped step."""

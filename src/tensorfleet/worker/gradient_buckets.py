@@ -6,9 +6,11 @@ A bucket is a contiguous range ``[start, stop)`` of one shard's variables in lay
 it is one slice of each dtype group's fused buffer on both ends
 (:meth:`~tensorfleet.ps.layout.FusedLayout.part_slices`). Buckets are cut from the end of
 the shard's variables, because the backward pass produces the gradients of the last layers
-first: bucket 0 holds the shard's last variables, up to ``bucket_bytes``; a variable larger
-than that is a bucket of its own. ``bucket_bytes`` None makes one bucket per shard (the
-whole push). A shard without dense variables (its part of the model is only table rows)
+first: bucket 0 holds the shard's last variables, and a bucket is closed as soon as it holds
+``bucket_bytes`` or more (as ``DistributedDataParallel`` cuts its buckets), so a large
+variable joins the small ones after it instead of waiting behind a bucket of its own: with
+one request in flight per shard, a tiny bucket sent first would hold the large one back for
+a round trip. ``bucket_bytes`` None makes one bucket per shard (the whole push). A shard without dense variables (its part of the model is only table rows)
 still has one, empty bucket: its push carries the progress every shard answers with.
 
 :class:`BucketFill` follows one backward pass: told each parameter whose gradient is
@@ -72,13 +74,12 @@ class BucketPlan:
             buckets: list[Bucket] = []
             stop, nbytes = count, 0
             for index in range(count - 1, -1, -1):
-                if index < stop - 1 and nbytes + sizes[index] > bucket_bytes:
-                    buckets.append(
-                        self._bucket(shard, len(buckets), index + 1, stop, sizes, owners)
-                    )
-                    stop, nbytes = index + 1, 0
                 nbytes += sizes[index]
-            buckets.append(self._bucket(shard, len(buckets), 0, stop, sizes, owners))
+                if nbytes >= bucket_bytes:
+                    buckets.append(self._bucket(shard, len(buckets), index, stop, sizes, owners))
+                    stop, nbytes = index, 0
+            if stop > 0:  # the first variables, fewer than bucket_bytes
+                buckets.append(self._bucket(shard, len(buckets), 0, stop, sizes, owners))
             self.shards.append(buckets)
         for buckets in self.shards:
             for bucket in buckets:

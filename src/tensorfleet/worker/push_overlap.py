@@ -5,8 +5,8 @@ Without it a step is strictly sequential: the whole backward pass, then one push
 then the wait for the new values. Two settings change that:
 
 * **Buckets** (``bucket_bytes``): the gradients go out during the backward pass, one bucket
-  (a range of a shard's variables, at most ``bucket_bytes``, the model's last layers first)
-  as soon as every gradient of the bucket is complete, from a post-accumulate-grad hook; one
+  (a range of a shard's variables, the model's last layers first, closed once it holds
+  ``bucket_bytes``) as soon as every gradient of the bucket is complete, from a post-accumulate-grad hook; one
   request is in flight per shard, the next bucket waits for its reply. The ps applies each
   bucket at once (:mod:`tensorfleet.ps.partial_push`), so the transfer *and* the update of
   the last layers overlap the backward pass of the first ones. A step pushed in buckets ends
@@ -33,12 +33,33 @@ the hooks, with prefetch still on. Prefetch is off for a model with persistent b
 ``tfl.EmbeddingTable`` s (their exchanges follow the gradients' outcome each step), and with
 a device engine (in-graph replicas, pipelines: the engine's own backward gives no hooks).
 
-The choice, the alternative, and the measured reason: see ``benchmarks/overlap.py`` and the
-figures in docs/timeline.md. The alternative to pushing from the hook on the backward
-thread is a sender thread per shard; the hooks run between the autograd engine's nodes on
-the thread that called ``backward()`` (on CPU), which releases the GIL while it computes,
-so a request is sent within one node of its bucket becoming complete, and the ZeroMQ
-sockets stay owned by one thread.
+The choices, the alternatives, the measured reasons (``benchmarks/overlap.py``, 1 ps, the
+example's CNN (6.5 MB of gradients) and an MLP with large layers (11.6 MB), interleaved
+rounds, medians; the tables are in benchmarks/README.md and docs/timeline.md):
+
+* **Buckets on by default, 1 MiB, closed once full** (as ``DistributedDataParallel`` cuts
+  them). Over a 1 Gbit/s link with one worker, buckets made a step 1.13x (CNN) and 1.08x
+  (MLP) as fast as the sequential step: the transfer of the last layers overlaps the first
+  layers' backward. With two workers on that link (the ps's link is then busy with the
+  other worker's traffic while one computes) and on this 2-core machine without a link
+  limit (every core busy computing), they neither help nor hurt beyond the noise
+  (0.99x-1.01x; see the tables). They never change the result (bit for bit), so they are
+  on. The alternative cut, closing a bucket *before* it would exceed the size, made the
+  CNN's small last layers a bucket of their own that, sent first, held its large ``fc1``
+  back for a whole round trip (one request in flight); the timeline showed it.
+* **Prefetch off by default.** It was the larger gain over a slow link (1.19x CNN, 1.13x
+  MLP with one worker; 1.06x with two) and within the noise locally, but it changes what a
+  step computes on (one step stale) and what a step reports (one step behind), so it is
+  asked for, not imposed.
+* **Pushed from the hook on the backward thread, not from a sender thread.** The hooks run
+  between the autograd engine's nodes on the thread that called ``backward()`` (on CPU),
+  which releases the GIL while it computes; a bucket goes within one node of its last
+  gradient, and the ZeroMQ sockets stay owned by one thread. The cost, seen in the
+  timeline: a reply that arrives during a long node (a convolution's backward) is taken
+  only at the next hook, so the bucket queued behind it waits until then; a sender thread
+  per shard would send it at once but would share the sockets between threads and contend
+  for the GIL with the hooks. With buckets closed once full there are few buckets per
+  shard (two for the CNN, three for the MLP), and that wait rarely matters.
 """
 
 from __future__ import annotations
@@ -47,7 +68,8 @@ from dataclasses import dataclass
 
 from tensorfleet.errors import ConfigError, ConfigTypeError
 
-#: Default bucket size: see the module docstring for the measurement.
+#: Default bucket size (a bucket is closed once it holds this many bytes): see the module
+#: docstring for the measurement.
 DEFAULT_BUCKET_BYTES = 1 << 20
 
 
@@ -56,8 +78,9 @@ class Overlap:
     """How a step overlaps its exchange with its computation (mode ``async`` without
     ``max_staleness``; see :mod:`tensorfleet.worker.push_overlap`).
 
-    ``bucket_bytes``: push the gradients during the backward pass in buckets of at most this
-    many bytes (a larger variable alone); None: one push per shard after the backward.
+    ``bucket_bytes``: push the gradients during the backward pass in buckets, each closed
+    once it holds this many bytes (the model's last layers first); None: one push per shard
+    after the backward.
     ``prefetch``: do not wait for the last reply of a step; the next forward uses the values
     that have arrived (at most one step stale).
     """

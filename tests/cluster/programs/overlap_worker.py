@@ -48,7 +48,7 @@ def main() -> int:
         model,
         optimizer=tfl.optim.Adam(lr=0.01),
         hooks=[tfl.StopAtStep(last_step=int(last_step))],
-        overlap=tfl.Overlap(bucket_bytes=2048, prefetch=True),
+        overlap=tfl.Overlap(bucket_bytes=512, prefetch=True),
         checkpoint_dir=checkpoint_dir,
         save_checkpoint_steps=20,
         data=data,
