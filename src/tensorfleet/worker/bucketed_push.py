@@ -426,6 +426,7 @@ class BucketedPush:
     def _next_step(self) -> None:
         """Start a new step: the requests still in flight belong to the one before."""
         self._step += 1
+        self._replies = []  # unpacked by now, or of a step that never reached its exchange
         for state, buckets in zip(self._shards, self._plan.shards, strict=True):
             state.queue.clear()
             state.queued.clear()

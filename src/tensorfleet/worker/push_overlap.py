@@ -38,19 +38,22 @@ example's CNN (6.5 MB of gradients) and an MLP with large layers (11.6 MB), inte
 rounds, medians; the tables are in benchmarks/README.md and docs/timeline.md):
 
 * **Buckets on by default, 1 MiB, closed once full** (as ``DistributedDataParallel`` cuts
-  them). Over a 1 Gbit/s link with one worker, buckets made a step 1.13x (CNN) and 1.08x
-  (MLP) as fast as the sequential step: the transfer of the last layers overlaps the first
-  layers' backward. With two workers on that link (the ps's link is then busy with the
-  other worker's traffic while one computes) and on this 2-core machine without a link
-  limit (every core busy computing), they neither help nor hurt beyond the noise
-  (0.99x-1.01x; see the tables). They never change the result (bit for bit), so they are
-  on. The alternative cut, closing a bucket *before* it would exceed the size, made the
-  CNN's small last layers a bucket of their own that, sent first, held its large ``fc1``
-  back for a whole round trip (one request in flight); the timeline showed it.
-* **Prefetch off by default.** It was the larger gain over a slow link (1.19x CNN, 1.13x
-  MLP with one worker; 1.06x with two) and within the noise locally, but it changes what a
-  step computes on (one step stale) and what a step reports (one step behind), so it is
-  asked for, not imposed.
+  them). Over a 1 Gbit/s link, buckets made the CNN's step 1.23x (one worker) and 1.10x
+  (two workers) as fast as the sequential step, and 1.04x on this machine without a link
+  limit: its ``fc`` layers (most of its bytes) are done early and travel during the
+  convolutions' backward (most of its compute). They cost the MLP, whose bytes are spread
+  over its layers, when the link is saturated by two workers (0.88x): its second request
+  waits for the reply to its first (one request in flight per shard); 0.95x locally, 1.04x
+  with one worker. They never change the result (bit for bit), help the example, and
+  ``bucket_bytes=None`` turns them off for a model they do not suit. The alternative cut,
+  closing a bucket *before* it would exceed the size, made the CNN's small last layers a
+  bucket of their own that, sent first, held its large ``fc1`` back for a whole round trip;
+  the timeline showed it, and adjacent buckets queued behind a request in flight now go as
+  one request (the MLP went from 0.77x to 0.95x locally with that).
+* **Prefetch off by default.** It was the larger gain over a slow link (1.24x CNN, 1.05x
+  MLP with one worker; 1.21x and 1.02x with two) and at least even locally (1.07x, 1.05x),
+  but it changes what a step computes on (one step stale) and what a step reports (one step
+  behind), so it is asked for, not imposed.
 * **Pushed from the hook on the backward thread, not from a sender thread.** The hooks run
   between the autograd engine's nodes on the thread that called ``backward()`` (on CPU),
   which releases the GIL while it computes; a bucket goes within one node of its last
