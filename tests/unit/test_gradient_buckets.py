@@ -15,7 +15,7 @@ from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.worker.bucketed_push import BucketedPush
 from tensorfleet.worker.fused_parameters import FusedParameters
 from tensorfleet.worker.gradient_buckets import Bucket, BucketFill, BucketPlan
-from tensorfleet.worker.push_overlap import Overlap
+from tensorfleet.worker.push_overlap import Overlap, checked_overlap
 
 
 def _plan(
@@ -71,6 +71,9 @@ def test_bucket_settings_are_checked() -> None:
     with pytest.raises(ConfigTypeError, match="prefetch must be True or False"):
         Overlap(prefetch=1)  # type: ignore[arg-type]
     assert not Overlap(bucket_bytes=None, prefetch=False).active
+    with pytest.raises(ConfigTypeError, match="overlap must be a tensorfleet.Overlap"):
+        checked_overlap(True)
+    assert checked_overlap(None) is None
 
 
 def test_queued_buckets_that_join_into_one_range_go_as_one_request() -> None:

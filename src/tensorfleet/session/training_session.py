@@ -56,7 +56,7 @@ from tensorfleet.session.update_modes import (
     update_mode,
 )
 from tensorfleet.worker.bucketed_push import step_overlap
-from tensorfleet.worker.push_overlap import Overlap
+from tensorfleet.worker.push_overlap import Overlap, checked_overlap
 from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
@@ -173,7 +173,7 @@ class TrainingSession:
             soft_placement=soft_placement,
             model_name=check_model_name(model_name),
             model_workers=None if model_workers is None else tuple(model_workers),
-            overlap=overlap,
+            overlap=checked_overlap(overlap),
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
         if not isinstance(optimizer, UpdateRule):

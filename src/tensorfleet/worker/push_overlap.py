@@ -109,3 +109,13 @@ class Overlap:
     def active(self) -> bool:
         """Whether anything overlaps (buckets or prefetch)."""
         return self.bucket_bytes is not None or self.prefetch
+
+
+def checked_overlap(overlap: object) -> Overlap | None:
+    """``overlap`` if it is an :class:`Overlap` or None, else a ConfigTypeError naming it."""
+    if overlap is not None and not isinstance(overlap, Overlap):
+        raise ConfigTypeError(
+            f"overlap must be a tensorfleet.Overlap (or None: a sequential step), got "
+            f"{type(overlap).__name__}: e.g. overlap=tfl.Overlap(prefetch=True)"
+        )
+    return overlap
