@@ -235,7 +235,7 @@ def main() -> int:
     links = "local (shared memory)" if args.rate is None else f"{args.rate} links (namespaces)"
     load = os.getloadavg()
     result = {
-        "benchmark": f"async, 1 ps + {args.workers} workers, {links}",
+        "benchmark": f"async, 1 ps + {args.workers} worker{'s' if args.workers > 1 else ''}, {links}",
         "steps": args.steps,
         "repeats": args.repeats,
         "load_average_at_end": load,
