@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch import nn
 
 from tensorfleet.optim import Adam
 from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.store import VariableStore
 from tensorfleet.session.hooks import NanGuard
 from tensorfleet.session.server import Server
 from tensorfleet.session.training_session import TrainingSession
@@ -309,3 +311,47 @@ def test_a_ps_restart_during_a_prefetched_step_is_recovered_from_the_checkpoint(
         for thread in restarter:
             thread.join(35.0)
         stop_services(restarted)
+
+
+def test_a_prefetched_reply_taken_during_the_next_backward_still_reaches_the_model(
+    cluster: Callable[..., list[RunningService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last request of a prefetched step answers late: after the next forward started.
+    Its values wait for the next safe point instead of being lost, or the first layer (the
+    last bucket) would keep its old values for as long as that kept happening."""
+    services = cluster()
+    apply = VariableStore.apply
+
+    def slow_last_bucket(
+        store: VariableStore,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        apply(store, gradients, part, counts)
+        if counts:  # the step's last bucket: its reply leaves 0.3 s later
+            time.sleep(0.3)
+
+    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    server = Server(
+        {"ps": [services[0].address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+    )
+    model = _Model()
+    x, y = _batch(0)
+
+    def slow_forward() -> torch.Tensor:
+        time.sleep(1.0)  # the late reply arrives now, and the backward's first hook takes it
+        return nn.functional.cross_entropy(model(x), y)
+
+    with TrainingSession(
+        server,
+        model,
+        Adam(lr=0.05),
+        overlap=Overlap(bucket_bytes=600, prefetch=True),
+        progress_secs=None,
+    ) as sess:
+        first_layer = model.layers[0].weight.detach().clone()
+        sess.step(lambda: nn.functional.cross_entropy(model(x), y))  # its last reply: late
+        assert torch.equal(model.layers[0].weight, first_layer)  # still in flight
+        sess.step(slow_forward)
+        assert not torch.equal(model.layers[0].weight, first_layer)  # step 1's values arrived

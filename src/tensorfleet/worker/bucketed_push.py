@@ -21,8 +21,12 @@ knows them.
 Values. A reply's values go into the model only at a safe point: after the backward
 (:meth:`exchange`), before the next forward (:meth:`StepOverlap.before_forward`, prefetch),
 or when the exchange is settled (:meth:`settle`). Never during a backward pass: autograd's
-saved tensors would see them. A reply of the previous step that arrives during this step's
-backward is superseded by this step's own replies for the same variables, and dropped.
+saved tensors would see them. Replies taken in between (a prefetched reply taken during the
+next backward) wait, in the order they arrived, and go in first at the next safe point, so
+each variable ends with the newest value it was sent. None is dropped: with prefetch the
+last request of every step is the one left in flight, and dropping its reply whenever it
+came during the next backward would leave its variables stale for as long as that kept
+happening (a cluster test under load caught it).
 
 Failures. A push is never sent twice. When a request fails in a way the client recovers
 from (:data:`~tensorfleet.worker.client.RECOVERABLE`: the ps restarted, fell silent, did not
@@ -63,8 +67,6 @@ class _Flight:
     request_id: int
     bucket: Bucket
     whole: bool
-    step: int
-    """The :class:`BucketedPush` step it belongs to (its values are dropped once superseded)."""
     counting: bool
     sent_ns: int
 
@@ -104,7 +106,6 @@ class BucketedPush:
         )
         self.prefetch = prefetch
         self._shards = [_Shard(unsent=set(range(len(b)))) for b in self._plan.shards]
-        self._step = 0
         self._fill: BucketFill | None = None
         self._replies: list[tuple[_Flight, Reply]] = []
         self._failure: BaseException | None = None
@@ -141,6 +142,7 @@ class BucketedPush:
         values go into the model) and recover from a failure seen since the last step."""
         self._unpack_now = True
         try:
+            self._flush()
             for shard, state in enumerate(self._shards):
                 if state.flight is not None and self._ready(shard, state.flight):
                     self._take(shard)
@@ -198,8 +200,7 @@ class BucketedPush:
             dropped = self._recover()
             self._recovered = False  # said now, by this step's progress
             return dropped
-        self._unpack(self._replies)
-        self._replies = []
+        self._flush()
         self._next_step()
         counted, self._counted = self._counted, None
         recovered, self._recovered = self._recovered, False
@@ -227,6 +228,7 @@ class BucketedPush:
             return
         self._unpack_now = True
         try:
+            self._flush()
             for shard, state in enumerate(self._shards):
                 if state.flight is not None:
                     with self._timeline().span("wait"):
@@ -373,9 +375,7 @@ class BucketedPush:
         except RECOVERABLE as exc:  # the send queue stayed full: the ps is unreachable
             self._failure = exc
             return
-        state.flight = _Flight(
-            request_id, bucket, whole, self._step, counting, time.perf_counter_ns()
-        )
+        state.flight = _Flight(request_id, bucket, whole, counting, time.perf_counter_ns())
 
     def _take(self, shard: int) -> None:
         """The reply of ``shard``'s request in flight (waiting for it if needed)."""
@@ -408,11 +408,14 @@ class BucketedPush:
             progress = self._client._progress([reply])
             if flight.counting:
                 self._counted = progress
-        if flight.step == self._step:
-            self._replies.append((flight, reply))
-        elif self._unpack_now:
-            self._unpack([(flight, reply)])
-        # else: a reply of an earlier step during this backward: superseded, dropped
+        self._replies.append((flight, reply))  # in arrival order: the newest value wins
+        if self._unpack_now:
+            self._flush()
+
+    def _flush(self) -> None:
+        """At a safe point: the values of every reply taken so far, oldest first."""
+        replies, self._replies = self._replies, []
+        self._unpack(replies)
 
     def _unpack(self, replies: list[tuple[_Flight, Reply]]) -> None:
         if not replies:
@@ -425,8 +428,6 @@ class BucketedPush:
 
     def _next_step(self) -> None:
         """Start a new step: the requests still in flight belong to the one before."""
-        self._step += 1
-        self._replies = []  # unpacked by now, or of a step that never reached its exchange
         for state, buckets in zip(self._shards, self._plan.shards, strict=True):
             state.queue.clear()
             state.queued.clear()
