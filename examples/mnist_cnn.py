@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--autocast", choices=("bf16",), default=None, help="forward pass in bf16 autocast")
     add("--fused-optimizer", action="store_true", help="torch's fused Adam kernel")
     add("--wire-dtype", choices=("bf16",), default=None, help="gradients sent as bf16 (ps modes)")
+    add(
+        "--bucket-bytes",
+        type=int,
+        default=tfl.Overlap().bucket_bytes,
+        help="async: push the gradients during the backward in buckets of N bytes; 0: after it",
+    )
+    add(
+        "--prefetch",
+        action="store_true",
+        help="async: the next forward starts before the last reply (at most one step stale)",
+    )
     add("--job_name", default=None)  # the classic flags, read by tfl.resolve_task
     add("--task_index", default=None)
     add("--cluster", default=None, help="cluster spec: JSON text or a JSON file")
@@ -177,6 +188,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
         max_staleness=args.max_staleness, placement=args.placement,
         log_placement=args.log_placement, timeline=args.timeline, wire_dtype=args.wire_dtype,
         compute=tfl.ComputeOptions(args.channels_last, args.compile, args.autocast),
+        overlap=tfl.Overlap(bucket_bytes=args.bucket_bytes or None, prefetch=args.prefetch),
         **checkpoints,
     ) as sess:  # fmt: skip
         while not sess.should_stop():

@@ -68,6 +68,7 @@ _EXPORTS = {
     "SummaryWriter": "tensorfleet.summaries.summary_writer",
     "ClientTimeouts": "tensorfleet.worker.timeouts",
     "ComputeOptions": "tensorfleet.worker.compute_options",
+    "Overlap": "tensorfleet.worker.push_overlap",
     "EmbeddingTable": "tensorfleet.worker.embedding_table",
     "LocalRowSource": "tensorfleet.worker.embedding_table",
     "RowInitializer": "tensorfleet.ps.row_initializer",
@@ -158,6 +159,7 @@ if TYPE_CHECKING:
     from tensorfleet.worker.device_scope import device, place
     from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
     from tensorfleet.worker.placement_report import placement_report
+    from tensorfleet.worker.push_overlap import Overlap
     from tensorfleet.worker.sync_batch_norm import CpuSyncBatchNorm, convert_sync_batchnorm
     from tensorfleet.worker.task_resources import apply_task_resources
     from tensorfleet.worker.timeouts import ClientTimeouts

@@ -80,14 +80,17 @@ def run_local_cluster(
     timeout_s: float,
     grace_period: float = 10.0,
     env: dict[str, str] | None = None,
+    ps_command: Sequence[str] | None = None,
 ) -> ClusterRun:
     """Run a cluster to the end (or ``timeout_s``); always stop every process. ``env``: more
-    variables for every task."""
+    variables for every task; ``ps_command``: the ps tasks' program (default: the built-in
+    parameter server)."""
     output = RecordingOutput()
     cluster = LocalCluster(
         num_ps,
         num_workers,
         list(worker_command),
+        ps_command=ps_command,
         output=output,
         grace_period=grace_period,
         env={"PYTHONPATH": os.pathsep.join(sys.path), **(env or {})},

@@ -20,6 +20,7 @@ from torch import nn
 import tensorfleet as tfl
 from tensorfleet.errors import PREEMPTED_EXIT_STATUS, ConfigError, Preempted
 from tensorfleet.launch.ports import free_port
+from tensorfleet.preemption_event import preempted
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.preemption_drain import PreemptionDrain
 from tensorfleet.ps.service_settings import ServiceSettings
@@ -268,3 +269,29 @@ def test_a_session_saves_at_the_end_of_the_step_and_exits_with_143(tmp_path: Pat
         for name, value in resumed.state_dict().items():
             assert torch.equal(value, saved[name]), name
         again.request_stop()
+
+
+# -- a worker preempted while the parameter servers are unreachable ------------------------
+
+
+def test_a_worker_preempted_while_recovering_exits_at_once_instead_of_retrying() -> None:
+    """A recovery retries for ``recover_s`` (minutes by default) while no ps answers; a SIGTERM
+    then has nothing left to save, so the recovery ends at once with Preempted (status 143)
+    instead of outlasting the grace period and being killed."""
+    server, client, _ = _ps_and_chief(grace_s=5.0, saves_checkpoints=False)
+    patient = ClientTimeouts(connect_s=10.0, initialize_s=10.0, step_s=10.0, recover_s=60.0)
+    client.timeouts = patient
+    server.stop()  # nothing answers any more
+    with PreemptionNotice() as notice:
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        try:
+            with pytest.raises(Preempted, match="unreachable") as raised:
+                client.recover(ConnectionError("test: the ps went away"))
+        finally:
+            timer.cancel()
+            client.close()
+        assert notice.received.is_set()
+    # Not DeadlineExceeded after the 60 s: the recovery gave up on the signal.
+    assert raised.value.code == PREEMPTED_EXIT_STATUS
+    assert not preempted()  # cleared with the handler: the next session starts clear

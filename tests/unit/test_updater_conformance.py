@@ -30,6 +30,7 @@ from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
 from tensorfleet.worker.local_updater import LocalUpdater
 from tensorfleet.worker.ps_updater import PsUpdater
+from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import SavedState, Updater
 
@@ -51,8 +52,11 @@ def _local(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
 
 
 @contextmanager
-def _ps(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
-    """A fresh (empty) ps shard for one worker, and the chief's updater on it."""
+def _ps(
+    named_params: list[tuple[str, torch.Tensor]], overlap: Overlap | None = None
+) -> Iterator[Updater]:
+    """A fresh (empty) ps shard for one worker, and the chief's updater on it (with
+    ``overlap``: its pushes go through the overlapped path, as a session drives it)."""
     service: RunningService = serve_in_thread(
         ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), SECRET
     )
@@ -61,7 +65,7 @@ def _ps(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
         for name, p in named_params
     ]
     try:
-        yield PsUpdater(
+        updater = PsUpdater(
             [service.address],
             SECRET,
             "worker:0",
@@ -69,9 +73,21 @@ def _ps(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
             plan=plan_placement(specs, 1),
             discipline=UpdateDiscipline(mode="async"),
             timeouts=TIMEOUTS,
+            overlap=overlap,
         )
+        if overlap is not None:
+            updater.step_overlap(during_backward=True)
+        yield updater
     finally:
         stop_services([service])
+
+
+@contextmanager
+def _ps_overlap(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Updater]:
+    """The ps updater with its overlapped push (buckets, the exchange settled before every
+    other operation)."""
+    with _ps(named_params, Overlap(bucket_bytes=64)) as updater:
+        yield updater
 
 
 @contextmanager
@@ -95,6 +111,7 @@ def _local_pipeline(named_params: list[tuple[str, torch.Tensor]]) -> Iterator[Up
 UPDATERS: dict[str, UpdaterFactory] = {
     "local": _local,
     "ps": _ps,
+    "ps_overlap": _ps_overlap,
     "allreduce": _allreduce,
     "replicas": _replicas,
     "local_pipeline": _local_pipeline,
@@ -158,6 +175,7 @@ def test_every_updater_has_the_protocols_signatures(kind: str) -> None:
     cls = {
         "local": LocalUpdater,
         "ps": PsUpdater,
+        "ps_overlap": PsUpdater,
         "allreduce": AllReduceUpdater,
         "replicas": ReplicaUpdater,
         "local_pipeline": LocalPipelineUpdater,

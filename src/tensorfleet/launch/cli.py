@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         "has written a checkpoint, then exit with status 143 to be restarted "
         "(default: %(default)g)",
     )
+    server.add_argument(
+        "--timeline",
+        default=None,
+        metavar="FILE",
+        help="write a Chrome trace of where this ps's time goes (receive, apply, reply) to "
+        "FILE with the task's name before the suffix (trace.json -> trace.ps-0.json) when "
+        "it ends; Perfetto opens it (default: none)",
+    )
     server.set_defaults(handler=_server)
 
     plot = commands.add_parser(
@@ -209,6 +217,7 @@ def _server(args: argparse.Namespace) -> int:
                         ("end_grace_s", args.end_grace),
                         ("preempt_grace_s", args.preempt_grace),
                         ("max_memory", _memory_size(args.max_memory)),
+                        ("timeline", args.timeline),
                     )
                     if value is not None
                 },

@@ -3,13 +3,20 @@
 One message per shard per step carries all of that shard's gradients (or values) as one
 buffer per dtype — never one per tensor. Worker and ps derive the same layout from the same
 ordered list of stored variables, so offsets never travel on the wire.
+
+A *part* of a shard is a contiguous range ``[start, stop)`` of its variables (a bucket of a
+push made during the backward pass, :mod:`tensorfleet.ps.partial_push`). Each group keeps its
+members in the order of ``variables``, so a part takes one contiguous slice of each group's
+buffer (:meth:`FusedLayout.part_slices`): only the range travels, never offsets.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from tensorfleet.errors import ProtocolError
@@ -97,6 +104,36 @@ class FusedLayout:
 
     def group_bytes(self) -> list[int]:
         return [g.numel * g.itemsize for g in self.groups]
+
+    @cached_property
+    def member_indices(self) -> tuple[tuple[int, ...], ...]:
+        """For each group, the position in :attr:`variables` of each of its members
+        (ascending: a group keeps the order of ``variables``)."""
+        position = {var.name: index for index, var in enumerate(self.variables)}
+        return tuple(tuple(position[var.name] for var, _ in g.members) for g in self.groups)
+
+    def part_slices(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The elements ``(lo, hi)`` of each group's flat buffer that the variables
+        ``[start, stop)`` take (``lo == hi`` for a group with none of them). The caller has
+        checked ``0 <= start < stop <= len(variables)``."""
+        slices = []
+        for group, indices in zip(self.groups, self.member_indices, strict=True):
+            first = bisect.bisect_left(indices, start)
+            last = bisect.bisect_left(indices, stop)  # members first..last-1 are in the part
+            if first == last:
+                slices.append((0, 0))
+                continue
+            lo = group.members[first][1]
+            var, offset = group.members[last - 1]
+            slices.append((lo, offset + var.numel))
+        return slices
+
+    def part_bytes(self, start: int, stop: int) -> list[int]:
+        """The bytes of each group's slice for the variables ``[start, stop)``."""
+        return [
+            (hi - lo) * g.itemsize
+            for (lo, hi), g in zip(self.part_slices(start, stop), self.groups, strict=True)
+        ]
 
     def describe_difference(self, other: FusedLayout) -> str | None:
         """None when both layouts are the same, else one sentence naming the first difference."""

@@ -36,6 +36,7 @@ from tensorfleet.errors import NotInitialized, ProtocolError, RemoteProtocolErro
 from tensorfleet.ps.model_namespace import DEFAULT_MODEL, ModelClaim, check_model_name, label
 from tensorfleet.ps.preemption_drain import PreemptionDrain
 from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.ps.spans import NO_SPANS, SpanRecorder
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 
 log = logging.getLogger("tensorfleet.ps")
@@ -47,9 +48,14 @@ MAX_MODELS = 1024
 class ModelRouter:
     """The request loop of one ps task: one :class:`ParameterService` per model."""
 
-    def __init__(self, socket: ServiceSocket, config: ServiceConfig) -> None:
+    def __init__(
+        self, socket: ServiceSocket, config: ServiceConfig, spans: SpanRecorder = NO_SPANS
+    ) -> None:
         self.socket = socket
         self.config = config
+        self.spans = spans
+        """Where the task records receiving each request and its models' updates and
+        replies (a timeline: :mod:`tensorfleet.ps.spans`)."""
         self.models: dict[str, ParameterService] = {}
         self.claims: dict[str, ModelClaim] = {}
         self.over: dict[str, str] = {}
@@ -77,7 +83,8 @@ class ModelRouter:
                 )
                 return ServiceOutcome(reason, step, models=steps)
             if self.socket.poll(0.2):
-                request = self.socket.receive()
+                with self.spans.span("receive"):  # reading, verifying, mapping the payload
+                    request = self.socket.receive()
                 if request is not None:
                     self.route(request)
             for model, service in self.models.items():
@@ -156,6 +163,7 @@ class ModelRouter:
             model=claim.name,
         )
         service = ParameterService(self.socket, config)
+        service.spans = self.spans
         self.models[claim.name] = service
         self.claims[claim.name] = claim
         if claim.name != DEFAULT_MODEL or claim.workers is not None:

@@ -28,7 +28,10 @@ The service keeps the dispatch and the operations answered at once; two roles li
 modules of their own, mixed into :class:`ParameterService`: the pushes answered later (the
 sync step, pushes held by the staleness gate) in :mod:`tensorfleet.ps.sync_step`, and the end
 of training (``done``, ``end``, ``wait_done``, when the loop ends) in
-:mod:`tensorfleet.ps.training_end`. Each states its rule and invariant.
+:mod:`tensorfleet.ps.training_end`, and the pushes of part of the variables (a bucket sent
+during the worker's backward pass) in :mod:`tensorfleet.ps.partial_push`. Each states its
+rule and invariant. With a timeline (``spans``, :mod:`tensorfleet.ps.spans`) the shard
+records how long it applies each update and sends each reply.
 
 Which workers are alive, lost or done, and which process holds each task's identity, is
 the :class:`~tensorfleet.ps.worker_roster.WorkerRoster`'s (its docstring states the rules);
@@ -65,9 +68,11 @@ from tensorfleet.errors import (
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.buffer_bank import BufferBank
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.partial_push import PartialPushHandling
 from tensorfleet.ps.service_settings import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
 from tensorfleet.ps.snapshot_pool import SnapshotPool
+from tensorfleet.ps.spans import NO_SPANS, SpanRecorder
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.sync_aggregator import SyncAggregator
@@ -88,7 +93,7 @@ log = logging.getLogger("tensorfleet.ps")
 MAX_VARIABLES_PER_SHARD = 100_000
 
 
-class ParameterService(SyncStepHandling, TrainingEndHandling):
+class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandling):
     """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
 
     def __init__(self, socket: ServiceSocket, config: ServiceConfig) -> None:
@@ -122,6 +127,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
         """The chief, when it said at ``create`` that it keeps checkpoints."""
         self.last_save_at: float | None = None
         """When a ``save`` was last answered (monotonic seconds)."""
+        self.spans: SpanRecorder = NO_SPANS
+        """Where the time of each update and reply is recorded (the task's timeline)."""
         self._handlers = {
             "hello": self._hello,
             "create": self._create,
@@ -332,6 +339,9 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
     def _push(self, request: Request) -> None:
         self._require_initialized()
         body = request.body
+        if body.get("part") is not None:
+            self._push_part(request)
+            return
         gradients = self.gradient_decoder.decode(
             self.store.layout.groups, body.get("task"), body.get("gradient_dtype"), request.buffers
         )
@@ -350,7 +360,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
             self._apply_async(request, gradients)
 
     def _apply_async(self, request: Request, gradients: list[torch.Tensor]) -> None:
-        self.store.apply(gradients)
+        with self.spans.span("apply", task=str(request.body.get("task"))):
+            self.store.apply(gradients)
         if self.owns_global_step and request.body.get("count_step") is True:
             self.global_step += 1
         self.stats["pushes"] += 1
@@ -358,10 +369,11 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
 
     def _answer_push(self, request: Request, made_step: bool, dropped: bool = False) -> None:
         extra = {"made_step": made_step, "dropped": dropped}
-        if request.body.get("want_values") is True:
-            self._reply_with_values(request, extra)
-        else:
-            self.socket.reply(request, {**self._progress(), **extra})
+        with self.spans.span("reply"):
+            if request.body.get("want_values") is True:
+                self._reply_with_values(request, extra)
+            else:
+                self.socket.reply(request, {**self._progress(), **extra})
 
     def _worker_of(self, request: Request) -> str:
         """The worker task that sent ``request`` (ProtocolError for any other name)."""
@@ -488,6 +500,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling):
             {
                 **self._progress(),
                 "pushes": self.stats["pushes"],
+                "buckets": self.stats["buckets"],
                 "refused": self.stats["refused"],
                 "rejected": dict(self.socket.rejected),
                 "done_workers": sorted(self.done_workers),

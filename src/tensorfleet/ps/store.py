@@ -166,21 +166,50 @@ class VariableStore:
         """The variables in the optimizer's parameter order (group by group)."""
         return [var for group in self.layout.groups for var, _ in group.members]
 
-    def apply(self, gradients: list[torch.Tensor]) -> None:
-        """Apply one update from flat gradients (one per group, already validated in size)."""
+    def apply(
+        self,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        """Apply one update from flat gradients (one per group, already validated in size).
+
+        ``part``: the gradients of the variables ``[start, stop)`` only (a bucket of a push:
+        each group's slice, :meth:`FusedLayout.part_slices`). Only those variables get a
+        gradient, and ``torch.optim`` steps only parameters that have one, so each
+        variable's own state (Adam's step count, momentum) advances once per part that holds
+        it, and its moving average once: a step pushed in parts, each variable in exactly
+        one, ends bit for bit where the whole push ends (every built-in rule is
+        per-variable). ``counts``: this update ends a worker's step (``version`` + 1)."""
         if self._optimizer is None:
             raise UsageError("variables not created yet")
-        for group, views, grad in zip(self.layout.groups, self._views, gradients, strict=True):
-            for (var, offset), view in zip(group.members, views, strict=True):
-                view.grad = grad[offset : offset + var.numel].view(var.shape)
+        start, stop = part if part is not None else (0, len(self.layout.variables))
+        slices = (
+            self.layout.part_slices(start, stop)
+            if part is not None
+            else [(0, group.numel) for group in self.layout.groups]
+        )
+        stepped = []
+        for group, indices, views, grad, (lo, _) in zip(
+            self.layout.groups,
+            self.layout.member_indices,
+            self._views,
+            gradients,
+            slices,
+            strict=True,
+        ):
+            for (var, offset), index, view in zip(group.members, indices, views, strict=True):
+                if start <= index < stop:
+                    view.grad = grad[offset - lo : offset - lo + var.numel].view(var.shape)
+                    stepped.append(view)
         self._optimizer.step()
-        for views in self._views:
-            for view in views:
-                view.grad = None
+        for view in stepped:
+            view.grad = None
         if self._ema is not None:
-            for average, flat in zip(self._ema, self._flats, strict=True):
-                average.lerp_(flat, 1.0 - self._ema_decay)
-        self.version += 1
+            for average, flat, (lo, hi) in zip(self._ema, self._flats, slices, strict=True):
+                average[lo:hi].lerp_(flat[lo:hi], 1.0 - self._ema_decay)
+        if counts:
+            self.version += 1
 
 
 class _NoVariables(torch.optim.Optimizer):

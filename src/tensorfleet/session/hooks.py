@@ -75,6 +75,12 @@ class Hook:
         """Called once when the session closes without an error."""
 
 
+def can_veto(hook: Hook) -> bool:
+    """Whether ``hook`` overrides :meth:`Hook.before_update` (and so may look at the whole
+    gradient and veto the update after the backward pass)."""
+    return type(hook).before_update is not Hook.before_update
+
+
 class StopAtStep(Hook):
     """Stop when the global step reaches ``last_step`` (or after ``num_steps`` more steps
     from where the session started). Runs on every worker, so all of them stop."""

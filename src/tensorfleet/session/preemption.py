@@ -20,6 +20,10 @@ When the whole job is preempted (every task gets SIGTERM, as when the launcher i
 stopped or Slurm preempts the job), the ps tasks wait for the chief's checkpoint and the chief
 writes it: the next run resumes at the step of the preemption.
 
+A worker preempted while its client is recovering (the parameter servers unreachable) has
+nothing to save: the recovery gives up at once (:mod:`tensorfleet.preemption_event`) and the
+worker exits with status 143 as well, instead of retrying past the grace period.
+
 A second SIGTERM while the first is being handled ends the process at once (the default
 action), for the impatient and for the cases where saving hangs.
 
@@ -36,6 +40,8 @@ import threading
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
+
+from tensorfleet.preemption_event import clear_preempted, mark_preempted
 
 log = logging.getLogger("tensorfleet.session")
 
@@ -67,6 +73,7 @@ class PreemptionNotice:
         if self.installed:
             signal.signal(signal.SIGTERM, self._previous)
             self.installed = False
+            clear_preempted()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received.is_set():  # the second one: end now, as SIGTERM does by default
@@ -74,5 +81,6 @@ class PreemptionNotice:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self.received.set()
+        mark_preempted()  # the waits below the session stop waiting (the client's recovery)
         if self._on_notice is not None:
             self._on_notice()

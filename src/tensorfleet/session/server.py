@@ -9,6 +9,7 @@ holds the task's identity and the cluster secret for the :class:`TrainingSession
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.task_resources import AppliedResources, apply_task_resources
+from tensorfleet.worker.timeline import task_timeline
 
 log = logging.getLogger("tensorfleet.server")
 
@@ -48,6 +50,10 @@ class ServerConfig(ServiceSettings):
     """Stages per pipeline when the workers run pipelines across tasks (worker i is stage
     i % S of pipeline i // S; only each pipeline's stage 0 trains through the ps). None:
     ``TENSORFLEET_PIPELINE_STAGES`` (unset: 1, no pipelines). Every task must agree."""
+    timeline: str | os.PathLike[str] | None = None
+    """A ps task: record where its time goes (receiving each request, applying each update,
+    sending each reply) and write it when the service ends, as a Chrome trace named for the
+    task (``trace.json`` -> ``trace.ps-0.json``; see docs/timeline.md). None: nothing."""
 
 
 class Server:
@@ -120,6 +126,8 @@ class Server:
             self.task.index, [str(t) for t in self.worker_tasks], self.config
         )
 
+        timeline, timeline_path = task_timeline(self.config.timeline, str(self.task))
+
         def run() -> None:
             try:
                 socket = ServiceSocket(
@@ -131,7 +139,9 @@ class Server:
                 return
             started.set()
             try:
-                self.outcome = ModelRouter(socket, config).serve(self._stop, self._preempt)
+                self.outcome = ModelRouter(socket, config, timeline).serve(
+                    self._stop, self._preempt
+                )
                 log.info(
                     "%s: parameter service ended (%s) at global step %d",
                     self.task,
@@ -142,6 +152,11 @@ class Server:
                 self._failure = exc
             finally:
                 socket.close(linger_s=2.0)
+                if timeline_path is not None:
+                    try:
+                        timeline.write(timeline_path)
+                    except TensorfleetError as exc:  # the training itself went well
+                        log.error("%s: %s", self.task, exc)
 
         self._thread = threading.Thread(target=run, name=f"tensorfleet-{self.task}", daemon=True)
         self._thread.start()

@@ -52,7 +52,7 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table, wanted_engines
-from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult
+from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
 from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
@@ -62,7 +62,9 @@ from tensorfleet.session.update_modes import (
     is_chief,
     update_mode,
 )
+from tensorfleet.worker.bucketed_push import step_overlap
 from tensorfleet.worker.compute_options import ComputeOptions, ComputeSetup
+from tensorfleet.worker.push_overlap import Overlap, checked_overlap
 from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
@@ -133,6 +135,10 @@ class TrainingSession:
     memory order, ``torch.compile``, bf16 autocast around the closure); ``wire_dtype="bf16"``
     (modes ``async`` and ``sync``): float32 gradients travel as bf16 with error feedback.
     Both are off by default; docs/compute.md says what each costs and gains.
+    ``overlap`` (mode ``async`` without ``max_staleness``): push the gradients in buckets
+    during the backward pass and, with ``Overlap(prefetch=True)``, let the next step's
+    forward start before the last reply (at most one step stale); None: the step is
+    sequential. See :class:`~tensorfleet.worker.push_overlap.Overlap` and docs/timeline.md.
     """
 
     def __init__(
@@ -169,6 +175,7 @@ class TrainingSession:
         sparse_optimizer: SparseRowRule | None = None,
         compute: ComputeOptions | None = None,
         wire_dtype: str | None = None,
+        overlap: Overlap | None = Overlap(),  # noqa: B008 (frozen: one shared default is fine)
     ) -> None:
         settings = UpdateSettings(
             mode=mode,
@@ -189,6 +196,7 @@ class TrainingSession:
             model_workers=None if model_workers is None else tuple(model_workers),
             sparse_optimizer=sparse_optimizer,
             wire_dtype=wire_dtype,
+            overlap=checked_overlap(overlap),
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first
         if isinstance(optimizer, SparseRowRule) or not (
@@ -258,6 +266,11 @@ class TrainingSession:
         """Where this task's timeline goes (``timeline`` with the task's name), or None."""
         if self._timeline.enabled and hasattr(self._updater, "trace"):
             self._updater.trace(self._timeline)  # modes that can show their exchange do
+        # Buckets may go during the backward only when nothing after it changes or vetoes them.
+        self._overlap = step_overlap(
+            self._updater,
+            during_backward=self._clip_on_worker is None and not any(map(can_veto, self.hooks)),
+        )
         self.discipline = self._updater.discipline
         """The rule the parameter servers apply (None in modes without them)."""
         self._global_step = 0
@@ -378,6 +391,7 @@ class TrainingSession:
         for hook in self.hooks:
             hook.before_step(self)
         self.model.zero_grad(set_to_none=True)
+        self._overlap.before_forward()
         with self._timeline.span("compute"), self._compute.autocast():
             out = closure()
         loss, aux = out if isinstance(out, tuple) else (out, None)
@@ -385,7 +399,7 @@ class TrainingSession:
             raise ConfigTypeError(
                 f"the step closure must return a scalar loss tensor (or (loss, aux)), got {type(loss).__name__}"
             )
-        with self._timeline.span("backward"):
+        with self._timeline.span("backward"), self._overlap.backward():
             loss.backward()
         if self._clip_on_worker is not None:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], self._clip_on_worker)

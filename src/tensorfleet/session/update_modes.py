@@ -29,6 +29,7 @@ from tensorfleet.wire.tensors import dtype_name
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
 from tensorfleet.worker.local_updater import LocalUpdater
 from tensorfleet.worker.ps_updater import PsUpdater
+from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import NamedParams, Updater
 
@@ -55,6 +56,7 @@ class UpdateSettings:
     model_workers: tuple[str | int, ...] | None = None
     sparse_optimizer: SparseRowRule | None = None
     wire_dtype: str | None = None
+    overlap: Overlap | None = None
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
@@ -216,6 +218,11 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         replan=replan,
         variables=named_params,
         gradient_dtype=settings.wire_dtype,
+        # sync and the staleness gate take one whole push per step, and a bf16 wire encodes
+        # whole pushes (see push_overlap.py)
+        overlap=settings.overlap
+        if mode == "async" and settings.max_staleness is None and settings.wire_dtype is None
+        else None,
     )
 
 

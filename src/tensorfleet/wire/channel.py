@@ -223,10 +223,13 @@ class Channel:
         the service restarted since the hello, :class:`IdentityInUse`,
         :class:`RequestRefused`). ``abort`` is asked every quarter second while waiting; a
         reason it returns ends the wait with :class:`ConnectionLost`."""
-        if request_id not in self._pending and request_id not in self._arrived:
-            raise ConfigError(
-                f"request {request_id} was not sent on this channel or was already awaited"
-            )
+        self._require_known(request_id)
+        if request_id not in self._arrived and self._lost_to_disconnect(request_id):
+            # A disconnect counted since the send (by ready() or a later send): answers that
+            # arrived before it come first.
+            self._receive_queued(request_id)
+            if request_id not in self._arrived:
+                raise self._connection_lost(request_id)
         deadline = time.monotonic() + timeout_s
         while request_id not in self._arrived:
             remaining = deadline - time.monotonic()
@@ -237,19 +240,8 @@ class Channel:
                 continue
             if self._monitor in ready:
                 self._count_disconnects()
-                if self._sent_at_disconnects.get(request_id, self._disconnects) < self._disconnects:
-                    op = self._pending.pop(request_id, "?")
-                    self._forget_request(request_id)
-                    raise ConnectionLost(
-                        f"the connection to {self.peer_name} at {self.address} dropped while "
-                        f"'{op}' was in flight; the request or its answer is lost"
-                        + (
-                            ". It never answered: check that every task agrees on encryption "
-                            "(TENSORFLEET_ENCRYPT / --encrypt)"
-                            if self.server_session is None
-                            else ""
-                        )
-                    )
+                if self._lost_to_disconnect(request_id):
+                    raise self._connection_lost(request_id)
                 continue
             if remaining > 0:
                 reason = abort() if abort is not None else None
@@ -286,6 +278,53 @@ class Channel:
             if abandoned is not None:  # nobody waits for that key exchange any more
                 self._pending.pop(abandoned, None)
                 self._sent_at_disconnects.pop(abandoned, None)
+
+    def ready(self, request_id: int) -> bool:
+        """Whether :meth:`wait` for ``request_id`` would return or raise at once: its reply
+        (or refusal) has arrived, or its connection dropped since it was sent. Never blocks:
+        it takes what ZeroMQ has received so far (for a caller that has other work to do
+        meanwhile, e.g. a backward pass)."""
+        self._require_known(request_id)
+        self._receive_queued(request_id)
+        if request_id in self._arrived:
+            return True
+        self._count_disconnects()
+        return self._lost_to_disconnect(request_id)
+
+    def knows(self, request_id: int) -> bool:
+        """Whether ``request_id`` is still awaited here (False once awaited, or forgotten by
+        :meth:`forget_pending` after a failure)."""
+        return request_id in self._pending or request_id in self._arrived
+
+    def _require_known(self, request_id: int) -> None:
+        if not self.knows(request_id):
+            raise ConfigError(
+                f"request {request_id} was not sent on this channel or was already awaited"
+            )
+
+    def _receive_queued(self, request_id: int) -> None:
+        """Take the messages ZeroMQ holds already (without waiting), until ``request_id``'s."""
+        while request_id not in self._arrived and self._socket.poll(0, zmq.POLLIN):
+            self._receive_one()
+
+    def _lost_to_disconnect(self, request_id: int) -> bool:
+        """Whether the connection dropped since ``request_id`` was sent (as counted so far)."""
+        return self._sent_at_disconnects.get(request_id, self._disconnects) < self._disconnects
+
+    def _connection_lost(self, request_id: int) -> ConnectionLost:
+        """The error for a request lost with its connection (it is no longer awaited)."""
+        op = self._pending.pop(request_id, "?")
+        self._forget_request(request_id)
+        return ConnectionLost(
+            f"the connection to {self.peer_name} at {self.address} dropped while "
+            f"'{op}' was in flight; the request or its answer is lost"
+            + (
+                ". It never answered: check that every task agrees on encryption "
+                "(TENSORFLEET_ENCRYPT / --encrypt)"
+                if self.server_session is None
+                else ""
+            )
+        )
 
     def call(
         self,

@@ -159,18 +159,24 @@ class GradientDecoder:
             )
         self._declared[str(task)] = wire_dtype  # type: ignore[assignment]
 
-    def decode(
-        self, groups: Sequence[Group], task: object, claimed: object, buffers: Sequence[Any]
-    ) -> list[torch.Tensor]:
-        """The push's gradients, one tensor per group in the variables' dtypes. ProtocolError
-        when ``claimed`` (the push's wire dtype) is not what ``task`` declared, or a buffer's
-        size is not its group's in that wire dtype."""
+    def check_claim(self, task: object, claimed: object) -> str | None:
+        """The wire dtype ``task`` declared in its hello, after checking that ``claimed`` (a
+        push's) is that one (ProtocolError)."""
         declared = self._declared.get(str(task))
         if claimed != declared:
             raise ProtocolError(
                 f"{task} pushed gradients as {claimed or 'their own dtype'!r} but declared "
                 f"{declared or 'their own dtype'!r} in its hello: refused"
             )
+        return declared
+
+    def decode(
+        self, groups: Sequence[Group], task: object, claimed: object, buffers: Sequence[Any]
+    ) -> list[torch.Tensor]:
+        """The push's gradients, one tensor per group in the variables' dtypes. ProtocolError
+        when ``claimed`` (the push's wire dtype) is not what ``task`` declared, or a buffer's
+        size is not its group's in that wire dtype."""
+        declared = self.check_claim(task, claimed)
         if len(buffers) != len(groups):
             raise ProtocolError(f"gradients: {len(buffers)} buffers for {len(groups)} dtype groups")
         tensors = []

@@ -58,6 +58,10 @@ from tensorfleet.wire.buffer_pool import ALIGN, BufferPool, offsets
 #: Payloads smaller than this go in ZeroMQ frames (the copy into shared memory and the
 #: bookkeeping cost more than they save).
 MIN_BYTES = 64 << 10
+#: Private buffers a client keeps for reply payloads (see ClientSegments._private). With the
+#: gradients pushed in buckets, a step's replies (one per bucket) are all adopted as the
+#: model's parameters until the next step's replace them: the pool holds two steps' worth.
+PRIVATE_POOL = 8
 #: A service keeps at most this many peers' segments mapped.
 MAX_MAPPED = 64
 _NAME_PREFIX = "tensorfleet-"
@@ -127,7 +131,7 @@ class ClientSegments:
         self._reply: Segment | None = None
         self._reply_wanted = 0
         self._busy: int | None = None
-        self._private = BufferPool()
+        self._private = BufferPool(keep=PRIVATE_POOL)
         """Private memory for reply payloads (often adopted as the model's parameters)."""
         self.retired = 0
         """Segment pairs retired because a request that used them was abandoned."""

@@ -36,12 +36,14 @@ from tensorfleet.errors import (
     DeadlineExceeded,
     IdentityInUse,
     NotInitialized,
+    Preempted,
     ProtocolError,
     RemoteError,
     ServiceRestarted,
     TensorfleetError,
     UsageError,
 )
+from tensorfleet.preemption_event import preempted, wait_unless_preempted
 from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -361,7 +363,14 @@ class ParameterClient:
                 log.warning(
                     "%s: not recovered yet (%s); trying again in %.1f s", self.task_name, exc, delay
                 )
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            if preempted() or wait_unless_preempted(min(delay, deadline - time.monotonic())):
+                message = (
+                    f"{self.task_name}: preempted (SIGTERM) while the parameter servers were "
+                    f"unreachable ({last}): nothing could be saved since the last checkpoint; "
+                    "exiting with status 143 to be restarted"
+                )
+                log.warning("%s", message)
+                raise Preempted(message)
             delay = min(delay * 2, 5.0)
         raise DeadlineExceeded(
             f"{self.task_name}: the parameter servers did not come back within "

@@ -7,6 +7,10 @@ values or gradients into those buffers (one copy per tensor, straight into a req
 shared-memory segment when the transport offers one) and unpacks the values that come
 back into the model (none for whole CPU tensors: the received memory becomes the
 parameter's storage). It knows nothing of the network; the client sends what it packs.
+
+``part=(start, stop)`` packs or unpacks only the shard's variables ``[start, stop)``: one
+bucket of a push made during the backward pass (each group's slice of
+:meth:`~tensorfleet.ps.layout.FusedLayout.part_slices`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class _Member:
     whole: bool
     offset: int
     numel: int
+    index: int
+    """The variable's position in its shard's layout."""
 
 
 class FusedParameters:
@@ -60,9 +66,9 @@ class FusedParameters:
             )
             by_name = {s.stored_name: s for s in shard}
             groups = []
-            for group in layout.groups:
+            for group, indices in zip(layout.groups, layout.member_indices, strict=True):
                 members = []
-                for var, offset in group.members:
+                for (var, offset), index in zip(group.members, indices, strict=True):
                     piece = by_name[var.name]
                     members.append(
                         _Member(
@@ -72,6 +78,7 @@ class FusedParameters:
                             piece.is_whole,
                             offset,
                             var.numel,
+                            index,
                         )
                     )
                 groups.append(members)
@@ -89,26 +96,53 @@ class FusedParameters:
         """The shard's variables as the ps's ``create`` / ``wait_ready`` expect them."""
         return [v.to_wire() for v in self.layouts[shard].variables]
 
-    def group_nbytes(self, shard: int) -> list[int]:
-        """The size in bytes of each of the shard's buffers (one per dtype group)."""
+    def group_nbytes(self, shard: int, part: tuple[int, int] | None = None) -> list[int]:
+        """The size in bytes of each of the shard's buffers (one per dtype group), or of
+        each group's slice for the variables of ``part``."""
+        if part is not None:
+            return self.layouts[shard].part_bytes(*part)
         return [flat.numel() * flat.element_size() for flat in self._send_buffers[shard]]
 
+    def variable_params(self, shard: int) -> list[torch.Tensor]:
+        """The model parameter of each of the shard's variables, in layout order."""
+        params: list[torch.Tensor | None] = [None] * len(self.layouts[shard].variables)
+        for members in self._members[shard]:
+            for m in members:
+                params[m.index] = m.param
+        return params  # type: ignore[return-value]  (every variable is some group's member)
+
+    def _slices(self, shard: int, part: tuple[int, int] | None) -> list[tuple[int, int]]:
+        if part is None:
+            return [(0, flat.numel()) for flat in self._send_buffers[shard]]
+        return self.layouts[shard].part_slices(*part)
+
     def gather(
-        self, shard: int, values: bool, into: Sequence[memoryview] | None = None
+        self,
+        shard: int,
+        values: bool,
+        into: Sequence[memoryview] | None = None,
+        part: tuple[int, int] | None = None,
     ) -> list[memoryview]:
-        """Pack the shard's values or gradients into its buffers, one copy per tensor and no
-        temporary (a missing gradient is sent as zeros). ``into``: writable byte buffers of
-        :meth:`group_nbytes` (e.g. a request's shared-memory segment) to pack into instead
-        of this object's own send buffers; returned as given."""
-        targets = self._send_buffers[shard]
+        """Pack the shard's values or gradients (those of ``part``'s variables only, when
+        given) into its buffers, one copy per tensor and no temporary (a missing gradient is
+        sent as zeros). ``into``: writable byte buffers of :meth:`group_nbytes` (e.g. a
+        request's shared-memory segment) to pack into instead of this object's own send
+        buffers; returned as given."""
+        start, stop = part if part is not None else (0, len(self.layouts[shard].variables))
+        slices = self._slices(shard, part)
+        targets = [
+            flat[lo:hi] for flat, (lo, hi) in zip(self._send_buffers[shard], slices, strict=True)
+        ]
         if into is not None:
             targets = [
                 self._writable_flat(buffer, flat)
                 for buffer, flat in zip(into, targets, strict=True)
             ]
-        for members, flat in zip(self._members[shard], targets, strict=True):
+        for members, flat, (lo, _) in zip(self._members[shard], targets, slices, strict=True):
             for m in members:
-                piece = flat[m.offset : m.offset + m.numel]
+                if not start <= m.index < stop:
+                    continue
+                piece = flat[m.offset - lo : m.offset - lo + m.numel]
                 source = m.param.detach() if values else m.param.grad
                 if source is None:
                     piece.zero_()
@@ -133,17 +167,23 @@ class FusedParameters:
             return like[:0]
         return torch.frombuffer(buffer, dtype=like.dtype, count=like.numel())
 
-    def scatter(self, shard: int, buffers: Sequence[Any]) -> None:
-        """Put the values a shard sent (one buffer per dtype group) into the model."""
+    def scatter(
+        self, shard: int, buffers: Sequence[Any], part: tuple[int, int] | None = None
+    ) -> None:
+        """Put the values a shard sent (one buffer per dtype group; the slices of ``part``'s
+        variables only, when given) into the model."""
         layout = self.layouts[shard]
         self._check_count(shard, buffers)
+        start, stop = part if part is not None else (0, len(layout.variables))
         with torch.no_grad():
-            for group, members, buffer in zip(
-                layout.groups, self._members[shard], buffers, strict=True
+            for group, members, buffer, (lo, hi) in zip(
+                layout.groups, self._members[shard], buffers, self._slices(shard, part), strict=True
             ):
-                flat = from_buffer(buffer, DTYPES[group.dtype], (group.numel,))
+                flat = from_buffer(buffer, DTYPES[group.dtype], (hi - lo,))
                 for m in members:
-                    values = flat[m.offset : m.offset + m.numel]
+                    if not start <= m.index < stop:
+                        continue
+                    values = flat[m.offset - lo : m.offset - lo + m.numel]
                     if _adoptable(m, values):
                         # Adopt the received memory as the parameter's storage: no copy.
                         # The tensor keeps the received frame alive; nothing else uses it.

@@ -10,6 +10,12 @@ step waits for its quota of workers), and the model's persistent buffers, which 
 shards too (:mod:`tensorfleet.worker.buffer_exchange`). The model's ``tfl.EmbeddingTable``
 modules and its ``sparse=True`` embedding weights (held as rows, mirrored whole here:
 :mod:`tensorfleet.worker.mirrored_embeddings`) are attached to the shards in :meth:`wrap`.
+
+With an :class:`~tensorfleet.worker.push_overlap.Overlap` (async mode without
+``max_staleness``) the gradients go through a
+:class:`~tensorfleet.worker.bucketed_push.BucketedPush` once the session drives it
+(:meth:`PsUpdater.step_overlap`); every other operation first settles it, so that it sees
+the exchange complete.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.message import Limits
+from tensorfleet.worker.bucketed_push import BucketedPush, StepOverlap
 from tensorfleet.worker.buffer_exchange import BufferExchange, place_buffers, placement_report
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.mirrored_embeddings import (
@@ -37,6 +44,7 @@ from tensorfleet.worker.mirrored_embeddings import (
 )
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.ps_row_source import PsRowSource
+from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 from tensorfleet.worker.table_attachment import TableAttachment, find_tables
 from tensorfleet.worker.timeline import Timeline
@@ -83,6 +91,7 @@ class PsUpdater:
         replan: Callable[[set[str]], PlacementPlan] | None = None,
         variables: Sequence[tuple[str, torch.Tensor]] | None = None,
         gradient_dtype: str | None = None,
+        overlap: Overlap | None = None,
     ) -> None:
         self.client = ParameterClient(
             ps_addresses,
@@ -111,6 +120,11 @@ class PsUpdater:
         self._replan = replan
         self._variable_names = None if variables is None else {id(p): n for n, p in variables}
         self._limits = limits or Limits()
+        self._overlap = overlap if overlap is not None and overlap.active else None
+        self._during_backward: bool | None = None
+        """Set when the session drives the overlap: whether buckets may go in the backward."""
+        self.overlapped: BucketedPush | None = None
+        """The overlapped pushes, once registered (None: one push per shard, awaited)."""
 
     def connect(self, device: torch.device | None = None) -> None:
         """Say hello to every shard (the device does not matter: values travel via the CPU)."""
@@ -235,7 +249,31 @@ class PsUpdater:
                 else "async"
             )
             self.buffers.create(mode, self.is_chief)
+        if self._overlap is not None and self._during_backward is not None:
+            self.overlapped = BucketedPush(
+                self.client,
+                self._named_params,
+                self._overlap,
+                hooks=self._during_backward and self._overlap.bucket_bytes is not None,
+                # their exchanges follow each step's outcome: see push_overlap.py
+                prefetch=self._overlap.prefetch
+                and self.buffers is None
+                and self.tables is None
+                and self.mirrored is None,
+            )
         return Restored(global_step, self.client.restored_data)
+
+    def step_overlap(self, during_backward: bool) -> StepOverlap:
+        """The session drives the overlap of its steps (``during_backward``: nothing after
+        the backward pass changes or vetoes the gradients, so buckets may go during it)."""
+        if self._overlap is not None:
+            self._during_backward = during_backward
+        return StepOverlap(lambda: self.overlapped)
+
+    def _settle(self, failed: bool = False) -> None:
+        """Complete the overlapped exchange before any other operation."""
+        if self.overlapped is not None:
+            self.overlapped.settle(discard=failed)
 
     @staticmethod
     def _checkpoint_for_restarted(
@@ -248,6 +286,7 @@ class PsUpdater:
         return checkpoint.global_step, checkpoint.documents
 
     def pull(self) -> Progress:
+        self._settle()
         progress = self.client.pull()
         if self.mirrored is not None:
             self.mirrored.pull()
@@ -269,8 +308,11 @@ class PsUpdater:
             self.mirrored.push(sync_step=sync_step)
         if self.tables is not None:
             self.tables.push(sync_step=sync_step)
-        densify_sparse_gradients(self._named_params)
-        progress = self.client.push_pull(step=step, data=data)
+        if self.overlapped is not None:  # the sparse gradients are densified bucket by bucket
+            progress = self.overlapped.exchange(step, data)
+        else:
+            densify_sparse_gradients(self._named_params)
+            progress = self.client.push_pull(step=step, data=data)
         if self.mirrored is not None:
             self.mirrored.pull()  # after the dense reply: this step's rows are applied
         return self._exchange_buffers(step, progress)
@@ -289,6 +331,7 @@ class PsUpdater:
         quota of workers, so this worker takes part with zero gradients."""
         if self.tables is not None:
             self.tables.discard()
+        self._settle()
         if self.discipline is not None and self.discipline.mode == "async":
             pulled = self.pull()
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
@@ -305,6 +348,7 @@ class PsUpdater:
     def save(self, data: DataPosition | None = None) -> SavedState:
         """Every shard's state (the ps recorded each worker's data position with its
         pushes), and where each stored tensor belongs in the model."""
+        self._settle()
         global_step, documents = self.client.save()
         placement = {
             piece.stored_name: {
@@ -325,6 +369,7 @@ class PsUpdater:
         """Tell the shards this worker is done; the chief declares the end, waits for the
         others and runs ``before_done`` meanwhile (not after a failure: then it only tells
         them, so that they do not wait for it)."""
+        self._settle(failed)
         self.client.finish(declare_end=self.is_chief, before_done=None if failed else before_done)
 
     def leave(self) -> None:
@@ -333,12 +378,16 @@ class PsUpdater:
         self.client.leave()
 
     def close(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.close()
         self.client.close()
 
     def stats(self) -> list[dict[str, Any]]:
+        self._settle()
         return self.client.stats()
 
     def moving_average(self) -> dict[str, torch.Tensor]:
+        self._settle()
         return self.client.moving_average()
 
 

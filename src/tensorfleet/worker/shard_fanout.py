@@ -10,6 +10,11 @@ user sees), and a wait ends at once with :class:`~tensorfleet.errors.ConnectionL
 the heartbeat says the shard fell silent or restarted, instead of sitting out the deadline
 (except for the requests that keep a shard too busy to answer heartbeats: creating or
 restoring its variables, and the wait for that; their deadline decides).
+
+A caller that keeps one request in flight per shard while it does other work (the pushes of
+gradient buckets during the backward pass, :mod:`tensorfleet.worker.bucketed_push`) uses the
+single-shard :meth:`ShardFanout.send`, :meth:`~ShardFanout.ready` and
+:meth:`~ShardFanout.wait`, which add the same namespace and wait the same way.
 """
 
 from __future__ import annotations
@@ -84,6 +89,31 @@ class ShardFanout:
             ]
         with self.timeline.span("wait"):
             return self._wait_all(targets, ids, timeout_s, abort_when_silent)
+
+    def send(
+        self,
+        shard: int,
+        op: str,
+        body: dict[str, Any],
+        timeout_s: float,
+        buffers: Sequence[Any] | None = None,
+    ) -> int:
+        """Send one request to ``shard`` (the namespace added); its id, for :meth:`wait`."""
+        if self.request_fields:
+            body = {**body, **self.request_fields}
+        return self.channels[shard].send(
+            op, body, list(buffers) if buffers is not None else None, timeout_s
+        )
+
+    def ready(self, shard: int, request_id: int) -> bool:
+        """Whether :meth:`wait` for this request would return or raise at once (never
+        blocks)."""
+        return self.channels[shard].ready(request_id)
+
+    def wait(self, shard: int, request_id: int, timeout_s: float) -> Reply:
+        """The reply to a request :meth:`send` sent with ``timeout_s``, waiting as
+        :meth:`call` does (ended early when the heartbeat says the shard fell silent)."""
+        return self._wait_all([shard], [request_id], timeout_s, abort_when_silent=True)[0]
 
     def _wait_all(
         self, targets: list[int], ids: list[int], timeout_s: float, abort_when_silent: bool

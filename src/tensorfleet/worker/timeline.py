@@ -14,6 +14,11 @@ alternative, ``torch.profiler``, records every operator and costs far more than 
 microseconds per span spent here; it answers another question (which kernel), not "is the
 push hidden behind the backward pass".
 
+A span that is not a stretch of one thread's work (a request in flight, from its send to
+its reply, while the thread computes) goes on a *track* of its own (``track=``: a named row
+under the task, written as a thread of its own with that name), because spans of one thread
+must nest and such a span overlaps others.
+
 Turned off (the default), :data:`NO_TIMELINE` records nothing and costs one method call per
 span. A timeline keeps at most :data:`MAX_EVENTS` events (the oldest go first; the file
 says how many were dropped), so a long run cannot exhaust memory.
@@ -35,6 +40,8 @@ from tensorfleet.errors import ConfigError
 
 #: A timeline keeps at most this many spans (about 200 bytes each in memory).
 MAX_EVENTS = 200_000
+#: The thread id of a timeline's first named track (far above any real thread id).
+TRACK_TID_BASE = 1_000_000_000
 
 
 class Timeline:
@@ -49,6 +56,7 @@ class Timeline:
         self._origin_ns = time.perf_counter_ns()
         self._wall_origin_us = time.time_ns() // 1000
         self._pid = os.getpid()
+        self._tracks: dict[str, int] = {}
 
     @contextmanager
     def span(self, name: str, **args: Any) -> Iterator[None]:
@@ -60,8 +68,15 @@ class Timeline:
         finally:
             self.add(name, start, time.perf_counter_ns(), **args)
 
-    def add(self, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
-        """Record a span measured elsewhere (``time.perf_counter_ns`` values)."""
+    def add(
+        self, name: str, start_ns: int, end_ns: int, track: str | None = None, **args: Any
+    ) -> None:
+        """Record a span measured elsewhere (``time.perf_counter_ns`` values), on the
+        calling thread or on the named ``track``."""
+        if track is None:
+            tid = threading.get_native_id()
+        else:
+            tid = self._tracks.setdefault(track, TRACK_TID_BASE + len(self._tracks))
         event: dict[str, Any] = {
             "name": name,
             "cat": "tensorfleet",
@@ -69,7 +84,7 @@ class Timeline:
             "ts": self._wall_origin_us + (start_ns - self._origin_ns) / 1000,
             "dur": max(0, end_ns - start_ns) / 1000,
             "pid": self._pid,
-            "tid": threading.get_native_id(),
+            "tid": tid,
         }
         if args:
             event["args"] = args
@@ -89,8 +104,18 @@ class Timeline:
             "pid": self._pid,
             "args": {"name": self.task},
         }
+        tracks = [
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": self._pid,
+                "tid": tid,
+                "args": {"name": track},
+            }
+            for track, tid in self._tracks.items()
+        ]
         return {
-            "traceEvents": [names, *self._events],
+            "traceEvents": [names, *tracks, *self._events],
             "displayTimeUnit": "ms",
             "otherData": {
                 "task": self.task,
@@ -126,7 +151,9 @@ class _NoTimeline(Timeline):
     def span(self, name: str, **args: Any) -> Iterator[None]:
         yield
 
-    def add(self, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
+    def add(
+        self, name: str, start_ns: int, end_ns: int, track: str | None = None, **args: Any
+    ) -> None:
         return None
 
 

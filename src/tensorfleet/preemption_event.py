@@ -1,0 +1,37 @@
+"""The process's preemption event: set when this task was preempted (its first SIGTERM, see
+:mod:`tensorfleet.session.preemption`), read by the waits that must not outlast it.
+
+Why a process-wide event: a signal is delivered to the process, not to an object, and the
+wait that must notice it can sit layers below the session that handles the signal (the
+client's recovery loop retries for minutes while the parameter servers are unreachable; a
+preempted worker there has nothing left to save and should exit within the cluster
+manager's grace period instead of being killed). The session sets the event while its
+handler is installed and clears it when the handler is removed, so one process running
+several sessions in turn (tests, notebooks) starts each with it clear.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_PREEMPTED = threading.Event()
+
+
+def mark_preempted() -> None:
+    """Record that this task was preempted (called by the SIGTERM handler)."""
+    _PREEMPTED.set()
+
+
+def clear_preempted() -> None:
+    """Forget a preemption (the handler that recorded it was removed)."""
+    _PREEMPTED.clear()
+
+
+def preempted() -> bool:
+    """Whether this task was preempted."""
+    return _PREEMPTED.is_set()
+
+
+def wait_unless_preempted(seconds: float) -> bool:
+    """Sleep ``seconds``, waking at once on a preemption; True when preempted."""
+    return _PREEMPTED.wait(max(0.0, seconds))

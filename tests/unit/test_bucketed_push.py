@@ -1,0 +1,364 @@
+"""Overlapped pushes in a training session (tensorfleet.worker.bucketed_push): buckets pushed
+during the backward pass end bit for bit where the sequential step ends; the hooks push only
+during the session's own backward (not for gradients accumulated in the closure, nor for an
+evaluation's backward); nothing goes during the backward when a hook may veto or the worker
+clips; prefetch leaves the last reply in flight, settles before a pull and at the end, and
+recovers from a ps restart.
+
+Real parameter services in threads (``service_harness``), one worker session in the test."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.optim import Adam, SparseAdam
+from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.store import VariableStore
+from tensorfleet.session.hooks import NanGuard
+from tensorfleet.session.server import Server
+from tensorfleet.session.training_session import TrainingSession
+from tensorfleet.wire.secret import load_secret
+from tensorfleet.worker.push_overlap import Overlap
+from tensorfleet.worker.timeouts import ClientTimeouts
+
+from .service_harness import RunningService, bits, serve_in_thread, stop_services
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "bucketed-push-unit-test-secret-000000001"
+WORKERS = ("worker:0",)
+#: Small buckets: the MLP below makes several per shard.
+SMALL = Overlap(bucket_bytes=600)
+
+
+class _Model(nn.Module):
+    """An MLP (optionally after a sparse embedding of its first input column)."""
+
+    def __init__(self, sparse_embedding: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(10, 4, sparse=True) if sparse_embedding else None
+        width = 8 + (4 if sparse_embedding else 0)
+        self.layers = nn.Sequential(
+            nn.Linear(width, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = torch.cat([x, self.embedding(x[:, 0].abs().long() % 10)], dim=1)
+        return self.layers(x)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=generator) * 3, torch.randint(
+        0, 3, (16,), generator=generator
+    )
+
+
+@dataclass
+class Trained:
+    params: list[torch.Tensor]
+    moving_average: dict[str, torch.Tensor]
+    results: list[Any]
+    stats: list[dict]
+    stores: list[list[torch.Tensor]]
+
+
+@pytest.fixture
+def cluster() -> Iterator[Callable[..., list[RunningService]]]:
+    started: list[list[RunningService]] = []
+
+    def start(shards: int = 1) -> list[RunningService]:
+        services = [
+            serve_in_thread(ServiceConfig(shard_index=i, worker_tasks=WORKERS), load_secret(SECRET))
+            for i in range(shards)
+        ]
+        started.append(services)
+        return services
+
+    yield start
+    for services in started:
+        stop_services(services)
+
+
+def _train(
+    services: list[RunningService],
+    overlap: Overlap | None,
+    steps: int = 4,
+    closure: Callable[[nn.Module, int], torch.Tensor] | None = None,
+    sparse_embedding: bool = False,
+    after: Callable[[TrainingSession, nn.Module], None] | None = None,
+    **session: Any,
+) -> Trained:
+    server = Server(
+        {"ps": [s.address for s in services], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+    )
+    model = _Model(sparse_embedding)
+
+    def loss_of(step: int) -> torch.Tensor:
+        x, y = _batch(step)
+        return nn.functional.cross_entropy(model(x), y)
+
+    options = {"ema_decay": 0.9, "progress_secs": None, **session}
+    if len(services) > 1:
+        options.setdefault("partition_threshold_bytes", 256)  # a weight over both shards
+    with TrainingSession(server, model, Adam(lr=0.05), overlap=overlap, **options) as sess:
+        results = [
+            sess.step(
+                (lambda step=step: closure(model, step))
+                if closure
+                else (lambda step=step: loss_of(step))
+            )
+            for step in range(steps)
+        ]
+        if after is not None:
+            after(sess, model)
+        stats = sess.cluster_stats()
+        average = sess.moving_average() if options["ema_decay"] is not None else {}
+    stores = [[flat.clone() for flat in s.service.store.live_values()] for s in services]
+    return Trained(
+        [p.detach().clone() for p in model.parameters()], average, results, stats, stores
+    )
+
+
+def _same(a: Trained, b: Trained) -> None:
+    assert [bits(p) for p in a.params] == [bits(p) for p in b.params]
+    assert sorted(a.moving_average) == sorted(b.moving_average)
+    for name, value in a.moving_average.items():
+        assert bits(value) == bits(b.moving_average[name]), name
+    assert [[bits(f) for f in s] for s in a.stores] == [[bits(f) for f in s] for s in b.stores]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_buckets_pushed_during_the_backward_end_bit_for_bit_where_the_whole_push_ends(
+    cluster: Callable[..., list[RunningService]], shards: int
+) -> None:
+    sequential = _train(cluster(shards), None)
+    bucketed = _train(cluster(shards), SMALL)
+    _same(sequential, bucketed)
+    assert [r.global_step for r in bucketed.results] == [1, 2, 3, 4]
+    assert all(r.made_step for r in bucketed.results)
+    assert sum(s["buckets"] for s in bucketed.stats) > sum(s["pushes"] for s in bucketed.stats)
+    assert bucketed.stats[0]["pushes"] == 4  # the global step and its push count once a step
+
+
+#: A sparse=True weight is updated by a row-sparse rule (lazy Adam beside the dense Adam).
+ROWS: dict[str, Any] = {"ema_decay": None, "sparse_optimizer": SparseAdam(lr=0.05)}
+
+
+def test_a_model_with_sparse_embedding_weights_ends_as_with_the_whole_push(
+    cluster: Callable[..., list[RunningService]],
+) -> None:
+    """The sparse=True embedding weight travels as rows (worker/mirrored_embeddings.py, after
+    the backward), the other variables in buckets during it: the same end, bit for bit. (The
+    ps keeps no moving average of row-held weights, hence no ema_decay.)"""
+    _same(
+        _train(cluster(), None, sparse_embedding=True, **ROWS),
+        _train(cluster(), SMALL, sparse_embedding=True, **ROWS),
+    )
+
+
+def test_gradients_accumulated_in_the_closure_or_a_backward_outside_the_step_push_nothing_early(
+    cluster: Callable[..., list[RunningService]],
+) -> None:
+    def accumulate(model: nn.Module, step: int) -> torch.Tensor:
+        x, y = _batch(step)
+        nn.functional.cross_entropy(model(x[:8]), y[:8]).backward()  # its hooks are not armed
+        return nn.functional.cross_entropy(model(x[8:]), y[8:])
+
+    counted: dict[str, int] = {}
+
+    def evaluate_with_gradients(sess: TrainingSession, model: nn.Module) -> None:
+        counted["before"] = sess.cluster_stats()[0]["buckets"]
+        x, y = _batch(99)
+        nn.functional.cross_entropy(model(x), y).backward()  # outside sess.step
+        counted["after"] = sess.cluster_stats()[0]["buckets"]
+        model.zero_grad(set_to_none=True)
+
+    sequential = _train(cluster(), None, closure=accumulate)
+    bucketed = _train(cluster(), SMALL, closure=accumulate, after=evaluate_with_gradients)
+    _same(sequential, bucketed)
+    assert counted["before"] == counted["after"] > 4
+
+
+def _nan_at_step_2(model: nn.Module, step: int) -> torch.Tensor:
+    x, y = _batch(step)
+    loss = nn.functional.cross_entropy(model(x), y)
+    return loss * math.nan if step == 2 else loss
+
+
+@pytest.mark.parametrize(
+    "session",
+    [
+        {"hooks": [NanGuard(action="skip")], "closure": _nan_at_step_2},
+        {"clip_grad_norm": 0.5},
+    ],
+    ids=["vetoing-hook", "clipping-on-the-worker"],
+)
+def test_with_a_vetoing_hook_or_worker_clipping_the_step_pushes_after_the_backward(
+    cluster: Callable[..., list[RunningService]], session: dict
+) -> None:
+    sequential = _train(cluster(), None, **session)
+    overlapped = _train(cluster(), SMALL, **session)
+    _same(sequential, overlapped)
+    assert overlapped.stats[0]["buckets"] == 0  # whole pushes only
+    vetoed = "hooks" in session
+    assert overlapped.stats[0]["pushes"] == (3 if vetoed else 4)
+
+
+def test_prefetch_leaves_the_last_reply_in_flight_and_the_model_ends_on_the_ps_values(
+    cluster: Callable[..., list[RunningService]],
+) -> None:
+    services = cluster()
+    pulled: dict[str, Any] = {}
+
+    def pull_midway(sess: TrainingSession, model: nn.Module) -> None:
+        pulled["step"] = sess.pull()  # settles the prefetched reply first
+        pulled["values"] = [p.detach().clone() for p in model.parameters()]
+        pulled["store"] = services[0].service.store.live_values()[0].clone()
+
+    def one_batch(model: nn.Module, step: int) -> torch.Tensor:  # the loss must go down
+        x, y = _batch(0)
+        return nn.functional.cross_entropy(model(x), y)
+
+    trained = _train(
+        services,
+        Overlap(bucket_bytes=600, prefetch=True),
+        steps=12,
+        closure=one_batch,
+        after=pull_midway,
+    )
+    steps = [r.global_step for r in trained.results]
+    assert steps[0] == 0 and not trained.results[0].made_step  # its count was still in flight
+    assert steps == sorted(steps) and steps[-1] >= 10  # one step behind at most
+    assert pulled["step"] == 12
+    assert bits(torch.cat([v.flatten() for v in pulled["values"]])) == bits(pulled["store"])
+    assert trained.results[-1].loss < trained.results[0].loss  # it trains
+    # The session's end settled the exchange: the model holds the ps's values.
+    assert bits(torch.cat([p.flatten() for p in trained.params])) == bits(trained.stores[0][0])
+
+
+class _RecoveryStarted(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().endswith("; recovering"):
+            self.event.set()
+
+
+def test_a_ps_restart_during_a_prefetched_step_is_recovered_from_the_checkpoint(
+    cluster: Callable[..., list[RunningService]], tmp_path: Path
+) -> None:
+    services = cluster()
+    handler = _RecoveryStarted()
+    logger = logging.getLogger("tensorfleet.worker")
+    logger.addHandler(handler)
+    restarted: list[RunningService] = []
+    restarter: list[threading.Thread] = []
+
+    def restart_the_ps(sess: TrainingSession, model: nn.Module) -> None:
+        old = services[0]
+        stop_services([old])  # with the last push of the step in flight, or just answered
+
+        def start_again() -> None:
+            if handler.event.wait(30.0):
+                restarted.append(
+                    serve_in_thread(old.service.config, load_secret(SECRET), old.address)
+                )
+
+        restarter.append(threading.Thread(target=start_again, daemon=True))
+        restarter[0].start()
+        results = [sess.step(lambda step=step: _loss(model, step)) for step in range(20, 26)]
+        assert any(r.dropped for r in results) or handler.event.is_set()
+        assert results[-1].global_step >= sess.last_checkpoint_step  # never behind the checkpoint
+
+    def _loss(model: nn.Module, step: int) -> torch.Tensor:
+        x, y = _batch(step)
+        return nn.functional.cross_entropy(model(x), y)
+
+    try:
+        with TrainingSession(
+            Server(
+                {"ps": [services[0].address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+            ),
+            model := _Model(),
+            Adam(lr=0.05),
+            overlap=Overlap(bucket_bytes=600, prefetch=True),
+            checkpoint_dir=tmp_path,
+            progress_secs=None,
+            timeouts=ClientTimeouts(step_s=10.0, recover_s=40.0, heartbeat_s=0.5, ps_silence_s=3.0),
+        ) as sess:
+            for step in range(6):
+                sess.step(lambda step=step: _loss(model, step))
+            saved = sess.save_checkpoint()
+            sess.last_checkpoint_step = int(saved.name.split("-")[-1])  # type: ignore[attr-defined]
+            restart_the_ps(sess, model)
+            final = sess.pull()
+            values = torch.cat([p.detach().flatten() for p in model.parameters()])
+        assert restarted, "the worker never recovered from the restart"
+        assert final >= sess.last_checkpoint_step  # type: ignore[attr-defined]
+        assert bits(values) == bits(restarted[0].service.store.live_values()[0])
+    finally:
+        logger.removeHandler(handler)
+        handler.event.set()
+        for thread in restarter:
+            thread.join(35.0)
+        stop_services(restarted)
+
+
+def test_a_prefetched_reply_taken_during_the_next_backward_still_reaches_the_model(
+    cluster: Callable[..., list[RunningService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last request of a prefetched step answers late: after the next forward started.
+    Its values wait for the next safe point instead of being lost, or the first layer (the
+    last bucket) would keep its old values for as long as that kept happening."""
+    services = cluster()
+    apply = VariableStore.apply
+
+    def slow_last_bucket(
+        store: VariableStore,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        apply(store, gradients, part, counts)
+        if counts:  # the step's last bucket: its reply leaves 0.3 s later
+            time.sleep(0.3)
+
+    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    server = Server(
+        {"ps": [services[0].address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+    )
+    model = _Model()
+    x, y = _batch(0)
+
+    def slow_forward() -> torch.Tensor:
+        time.sleep(1.0)  # the late reply arrives now, and the backward's first hook takes it
+        return nn.functional.cross_entropy(model(x), y)
+
+    with TrainingSession(
+        server,
+        model,
+        Adam(lr=0.05),
+        overlap=Overlap(bucket_bytes=600, prefetch=True),
+        progress_secs=None,
+    ) as sess:
+        first_layer = model.layers[0].weight.detach().clone()
+        sess.step(lambda: nn.functional.cross_entropy(model(x), y))  # its last reply: late
+        assert torch.equal(model.layers[0].weight, first_layer)  # still in flight
+        sess.step(slow_forward)
+        assert not torch.equal(model.layers[0].weight, first_layer)  # step 1's values arrived
