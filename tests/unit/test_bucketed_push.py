@@ -362,3 +362,29 @@ def test_a_prefetched_reply_taken_during_the_next_backward_still_reaches_the_mod
         assert torch.equal(model.layers[0].weight, first_layer)  # still in flight
         sess.step(slow_forward)
         assert not torch.equal(model.layers[0].weight, first_layer)  # step 1's values arrived
+
+
+def test_a_preempted_shards_request_for_a_checkpoint_reaches_the_chief_through_the_buckets(
+    cluster: Callable[..., list[RunningService]], tmp_path: Path
+) -> None:
+    """A preempted ps asks for a checkpoint in every reply (ps/preemption_drain.py); with the
+    gradients pushed in buckets those replies are the buckets', and the chief still saves at
+    the end of the step that received one."""
+    services = cluster()
+    server = Server(
+        {"ps": [s.address for s in services], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+    )
+    model = _Model()
+
+    def loss_of(step: int) -> torch.Tensor:
+        x, y = _batch(step)
+        return nn.functional.cross_entropy(model(x), y)
+
+    with TrainingSession(
+        server, model, Adam(lr=0.05), overlap=SMALL, checkpoint_dir=tmp_path, progress_secs=None
+    ) as sess:
+        sess.step(lambda: loss_of(0))
+        assert not list(tmp_path.glob("step-*"))
+        services[0].service.checkpoint_wanted = True  # what a SIGTERM to the ps sets
+        sess.step(lambda: loss_of(1))
+        assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000002"]

@@ -112,6 +112,8 @@ class BucketedPush:
         self._unpack_now = False
         self._counted: Progress | None = None
         self._stop = False
+        self._checkpoint_requested = False
+        """A reply since the last progress asked for a checkpoint (a preempted shard)."""
         self._recovered = False
         self._session_step: int | None = None
         self._data: dict[str, Any] | None = None
@@ -204,9 +206,14 @@ class BucketedPush:
         self._next_step()
         counted, self._counted = self._counted, None
         recovered, self._recovered = self._recovered, False
+        checkpoint, self._checkpoint_requested = self._checkpoint_requested, False
         if counted is None:  # prefetch: the count of this step is still in flight
             return Progress(
-                self._client._last_global_step, self._stop, made_step=False, recovered=recovered
+                self._client._last_global_step,
+                self._stop,
+                made_step=False,
+                recovered=recovered,
+                checkpoint_requested=checkpoint,
             )
         return Progress(
             counted.global_step,
@@ -214,6 +221,7 @@ class BucketedPush:
             counted.made_step,
             counted.dropped,
             recovered,
+            checkpoint_requested=checkpoint,
         )
 
     def settle(self, discard: bool = False) -> None:
@@ -404,6 +412,7 @@ class BucketedPush:
             variables=f"{flight.bucket.start}-{flight.bucket.stop}",
         )
         self._stop = self._stop or reply.body.get("stop") is True
+        self._checkpoint_requested |= reply.body.get("checkpoint") is True
         if shard == 0:  # the shard that owns the global step
             progress = self._client._progress([reply])
             if flight.counting:
@@ -449,7 +458,12 @@ class BucketedPush:
         self._stop = self._stop or pulled.stop
         self._recovered = True
         return Progress(
-            pulled.global_step, self._stop, made_step=False, dropped=True, recovered=True
+            pulled.global_step,
+            self._stop,
+            made_step=False,
+            dropped=True,
+            recovered=True,
+            checkpoint_requested=pulled.checkpoint_requested,
         )
 
 
