@@ -281,7 +281,8 @@ def test_a_worker_preempted_while_recovering_exits_at_once_instead_of_retrying()
     server, client, _ = _ps_and_chief(grace_s=5.0, saves_checkpoints=False)
     patient = ClientTimeouts(connect_s=10.0, initialize_s=10.0, step_s=10.0, recover_s=60.0)
     client.timeouts = patient
-    server.stop()  # nothing answers any more
+    server.stop()
+    server.join(10.0)  # its loop has ended: nothing answers any more
     with PreemptionNotice() as notice:
         timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
         timer.start()
