@@ -42,11 +42,11 @@ rounds, medians; the tables are in benchmarks/README.md and docs/timeline.md):
 * **Buckets on by default, 1 MiB, closed once full** (as ``DistributedDataParallel`` cuts
   them). Over a 1 Gbit/s link, buckets made the CNN's step 1.23x (one worker) and 1.10x
   (two workers) as fast as the sequential step, and 1.04x on this machine without a link
-  limit: its ``fc`` layers (most of its bytes) are done early and travel during the
+  limit (a second run: 1.19x, 1.08x, 0.98x): its ``fc`` layers (most of its bytes) are done early and travel during the
   convolutions' backward (most of its compute). They cost the MLP, whose bytes are spread
   over its layers, when the link is saturated by two workers (0.88x): its second request
   waits for the reply to its first (one request in flight per shard); 0.95x locally, 1.04x
-  with one worker. They never change the result (bit for bit), help the example, and
+  with one worker (second run: 0.94x, 0.91x, 1.06x). They never change the result (bit for bit), help the example, and
   ``bucket_bytes=None`` turns them off for a model they do not suit. The alternative cut,
   closing a bucket *before* it would exceed the size, made the CNN's small last layers a
   bucket of their own that, sent first, held its large ``fc1`` back for a whole round trip;
