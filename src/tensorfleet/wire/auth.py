@@ -142,6 +142,21 @@ def bytes_view(buffer: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def gmac_chunk_tags(key: bytes, counter: int, buffers: Sequence[Buffer]) -> bytes:
+    """The AES-GMAC tags of every chunk of ``buffers`` (see :func:`chunk_spans`) under
+    ``key`` and ``counter`` (each chunk its own nonce), concatenated; computed on two
+    threads for large payloads (:func:`in_parallel`)."""
+    jobs, total = chunk_jobs(buffers)
+
+    def run(job: tuple[int, memoryview]) -> bytes:
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce(counter, job[0]))).encryptor()
+        encryptor.authenticate_additional_data(job[1])
+        encryptor.finalize()
+        return encryptor.tag
+
+    return b"".join(in_parallel(jobs, run, total))
+
+
 def chunk_jobs(buffers: Sequence[Buffer]) -> tuple[list[tuple[int, memoryview]], int]:
     views = [bytes_view(b) for b in buffers]
     spans = chunk_spans([v.nbytes for v in views])
@@ -180,16 +195,7 @@ class MessageSigner:
 
     def chunk_tags(self, counter: int, buffers: Sequence[Buffer]) -> bytes:
         """The tags of every chunk of ``buffers`` (see :func:`chunk_spans`), concatenated."""
-        jobs, total = chunk_jobs(buffers)
-        key = self._key
-
-        def run(job: tuple[int, memoryview]) -> bytes:
-            encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce(counter, job[0]))).encryptor()
-            encryptor.authenticate_additional_data(job[1])
-            encryptor.finalize()
-            return encryptor.tag
-
-        return b"".join(in_parallel(jobs, run, total))
+        return gmac_chunk_tags(self._key, counter, buffers)
 
 
 class VerifiedHeader:

@@ -84,8 +84,8 @@ from tensorfleet.wire.auth import (
     TAG_BYTES,
     Buffer,
     bytes_view,
-    chunk_jobs,
     chunk_spans,
+    gmac_chunk_tags,
     in_parallel,
     nonce,
 )
@@ -185,7 +185,7 @@ class Sealer:
         without: the buffers travel elsewhere, e.g. in shared memory, only authenticated)."""
         key = message_key(self._key, counter)
         if not encrypt:
-            return _gmac_tags(key, counter, buffers), []
+            return gmac_chunk_tags(key, counter, buffers), []
         views = [bytes_view(b) for b in buffers]
         outputs = self._pool.views([v.nbytes for v in views])
         spans = chunk_spans([v.nbytes for v in views])
@@ -267,7 +267,7 @@ class Opener:
             )
         key = message_key(self._key, counter)
         if not decrypt:
-            if not hmac.compare_digest(_gmac_tags(key, counter, views), bytes(tags)):
+            if not hmac.compare_digest(gmac_chunk_tags(key, counter, views), bytes(tags)):
                 raise AuthenticationError(
                     "payload authentication failed: the payload in shared memory was altered "
                     "(or not sealed under this connection's keys)"
@@ -304,19 +304,6 @@ class Opener:
     def accept(self, counter: int) -> None:
         """Record ``counter``: the message verified, the same one is refused from now on."""
         self.last_counter = counter
-
-
-def _gmac_tags(key: bytes, counter: int, buffers: Sequence[Buffer]) -> bytes:
-    """Chunk tags that authenticate without encrypting (payloads in shared memory)."""
-    jobs, total = chunk_jobs(buffers)
-
-    def run(job: tuple[int, memoryview]) -> bytes:
-        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce(counter, job[0]))).encryptor()
-        encryptor.authenticate_additional_data(job[1])
-        encryptor.finalize()
-        return encryptor.tag
-
-    return b"".join(in_parallel(jobs, run, total))
 
 
 class ChannelEncryption:
