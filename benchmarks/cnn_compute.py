@@ -45,10 +45,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from compute_rates import cnn_step_flops, gemm_flop_per_s  # noqa: E402
 from mnist_cnn import ClassicCNN  # noqa: E402
 from results_writer import write_results  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 BATCH = 50
 #: Each variant's options: (channels_last, fused Adam, torch.compile, bf16 autocast).
@@ -82,24 +82,6 @@ def make_step(name: str) -> Callable[[], None]:
         optimizer.step()
 
     return step
-
-
-def step_flops() -> float:
-    model = ClassicCNN()
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(torch.randn(BATCH, 1, 28, 28)), torch.zeros(BATCH).long()).backward()
-    return float(counter.get_total_flops())
-
-
-def gemm_flop_per_s(n: int = 2048) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 def tensorflow_ms(steps: int) -> float | None:
@@ -141,7 +123,7 @@ def main() -> int:
     parser.add_argument("--skip-tensorflow", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    flops = step_flops()
+    flops = cnn_step_flops(BATCH)
     steps = {name: make_step(name) for name in VARIANTS}
     for step in steps.values():  # warm-up (compiles)
         for _ in range(5):

@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
 
+from compute_rates import cnn_step_flops, gemm_flop_per_s  # noqa: E402
 from mnist_cnn import ClassicCNN  # noqa: E402
 from results_writer import write_results  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from tensorfleet.datasets import BatchStream, load_mnist, normalize  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
@@ -162,32 +162,9 @@ TENSORFLEET_ROWS: dict[str, tuple[int, int, tuple[str, ...], str]] = {
 }
 
 
-def step_flops(batch: int = 50) -> float:
-    """FLOPs of one training step of the CNN (forward and backward), counted by torch."""
-    model = ClassicCNN()
-    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(x), y).backward()
-    return float(counter.get_total_flops())
-
-
-def gemm_flop_per_s(threads: int = 2, n: int = 2048) -> float:
-    """The best of a few fp32 n x n ``torch.mm`` on ``threads`` threads, in FLOP/s: what
-    this machine's BLAS reaches in this round (the ceiling the step's FLOP/s are put against)."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
-
-
 def one_round(steps: int, tensorflow: bool, names: list[str], flops: float) -> dict[str, dict]:
     """Every row once, and this round's GEMM."""
-    gemm = gemm_flop_per_s()
+    gemm = gemm_flop_per_s(threads=2)
     rows: dict[str, dict] = {"pytorch_single": {"steps_per_s": pytorch_single(steps)}}
     print("pytorch_single", rows["pytorch_single"], flush=True)
     for name in names:
@@ -320,7 +297,7 @@ def main() -> int:
         "--name", default="throughput", help="results file name (benchmarks/results/NAME.json)"
     )
     args = parser.parse_args()
-    flops = step_flops()
+    flops = cnn_step_flops()
     rounds = []
     for index in range(args.repeats):
         print(f"round {index + 1} of {args.repeats}", flush=True)
