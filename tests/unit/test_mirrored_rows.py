@@ -234,6 +234,46 @@ def test_the_chief_creates_the_table_from_its_values_in_chunks_idempotently(shar
         other.close()
 
 
+def test_a_shard_restarted_during_the_chiefs_first_fill_gets_the_whole_table_again(shards):
+    """The chief fills a 5000-row table in chunks; shard 1 restarts (empty, same address)
+    after the first chunk. Its table and rows are gone, so the chief recovers and creates and
+    fills the table again from the start: both shards end with the chief's values, and the
+    training starts."""
+    torch.manual_seed(0)
+    model = Net(rows=5000)
+    chief = _updater(shards, model)
+    restarted: list[RunningService] = []
+    try:
+        chief.connect()
+        chief.wrap(model)
+        source = chief.mirrored.source
+        sent = source.fill_rows
+
+        def fill_then_restart(table, parts, direct=False):  # noqa: ANN001, ANN202
+            answer = sent(table, parts, direct)
+            if not restarted:
+                old = shards[1]
+                stop_services([old])
+                restarted.append(serve_in_thread(old.service.config, SECRET, old.address))
+                shards[1] = restarted[0]  # the fixture stops it
+            return answer
+
+        source.fill_rows = fill_then_restart
+        chief.register(list(model.named_parameters()), tfl.optim.SGD(lr=0.1))
+        chief.restore(None)
+        weight = model.emb.weight.detach()
+        for k, service in enumerate(shards):
+            store = _store(service)
+            assert store.complete
+            ids = torch.arange(k, 5000, 2)
+            assert torch.equal(store.pull(ids), weight[ids])
+        model.zero_grad()
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        chief.exchange(0, None)  # a step goes through both shards
+    finally:
+        chief.close()
+
+
 def test_another_incarnation_sends_every_row(shards):
     torch.manual_seed(1)
     model = Net()

@@ -38,7 +38,9 @@ The life of one weight (its table takes the parameter's name, e.g. ``emb.weight`
   the weight whole under its parameter name;
 * a ps that restarts without a checkpoint to restore gets the table again from the chief's
   copy (:meth:`MirroredEmbeddings.recreate`, called by the client before it re-creates the
-  shard's dense variables).
+  shard's dense variables); one that restarts during the chief's first fill makes the chief
+  recover and create and fill the table again from the start
+  (:meth:`~tensorfleet.worker.ps_row_source.PsRowSource.whole_again_after_a_restart`).
 
 The row-sparse rule is ``sparse_optimizer`` when the session has one, else the session's
 optimizer by name (:func:`row_rule`): ``sgd`` and ``adagrad`` as torch applies them to a
@@ -184,10 +186,23 @@ class MirroredEmbeddings:
         that are not complete with its weights' values (and then knows what the shards hold);
         the others only ask for the same tables (refused when they differ)."""
         for weight in self.weights:
-            replies = self.source.create_given(weight.spec, weight.partition, self._rule(weight))
-            incomplete = [k for k, body in enumerate(replies) if body.get("complete") is not True]
-            if is_chief and incomplete:
-                self._fill(weight, incomplete, direct=False)
+            if is_chief:  # a shard that restarts midway lost the table: create and fill again
+                self.source.whole_again_after_a_restart(
+                    lambda weight=weight: self._create_filled(weight),
+                    f"creating the rows of {weight.name!r}",
+                )
+            else:
+                self.source.create_given(weight.spec, weight.partition, self._rule(weight))
+
+    def _create_filled(self, weight: MirroredWeight) -> None:
+        """Every shard holds its part of ``weight``'s table, filled with this copy's rows
+        where it was not complete (requests sent directly: the caller recovers)."""
+        replies = self.source.create_given(
+            weight.spec, weight.partition, self._rule(weight), direct=True
+        )
+        incomplete = [k for k, body in enumerate(replies) if body.get("complete") is not True]
+        if incomplete:
+            self._fill(weight, incomplete, direct=True)
 
     def recreate(self, shards: Sequence[int]) -> None:
         """The chief, recovering: ``shards`` restarted without a checkpoint; give them their

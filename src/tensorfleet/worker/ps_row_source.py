@@ -17,6 +17,7 @@ a table on a restarted shard from inside a recovery.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,12 @@ from tensorfleet.wire.channel import Reply
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
 from tensorfleet.worker.client import RECOVERABLE
 from tensorfleet.worker.shard_fanout import ShardFanout
+
+log = logging.getLogger("tensorfleet.worker")
+
+#: How many times :meth:`PsRowSource.whole_again_after_a_restart` runs its work at most (a
+#: ps that restarts during each of them is failing, not restarting).
+WHOLE_WORK_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,22 @@ class PsRowSource:
 
     def _run(self, attempt: Callable[[], list[Reply]], direct: bool) -> list[Reply]:
         return attempt() if direct else self._call(attempt)
+
+    def whole_again_after_a_restart(self, work: Callable[[], None], what: str) -> None:
+        """Run ``work`` (requests sent ``direct``), and when a ps restarts, falls silent or
+        times out during it, recover and run all of ``work`` again, up to
+        :data:`WHOLE_WORK_ATTEMPTS` times: for work that a restarted shard needs whole
+        (the chief's first fill of a table: a shard that restarted midway has lost the
+        table and the rows sent so far). ``work`` must be idempotent."""
+        for attempt in range(1, WHOLE_WORK_ATTEMPTS + 1):
+            try:
+                work()
+                return
+            except RECOVERABLE as exc:
+                if self._recover is None or attempt == WHOLE_WORK_ATTEMPTS:
+                    raise
+                self._recover(exc)
+                log.warning("%s: %s again from the start", self.task_name, what)
 
     def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
