@@ -182,6 +182,15 @@ def _updater(services, model: nn.Module, task: str = "worker:0", **options) -> P
     )
 
 
+def _start(updater: PsUpdater, model: nn.Module) -> None:
+    """Connect, wrap ``model``, register it with SGD and restore: the updater's life up to its
+    first step (the chief fills the table; the others create it and wait)."""
+    updater.connect()
+    updater.wrap(model)
+    updater.register(list(model.named_parameters()), tfl.optim.SGD(lr=0.1))
+    updater.restore(None)
+
+
 def _store(service: RunningService, name: str = "emb.weight") -> RowStore:
     return service.service.tables.tables.store(name)
 
@@ -218,10 +227,7 @@ def test_the_chief_creates_the_table_from_its_values_in_chunks_idempotently(shar
         assert mirrored.weights[0].seen == [[_store(s).incarnation, 3] for s in shards]
         mirrored.create(is_chief=True)  # a chief that starts again: the table is complete
         assert len(fills) == 3 and _store(shards[0]).version == 3
-        other.connect()
-        other.wrap(other_model)
-        other.register(list(other_model.named_parameters()), tfl.optim.SGD(lr=0.1))
-        other.restore(None)
+        _start(other, other_model)
         assert not torch.equal(other_model.emb.weight, weight)
         before = other.mirrored.source.bytes_sent
         other.pull()
@@ -279,10 +285,7 @@ def test_another_incarnation_sends_every_row(shards):
     model = Net()
     updater = _updater(shards, model)
     try:
-        updater.connect()
-        updater.wrap(model)
-        updater.register(list(model.named_parameters()), tfl.optim.SGD(lr=0.1))
-        updater.restore(None)
+        _start(updater, model)
         source, weight = updater.mirrored.source, updater.mirrored.weights[0]
         incarnation, version = weight.seen[0]
         known = source.pull_changed("emb.weight", {0: ([incarnation, version], 0)}, 100, 6)
@@ -329,10 +332,7 @@ def test_a_dense_gradient_of_a_mirrored_weight_is_refused_naming_it(shards):
     model = Net()
     updater = _updater(shards, model)
     try:
-        updater.connect()
-        updater.wrap(model)
-        updater.register(list(model.named_parameters()), tfl.optim.SGD(lr=0.1))
-        updater.restore(None)
+        _start(updater, model)
         (model.emb.weight.sum() + model(torch.tensor([1, 2])).sum()).backward()  # tied use
         with pytest.raises(
             SparseGradientError, match=r"'emb.weight'.*dense gradient.*sparse=False"
@@ -346,10 +346,7 @@ def test_bad_pushes_are_refused_naming_the_table_and_the_shard_stays_up(shards):
     model = Net()
     updater = _updater(shards, model)
     try:
-        updater.connect()
-        updater.wrap(model)
-        updater.register(list(model.named_parameters()), tfl.optim.SGD(lr=0.1))
-        updater.restore(None)
+        _start(updater, model)
         source = updater.mirrored.source
         empty = SparseRows(torch.empty(0, dtype=torch.int64), torch.empty(0, 6))
         shard, piece = next((k, s[0]) for k, s in enumerate(updater.plan.shards) if s)
