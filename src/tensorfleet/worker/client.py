@@ -43,7 +43,7 @@ from tensorfleet.errors import (
     TensorfleetError,
     UsageError,
 )
-from tensorfleet.preemption_event import preempted, wait_unless_preempted
+from tensorfleet.preemption_event import wait_unless_preempted
 from tensorfleet.ps.model_namespace import ModelClaim
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -363,7 +363,8 @@ class ParameterClient:
                 log.warning(
                     "%s: not recovered yet (%s); trying again in %.1f s", self.task_name, exc, delay
                 )
-            if preempted() or wait_unless_preempted(min(delay, deadline - time.monotonic())):
+            # The back-off, cut short by a preemption (set before it, it returns at once).
+            if wait_unless_preempted(min(delay, deadline - time.monotonic())):
                 message = (
                     f"{self.task_name}: preempted (SIGTERM) while the parameter servers were "
                     f"unreachable ({last}): nothing could be saved since the last checkpoint; "
