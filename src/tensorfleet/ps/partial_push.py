@@ -161,7 +161,7 @@ class PartialPushHandling:
         parts = [
             flat[lo:hi] for flat, (lo, hi) in zip(self.store.live_values(), slices, strict=True)
         ]
+        tracker = self.socket.reply(request, reply, [as_buffer(part) for part in parts])
         if not self.socket.reply_copies_buffers(request):
-            # ZeroMQ sends from our memory later; the next update must not change these bytes.
-            parts = [part.clone() for part in parts]
-        self.socket.reply(request, reply, [as_buffer(part) for part in parts])
+            # ZeroMQ sends from the store's memory later: the next write copies first.
+            self.store.lent(tracker)

@@ -71,7 +71,6 @@ from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.partial_push import PartialPushHandling
 from tensorfleet.ps.service_settings import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
-from tensorfleet.ps.snapshot_pool import SnapshotPool
 from tensorfleet.ps.spans import NO_SPANS, SpanRecorder
 from tensorfleet.ps.staleness_gate import StalenessGate
 from tensorfleet.ps.store import VariableStore
@@ -101,7 +100,6 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         self.socket = socket
         self.config = config
         self.store = VariableStore()
-        self._snapshots = SnapshotPool(self.store)
         self.global_step = 0
         self.owns_global_step = False
         self.roster = WorkerRoster(
@@ -283,7 +281,6 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
                 checkpoint_handling.restore_into(self.store, checkpoint)
             except ValueError:
                 self.store = VariableStore()  # nothing of the refused create remains
-                self._snapshots = SnapshotPool(self.store)
                 raise
         # Only now: a create that is refused (a rule torch rejects) changes nothing.
         self.aggregator, self.gate = aggregator, gate
@@ -501,6 +498,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
                 **self._progress(),
                 "pushes": self.stats["pushes"],
                 "buckets": self.stats["buckets"],
+                "copies_on_write": self.store.copies_on_write,
                 "refused": self.stats["refused"],
                 "rejected": dict(self.socket.rejected),
                 "done_workers": sorted(self.done_workers),
@@ -525,13 +523,11 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
 
     def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
         body = {**self._progress(), **(extra or {})}
-        if self.socket.reply_copies_buffers(request):
-            # Copied (into shared memory, or encrypted) before reply() returns: no snapshot.
-            self.socket.reply(request, body, [as_buffer(t) for t in self.store.live_values()])
-            return
-        slot, values = self._snapshots.take()
-        tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
-        self._snapshots.sent(slot, tracker)
+        values = [as_buffer(t) for t in self.store.live_values()]
+        tracker = self.socket.reply(request, body, values)
+        if not self.socket.reply_copies_buffers(request):
+            # Sent from the store's memory: the next write copies first while it is in flight.
+            self.store.lent(tracker)
 
     def _require_initialized(self) -> None:
         if not self.store.initialized:

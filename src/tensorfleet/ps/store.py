@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorfleet.errors import CheckpointMismatch, ConfigError, UsageError
+from tensorfleet.ps.copy_on_write import CopyOnWrite, Tracker
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.tensors import DTYPES
@@ -15,7 +16,9 @@ class VariableStore:
     ``torch.optim`` optimizer over per-variable views of those tensors.
 
     Keeping the storage flat makes a pull one contiguous copy and a push one buffer per
-    dtype; giving the optimizer per-variable views keeps per-variable rules correct.
+    dtype; giving the optimizer per-variable views keeps per-variable rules correct. Replies
+    send the flats without a copy (:meth:`lent`); a write while one is in flight copies
+    first (:mod:`tensorfleet.ps.copy_on_write`).
     """
 
     def __init__(self) -> None:
@@ -28,6 +31,7 @@ class VariableStore:
         self._optimizer: torch.optim.Optimizer | None = None
         self._ema: list[torch.Tensor] | None = None
         self._ema_decay = 0.0
+        self._copy_on_write = CopyOnWrite()
 
     @property
     def initialized(self) -> bool:
@@ -77,13 +81,19 @@ class VariableStore:
 
     def live_values(self) -> list[torch.Tensor]:
         """The current values themselves, one flat tensor per group: to be read at once
-        (the next update changes them), never kept."""
+        (the next update changes them), or sent in a reply followed by :meth:`lent`; never
+        kept across a write (a write may move the store onto other memory)."""
         return list(self._flats)
 
-    def snapshot_into(self, targets: list[torch.Tensor]) -> None:
-        """Copy the current values into ``targets`` (tensors shaped like :meth:`snapshot`'s)."""
-        for target, flat in zip(targets, self._flats, strict=True):
-            target.copy_(flat)
+    def lent(self, tracker: Tracker | None) -> None:
+        """The values of :meth:`live_values` (or views of them) went out in a reply that
+        ``tracker`` follows: until it is done, a write leaves that memory unchanged."""
+        self._copy_on_write.lent(tracker)
+
+    @property
+    def copies_on_write(self) -> int:
+        """How many writes came while a reply was sending the values, and copied them."""
+        return self._copy_on_write.copies
 
     def checkpoint_parts(
         self, copy: bool = True
@@ -138,6 +148,7 @@ class VariableStore:
             )
         )
         state = {by_name[name]: dict(tensors) for name, tensors in optimizer.items()}
+        self._copy_on_write.before_write(self._flats, self._views)
         try:
             fresh.load_state_dict(
                 {"state": state, "param_groups": fresh.state_dict()["param_groups"]}
@@ -189,6 +200,7 @@ class VariableStore:
             if part is not None
             else [(0, group.numel) for group in self.layout.groups]
         )
+        self._copy_on_write.before_write(self._flats, self._views)
         stepped = []
         for group, indices, views, grad, (lo, _) in zip(
             self.layout.groups,
