@@ -22,6 +22,11 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
 bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``.
 
+``--baseline-src DIR`` adds ``push_pull_baseline`` and ``pull_baseline``: the same over TCP
+with the ps process running the package found in ``DIR`` (the ``src`` directory of another
+checkout, e.g. ``git worktree add /tmp/before HEAD~1`` then ``--baseline-src
+/tmp/before/src``), in the same interleaved rounds: an A/B of a change to the ps.
+
     .venv/bin/python benchmarks/wire.py [--megabytes 8 32 --batches 10 --per-batch 10]
 
 Writes benchmarks/results/wire.json and .md.
@@ -119,7 +124,11 @@ class TensorfleetPs:
     """A real ``tensorfleet server`` ps process holding one variable, and a client."""
 
     def __init__(
-        self, model_bytes: int, encrypt: bool = False, shared_memory: bool = False
+        self,
+        model_bytes: int,
+        encrypt: bool = False,
+        shared_memory: bool = False,
+        ps_src: Path | None = None,
     ) -> None:
         secret = generate_secret()
         ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -130,6 +139,7 @@ class TensorfleetPs:
         env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TENSORFLEET_SECRET": secret}
         env["TENSORFLEET_ENCRYPT"] = "1" if encrypt else "0"
         env[SHARED_MEMORY_VAR] = "1" if shared_memory else "0"
+        env["PYTHONPATH"] = str(ps_src or ROOT / "src")  # the package the ps process runs
         self.ps = subprocess.Popen(
             [sys.executable, "-m", "tensorfleet", "server"],
             env=env,
@@ -163,7 +173,7 @@ class TensorfleetPs:
 
 
 #: The kinds that apply an SGD update on the server, compared with ``raw_tcp_sgd`` too.
-UPDATING = ("push_pull", "push_pull_encrypted", "push_pull_shared_memory")
+UPDATING = ("push_pull", "push_pull_encrypted", "push_pull_shared_memory", "push_pull_baseline")
 
 #: Bytes each kind moves per round trip, in units of the model's size.
 MOVES = {
@@ -174,10 +184,14 @@ MOVES = {
     "push_pull_encrypted": 2,
     "push_pull_shared_memory": 2,
     "pull_shared_memory": 1,
+    "push_pull_baseline": 2,
+    "pull_baseline": 1,
 }
 
 
-def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, list[float]]:
+def interleaved(
+    model_bytes: int, batches: int, per_batch: int, baseline_src: Path | None = None
+) -> dict[str, list[float]]:
     """Seconds per round trip for each kind, measured in alternating batches so that the
     machine's drift (this is a shared 2-core VM) hits every kind alike."""
     torch.set_num_threads(1)
@@ -197,6 +211,11 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         "push_pull_shared_memory": local.push_pull,
         "pull_shared_memory": local.pull,
     }
+    baseline = None
+    if baseline_src is not None:
+        baseline = TensorfleetPs(model_bytes, ps_src=baseline_src)
+        kinds["push_pull_baseline"] = baseline.push_pull
+        kinds["pull_baseline"] = baseline.pull
     times: dict[str, list[float]] = {name: [] for name in kinds}
     try:
         for batch in range(batches + 1):
@@ -209,8 +228,9 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
     finally:
         raw.close()
         raw_sgd.close()
-        for ps in (ours, encrypted, local):
-            ps.close()
+        for ps in (ours, encrypted, local, baseline):
+            if ps is not None:
+                ps.close()
     return times
 
 
@@ -232,7 +252,18 @@ def main() -> int:
     parser.add_argument("--megabytes", type=float, nargs="+", default=[8.0, 32.0])
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--per-batch", type=int, default=10)
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        default=None,
+        help="the src directory of another checkout: its ps in the same rounds (an A/B)",
+    )
     args = parser.parse_args()
+    if args.baseline_src is not None and not (args.baseline_src / "tensorfleet").is_dir():
+        parser.error(
+            f"--baseline-src {args.baseline_src} has no tensorfleet package: give the src "
+            "directory of a checkout (e.g. /tmp/before/src after git worktree add /tmp/before HEAD~1)"
+        )
     sizes: dict[str, dict] = {}
     table = [
         "| MB | run | median ms | p10-p90 ms | GB/s | ratio vs raw TCP | vs raw TCP + SGD |",
@@ -240,7 +271,7 @@ def main() -> int:
     ]
     for megabytes in args.megabytes:
         model_bytes = int(megabytes * 1e6) // 4 * 4
-        times = interleaved(model_bytes, args.batches, args.per_batch)
+        times = interleaved(model_bytes, args.batches, args.per_batch, args.baseline_src)
         rows = {name: summary(t, MOVES[name] * model_bytes) for name, t in times.items()}
         for name, row in rows.items():
             row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]

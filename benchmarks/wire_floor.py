@@ -15,6 +15,25 @@ batches:
   chunks before every send and opened after every receive, on one thread at each end
   (four passes per round trip: what ``--encrypt`` adds to the wire since protocol 3, see
   ``wire/encryption.py``, without its second thread);
+* ``zmq_gmac_sgd_echo``: the least work an authenticated push+pull over ZeroMQ does, with
+  nothing else of tensorfleet's: the client tags the gradient (AES-256-GMAC per 1 MiB
+  chunk), the server verifies every tag, applies SGD to its float32 weights
+  (``weight.add_(gradient, alpha=-lr)``, one thread), tags the new weights and sends them
+  back, where the client verifies them. No snapshot (a ps needs one: other workers' pushes
+  change the weights while a reply is being sent), no header, no copy into a model;
+* ``zmq_gmac_sgd_pipelined``: the same work with every 1 MiB chunk its own message, up to
+  four in flight, the server answering each chunk as it comes: whether overlapping the
+  tagging and the update of one chunk with the transfer of the next pays on this machine
+  (it cannot when both cores are already busy with the copies of the transfer);
+
+* ``same_host_floor``: no transport at all, on this thread: the gradient copied into a
+  buffer (the shared memory a same-host push writes), the SGD update reading it, the new
+  values copied out (the reply a worker keeps): the memory traffic any same-host push+pull
+  that applies the update and leaves the worker its own copy must do;
+  ``same_host_floor_authenticated`` adds the four GMAC passes of the same authentication as
+  over TCP (each direction tagged by its sender and verified by its receiver, on two
+  threads as tensorfleet does). Their ratio
+  to the raw TCP echo bounds what a same-host fast path can reach on this machine;
 
 and, on this thread, the cryptography an encrypted or authenticated message needs, in GB/s
 over one buffer of the size: ``aes_gcm_encrypt`` (AES-256-GCM into a fresh output buffer,
@@ -39,14 +58,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import zmq
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
 
 from results_writer import write_results  # noqa: E402
+
+from tensorfleet.wire.auth import in_parallel  # noqa: E402
 
 #: Seconds any one round trip may take before the benchmark gives up.
 ROUND_TRIP_TIMEOUT_S = 60
@@ -71,7 +94,7 @@ for _ in range(rounds):
 ZMQ_SERVER = r"""
 import sys, zmq
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-curve_secret, aes_key = sys.argv[1], bytes.fromhex(sys.argv[2])
+curve_secret, aes_key, mode = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
 CHUNK = 1 << 20
 
 def seal(key, counter, source, target):
@@ -91,6 +114,33 @@ def open_(key, counter, source, tags, target):
         decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
         decryptor.update_into(source[start:start + CHUNK], target[start:start + CHUNK])
         decryptor.finalize()
+def tag(key, nonce, source):
+    encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    encryptor.authenticate_additional_data(source)
+    encryptor.finalize()
+    return encryptor.tag
+
+def verify(key, nonce, source, expected):
+    decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, expected)).decryptor()
+    decryptor.authenticate_additional_data(source)
+    decryptor.finalize()  # InvalidTag if anything was altered
+
+def chunk_nonce(index, counter):
+    return (index + 1).to_bytes(4, "big") + counter.to_bytes(8, "big")
+
+weight = None
+if mode != "echo":
+    import torch
+    torch.set_num_threads(1)
+
+def updated(gradient, start):
+    # SGD on the weights the gradient's bytes cover (from byte ``start``); their bytes
+    global weight
+    if weight is None or weight.numel() * 4 < start + len(gradient):
+        weight = torch.randn((start + len(gradient)) // 4)
+    part = weight[start // 4:(start + len(gradient)) // 4]
+    part.add_(torch.frombuffer(gradient, dtype=torch.float32), alpha=-0.1)
+    return memoryview(part.numpy()).cast("B")
 router = zmq.Context().socket(zmq.ROUTER)
 router.setsockopt(zmq.LINGER, 1000)
 router.setsockopt(zmq.RCVTIMEO, 60_000)
@@ -105,6 +155,22 @@ while True:
     frames = router.recv_multipart(copy=False)
     if len(frames[-1]) == 0:  # the client is done
         break
+    if mode == "gmac_sgd" and len(frames) == 3:  # [peer, gradient, tags]: the whole model
+        data, tags = frames[1].buffer, frames[2].bytes
+        for index, start in enumerate(range(0, len(data), CHUNK)):
+            verify(aes_key, chunk_nonce(index, 1), data[start:start + CHUNK], tags[16 * index:16 * index + 16])
+        values = updated(data, 0)
+        out = b"".join(tag(aes_key, chunk_nonce(i, 2), values[s:s + CHUNK]) for i, s in enumerate(range(0, len(values), CHUNK)))
+        router.send_multipart([frames[0], values, out], copy=False)
+        continue
+    if mode == "gmac_sgd_pipelined" and len(frames) == 4:  # [peer, index, chunk, tag]
+        index = int.from_bytes(frames[1].bytes, "big")
+        data = frames[2].buffer
+        verify(aes_key, chunk_nonce(index, 1), data, frames[3].bytes)
+        values = updated(data, index * CHUNK)
+        out = tag(aes_key, chunk_nonce(index, 2), values)
+        router.send_multipart([frames[0], frames[1], values, out], copy=False)
+        continue
     if aes_key and len(frames) == 3:  # [peer, ciphertext, tags]: open, then seal the answer
         data = frames[1].buffer
         if plain is None or len(plain) != len(data):
@@ -150,12 +216,17 @@ class TcpEcho:
 
 class ZmqEcho:
     """A ZeroMQ ROUTER echo server in its own process, and a DEALER talking to it; with
-    ``aes_gcm`` both ends seal and open every payload (one thread each)."""
+    ``aes_gcm`` both ends seal and open every payload (one thread each). ``mode`` "gmac_sgd"
+    and "gmac_sgd_pipelined": the server verifies, updates and tags (see the module
+    docstring; the payload is the float32 gradient)."""
 
-    def __init__(self, payload: bytes, curve: bool, aes_gcm: bool = False) -> None:
+    def __init__(
+        self, payload: bytes, curve: bool, aes_gcm: bool = False, mode: str = "echo"
+    ) -> None:
         server_public, server_secret = zmq.curve_keypair() if curve else (b"", b"-")
-        self.key = os.urandom(32) if aes_gcm else b""
-        self.server, port = _start(ZMQ_SERVER, server_secret.decode(), self.key.hex())
+        self.mode = mode
+        self.key = os.urandom(32) if aes_gcm or mode != "echo" else b""
+        self.server, port = _start(ZMQ_SERVER, server_secret.decode(), self.key.hex(), mode)
         self.counter = 0
         self.sealed, self.opened = bytearray(len(payload)), bytearray(len(payload))
         self.context = zmq.Context()
@@ -184,6 +255,12 @@ class ZmqEcho:
             self.dealer.recv()
 
     def round_trip(self) -> None:
+        if self.mode == "gmac_sgd":
+            self._gmac_sgd_round_trip()
+            return
+        if self.mode == "gmac_sgd_pipelined":
+            self._gmac_sgd_pipelined_round_trip()
+            return
         if self.key:
             self.counter += 1
             tags = _seal(self.key, self.counter, self.payload, memoryview(self.sealed))
@@ -197,10 +274,67 @@ class ZmqEcho:
             self.counter += 1
             _open(self.key, self.counter, frames[0].buffer, frames[1].bytes, self.opened)
 
+    def _receive(self) -> list[zmq.Frame]:
+        if not self.dealer.poll(ROUND_TRIP_TIMEOUT_S * 1000):
+            raise TimeoutError(f"no answer within {ROUND_TRIP_TIMEOUT_S} s")
+        return self.dealer.recv_multipart(copy=False)
+
+    def _gmac_sgd_round_trip(self) -> None:
+        view = memoryview(self.payload)
+        chunks = range(0, len(view), CHUNK_BYTES)
+        tags = b"".join(
+            _tag(self.key, _nonce(i, 1), view[s : s + CHUNK_BYTES]) for i, s in enumerate(chunks)
+        )
+        self.dealer.send_multipart([self.payload, tags], copy=False)
+        values, tags = self._receive()
+        for index, start in enumerate(range(0, len(values.buffer), CHUNK_BYTES)):
+            _verify(
+                self.key,
+                _nonce(index, 2),
+                values.buffer[start : start + CHUNK_BYTES],
+                tags.bytes[16 * index : 16 * index + 16],
+            )
+
+    def _gmac_sgd_pipelined_round_trip(self, window: int = 4) -> None:
+        view = memoryview(self.payload)
+        starts = list(range(0, len(view), CHUNK_BYTES))
+        sent = answered = 0
+        while answered < len(starts):
+            while sent < len(starts) and sent - answered < window:
+                chunk = view[starts[sent] : starts[sent] + CHUNK_BYTES]
+                index = sent.to_bytes(4, "big")
+                tag = _tag(self.key, _nonce(sent, 1), chunk)
+                self.dealer.send_multipart([index, chunk, tag], copy=False)
+                sent += 1
+            index, values, tag = self._receive()
+            _verify(
+                self.key, _nonce(int.from_bytes(index.bytes, "big"), 2), values.buffer, tag.bytes
+            )
+            answered += 1
+
     def close(self) -> None:
         self.dealer.send(b"")  # tells the server to exit
         self.dealer.close(linger=1000)
         self.context.term()
+
+
+def _nonce(index: int, counter: int) -> bytes:
+    return (index + 1).to_bytes(4, "big") + counter.to_bytes(8, "big")
+
+
+def _tag(key: bytes, nonce: bytes, source: memoryview) -> bytes:
+    """The AES-256-GMAC tag of ``source`` (what ``wire/auth.py`` computes per chunk)."""
+    encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    encryptor.authenticate_additional_data(source)
+    encryptor.finalize()
+    return encryptor.tag
+
+
+def _verify(key: bytes, nonce: bytes, source: memoryview, tag: bytes) -> None:
+    """Raise InvalidTag unless ``tag`` is ``source``'s."""
+    decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, tag)).decryptor()
+    decryptor.authenticate_additional_data(source)
+    decryptor.finalize()
 
 
 def _seal(key: bytes, counter: int, source: bytes, target: memoryview) -> bytes:
@@ -261,9 +395,52 @@ def crypto_rates(payload: bytes, repeats: int) -> dict[str, float]:
     return rates
 
 
+class SameHostFloor:
+    """The copies and the update of a same-host push+pull, with no transport (see the module
+    docstring); with ``authenticated`` the four GMAC passes too."""
+
+    def __init__(self, model_bytes: int, authenticated: bool) -> None:
+        self.gradient = torch.full((model_bytes // 4,), 6e-8)
+        self.shared = torch.empty_like(self.gradient)
+        self.weight = torch.randn(model_bytes // 4)
+        self.private = torch.empty_like(self.weight)
+        self.key = os.urandom(32) if authenticated else b""
+
+    def _chunks(self, tensor: torch.Tensor) -> list[tuple[int, memoryview]]:
+        view = memoryview(tensor.numpy()).cast("B")
+        return list(enumerate(view[s : s + CHUNK_BYTES] for s in range(0, len(view), CHUNK_BYTES)))
+
+    def _tags(self, tensor: torch.Tensor, counter: int) -> list[bytes]:
+        # On two threads, as tensorfleet computes its tags (wire/auth.py's in_parallel).
+        jobs = self._chunks(tensor)
+        return in_parallel(
+            jobs, lambda job: _tag(self.key, _nonce(job[0], counter), job[1]), tensor.nbytes
+        )
+
+    def _verify(self, tensor: torch.Tensor, counter: int, tags: list[bytes]) -> None:
+        jobs = self._chunks(tensor)
+        in_parallel(
+            jobs,
+            lambda job: _verify(self.key, _nonce(job[0], counter), job[1], tags[job[0]]),
+            tensor.nbytes,
+        )
+
+    def round_trip(self) -> None:
+        self.shared.copy_(self.gradient)  # the push, into shared memory
+        if self.key:
+            self._verify(self.shared, 1, self._tags(self.shared, 1))
+        self.weight.add_(self.shared, alpha=-0.1)  # the ps's update, read in place
+        tags = self._tags(self.weight, 2) if self.key else []
+        self.private.copy_(self.weight)  # the reply, into the worker's own memory
+        if self.key:
+            self._verify(self.private, 2, tags)
+
+
 def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, list[float]]:
     """Seconds per round trip of each echo, in alternating batches (the first warms up)."""
     payload = os.urandom(model_bytes)
+    # Small float32 values for the rows that apply them as a gradient (finite weights).
+    gradient = b"\x00\x00\x80\x33" * (model_bytes // 4)  # 6e-8 each
     rounds = (batches + 1) * per_batch
     echoes: dict[str, TcpEcho | ZmqEcho] = {}
     try:
@@ -271,7 +448,13 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         echoes["zmq_echo"] = ZmqEcho(payload, curve=False)
         echoes["zmq_curve_echo"] = ZmqEcho(payload, curve=True)
         echoes["zmq_aes_gcm_echo"] = ZmqEcho(payload, curve=False, aes_gcm=True)
+        echoes["zmq_gmac_sgd_echo"] = ZmqEcho(gradient, curve=False, mode="gmac_sgd")
+        echoes["zmq_gmac_sgd_pipelined"] = ZmqEcho(gradient, curve=False, mode="gmac_sgd_pipelined")
         kinds: dict[str, Callable[[], None]] = {n: e.round_trip for n, e in echoes.items()}
+        kinds["same_host_floor"] = SameHostFloor(model_bytes, authenticated=False).round_trip
+        kinds["same_host_floor_authenticated"] = SameHostFloor(
+            model_bytes, authenticated=True
+        ).round_trip
         times: dict[str, list[float]] = {name: [] for name in kinds}
         for batch in range(batches + 1):
             for name, call in kinds.items():
@@ -305,7 +488,7 @@ def main() -> int:
     ]
     sizes: dict[str, dict] = {}
     for megabytes in args.megabytes:
-        model_bytes = int(megabytes * 1e6)
+        model_bytes = int(megabytes * 1e6) // 4 * 4
         times = interleaved(model_bytes, args.batches, args.per_batch)
         rows: dict[str, dict] = {}
         for name, samples in times.items():
@@ -328,7 +511,10 @@ def main() -> int:
             table.append(f"| {megabytes:g} | {name} (one thread) | | | {rate:.2f} | |")
         sizes[f"{megabytes:g}"] = rows
     result = {
-        "benchmark": "transport floors on localhost: raw TCP, ZeroMQ, ZeroMQ CURVE and AES-GCM echoes",
+        "benchmark": (
+            "transport floors on localhost: raw TCP, ZeroMQ, ZeroMQ CURVE and AES-GCM echoes, "
+            "and an authenticated SGD push+pull over bare ZeroMQ"
+        ),
         "round_trips_per_kind": args.batches * args.per_batch,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
