@@ -29,8 +29,10 @@ TIMEOUTS = ClientTimeouts(
     initialize_s=10.0,
     step_s=10.0,
     recover_s=30.0,
-    heartbeat_s=0.5,
-    ps_silence_s=5.0,  # a silent ps is noticed within seconds (generous: the machine is shared)
+    # Each test waits once for the stopped ps's silence to be noticed: 8 missed heartbeats,
+    # still generous for a live ps serving from a thread of this process on a shared machine.
+    heartbeat_s=0.25,
+    ps_silence_s=2.0,
 )
 
 

@@ -30,6 +30,7 @@ from tensorfleet.wire.auth import REPLY_ROLE, REQUEST_ROLE, MessageSigner, Messa
 from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.service_socket import QUARANTINE_AFTER_INVALID
 from tensorfleet.wire.tensors import as_buffer, dtype_name
+from tensorfleet.worker import shard_fanout
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
 
 from .service_harness import RunningService, assert_values, bits, serve_in_thread, stop_services
@@ -555,8 +556,13 @@ def test_push_with_wrong_buffers_is_refused_and_changes_nothing(
 
 
 def test_client_with_the_wrong_secret_is_told_and_cannot_push_or_pull(
-    service: RunningService, chief: Channel
+    service: RunningService, chief: Channel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Only the intruder's first message is explained (one notice per peer); its later
+    requests go unanswered, so each wait lasts its deadline plus the margin a client leaves
+    for a server's explanation (``ANSWER_MARGIN_S``, 2 s). No explanation can come here,
+    so the margin is cut to a tenth of a second: its five waits would otherwise add 10 s."""
+    monkeypatch.setattr(shard_fanout, "ANSWER_MARGIN_S", 0.1)
     timeouts = ClientTimeouts(
         connect_s=TIMEOUT_S,
         initialize_s=SHORT_TIMEOUT_S,

@@ -148,14 +148,14 @@ def test_a_worker_that_left_is_lost_at_once_and_its_identity_is_free() -> None:
 
 
 def _ps_and_chief(
-    grace_s: float, saves_checkpoints: bool
+    grace_s: float, saves_checkpoints: bool, timeouts: ClientTimeouts = TIMEOUTS
 ) -> tuple[Server, ParameterClient, dict[str, nn.Parameter]]:
     address = f"127.0.0.1:{free_port()}"
     cluster = {"ps": [address], "worker": ["127.0.0.1:1"]}  # the worker's address is unused
     server = Server(cluster, "ps", 0, secret=SECRET, config=ServerConfig(preempt_grace_s=grace_s))
     params = {"w": nn.Parameter(torch.ones(3, 2)), "b": nn.Parameter(torch.zeros(2))}
     specs = [VariableSpec(n, tuple(p.shape), dtype_name(p.dtype), 4) for n, p in params.items()]
-    client = ParameterClient([address], SECRET, "worker:0", TIMEOUTS)
+    client = ParameterClient([address], SECRET, "worker:0", timeouts)
     client.connect()
     client.saves_checkpoints = saves_checkpoints
     client.register(list(params.items()), plan_placement(specs, 1), SGD(lr=0.5), is_chief=True)
@@ -277,10 +277,20 @@ def test_a_session_saves_at_the_end_of_the_step_and_exits_with_143(tmp_path: Pat
 def test_a_worker_preempted_while_recovering_exits_at_once_instead_of_retrying() -> None:
     """A recovery retries for ``recover_s`` (minutes by default) while no ps answers; a SIGTERM
     then has nothing left to save, so the recovery ends at once with Preempted (status 143)
-    instead of outlasting the grace period and being killed."""
-    server, client, _ = _ps_and_chief(grace_s=5.0, saves_checkpoints=False)
-    patient = ClientTimeouts(connect_s=10.0, initialize_s=10.0, step_s=10.0, recover_s=60.0)
-    client.timeouts = patient
+    instead of outlasting the grace period and being killed.
+
+    The heartbeat finds the stopped ps silent after half a second, so each hello of the
+    recovery gives up quickly and the recovery is retrying (backing off) when the signal
+    comes; with the default silence every hello would wait out its 10 s deadline first."""
+    patient = ClientTimeouts(
+        connect_s=10.0,
+        initialize_s=10.0,
+        step_s=10.0,
+        recover_s=60.0,
+        heartbeat_s=0.1,
+        ps_silence_s=0.5,
+    )
+    server, client, _ = _ps_and_chief(grace_s=5.0, saves_checkpoints=False, timeouts=patient)
     server.stop()
     server.join(10.0)  # its loop has ended: nothing answers any more
     with PreemptionNotice() as notice:
