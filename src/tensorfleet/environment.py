@@ -27,6 +27,9 @@ SLURM_BASE_PORT_VAR = "TENSORFLEET_SLURM_BASE_PORT"
 LAUNCHER_VAR = "TENSORFLEET_LAUNCHER"
 #: Root of the dataset cache (``<root>/<dataset>``); default ``~/.cache/tensorfleet/datasets``.
 DATA_DIR_VAR = "TENSORFLEET_DATA_DIR"
+#: Set by the launcher: a directory where its tasks leave facts it reads when they end
+#: (tensorfleet.task_markers).
+TASK_MARKERS_VAR = "TENSORFLEET_TASK_MARKERS"
 #: The user's home directory, under which the default dataset cache lives.
 HOME_VAR = "HOME"
 

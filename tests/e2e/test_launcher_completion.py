@@ -24,8 +24,10 @@ from tests.e2e.test_launcher_restarts import HookedOutput, all_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60)]
 
-#: argv: RELEASE_FILE. ps:0 and worker:0 print READY and exit 0 once RELEASE_FILE exists
-#: (polled, at most 50 s); worker:1 prints READY and hangs until it is killed (at most 50 s).
+#: argv: RELEASE_FILE [past-the-end]. ps:0 and worker:0 print READY and exit 0 once
+#: RELEASE_FILE exists (polled, at most 50 s); worker:1 prints READY and hangs until it is
+#: killed (at most 50 s); with ``past-the-end`` it first leaves the marker an all-reduce worker
+#: leaves after its final barrier.
 PROGRAM = textwrap.dedent(
     """
     import json, os, sys, time
@@ -34,6 +36,9 @@ PROGRAM = textwrap.dedent(
     release = Path(sys.argv[1])
     config = json.loads(os.environ["TF_CONFIG"])
     name = f"{config['task']['type']}:{config['task']['index']}"
+    if sys.argv[2:] == ["past-the-end"] and name == "worker:1":
+        from tensorfleet import task_markers  # what an all-reduce worker does after its barrier
+        task_markers.mark(task_markers.COLLECTIVE_END, name)
     print("RUN " + json.dumps({"run": 0, "pid": os.getpid()}), flush=True)
     print(f"READY {name}", flush=True)
     deadline = time.monotonic() + 50
@@ -84,20 +89,26 @@ def supervise(lc: LocalCluster, status: list[int]) -> threading.Thread:
 
 
 def start_and_wait_until_ready(
-    lc: LocalCluster, progress: Progress, log: io.StringIO, status: list[int]
+    lc: LocalCluster,
+    progress: Progress,
+    log: io.StringIO,
+    status: list[int],
+    names: tuple[str, ...] = ("ps:0", "worker:0", "worker:1"),
 ) -> threading.Thread:
     """Start the cluster and its supervising thread; return once every task printed READY."""
     lc.start()
     supervisor = supervise(lc, status)
-    for name in ("ps:0", "worker:0", "worker:1"):
+    for name in names:
         assert progress.event(name).wait(30), f"{name} never started:\n{log.getvalue()}"
     return supervisor
 
 
-def cluster(tmp_path: Path, log: io.StringIO, progress: Progress) -> LocalCluster:
-    command = [sys.executable, "-c", PROGRAM, str(tmp_path / "release")]
+def cluster(
+    tmp_path: Path, log: io.StringIO, progress: Progress, num_ps: int = 1, *extra: str
+) -> LocalCluster:
+    command = [sys.executable, "-c", PROGRAM, str(tmp_path / "release"), *extra]
     output = HookedOutput(log, progress.on_line, progress.on_message)
-    return LocalCluster(1, 2, command, ps_command=command, output=output, **SHORT)
+    return LocalCluster(num_ps, 2, command, ps_command=command, output=output, **SHORT)
 
 
 def test_a_worker_killed_after_training_is_complete_is_not_restarted(tmp_path: Path) -> None:
@@ -142,4 +153,38 @@ def test_a_restarted_worker_still_waiting_when_training_completes_is_stopped(
     assert "training is complete (the chief and every ps task exited 0)" in text, text
     assert "stopping it with SIGTERM (training was complete)" in text, text
     assert text.count("restarted worker:1") == 1, text
+    assert_all_gone(all_pids(text), text)
+
+
+@pytest.mark.parametrize("past_the_end", [True, False], ids=["past-the-end", "in-training"])
+def test_without_ps_a_worker_aborting_past_the_end_of_all_reduce_training_is_retired(
+    tmp_path: Path, past_the_end: bool
+) -> None:
+    """No ps tasks; worker:0 exits 0, then worker:1 dies of SIGABRT (as torch's gloo backend
+    can make a process die at interpreter exit). Past the end of all-reduce training (its
+    marker) it is retired, not restarted (a restart could never rejoin the ended group: it
+    waited 60 s and failed the run), and the run ends 0. Without the marker (any program,
+    e.g. an actor) it is restarted, as before."""
+    log, progress, status = io.StringIO(), Progress(), []
+    extra = ("past-the-end",) if past_the_end else ()
+    lc = cluster(tmp_path, log, progress, 0, *extra)
+    try:
+        supervisor = start_and_wait_until_ready(
+            lc, progress, log, status, names=("worker:0", "worker:1")
+        )
+        (tmp_path / "release").touch()
+        assert progress.completed.wait(30), log.getvalue()
+        lc.kill_task("worker:1", signal.SIGABRT)
+        if past_the_end:
+            supervisor.join(50)
+        else:
+            assert progress.restarted.wait(30), log.getvalue()
+    finally:
+        lc.stop()
+    text = log.getvalue()
+    if past_the_end:
+        assert status == [0], text
+        assert "restarted worker:1" not in text, text
+        assert "it had passed the final barrier of all-reduce training" in text, text
+        assert "worker:1 ended after training was complete" in text, text
     assert_all_gone(all_pids(text), text)

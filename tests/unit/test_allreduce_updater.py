@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tensorfleet import task_markers
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.update_rules import SGD, Momentum
@@ -90,6 +91,26 @@ def test_connect_wrap_register_push_pull_update_the_model_like_torch_optim() -> 
     finally:
         updater.close()
     assert not dist.is_initialized()
+
+
+def test_finish_tells_a_launcher_the_worker_passed_the_end_and_a_failed_one_does_not(
+    tmp_path, monkeypatch
+) -> None:
+    """Past the final barrier the worker leaves the marker by which a launcher retires it if
+    it dies at exit (tensorfleet.task_markers); after a failure it leaves none."""
+    monkeypatch.setenv(task_markers.MARKERS_VAR, str(tmp_path))
+    markers = task_markers.TaskMarkers()
+    markers.directory = tmp_path
+    updater = _updater()
+    try:
+        updater.connect()
+        updater.finish(None, failed=True)
+        assert not markers.has("worker:0", task_markers.COLLECTIVE_END)
+        updater.finish(None)
+        assert markers.has("worker:0", task_markers.COLLECTIVE_END)
+        assert not markers.has("worker:1", task_markers.COLLECTIVE_END)
+    finally:
+        updater.close()
 
 
 def test_register_before_wrap_is_refused() -> None:

@@ -73,6 +73,7 @@ from tensorfleet.launch.restart_policy import (
 from tensorfleet.launch.task import Task
 from tensorfleet.launch.task_restarts import TaskRestarts
 from tensorfleet.launch.training_completion import TrainingCompletion, retired_after_completion
+from tensorfleet.task_markers import TaskMarkers
 from tensorfleet.wire.secret import generate_secret
 
 #: How many of a task's latest output lines are kept for failure reports.
@@ -208,6 +209,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         }
 
         self._events: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        #: What tasks tell the launcher (on this host only: a directory the tasks can reach).
+        self._markers = TaskMarkers()
         self._started = False
         self._phase = _RUNNING
         self._phase_deadline: float | None = None
@@ -278,6 +281,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         variables["PYTHONUNBUFFERED"] = "1"
         if restarted:
             variables[PREDECESSOR_DEAD_VAR] = "1"
+        if self._markers.directory is not None:
+            variables[environment.TASK_MARKERS_VAR] = str(self._markers.directory)
         return variables
 
     def task_environment(self, task: Task) -> dict[str, str]:
@@ -292,6 +297,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
             raise LaunchError("this cluster was already started; create a new one")
         self._started = True
         self._start_time = time.monotonic()
+        if self.backend.name == "local":
+            self._markers.create()
         num_ps, num_workers = len(self.cluster["ps"]), len(self.cluster["worker"])
         self.output.message(
             f"starting {num_ps} ps and {num_workers} worker task(s)"
@@ -412,7 +419,9 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         task.process.finish_output(READER_DRAIN_TIMEOUT)
         rc = task.returncode
         assert rc is not None
-        retired = retired_after_completion(task, self._tasks, ClusterSpec(self.cluster))
+        retired = retired_after_completion(
+            task, self._tasks, ClusterSpec(self.cluster), self._markers
+        )
         failed = rc != 0 and task.stop_signal is None and not retired
         restart_delay = self._restart_delay(task) if failed else None
         if task.stop_signal is not None and rc != 0:
@@ -566,6 +575,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         else:
             self.output.message(f"exit status {result} after {elapsed:.1f} s")
         self._phase, self._phase_deadline, self._result = _DONE, None, result
+        self._markers.remove()
         return result
 
 

@@ -7,6 +7,13 @@ tasks, in all-reduce mode, no such moment exists short of every worker's own exi
 never applies there.) From then on the model is finished and
 saved: nothing a worker does can add to it.
 
+In all-reduce mode the same holds for a worker that *itself* passed the end of training (the
+final checkpoint, then the barrier every worker reaches), which it tells the launcher with a
+marker (:mod:`tensorfleet.task_markers`): killed by a signal after that (torch's gloo backend
+can abort a process at interpreter exit), it is retired too, since a restart could never
+rejoin the ended group. Other workers of a cluster without ps tasks (actors, ensemble members:
+any program) are restarted as before.
+
 So a worker that is *killed by a signal* after that moment (a preemption landing on the last
 step, the chaos run's SIGKILL, or the launcher's own SIGTERM to a worker still running when
 the grace period ends) is *retired*: reported with a warning and its last line, never
@@ -32,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.launch.task import Task
+from tensorfleet.task_markers import COLLECTIVE_END, TaskMarkers
 
 if TYPE_CHECKING:
     from tensorfleet.launch.output import Output
@@ -49,12 +57,18 @@ def training_complete(tasks: Sequence[Task], cluster: ClusterSpec) -> bool:
     return all((t.job, t.index) in ended_well for t in tasks if t.job == "ps")
 
 
-def retired_after_completion(task: Task, tasks: Sequence[Task], cluster: ClusterSpec) -> bool:
+def retired_after_completion(
+    task: Task, tasks: Sequence[Task], cluster: ClusterSpec, markers: TaskMarkers | None = None
+) -> bool:
     """True when ``task``, which just ended, is a worker killed by a signal (or stopped by
-    the launcher) after training was complete: it is then retired, not failed nor restarted."""
+    the launcher) after training was complete, or after it passed the end of all-reduce
+    training (its marker in ``markers``): it is then retired, not failed nor restarted."""
     assert task.returncode is not None
     by_signal = task.returncode < 0 or task.stop_signal is not None
-    return task.job != "ps" and by_signal and training_complete(tasks, cluster)
+    if task.job == "ps" or not by_signal:
+        return False
+    passed_end = markers is not None and markers.has(task.name, COLLECTIVE_END)
+    return passed_end or training_complete(tasks, cluster)
 
 
 class TrainingCompletion:
@@ -72,7 +86,7 @@ class TrainingCompletion:
         training is complete; then a restart after a signal still waiting is cancelled, and
         the caller gives the tasks still running the grace period to exit."""
         workers = [t for t in self._tasks if t.job == "worker"]
-        if all(t.returncode == 0 for t in workers):
+        if all(t.returncode == 0 or t.retired for t in workers):
             ps_left = [t.name for t in self._tasks if t.running]
             if ps_left:
                 self.output.message(
@@ -99,8 +113,12 @@ class TrainingCompletion:
         task.retired = True
         lines = list(task.recent)
         last = f"; its last line: {lines[-1]}" if lines else ""
+        if any(t.job == "ps" for t in self._tasks):
+            why = "the chief and every ps task had exited 0"
+        else:
+            why = "it had passed the final barrier of all-reduce training"
         self.output.message(
             f"{task.name}: {what}; not restarting it, and not a failure: training was "
-            f"complete (the chief and every ps task had exited 0){last}",
+            f"complete ({why}){last}",
             "warning",
         )

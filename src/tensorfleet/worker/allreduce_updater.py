@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tensorfleet import task_markers
 from tensorfleet.errors import (
     CheckpointError,
     ConfigError,
@@ -360,6 +361,8 @@ class AllReduceUpdater:
             before_done()
         if self._own_group and dist.is_initialized():
             dist.barrier()
+            # Past the end: a launcher retires this worker if it dies now (task_markers.py).
+            task_markers.mark(task_markers.COLLECTIVE_END, self.task_names[self.rank])
 
     def stats(self) -> list[dict[str, Any]]:
         return []

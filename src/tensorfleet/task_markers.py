@@ -1,0 +1,75 @@
+"""Facts a task leaves for the launcher that supervises it, read when the task has ended.
+
+The launcher decides what a task's death means (restart it, retire it, fail the run) from
+what it sees: the exit status and, for some deaths, a fact only the task knows. The one fact
+so far: **this worker passed the end of all-reduce training** (the final checkpoint, then the
+barrier every worker reaches: ``AllReduceUpdater.finish``). A worker killed by a signal after
+that has nothing left to add to the model, and its restart could never rejoin the group (the
+others have left it; all-reduce mode has no partial restart): the launcher retires it. torch's
+gloo backend can abort a process at interpreter exit (SIGABRT, "terminate called without an
+active exception", when its threads still hold work while the interpreter shuts down); the
+restart that followed waited 60 s for a group that had ended and failed the run.
+
+The choice: one empty file per fact and task in a directory the launcher creates for the run
+and names in ``TENSORFLEET_TASK_MARKERS`` (removed when the run ends). The alternatives: a
+line on the task's output, which the user's own output could imitate or interleave with; the
+exit status, which a death by a signal replaces. A task started by anything else (no
+variable) writes nothing, and nothing changes for it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+from tensorfleet import environment
+
+MARKERS_VAR = environment.TASK_MARKERS_VAR
+
+#: The worker passed the final barrier of all-reduce training.
+COLLECTIVE_END = "collective-end"
+
+
+def _file(directory: Path, task_name: str, fact: str) -> Path:
+    return directory / f"{task_name.replace(':', '-')}.{fact}"
+
+
+def mark(fact: str, task_name: str, environ_: Mapping[str, str] | None = None) -> None:
+    """Leave ``fact`` about ``task_name`` (e.g. ``"worker:1"``) for the launcher, when one
+    supervises this process; a marker that cannot be written is reported, not raised (the
+    launcher then treats the task as before)."""
+    directory = (environment.environ() if environ_ is None else environ_).get(MARKERS_VAR)
+    if not directory:
+        return
+    try:
+        _file(Path(directory), task_name, fact).touch()
+    except OSError as exc:
+        warnings.warn(
+            f"could not leave the marker {fact!r} for the launcher in {directory}: {exc}",
+            stacklevel=2,
+        )
+
+
+class TaskMarkers:
+    """The launcher's side: the run's marker directory, created on :meth:`create` and
+    removed on :meth:`remove`."""
+
+    def __init__(self) -> None:
+        self.directory: Path | None = None
+
+    def create(self) -> str:
+        """Create the directory; its path, for ``TENSORFLEET_TASK_MARKERS``."""
+        self.directory = Path(tempfile.mkdtemp(prefix="tensorfleet-markers-"))
+        return str(self.directory)
+
+    def has(self, task_name: str, fact: str) -> bool:
+        """Whether the task ``task_name`` left ``fact``."""
+        return self.directory is not None and _file(self.directory, task_name, fact).exists()
+
+    def remove(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
