@@ -108,6 +108,24 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
                         target,
                     )
                 )
+    floor = results.get("wire_floor")
+    if floor:  # what the work of a push+pull itself reaches: the targets' floor here
+        for size, kinds in floor["sizes"].items():
+            for kind, what in (
+                ("zmq_gmac_sgd_echo", "authenticated SGD push+pull over bare ZeroMQ"),
+                ("zmq_gmac_sgd_pipelined", "the same, streamed in 1 MiB messages"),
+                ("same_host_floor_authenticated", "same-host copies, update and GMAC"),
+            ):
+                row = kinds.get(kind)
+                if row is not None:
+                    rows.append(
+                        (
+                            "wire_floor",
+                            f"{kind}, {size} MB, vs raw TCP echo ({what})",
+                            f"{row['ratio_vs_raw_tcp']:.2f}x ({row['median_ms']:.2f} ms)",
+                            "floor of the wire targets",
+                        )
+                    )
     capacity = results.get("ps_capacity")
     if capacity:
         for name, row in capacity["rows"].items():
