@@ -36,7 +36,7 @@ import torch
 from tensorfleet.errors import ProtocolError, RequestRefused
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.shard_checkpoint import check_worker_data
-from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
+from tensorfleet.wire.tensors import DTYPES, from_buffer
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -161,7 +161,4 @@ class PartialPushHandling:
         parts = [
             flat[lo:hi] for flat, (lo, hi) in zip(self.store.live_values(), slices, strict=True)
         ]
-        tracker = self.socket.reply(request, reply, [as_buffer(part) for part in parts])
-        if not self.socket.reply_copies_buffers(request):
-            # ZeroMQ sends from the store's memory later: the next write copies first.
-            self.store.lent(tracker)
+        self._reply_from_store(request, reply, parts)  # type: ignore[attr-defined]

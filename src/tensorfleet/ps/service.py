@@ -523,10 +523,16 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
 
     def _reply_with_values(self, request: Request, extra: dict[str, object] | None = None) -> None:
         body = {**self._progress(), **(extra or {})}
-        values = [as_buffer(t) for t in self.store.live_values()]
-        tracker = self.socket.reply(request, body, values)
+        self._reply_from_store(request, body, self.store.live_values())
+
+    def _reply_from_store(
+        self, request: Request, body: dict[str, object], values: list[torch.Tensor]
+    ) -> None:
+        """Reply with ``values``, the store's live tensors (or slices of them), without a
+        copy: unless the socket copies them first (shared memory, encryption), they are lent
+        to the reply, and the store's next write copies first while it is in flight."""
+        tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
         if not self.socket.reply_copies_buffers(request):
-            # Sent from the store's memory: the next write copies first while it is in flight.
             self.store.lent(tracker)
 
     def _require_initialized(self) -> None:
