@@ -5,7 +5,8 @@ for a fixed number of steps, each worker on its own slice of every global batch.
     bn_worker.py OUT MODE STEPS CHECKPOINT_DIR
 
 Every worker writes OUT.<task index>.json: its model's state_dict after training (the chief
-pulls first, so its state is the shared one), and after one more forward pass through the
+pulls first, in async mode once the others have written theirs, so its state is the shared
+one the final checkpoint holds), and after one more forward pass through the
 session's model in eval mode (in allreduce mode DDP broadcasts rank 0's buffers there).
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +61,19 @@ def worker_batch(
     return x[start : start + BATCH], y[start : start + BATCH]
 
 
+def _wait_for_the_other_workers(out: str, num_workers: int, deadline_s: float = 120.0) -> None:
+    """In async mode another worker may still push a step (and its buffers) after the chief
+    has left its loop, and the final checkpoint, written once every worker is done, holds
+    it: the chief pulls the shared state only once every other worker has written its
+    result file (written after its last push was applied)."""
+    deadline = time.monotonic() + deadline_s
+    others = [Path(f"{out}.{index}.json") for index in range(1, num_workers)]
+    while not all(path.exists() for path in others):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the other workers wrote no result within {deadline_s:.0f} s")
+        time.sleep(0.05)
+
+
 def _state(model: nn.Module) -> dict[str, list]:
     return {k: v.detach().tolist() for k, v in model.state_dict().items()}
 
@@ -83,6 +99,8 @@ def main() -> int:
             xb, yb = worker_batch(x, y, sess.global_step, task.index, task.num_workers)
             sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
         if sess.is_chief:
+            if args.mode == "async":
+                _wait_for_the_other_workers(args.out, task.num_workers)
             sess.pull()
         result = {"global_step": sess.global_step, "trained": _state(model)}
         model.eval()
