@@ -115,11 +115,14 @@ def test_the_memory_a_reply_held_becomes_the_spare_of_the_next_copy(pair) -> Non
     sender, receiver = pair
     store = _store()
     first_memory = [t.data_ptr() for t in store.live_values()]
-    _reply(store, sender)
+    first = _reply(store, sender)
     store.apply(_gradients(1))  # the store moves off the memory the first reply holds
     second_memory = [t.data_ptr() for t in store.live_values()]
     assert second_memory != first_memory
-    _received(receiver, [torch.float32, torch.float64])  # the first reply has left
+    _received(receiver, [torch.float32, torch.float64])
+    # The first reply has left once pyzmq has released its frames, which its garbage thread
+    # reports a moment after the receiver dropped them.
+    first.wait(5)
     _reply(store, sender)
     store.apply(_gradients(2))
     assert store.copies_on_write == 2
