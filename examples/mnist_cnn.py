@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fused-optimizer", action="store_true", help="torch's fused Adam kernel")
     add("--wire-dtype", choices=("bf16",), default=None, help="gradients sent as bf16 (ps modes)")
     add(
+        "--values-wire-dtype",
+        choices=("bf16",),
+        default=None,
+        help="the values in each push's reply sent as bf16 (ps modes)",
+    )
+    add(
         "--bucket-bytes",
         type=int,
         default=tfl.Overlap().bucket_bytes,
@@ -187,6 +193,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
         mode=args.mode, hooks=hooks, replicas_to_aggregate=args.replicas_to_aggregate,
         max_staleness=args.max_staleness, placement=args.placement,
         log_placement=args.log_placement, timeline=args.timeline, wire_dtype=args.wire_dtype,
+        values_wire_dtype=args.values_wire_dtype,
         compute=tfl.ComputeOptions(args.channels_last, args.compile, args.autocast),
         overlap=tfl.Overlap(bucket_bytes=args.bucket_bytes or None, prefetch=args.prefetch),
         **checkpoints,

@@ -1,5 +1,6 @@
 """Fast compute through real clusters: async through a ps with channels-last, bf16 autocast,
-bf16 gradients on the wire and the fused Adam; all-reduce (DDP) with channels-last and bf16
+bf16 gradients on the wire and the fused Adam; async with bf16 values in the replies to
+pushes (through the buckets of the overlap); all-reduce (DDP) with channels-last and bf16
 autocast. Training goes down, nothing is refused, the parameters keep their names and shapes,
 and the checkpoint the chief wrote loads strictly into a plain model."""
 
@@ -30,9 +31,10 @@ def _program():
     ("mode", "num_ps", "flags"),
     [
         ("async", 1, ["--channels-last", "--autocast", "bf16", "--wire-dtype", "bf16", "--fused"]),
+        ("async", 1, ["--channels-last", "--values-wire-dtype", "bf16", "--fused"]),
         ("allreduce", 0, ["--channels-last", "--autocast", "bf16"]),
     ],
-    ids=["async", "allreduce"],
+    ids=["async", "async-bf16-values", "allreduce"],
 )
 def test_options_train_through_a_cluster_and_checkpoint_plain_names(
     tmp_path, python, mode: str, num_ps: int, flags: list[str]
@@ -52,3 +54,9 @@ def test_options_train_through_a_cluster_and_checkpoint_plain_names(
     state = tfl.load_checkpoint(checkpoints, plain, strict=True)
     assert sorted(state) == sorted(plain.state_dict())
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state.values())
+    if "--values-wire-dtype" in flags:
+        # From the second step on, the chief's parameters are what replies to pushes
+        # brought (its buckets' replies, prefetched or not): bf16 values. The first step
+        # starts from the exact pull; the end brings the exact values back.
+        assert all(result["rounded_after_step"][1:]), result["rounded_after_step"]
+        assert result["exact_at_end"], "the model must end with the ps's exact values"

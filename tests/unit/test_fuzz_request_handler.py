@@ -33,7 +33,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tensorfleet.ps.service import MAX_VARIABLES_PER_SHARD, ParameterService, ServiceConfig
+from tensorfleet.ps.layout import MAX_VARIABLES_PER_SHARD
+from tensorfleet.ps.service import ParameterService, ServiceConfig
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import SGD
 from tensorfleet.version import __version__

@@ -55,6 +55,11 @@ def _model() -> nn.Module:
             "wire_dtype=bf16 only applies to mode 'async' or 'sync', not 'allreduce'",
         ),
         ({"wire_dtype": "fp8"}, "wire_dtype must be None (gradients in their own dtype) or one"),
+        (
+            {"mode": "allreduce", "values_wire_dtype": "bf16"},
+            "values_wire_dtype=bf16 only applies to mode 'async' or 'sync', not 'allreduce'",
+        ),
+        ({"values_wire_dtype": "fp8"}, "values_wire_dtype must be None (values in their own"),
         ({"clip_grad_norm": 0.0}, "clip_grad_norm must be > 0, got 0.0"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm must be > 0, got -1.0"),
         ({"mode": "sync", "clip_grad_norm": float("nan")}, "clip_grad_norm must be > 0, got nan"),

@@ -19,12 +19,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import torch
+
 from tensorfleet.errors import ProtocolError
-from tensorfleet.wire.tensors import DTYPES, parse_shape
+from tensorfleet.wire.tensors import DTYPES, from_buffer, parse_shape
 
 #: Dtypes a trainable variable may have (gradients need floating point).
 TRAINABLE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 MAX_NAME_LENGTH = 512
+#: The most variables one shard takes from a ``create`` (a received layout is bounded).
+MAX_VARIABLES_PER_SHARD = 100_000
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,16 @@ class FusedLayout:
             groups.append(FusedGroup(dtype, tuple(members), offset))
         return cls(tuple(variables), tuple(groups))
 
+    @classmethod
+    def from_wire(cls, variables: object) -> FusedLayout:
+        """The layout of a received list of variables (ProtocolError if it is not one)."""
+        # 0: a shard whose part of the model is only embedding-table rows holds no dense variable.
+        if not isinstance(variables, list) or not 0 <= len(variables) <= MAX_VARIABLES_PER_SHARD:
+            raise ProtocolError(
+                f"'variables' must be a list of 0..{MAX_VARIABLES_PER_SHARD} variables"
+            )
+        return cls.of([StoredVariable.from_wire(v) for v in variables])
+
     def group_bytes(self) -> list[int]:
         return [g.numel * g.itemsize for g in self.groups]
 
@@ -149,3 +163,18 @@ class FusedLayout:
         if self.variables != other.variables:
             return "the variables are in a different order (different placement settings?)"
         return None
+
+
+def group_tensors(layout: FusedLayout, buffers: list, what: str) -> list[torch.Tensor]:
+    """Received ``buffers``, one per group of ``layout``, as tensors of the groups' dtypes
+    (ProtocolError naming ``what`` when their number or sizes do not fit)."""
+    if len(buffers) != len(layout.groups):
+        raise ProtocolError(f"{what}: {len(buffers)} buffers for {len(layout.groups)} dtype groups")
+    tensors = []
+    for group, buffer in zip(layout.groups, buffers, strict=True):
+        if memoryview(buffer).nbytes != group.numel * group.itemsize:
+            raise ProtocolError(
+                f"{what}: the {group.dtype} buffer has {memoryview(buffer).nbytes} bytes, the shard's variables need {group.numel * group.itemsize}"
+            )
+        tensors.append(from_buffer(buffer, DTYPES[group.dtype]))
+    return tensors

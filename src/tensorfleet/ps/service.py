@@ -67,7 +67,7 @@ from tensorfleet.errors import (
 )
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.buffer_bank import BufferBank
-from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.layout import FusedLayout, group_tensors
 from tensorfleet.ps.partial_push import PartialPushHandling
 from tensorfleet.ps.service_settings import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
@@ -82,14 +82,13 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
 from tensorfleet.version import __version__
+from tensorfleet.wire import value_encoding
 from tensorfleet.wire.gradient_encoding import GradientDecoder
 from tensorfleet.wire.message import PROTOCOL_VERSION
 from tensorfleet.wire.service_socket import Request, ServiceSocket
-from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
+from tensorfleet.wire.tensors import as_buffer
 
 log = logging.getLogger("tensorfleet.ps")
-
-MAX_VARIABLES_PER_SHARD = 100_000
 
 
 class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandling):
@@ -234,7 +233,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
     def _create(self, request: Request) -> None:
         """Create the variables from initial values, or (``restore``: true) from a shard
         document of a checkpoint. Everything is checked before anything changes."""
-        layout = _layout_from(request.body.get("variables"))
+        layout = FusedLayout.from_wire(request.body.get("variables"))
         task = request.body.get("task")
         saves = request.body.get("saves_checkpoints") is True and self.roster.is_worker(task)
         if self.store.initialized:
@@ -264,7 +263,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
             )
             values = checkpoint_handling.group_values(layout, checkpoint)
         else:
-            values = _group_tensors(layout, request.buffers, "initial values")
+            values = group_tensors(layout, request.buffers, "initial values")
         aggregator = gate = None
         if discipline.mode == "sync":
             aggregator = SyncAggregator(
@@ -308,7 +307,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
             self.handle(waiter)
 
     def _wait_ready(self, request: Request) -> None:
-        expected = _layout_from(request.body.get("variables"))
+        expected = FusedLayout.from_wire(request.body.get("variables"))
         if not self.store.initialized:
             self._waiting_for_init.append(request)
             return
@@ -336,6 +335,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
     def _push(self, request: Request) -> None:
         self._require_initialized()
         body = request.body
+        value_encoding.requested(body)  # a dtype it cannot answer in: refused, not applied
         if body.get("part") is not None:
             self._push_part(request)
             return
@@ -530,7 +530,16 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
     ) -> None:
         """Reply with ``values``, the store's live tensors (or slices of them), without a
         copy: unless the socket copies them first (shared memory, encryption), they are lent
-        to the reply, and the store's next write copies first while it is in flight."""
+        to the reply, and the store's next write copies first while it is in flight. A push
+        that asks for its values in a wire dtype gets them rounded (:mod:`~tensorfleet.wire.
+        value_encoding`): new tensors, nothing lent."""
+        asked = value_encoding.requested(request.body) if request.op == "push" else None
+        if asked is not None:
+            encoded = value_encoding.encode(values, asked)
+            self.socket.reply(
+                request, {**body, value_encoding.FIELD: asked}, [as_buffer(t) for t in encoded]
+            )
+            return
         tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
         if not self.socket.reply_copies_buffers(request):
             self.store.lent(tracker)
@@ -561,23 +570,3 @@ def refusal_code(exc: Exception) -> str:
     if isinstance(exc, ProtocolError):
         return RemoteProtocolError.code
     return RequestRefused.code
-
-
-def _layout_from(variables: object) -> FusedLayout:
-    # 0: a shard whose part of the model is only embedding-table rows holds no dense variable.
-    if not isinstance(variables, list) or not 0 <= len(variables) <= MAX_VARIABLES_PER_SHARD:
-        raise ProtocolError(f"'variables' must be a list of 0..{MAX_VARIABLES_PER_SHARD} variables")
-    return FusedLayout.of([StoredVariable.from_wire(v) for v in variables])
-
-
-def _group_tensors(layout: FusedLayout, buffers: list, what: str) -> list[torch.Tensor]:
-    if len(buffers) != len(layout.groups):
-        raise ProtocolError(f"{what}: {len(buffers)} buffers for {len(layout.groups)} dtype groups")
-    tensors = []
-    for group, buffer in zip(layout.groups, buffers, strict=True):
-        if memoryview(buffer).nbytes != group.numel * group.itemsize:
-            raise ProtocolError(
-                f"{what}: the {group.dtype} buffer has {memoryview(buffer).nbytes} bytes, the shard's variables need {group.numel * group.itemsize}"
-            )
-        tensors.append(from_buffer(buffer, DTYPES[group.dtype]))
-    return tensors

@@ -133,8 +133,9 @@ class TrainingSession:
 
     ``compute``: a :class:`~tensorfleet.worker.compute_options.ComputeOptions` (channels-last
     memory order, ``torch.compile``, bf16 autocast around the closure); ``wire_dtype="bf16"``
-    (modes ``async`` and ``sync``): float32 gradients travel as bf16 with error feedback.
-    Both are off by default; docs/compute.md says what each costs and gains.
+    (modes ``async`` and ``sync``): float32 gradients travel as bf16 with error feedback;
+    ``values_wire_dtype="bf16"`` (the same modes): the values in the reply to each push too.
+    All are off by default; docs/compute.md says what each costs and gains.
     ``overlap`` (mode ``async`` without ``max_staleness``): push the gradients in buckets
     during the backward pass and, with ``Overlap(prefetch=True)``, let the next step's
     forward start before the last reply (at most one step stale); None: the step is
@@ -175,6 +176,7 @@ class TrainingSession:
         sparse_optimizer: SparseRowRule | None = None,
         compute: ComputeOptions | None = None,
         wire_dtype: str | None = None,
+        values_wire_dtype: str | None = None,
         overlap: Overlap | None = Overlap(),  # noqa: B008 (frozen: one shared default is fine)
     ) -> None:
         settings = UpdateSettings(
@@ -196,6 +198,7 @@ class TrainingSession:
             model_workers=None if model_workers is None else tuple(model_workers),
             sparse_optimizer=sparse_optimizer,
             wire_dtype=wire_dtype,
+            values_wire_dtype=values_wire_dtype,
             overlap=checked_overlap(overlap),
         )
         update_mode(settings)  # an unknown mode, or an option it does not take, fails first

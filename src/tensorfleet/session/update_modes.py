@@ -26,6 +26,7 @@ from tensorfleet.session.device_engines import with_device_engine
 from tensorfleet.session.server import Server
 from tensorfleet.wire.gradient_encoding import check_wire_dtype
 from tensorfleet.wire.tensors import dtype_name
+from tensorfleet.wire.value_encoding import check_values_wire_dtype
 from tensorfleet.worker.allreduce_updater import AllReduceUpdater
 from tensorfleet.worker.local_updater import LocalUpdater
 from tensorfleet.worker.ps_updater import PsUpdater
@@ -56,10 +57,12 @@ class UpdateSettings:
     model_workers: tuple[str | int, ...] | None = None
     sparse_optimizer: SparseRowRule | None = None
     wire_dtype: str | None = None
+    values_wire_dtype: str | None = None
     overlap: Overlap | None = None
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
+        check_values_wire_dtype(self.values_wire_dtype)
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -80,7 +83,7 @@ class UpdateMode:
 
 
 #: Session options that only some modes accept; a mode lists those it takes in ``options``.
-MODE_OPTIONS = ("replicas_to_aggregate", "max_staleness", "wire_dtype")
+MODE_OPTIONS = ("replicas_to_aggregate", "max_staleness", "wire_dtype", "values_wire_dtype")
 
 _MODES: dict[str, UpdateMode] = {}
 
@@ -218,6 +221,7 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         replan=replan,
         variables=named_params,
         gradient_dtype=settings.wire_dtype,
+        values_dtype=settings.values_wire_dtype,
         # sync and the staleness gate take one whole push per step, and a bf16 wire encodes
         # whole pushes (see push_overlap.py)
         overlap=settings.overlap
@@ -259,7 +263,7 @@ register_update_mode(
     UpdateMode(
         "async",
         _ps_updater,
-        options=frozenset({"max_staleness", "wire_dtype"}),
+        options=frozenset({"max_staleness", "wire_dtype", "values_wire_dtype"}),
         clips_on_worker=True,
     )
 )
@@ -267,7 +271,7 @@ register_update_mode(
     UpdateMode(
         "sync",
         _ps_updater,
-        options=frozenset({"replicas_to_aggregate", "wire_dtype"}),
+        options=frozenset({"replicas_to_aggregate", "wire_dtype", "values_wire_dtype"}),
         clips_on_worker=False,
     )
 )

@@ -358,6 +358,7 @@ class BucketedPush:
             "want_values": True,
             "count_step": counting,
             "step": self._session_step,
+            **self._client.values_fields,
         }
         if not whole:
             body.update(part=[bucket.start, bucket.stop], last=last)
@@ -431,9 +432,8 @@ class BucketedPush:
             return
         with self._timeline().span("unpack"):
             for flight, reply in replies:
-                self._fused.scatter(
-                    flight.bucket.shard, reply.buffers, None if flight.whole else flight.bucket.part
-                )
+                part = None if flight.whole else flight.bucket.part
+                self._client.scatter_reply(flight.bucket.shard, reply, pushed=True, part=part)
 
     def _next_step(self) -> None:
         """Start a new step: the requests still in flight belong to the one before."""

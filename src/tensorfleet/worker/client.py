@@ -49,6 +49,7 @@ from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.version import __version__
+from tensorfleet.wire import value_encoding
 from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.wire.gradient_encoding import ErrorFeedback
 from tensorfleet.wire.message import PROTOCOL_VERSION, Limits
@@ -88,6 +89,8 @@ class ParameterClient:
 
     ``gradient_dtype`` (e.g. ``"bf16"``): float32 gradients travel in that dtype with error
     feedback (:mod:`~tensorfleet.wire.gradient_encoding`), declared in every hello and push.
+    ``values_dtype`` (e.g. ``"bf16"``): the float32 values in the replies to pushes travel in
+    that dtype (:mod:`~tensorfleet.wire.value_encoding`); a pull's stay exact.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class ParameterClient:
         encrypt: bool = False,
         model: ModelClaim | None = None,
         gradient_dtype: str | None = None,
+        values_dtype: str | None = None,
     ) -> None:
         if not ps_addresses:
             raise ConfigError("a ParameterClient needs at least one ps address, got none")
@@ -127,6 +131,9 @@ class ParameterClient:
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)
         self._wire_fields = {"gradient_dtype": gradient_dtype} if gradient_dtype else {}
+        self.values_fields = value_encoding.request_fields(values_dtype)
+        """What every push adds to ask for its values in ``values_dtype``."""
+        self.values_dtype = values_dtype
         channels = [
             Channel(
                 address, secret, f"ps:{i}", limits=limits, context=self._context, encrypt=encrypt
@@ -444,6 +451,7 @@ class ParameterClient:
                 "task": self.task_name,
                 "step": step,
                 **self._wire_fields,
+                **self.values_fields,
                 **({"data": data} if data is not None and i == 0 else {}),
             }
             for i in range(self.num_shards)
@@ -458,7 +466,7 @@ class ParameterClient:
             return Progress(
                 progress.global_step, progress.stop, made_step=False, dropped=True, recovered=True
             )
-        self._scatter(replies)
+        self._scatter(replies, pushed=True)
         return self._progress(replies)
 
     def moving_average(self) -> dict[str, torch.Tensor]:
@@ -550,32 +558,25 @@ class ParameterClient:
         return self._fused
 
     def _gradient_buffers(self, fused: FusedParameters) -> list[list[memoryview]]:
-        """Each shard's gradients packed for a push: straight into the shard's request
-        segment where the channel offers one (same host), else into the send buffers."""
-        if self._encoder is not None:  # in the wire dtype, with error feedback
-            return [
-                self._encoder.encode(
-                    shard,
-                    fused.layouts[shard].groups,
-                    fused.gather(shard, values=False),
-                    self._shards.channels[shard].staging,
-                )
-                for shard in range(self.num_shards)
-            ]
+        channels = self._shards.channels
         return [
-            fused.gather(
-                shard,
-                values=False,
-                into=self._shards.channels[shard].staging(fused.group_nbytes(shard)),
-            )
+            fused.pack_gradients(shard, channels[shard].staging, self._encoder)
             for shard in range(self.num_shards)
         ]
 
-    def _scatter(self, replies: list[Reply]) -> None:
-        fused = self._bound()
+    def _scatter(self, replies: list[Reply], pushed: bool = False) -> None:
         with self._shards.timeline.span("unpack"):
             for shard, reply in enumerate(replies):
-                fused.scatter(shard, reply.buffers)
+                self.scatter_reply(shard, reply, pushed)
+
+    def scatter_reply(
+        self, shard: int, reply: Reply, pushed: bool, part: tuple[int, int] | None = None
+    ) -> None:
+        """Put the values of ``shard``'s reply (to a push when ``pushed``: in the values
+        dtype asked for) into the model, once the reply is found to carry them so."""
+        asked = self.values_dtype if pushed else None
+        value_encoding.check_reply(reply.body, asked, self._shards.channels[shard].peer_name)
+        self._bound().scatter(shard, reply.buffers, part, asked)
 
     def trace(self, timeline: Timeline) -> None:
         """Record this client's exchanges (pack, the sends by op, wait, unpack) in ``timeline``."""

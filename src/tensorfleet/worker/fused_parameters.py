@@ -15,7 +15,7 @@ bucket of a push made during the backward pass (each group's slice of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,8 @@ import torch
 from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
 from tensorfleet.ps.placement import PlacementPlan
+from tensorfleet.wire import value_encoding
+from tensorfleet.wire.gradient_encoding import ErrorFeedback
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
 
 
@@ -154,6 +156,20 @@ class FusedParameters:
             return list(into)
         return [as_buffer(flat) for flat in targets]
 
+    def pack_gradients(
+        self,
+        shard: int,
+        staging: Callable[[list[int]], list[memoryview] | None],
+        encoder: ErrorFeedback | None = None,
+    ) -> list[memoryview]:
+        """The shard's gradients packed for a push: straight into the request segment that
+        ``staging`` offers for these sizes (same host), else into the send buffers; with
+        ``encoder``, in its wire dtype with error feedback."""
+        if encoder is not None:
+            gradients = self.gather(shard, values=False)
+            return encoder.encode(shard, self.layouts[shard].groups, gradients, staging)
+        return self.gather(shard, values=False, into=staging(self.group_nbytes(shard)))
+
     @staticmethod
     def _writable_flat(buffer: memoryview, like: torch.Tensor) -> torch.Tensor:
         """``buffer`` as a flat tensor of ``like``'s dtype and length (shares its memory)."""
@@ -168,10 +184,15 @@ class FusedParameters:
         return torch.frombuffer(buffer, dtype=like.dtype, count=like.numel())
 
     def scatter(
-        self, shard: int, buffers: Sequence[Any], part: tuple[int, int] | None = None
+        self,
+        shard: int,
+        buffers: Sequence[Any],
+        part: tuple[int, int] | None = None,
+        values_dtype: str | None = None,
     ) -> None:
         """Put the values a shard sent (one buffer per dtype group; the slices of ``part``'s
-        variables only, when given) into the model."""
+        variables only, when given; float32 ones as ``values_dtype`` when given,
+        :mod:`~tensorfleet.wire.value_encoding`) into the model."""
         layout = self.layouts[shard]
         self._check_count(shard, buffers)
         start, stop = part if part is not None else (0, len(layout.variables))
@@ -179,7 +200,8 @@ class FusedParameters:
             for group, members, buffer, (lo, hi) in zip(
                 layout.groups, self._members[shard], buffers, self._slices(shard, part), strict=True
             ):
-                flat = from_buffer(buffer, DTYPES[group.dtype], (hi - lo,))
+                dtype = value_encoding.travel_dtype(DTYPES[group.dtype], values_dtype)
+                flat = from_buffer(buffer, dtype, (hi - lo,))
                 for m in members:
                     if not start <= m.index < stop:
                         continue
@@ -221,13 +243,14 @@ class FusedParameters:
 
 
 def _adoptable(member: _Member, values: torch.Tensor) -> bool:
-    """Whether ``values`` can become ``member``'s storage as they are: a whole CPU tensor
-    whose strides are the contiguous ones. A parameter with other strides (channels-last,
-    including one input channel, where they differ from NCHW's only in a size-1 dimension)
-    is copied into instead and keeps them."""
+    """Whether ``values`` can become ``member``'s storage as they are: a whole CPU tensor of
+    its dtype whose strides are the contiguous ones. A parameter with other strides
+    (channels-last, including one input channel, where they differ from NCHW's only in a
+    size-1 dimension) is copied into instead and keeps them."""
     param = member.param
     return (
         member.whole
         and param.device.type == "cpu"
+        and param.dtype == values.dtype
         and param.stride() == values.view(param.shape).stride()
     )

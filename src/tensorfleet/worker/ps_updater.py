@@ -91,6 +91,7 @@ class PsUpdater:
         replan: Callable[[set[str]], PlacementPlan] | None = None,
         variables: Sequence[tuple[str, torch.Tensor]] | None = None,
         gradient_dtype: str | None = None,
+        values_dtype: str | None = None,
         overlap: Overlap | None = None,
     ) -> None:
         self.client = ParameterClient(
@@ -102,6 +103,7 @@ class PsUpdater:
             encrypt=encrypt,
             model=model,
             gradient_dtype=gradient_dtype,
+            values_dtype=values_dtype,
         )
         self.is_chief = is_chief
         self.plan = plan
@@ -370,6 +372,8 @@ class PsUpdater:
         others and runs ``before_done`` meanwhile (not after a failure: then it only tells
         them, so that they do not wait for it)."""
         self._settle(failed)
+        if self.client.values_dtype is not None and not failed:
+            self.client.pull()  # the model ends with the ps's exact values, not their rounding
         self.client.finish(declare_end=self.is_chief, before_done=None if failed else before_done)
 
     def leave(self) -> None:

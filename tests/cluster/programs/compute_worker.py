@@ -4,7 +4,11 @@ The chief writes its losses, its parameter names and shapes and the global step 
 file given.
 
     compute_worker.py OUT CHECKPOINT_DIR MODE STEPS [--channels-last] [--autocast bf16]
-                      [--wire-dtype bf16] [--fused]
+                      [--wire-dtype bf16] [--values-wire-dtype bf16] [--fused]
+
+With ``--values-wire-dtype`` the chief also records, after each step, whether every float32
+parameter held a bf16 value (what a push's reply brings), and whether, after the session,
+its model held values bf16 cannot (the exact pull at the end).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def main() -> int:
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--autocast", default=None)
     parser.add_argument("--wire-dtype", default=None)
+    parser.add_argument("--values-wire-dtype", default=None)
     parser.add_argument("--fused", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -57,6 +62,7 @@ def main() -> int:
     x = torch.randn(BATCH, 1, 8, 8, generator=generator)
     y = torch.randint(0, 3, (BATCH,), generator=generator)
     losses = []
+    rounded_after_step: list[bool] = []
     with tfl.TrainingSession(
         server,
         model,
@@ -66,27 +72,36 @@ def main() -> int:
         checkpoint_dir=args.checkpoint_dir,
         progress_secs=None,
         wire_dtype=args.wire_dtype,
+        values_wire_dtype=args.values_wire_dtype,
         compute=tfl.ComputeOptions(channels_last=args.channels_last, autocast=args.autocast),
     ) as sess:
         while not sess.should_stop():
             losses.append(sess.step(lambda: F.cross_entropy(sess.model(x), y)).loss)
+            rounded_after_step.append(all(_is_bf16(p) for p in model.parameters()))
         stats = sess.cluster_stats()
-        if sess.is_chief:
-            with open(args.out, "w") as f:
-                json.dump(
-                    {
-                        "losses": losses,
-                        "names": [[n, list(p.shape)] for n, p in model.named_parameters()],
-                        "channels_last": all(
-                            p.stride() == channels_last_strides(p)
-                            for p in model.parameters()
-                            if p.dim() == 4
-                        ),
-                        "refused": sum(s.get("refused", 0) for s in stats),
-                    },
-                    f,
-                )
+    if sess.is_chief:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "losses": losses,
+                    "rounded_after_step": rounded_after_step,
+                    "exact_at_end": not all(_is_bf16(p) for p in model.parameters()),
+                    "names": [[n, list(p.shape)] for n, p in model.named_parameters()],
+                    "channels_last": all(
+                        p.stride() == channels_last_strides(p)
+                        for p in model.parameters()
+                        if p.dim() == 4
+                    ),
+                    "refused": sum(s.get("refused", 0) for s in stats),
+                },
+                f,
+            )
     return 0
+
+
+def _is_bf16(param: torch.Tensor) -> bool:
+    values = param.detach()
+    return torch.equal(values.to(torch.bfloat16).float(), values)
 
 
 if __name__ == "__main__":
