@@ -15,14 +15,17 @@ Two settings of the links:
 Each configuration runs ``--repeats`` times, interleaved (one of each per round), and the
 table gives the chief's steady-state global steps/s (median, min-max) and the ratio to the
 sequential step measured in the same round (median). ``--bucket-sizes`` adds the bucketed
-configuration at other sizes (how the default was chosen). ``--timelines DIR`` also writes
-one run's traces per configuration (for ``benchmarks/timeline_picture.py``).
+configuration at other sizes (how the default was chosen). ``--wire-dtypes`` adds the
+bf16 wire with buckets and prefetch: gradients in bf16, the values in the replies in bf16,
+and both (docs/compute.md). ``--timelines DIR`` also writes one run's traces per
+configuration (for ``benchmarks/timeline_picture.py``).
 
     .venv/bin/python benchmarks/overlap.py [--models cnn mlp --steps 300 --repeats 3]
     sudo .venv/bin/python benchmarks/overlap.py --rate 200mbit
+    sudo .venv/bin/python benchmarks/overlap.py --rate 1gbit --wire-dtypes
 
-Writes benchmarks/results/overlap.json and .md (``overlap_<rate>`` with ``--rate``, and
-``_<N>w`` added for ``--workers N`` other than 2).
+Writes benchmarks/results/overlap.json and .md (``overlap_<rate>`` with ``--rate``,
+``_<N>w`` added for ``--workers N`` other than 2, ``_wire_dtypes`` with ``--wire-dtypes``).
 """
 
 from __future__ import annotations
@@ -55,13 +58,20 @@ PORT = 2222
 RUN_TIMEOUT_S = 300.0
 
 
-def configurations(bucket_sizes: list[int]) -> dict[str, list[str]]:
-    """Name -> the worker's overlap flags."""
+def configurations(bucket_sizes: list[int], wire_dtypes: bool = False) -> dict[str, list[str]]:
+    """Name -> the worker's overlap (and wire) flags."""
+    buckets = ["--bucket-bytes", str(DEFAULT_BUCKET_BYTES)]
     configs = {
         "sequential": ["--bucket-bytes", "0"],
-        "buckets": ["--bucket-bytes", str(DEFAULT_BUCKET_BYTES)],
-        "buckets+prefetch": ["--bucket-bytes", str(DEFAULT_BUCKET_BYTES), "--prefetch"],
+        "buckets": buckets,
+        "buckets+prefetch": [*buckets, "--prefetch"],
     }
+    if wire_dtypes:
+        gradients, values = ["--wire-dtype", "bf16"], ["--values-wire-dtype", "bf16"]
+        prefetch = [*buckets, "--prefetch"]
+        configs["buckets+prefetch, bf16 gradients"] = [*prefetch, *gradients]
+        configs["buckets+prefetch, bf16 values"] = [*prefetch, *values]
+        configs["buckets+prefetch, bf16 gradients and values"] = [*prefetch, *gradients, *values]
     for size in bucket_sizes:
         if size != DEFAULT_BUCKET_BYTES:
             configs[f"buckets {size >> 10} KiB"] = ["--bucket-bytes", str(size)]
@@ -187,6 +197,7 @@ def main() -> int:
     parser.add_argument("--rate", default=None, help="links between namespaces, e.g. 200mbit")
     parser.add_argument("--bucket-sizes", type=int, nargs="*", default=[], metavar="BYTES")
     parser.add_argument("--timelines", type=Path, default=None, metavar="DIR")
+    parser.add_argument("--wire-dtypes", action="store_true", help="add the bf16 wire")
     args = parser.parse_args()
     if args.rate is not None:
         from tests.multihost.netns import namespaces_available
@@ -195,7 +206,7 @@ def main() -> int:
         if reason is not None:
             print(f"overlap: not run over links: {reason}")
             return 2
-    configs = configurations(args.bucket_sizes)
+    configs = configurations(args.bucket_sizes, args.wire_dtypes)
     runs: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in configs} for m in args.models}
     for round_index in range(args.repeats):
         for model in args.models:
@@ -254,6 +265,7 @@ def main() -> int:
     )
     name = "overlap" + (f"_{args.rate}" if args.rate else "")
     name += f"_{args.workers}w" if args.workers != 2 else ""
+    name += "_wire_dtypes" if args.wire_dtypes else ""
     write_results(name, result, heading, table)
     return 0
 

@@ -9,8 +9,8 @@ Measured in one run, on the same machine, same model, batch and optimizer:
 * the same with the fast-compute options (docs/compute.md): ``_fast_fp32`` (channels-last
   order and the fused Adam: fp32, compared with TensorFlow's fp32 runtime), ``_compile``
   (those plus ``torch.compile``, one process), and, reported apart, ``_wire_bf16``
-  (gradients sent as bf16 with error feedback) and ``_autocast_bf16`` (the forward pass in
-  bf16 autocast);
+  (gradients sent as bf16 with error feedback), ``_values_bf16`` (the values in the replies
+  to pushes sent as bf16) and ``_autocast_bf16`` (the forward pass in bf16 autocast);
 * ``tensorflow_async`` / ``tensorflow_single``: TensorFlow's own runtime on the same example
   (benchmarks/tf_reference), when a Python with tensorflow is available (``TF_PYTHON`` or
   the separate venv ``.venv-tf`` that ``make tf-reference`` makes); otherwise the row says why
@@ -153,6 +153,12 @@ TENSORFLEET_ROWS: dict[str, tuple[int, int, tuple[str, ...], str]] = {
     "tensorfleet_async_1ps_3w": (1, 3, (), "fp32"),
     "tensorfleet_async_1ps_3w_fast_fp32": (1, 3, FAST_FP32, "fp32"),
     "tensorfleet_async_1ps_3w_wire_bf16": (1, 3, (*FAST_FP32, "--wire-dtype", "bf16"), "bf16 wire"),
+    "tensorfleet_async_1ps_3w_values_bf16": (
+        1,
+        3,
+        (*FAST_FP32, "--values-wire-dtype", "bf16"),
+        "bf16 values on the wire",
+    ),
     "tensorfleet_async_1ps_3w_autocast_bf16": (
         1,
         3,

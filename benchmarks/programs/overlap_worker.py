@@ -3,7 +3,7 @@
 settings of the command line.
 
     overlap_worker.py --model cnn|mlp --steps N [--bucket-bytes B] [--prefetch]
-        [--metrics-json PATH] [--timeline FILE]
+        [--wire-dtype bf16] [--values-wire-dtype bf16] [--metrics-json PATH] [--timeline FILE]
 
 ``--bucket-bytes 0``: no buckets (one push per shard after the backward). The chief writes
 its steady-state figures to ``--metrics-json``: global steps/s and its own local steps/s from
@@ -81,6 +81,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--bucket-bytes", type=int, default=tfl.Overlap().bucket_bytes)
     parser.add_argument("--prefetch", action="store_true")
+    parser.add_argument("--wire-dtype", choices=("bf16",), default=None)
+    parser.add_argument("--values-wire-dtype", choices=("bf16",), default=None)
     parser.add_argument("--metrics-json", type=Path, default=None)
     parser.add_argument("--timeline", type=Path, default=None)
     args = parser.parse_args()
@@ -106,6 +108,8 @@ def main() -> int:
         optimizer=tfl.optim.Adam(lr=1e-4),
         hooks=[tfl.StopAtStep(last_step=args.steps), clock],
         overlap=tfl.Overlap(bucket_bytes=args.bucket_bytes or None, prefetch=args.prefetch),
+        wire_dtype=args.wire_dtype,
+        values_wire_dtype=args.values_wire_dtype,
         timeline=args.timeline,
         progress_secs=None,
     ) as sess:

@@ -1,7 +1,8 @@
 """Partial pushes on a real ps (tensorfleet.ps.partial_push): a step pushed as buckets of its
 variables moves the shard exactly as the whole push does, bit for bit (values, Adam's
-per-variable step counts, the moving average, the global step), and a malformed bucket is
-refused with a typed error while the shard goes on serving.
+per-variable step counts, the moving average, the global step), also when the worker sends
+bf16 gradients with error feedback, and a malformed bucket is refused with a typed error
+while the shard goes on serving.
 
 A real :class:`ParameterService` in a thread, talked to with a :class:`Channel`."""
 
@@ -21,6 +22,7 @@ from tensorfleet.ps.update_rules import SGD, Adagrad, Adam, UpdateRule
 from tensorfleet.version import __version__
 from tensorfleet.wire import message as wire
 from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.gradient_encoding import ErrorFeedback
 from tensorfleet.wire.tensors import as_buffer, from_buffer
 
 from .service_harness import RunningService, bits, serve_in_thread, stop_services
@@ -77,14 +79,18 @@ def _shard(
     channels: list[Channel],
     rule: UpdateRule,
     discipline: UpdateDiscipline | None = None,
+    gradient_dtype: str | None = None,
 ) -> Channel:
-    """A fresh shard holding VARIABLES, and a channel to it (hello said, variables created)."""
+    """A fresh shard holding VARIABLES, and a channel to it (hello said, declaring
+    ``gradient_dtype`` when given; variables created)."""
     services.append(
         serve_in_thread(ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), SECRET)
     )
     channel = Channel(services[-1].address, SECRET, "ps:0")
     channels.append(channel)
     hello = {"protocol": wire.PROTOCOL_VERSION, "version": __version__, "task": "worker:0"}
+    if gradient_dtype is not None:
+        hello["gradient_dtype"] = gradient_dtype
     channel.call("hello", hello, timeout_s=TIMEOUT_S)
     body = {
         "variables": VARIABLES,
@@ -158,6 +164,43 @@ def test_a_step_pushed_in_buckets_moves_the_shard_as_the_whole_push_bit_for_bit(
     stats = [c.call("stats", {}, timeout_s=TIMEOUT_S).body for c in (whole, parts)]
     assert stats[0]["pushes"] == stats[1]["pushes"] == 3  # once per step, not per bucket
     assert stats[1]["buckets"] == 9
+
+
+def test_bf16_buckets_encoded_with_error_feedback_move_the_shard_as_the_whole_bf16_push(
+    services: list[RunningService], channels: list[Channel]
+) -> None:
+    """Each bucket's float32 slices go as bf16 with their own elements' residuals: the bytes
+    sent, the residuals kept and the shard's values equal those of whole bf16 pushes."""
+    rule = Adam(lr=0.01)
+    whole = _shard(services, channels, rule, gradient_dtype="bf16")
+    parts = _shard(services, channels, rule, gradient_dtype="bf16")
+    whole_encoder, parts_encoder = ErrorFeedback("bf16"), ErrorFeedback("bf16")
+    buckets = [(3, 4), (2, 3), (0, 2)]
+    push = {"task": "worker:0", "want_values": True, "gradient_dtype": "bf16"}
+    for step in range(4):
+        gradients = [g * 10.0 ** (step - 6) for g in _gradients(step)]  # bf16 rounding shows
+        sent = whole_encoder.encode(0, LAYOUT.groups, [as_buffer(g.clone()) for g in gradients])
+        whole.call("push", {**push, "count_step": True}, sent, TIMEOUT_S)
+        for index, (start, stop) in enumerate(buckets):
+            last = index == len(buckets) - 1
+            slices = LAYOUT.part_slices(start, stop)
+            bucket = parts_encoder.encode(
+                0, LAYOUT.groups, _part(gradients, start, stop), slices=slices
+            )
+            for mine, theirs, (lo, hi), group in zip(
+                bucket, sent, slices, LAYOUT.groups, strict=True
+            ):
+                size = 2 if group.dtype == "float32" else 8
+                assert bytes(mine) == bytes(memoryview(theirs).cast("B")[lo * size : hi * size])
+            _push_part(
+                parts, bucket, part=[start, stop], last=last, count_step=last, gradient_dtype="bf16"
+            )
+        a = whole.call("pull", {}, timeout_s=TIMEOUT_S).buffers
+        b = parts.call("pull", {}, timeout_s=TIMEOUT_S).buffers
+        assert [bytes(x) for x in a] == [bytes(y) for y in b]
+    residual = whole_encoder.residual(0, 0)
+    assert residual is not None and residual.abs().max() > 0  # rounding was owed ...
+    assert bits(parts_encoder.residual(0, 0)) == bits(residual)  # ... the same by buckets
 
 
 @pytest.mark.parametrize(

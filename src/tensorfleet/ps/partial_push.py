@@ -11,12 +11,13 @@ the reply carries the same slices of the new values.
 
 Rule. Only in ``async`` mode without ``max_staleness``: the sync step averages whole
 gradients and the staleness gate counts whole steps, so there a partial push is refused
-(:class:`~tensorfleet.errors.RequestRefused`, naming the mode); and only from a worker that
-sends gradients in their own dtype (a bf16 wire, ``wire_dtype="bf16"``, encodes whole pushes
-with its error feedback: refused too). Everything is checked before
-anything changes (never trust bytes): the range must be two integers with
-``0 <= start < stop <=`` the number of variables, the buffers one per dtype group, each
-exactly the bytes of its slice; ``count_step`` only with ``last``. Anything else is refused
+(:class:`~tensorfleet.errors.RequestRefused`, naming the mode). A worker that declared a bf16
+wire (``wire_dtype="bf16"``) sends each bucket's float32 slices as bf16, encoded with its
+error feedback element by element (:mod:`tensorfleet.wire.gradient_encoding`), and they are
+upcast here. Everything is checked before anything changes (never trust bytes): the range
+must be two integers with ``0 <= start < stop <=`` the number of variables, the buffers one
+per dtype group, each exactly the bytes of its slice in the declared wire dtype, the push's
+wire dtype the one the worker declared; ``count_step`` only with ``last``. Anything else is refused
 with :class:`~tensorfleet.errors.ProtocolError` and the shard goes on serving.
 
 Invariant. A worker step pushed in buckets that cover each variable once moves the shard
@@ -36,6 +37,7 @@ import torch
 from tensorfleet.errors import ProtocolError, RequestRefused
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.shard_checkpoint import check_worker_data
+from tensorfleet.wire.gradient_encoding import travel_dtype
 from tensorfleet.wire.tensors import DTYPES, from_buffer
 
 if TYPE_CHECKING:
@@ -70,25 +72,32 @@ def parse_part(part: object, layout: FusedLayout) -> tuple[int, int]:
     return start, stop
 
 
-def part_gradients(layout: FusedLayout, start: int, stop: int, buffers: list) -> list[torch.Tensor]:
-    """The received buffers of the part ``[start, stop)`` as one flat tensor per group,
-    after checking their count and sizes (ProtocolError naming the group)."""
+def part_gradients(
+    layout: FusedLayout, start: int, stop: int, buffers: list, wire_dtype: str | None = None
+) -> list[torch.Tensor]:
+    """The received buffers of the part ``[start, stop)`` as one flat tensor per group in the
+    variables' dtypes, after checking their count and their sizes in the worker's declared
+    ``wire_dtype`` (ProtocolError naming the group); float32 sent as bf16 is upcast."""
     if len(buffers) != len(layout.groups):
         raise ProtocolError(
             f"a push of variables [{start}, {stop}) has {len(buffers)} buffers, the shard has "
             f"{len(layout.groups)} dtype groups (one buffer each, empty where the part has none)"
         )
     tensors = []
-    for group, expected, buffer in zip(
-        layout.groups, layout.part_bytes(start, stop), buffers, strict=True
+    for group, (lo, hi), buffer in zip(
+        layout.groups, layout.part_slices(start, stop), buffers, strict=True
     ):
+        sends = travel_dtype(group.dtype, wire_dtype)
+        expected = (hi - lo) * DTYPES[sends].itemsize
         nbytes = memoryview(buffer).nbytes
         if nbytes != expected:
+            sent_as = f" (sent as {sends})" if sends != group.dtype else ""
             raise ProtocolError(
-                f"a push of variables [{start}, {stop}): the {group.dtype} buffer has {nbytes} "
-                f"bytes, those variables need {expected}"
+                f"a push of variables [{start}, {stop}): the {group.dtype} buffer{sent_as} has "
+                f"{nbytes} bytes, those variables need {expected}"
             )
-        tensors.append(from_buffer(buffer, DTYPES[group.dtype]))
+        received = from_buffer(buffer, DTYPES[sends])
+        tensors.append(received if sends == group.dtype else received.to(DTYPES[group.dtype]))
     return tensors
 
 
@@ -117,12 +126,6 @@ class PartialPushHandling:
                 "one whole push per step; only plain async pushes buckets during the backward"
             )
         wire_dtype = self.gradient_decoder.check_claim(body.get("task"), body.get("gradient_dtype"))
-        if wire_dtype is not None:
-            raise RequestRefused(
-                f"a push of part of the variables (a bucket) from a worker that sends its "
-                f"gradients as {wire_dtype!r}: buckets travel in the variables' own dtype, so a "
-                "session with wire_dtype set pushes whole steps (it turns the overlap off)"
-            )
         layout = self.store.layout
         start, stop = parse_part(body.get("part"), layout)
         last, counting = body.get("last", False), body.get("count_step", False)
@@ -135,7 +138,7 @@ class PartialPushHandling:
                 "'count_step' on a bucket that is not the last of its step: the global step "
                 "advances once per worker step"
             )
-        gradients = part_gradients(layout, start, stop, request.buffers)
+        gradients = part_gradients(layout, start, stop, request.buffers, wire_dtype)
         data = body.get("data")
         if data is not None:
             if not last:

@@ -222,11 +222,8 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         variables=named_params,
         gradient_dtype=settings.wire_dtype,
         values_dtype=settings.values_wire_dtype,
-        # sync and the staleness gate take one whole push per step, and a bf16 wire encodes
-        # whole pushes (see push_overlap.py)
-        overlap=settings.overlap
-        if mode == "async" and settings.max_staleness is None and settings.wire_dtype is None
-        else None,
+        # sync and the staleness gate take one whole push per step (see push_overlap.py)
+        overlap=settings.overlap if mode == "async" and settings.max_staleness is None else None,
     )
 
 

@@ -82,16 +82,27 @@ class ErrorFeedback:
         groups: Sequence[Group],
         gradients: Sequence[memoryview],
         staging: Callable[[list[int]], list[memoryview] | None] | None = None,
+        slices: Sequence[tuple[int, int]] | None = None,
     ) -> list[memoryview]:
         """One shard's push: ``gradients`` (its groups' buffers in their own dtype, which
-        this call may overwrite) encoded group by group. ``staging``, given the encoded
-        sizes, may return writable buffers to encode into (a request's shared-memory
-        segment); otherwise the encoder's own buffers are used."""
-        sizes = [g.numel * DTYPES[travel_dtype(g.dtype, self.wire_dtype)].itemsize for g in groups]
+        this call may overwrite) encoded group by group. ``slices``: the elements
+        ``(lo, hi)`` of each group that ``gradients`` hold (a bucket of a push made during
+        the backward pass, :meth:`~tensorfleet.ps.layout.FusedLayout.part_slices`); None:
+        whole groups. Each element keeps its own residual, so a step encoded bucket by bucket
+        (each element once) sends exactly what the whole step encoded at once would.
+        ``staging``, given the encoded sizes, may return writable buffers to encode into (a
+        request's shared-memory segment); otherwise the encoder's own buffers are used."""
+        spans = list(slices) if slices is not None else [(0, g.numel) for g in groups]
+        sends_of = [travel_dtype(g.dtype, self.wire_dtype) for g in groups]
+        sizes = [
+            (hi - lo) * DTYPES[sends].itemsize
+            for sends, (lo, hi) in zip(sends_of, spans, strict=True)
+        ]
         targets = staging(sizes) if staging is not None else None
         out: list[memoryview] = []
-        for index, (group, buffer) in enumerate(zip(groups, gradients, strict=True)):
-            sends = travel_dtype(group.dtype, self.wire_dtype)
+        for index, (group, buffer, sends, (lo, hi)) in enumerate(
+            zip(groups, gradients, sends_of, spans, strict=True)
+        ):
             if sends == group.dtype:  # not encoded: as it is
                 if targets is not None:
                     memoryview(targets[index]).cast("B")[:] = memoryview(buffer).cast("B")
@@ -101,23 +112,24 @@ class ErrorFeedback:
                 continue
             gradient = (
                 torch.frombuffer(buffer, dtype=DTYPES[group.dtype])
-                if group.numel
-                else (torch.empty(0, dtype=DTYPES[group.dtype]))
+                if hi > lo
+                else torch.empty(0, dtype=DTYPES[group.dtype])
             )
             key = (shard, index)
             encoded = (
                 torch.frombuffer(targets[index], dtype=DTYPES[sends])
-                if targets is not None and group.numel
-                else self._buffer(self._encoded, key, group.numel, DTYPES[sends])
+                if targets is not None and hi > lo
+                else self._buffer(self._encoded, key, group.numel, DTYPES[sends])[lo:hi]
             )
-            self.step(key, gradient, encoded)
+            residual = self._buffer(self._residuals, key, group.numel, gradient.dtype, zero=True)
+            self.step(gradient, encoded, residual[lo:hi])
             out.append(targets[index] if targets is not None else as_buffer(encoded))
         return out
 
-    def step(self, key: Hashable, gradient: torch.Tensor, encoded: torch.Tensor) -> None:
-        """``encoded`` = round(``gradient`` + residual); the residual becomes what the
+    @staticmethod
+    def step(gradient: torch.Tensor, encoded: torch.Tensor, residual: torch.Tensor) -> None:
+        """``encoded`` = round(``gradient`` + ``residual``); ``residual`` becomes what the
         rounding removed. ``gradient`` is overwritten with the corrected gradient."""
-        residual = self._buffer(self._residuals, key, gradient.numel(), gradient.dtype, zero=True)
         gradient.add_(residual)
         encoded.copy_(gradient)  # round to nearest even
         residual.copy_(encoded)

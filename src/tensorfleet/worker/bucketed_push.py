@@ -358,6 +358,7 @@ class BucketedPush:
             "want_values": True,
             "count_step": counting,
             "step": self._session_step,
+            **self._client._wire_fields,
             **self._client.values_fields,
         }
         if not whole:
@@ -370,13 +371,7 @@ class BucketedPush:
         densify_sparse_gradients([self._named_params[i] for i in sorted(bucket.params)])
         try:
             with timeline.span("pack", shard=shard, bucket=bucket.position, variables=span):
-                channel = self._client._shards.channels[shard]
-                buffers = self._fused.gather(
-                    shard,
-                    values=False,
-                    into=channel.staging(self._fused.group_nbytes(shard, part)),
-                    part=part,
-                )
+                buffers = self._pack(shard, part)
             with timeline.span("push", shard=shard, bucket=bucket.position, variables=span):
                 request_id = self._client._shards.send(
                     shard, "push", body, self._client.timeouts.step_s, buffers
@@ -385,6 +380,20 @@ class BucketedPush:
             self._failure = exc
             return
         state.flight = _Flight(request_id, bucket, whole, counting, time.perf_counter_ns())
+
+    def _pack(self, shard: int, part: tuple[int, int] | None) -> list[memoryview]:
+        """The gradients of ``part`` of ``shard`` (all of them: None) for a push: straight
+        into the request segment where the channel offers one; with a bf16 wire, encoded
+        with the error feedback of their elements (``wire_dtype``)."""
+        staging = self._client._shards.channels[shard].staging
+        encoder = self._client._encoder
+        if encoder is None:
+            into = staging(self._fused.group_nbytes(shard, part))
+            return self._fused.gather(shard, values=False, into=into, part=part)
+        layout = self._fused.layouts[shard]
+        slices = None if part is None else layout.part_slices(*part)
+        gradients = self._fused.gather(shard, values=False, part=part)
+        return encoder.encode(shard, layout.groups, gradients, staging, slices)
 
     def _take(self, shard: int) -> None:
         """The reply of ``shard``'s request in flight (waiting for it if needed)."""

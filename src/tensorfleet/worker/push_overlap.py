@@ -32,8 +32,9 @@ veto the step; a bucket already applied cannot be taken back): then the step pus
 the hooks, with prefetch still on. Prefetch is off for a model with persistent buffers,
 ``tfl.EmbeddingTable`` s or ``sparse=True`` embedding weights (their exchanges follow the
 gradients' outcome each step), and with a device engine (in-graph replicas, pipelines: the
-engine's own backward gives no hooks). The whole overlap is off with ``wire_dtype="bf16"``
-(the error feedback encodes whole pushes).
+engine's own backward gives no hooks). With ``wire_dtype="bf16"`` each bucket's gradients
+are encoded with the error feedback of their own elements, so buckets and whole pushes send
+the same bytes (:mod:`tensorfleet.wire.gradient_encoding`).
 
 The choices, the alternatives, the measured reasons (``benchmarks/overlap.py``, 1 ps, the
 example's CNN (6.5 MB of gradients) and an MLP with large layers (11.6 MB), interleaved
