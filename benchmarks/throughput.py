@@ -10,7 +10,8 @@ Measured in one run, on the same machine, same model, batch and optimizer:
   order and the fused Adam: fp32, compared with TensorFlow's fp32 runtime), ``_compile``
   (those plus ``torch.compile``, one process), and, reported apart, ``_wire_bf16``
   (gradients sent as bf16 with error feedback), ``_values_bf16`` (the values in the replies
-  to pushes sent as bf16) and ``_autocast_bf16`` (the forward pass in bf16 autocast);
+  to pushes sent as bf16), ``_wire_and_values_bf16`` (both) and ``_autocast_bf16`` (the
+  forward pass in bf16 autocast);
 * ``tensorflow_async`` / ``tensorflow_single``: TensorFlow's own runtime on the same example
   (benchmarks/tf_reference), when a Python with tensorflow is available (``TF_PYTHON`` or
   the separate venv ``.venv-tf`` that ``make tf-reference`` makes); otherwise the row says why
@@ -158,6 +159,12 @@ TENSORFLEET_ROWS: dict[str, tuple[int, int, tuple[str, ...], str]] = {
         3,
         (*FAST_FP32, "--values-wire-dtype", "bf16"),
         "bf16 values on the wire",
+    ),
+    "tensorfleet_async_1ps_3w_wire_and_values_bf16": (
+        1,
+        3,
+        (*FAST_FP32, "--wire-dtype", "bf16", "--values-wire-dtype", "bf16"),
+        "bf16 gradients and values on the wire",
     ),
     "tensorfleet_async_1ps_3w_autocast_bf16": (
         1,
