@@ -1,6 +1,6 @@
 """Fast compute through real clusters: async through a ps with channels-last, bf16 autocast,
 bf16 gradients on the wire and the fused Adam; async with bf16 values in the replies to
-pushes (through the buckets of the overlap); all-reduce (DDP) with channels-last and bf16
+pushes (through the buckets of the overlap); sync with both directions in bf16; all-reduce (DDP) with channels-last and bf16
 autocast. Training goes down, nothing is refused, the parameters keep their names and shapes,
 and the checkpoint the chief wrote loads strictly into a plain model."""
 
@@ -32,9 +32,10 @@ def _program():
     [
         ("async", 1, ["--channels-last", "--autocast", "bf16", "--wire-dtype", "bf16", "--fused"]),
         ("async", 1, ["--channels-last", "--values-wire-dtype", "bf16", "--fused"]),
+        ("sync", 1, ["--channels-last", "--wire-dtype", "bf16", "--values-wire-dtype", "bf16"]),
         ("allreduce", 0, ["--channels-last", "--autocast", "bf16"]),
     ],
-    ids=["async", "async-bf16-values", "allreduce"],
+    ids=["async", "async-bf16-values", "sync-bf16-wire", "allreduce"],
 )
 def test_options_train_through_a_cluster_and_checkpoint_plain_names(
     tmp_path, python, mode: str, num_ps: int, flags: list[str]
