@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import ConnectionLost, TensorfleetError
+from tensorfleet.wire import value_encoding
 from tensorfleet.wire.channel import Reply
 from tensorfleet.worker.client import RECOVERABLE, ParameterClient
 from tensorfleet.worker.gradient_buckets import Bucket, BucketFill, BucketPlan
@@ -359,7 +360,7 @@ class BucketedPush:
             "count_step": counting,
             "step": self._session_step,
             **self._client._wire_fields,
-            **self._client.values_fields,
+            **value_encoding.request_fields(self._client.values_dtype),
         }
         if not whole:
             body.update(part=[bucket.start, bucket.stop], last=last)

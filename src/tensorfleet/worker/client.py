@@ -131,9 +131,7 @@ class ParameterClient:
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)
         self._wire_fields = {"gradient_dtype": gradient_dtype} if gradient_dtype else {}
-        self.values_fields = value_encoding.request_fields(values_dtype)
-        """What every push adds to ask for its values in ``values_dtype``."""
-        self.values_dtype = values_dtype
+        self.values_dtype = value_encoding.check_values_wire_dtype(values_dtype)
         channels = [
             Channel(
                 address, secret, f"ps:{i}", limits=limits, context=self._context, encrypt=encrypt
@@ -451,7 +449,7 @@ class ParameterClient:
                 "task": self.task_name,
                 "step": step,
                 **self._wire_fields,
-                **self.values_fields,
+                **value_encoding.request_fields(self.values_dtype),
                 **({"data": data} if data is not None and i == 0 else {}),
             }
             for i in range(self.num_shards)
