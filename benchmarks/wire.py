@@ -17,7 +17,12 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
 * ``push_pull_encrypted``: the push+pull over TCP with ``--encrypt`` (every message sealed
   with AES-256-GCM under per-connection keys, ``wire/encryption.py``);
 * ``push_pull_shared_memory`` / ``pull_shared_memory``: the same, with the same-host fast
-  path (payloads in shared memory, the wire carrying headers and tags).
+  path (payloads in shared memory, the wire carrying headers and tags);
+* ``push_pull_parts``: the push+pull over TCP streamed: the model registered as variables of
+  1 MiB, pushed as one bucket each (partial pushes, :mod:`tensorfleet.ps.partial_push`), up
+  to 8 in flight, each applied and answered as it arrives. What a push+pull cut into parts
+  smaller than a variable would reach on the same ps (the ps lends each bucket's reply only
+  that bucket's slices, so the next bucket is applied in place).
 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
 bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``.
@@ -58,6 +63,8 @@ from tensorfleet.wire.secret import generate_secret  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
+#: Seconds a streamed part may take to be answered.
+STEP_TIMEOUT_S = 60.0
 
 ECHO_SERVER = r"""
 import socket, sys
@@ -76,7 +83,10 @@ else:
 for _ in range(rounds):
     got = 0
     while got < n:
-        got += conn.recv_into(view[got:])
+        received = conn.recv_into(view[got:])
+        if not received:  # the client closed early (it failed): end instead of spinning
+            sys.exit(0)
+        got += received
     if sgd:
         weight.add_(gradient, alpha=-0.1)
     conn.sendall(reply)
@@ -113,7 +123,10 @@ class RawEcho:
         self.conn.sendall(self.payload)
         view, got = memoryview(self.back), 0
         while got < self.model_bytes:
-            got += self.conn.recv_into(view[got:])
+            received = self.conn.recv_into(view[got:])
+            if not received:
+                raise ConnectionError(f"the echo server closed after {got} bytes of an echo")
+            got += received
 
     def close(self) -> None:
         self.conn.close()
@@ -129,6 +142,8 @@ class TensorfleetPs:
         encrypt: bool = False,
         shared_memory: bool = False,
         ps_src: Path | None = None,
+        part_bytes: int | None = None,
+        window: int = 8,
     ) -> None:
         secret = generate_secret()
         ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -146,20 +161,47 @@ class TensorfleetPs:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        self.weight = torch.nn.Parameter(torch.randn(model_bytes // 4))
-        self.weight.grad = torch.randn_like(self.weight) * 1e-6
-        plan = plan_placement([VariableSpec("weight", tuple(self.weight.shape), "float32", 4)], 1)
+        numel, parts = model_bytes // 4, max(1, model_bytes // (part_bytes or model_bytes))
+        sizes = [numel * (k + 1) // parts - numel * k // parts for k in range(parts)]
+        self.weights = [torch.nn.Parameter(torch.randn(size)) for size in sizes]
+        for weight in self.weights:
+            weight.grad = torch.randn_like(weight) * 1e-6
+        names = ["weight"] if parts == 1 else [f"weight/{k}" for k in range(parts)]
+        specs = [VariableSpec(n, (s,), "float32", 4) for n, s in zip(names, sizes, strict=True)]
         os.environ[SHARED_MEMORY_VAR] = env[SHARED_MEMORY_VAR]  # read by the client's channels
         self.client = ParameterClient([ps_address], secret.encode(), "worker:0", encrypt=encrypt)
         self.client.connect()
         self.shared_memory = self.client._shards.channels[0].uses_shared_memory
-        self.client.register([("weight", self.weight)], plan, SGD(lr=0.1), is_chief=True)
+        self.client.register(
+            list(zip(names, self.weights, strict=True)),
+            plan_placement(specs, 1),
+            SGD(lr=0.1),
+            is_chief=True,
+        )
+        self.window = window
 
     def push_pull(self) -> None:
         self.client.push_pull()
 
     def pull(self) -> None:
         self.client.pull()
+
+    def push_pull_parts(self) -> None:
+        """Each variable's gradient as one partial push, ``window`` in flight; the replies'
+        values put into the model as they come."""
+        channel, fused = self.client._shards.channels[0], self.client._bound()
+        count, sent, answered, pending = len(self.weights), 0, 0, []
+        while answered < count:
+            while sent < count and sent - answered < self.window:
+                last = sent == count - 1
+                body = {"task": "worker:0", "want_values": True, "count_step": last,
+                        "part": [sent, sent + 1], "last": last}  # fmt: skip
+                buffers = [memoryview(self.weights[sent].grad.numpy()).cast("B")]
+                pending.append(channel.send("push", body, buffers, timeout_s=STEP_TIMEOUT_S))
+                sent += 1
+            reply = channel.wait(pending[answered], STEP_TIMEOUT_S)
+            fused.scatter(0, reply.buffers, (answered, answered + 1))
+            answered += 1
 
     def close(self) -> None:
         try:
@@ -173,13 +215,20 @@ class TensorfleetPs:
 
 
 #: The kinds that apply an SGD update on the server, compared with ``raw_tcp_sgd`` too.
-UPDATING = ("push_pull", "push_pull_encrypted", "push_pull_shared_memory", "push_pull_baseline")
+UPDATING = (
+    "push_pull",
+    "push_pull_parts",
+    "push_pull_encrypted",
+    "push_pull_shared_memory",
+    "push_pull_baseline",
+)
 
 #: Bytes each kind moves per round trip, in units of the model's size.
 MOVES = {
     "raw_tcp_echo": 2,
     "raw_tcp_sgd": 2,
     "push_pull": 2,
+    "push_pull_parts": 2,
     "pull": 1,
     "push_pull_encrypted": 2,
     "push_pull_shared_memory": 2,
@@ -198,6 +247,7 @@ def interleaved(
     raw = RawEcho(model_bytes, (batches + 1) * per_batch)
     raw_sgd = RawEcho(model_bytes, (batches + 1) * per_batch, sgd=True)
     ours = TensorfleetPs(model_bytes)
+    streamed = TensorfleetPs(model_bytes, part_bytes=1 << 20)
     encrypted = TensorfleetPs(model_bytes, encrypt=True)
     local = TensorfleetPs(model_bytes, shared_memory=True)
     if not local.shared_memory or ours.shared_memory:
@@ -206,6 +256,7 @@ def interleaved(
         "raw_tcp_echo": raw.round_trip,
         "raw_tcp_sgd": raw_sgd.round_trip,
         "push_pull": ours.push_pull,
+        "push_pull_parts": streamed.push_pull_parts,
         "pull": ours.pull,
         "push_pull_encrypted": encrypted.push_pull,
         "push_pull_shared_memory": local.push_pull,
@@ -228,7 +279,7 @@ def interleaved(
     finally:
         raw.close()
         raw_sgd.close()
-        for ps in (ours, encrypted, local, baseline):
+        for ps in (ours, streamed, encrypted, local, baseline):
             if ps is not None:
                 ps.close()
     return times

@@ -87,7 +87,10 @@ buf = bytearray(n); view = memoryview(buf)
 for _ in range(rounds):
     got = 0
     while got < n:
-        got += conn.recv_into(view[got:])
+        received = conn.recv_into(view[got:])
+        if not received:  # the client closed early (it failed): end instead of spinning
+            sys.exit(0)
+        got += received
     conn.sendall(buf)
 """
 
@@ -208,7 +211,10 @@ class TcpEcho:
         self.conn.sendall(self.payload)
         view, got = memoryview(self.back), 0
         while got < len(self.payload):
-            got += self.conn.recv_into(view[got:])
+            received = self.conn.recv_into(view[got:])
+            if not received:
+                raise ConnectionError(f"the echo server closed after {got} bytes of an echo")
+            got += received
 
     def close(self) -> None:
         self.conn.close()

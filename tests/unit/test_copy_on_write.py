@@ -163,3 +163,40 @@ def test_a_restore_while_a_reply_is_in_flight_leaves_the_sent_bytes_unchanged(pa
     assert all(
         torch.equal(a, b) for a, b in zip(store.live_values(), source.live_values(), strict=True)
     )
+
+
+def _part_gradients(store: VariableStore, start: int, stop: int, seed: int) -> list[torch.Tensor]:
+    slices = store.layout.part_slices(start, stop)
+    return [g[lo:hi] for g, (lo, hi) in zip(_gradients(seed), slices, strict=True)]
+
+
+def test_a_bucket_reply_in_flight_holds_back_only_writes_of_its_own_variables(pair) -> None:
+    """The reply to a bucket lends that bucket's slices only: updates of the other variables
+    happen in place and leave the bytes in flight unchanged; an update of the bucket's own
+    variables moves the store first. Either way the store ends where a store that never
+    sent anything ends."""
+    sender, receiver = pair
+    store, alone = _store(), _store()
+    slices = store.layout.part_slices(0, 1)  # W: the float32 group's head, no float64
+    (lo, hi), (d_lo, d_hi) = slices
+    assert hi > lo and d_lo == d_hi
+    before = store.live_values()[0][lo:hi].clone()
+    tracker = sender.send_multipart(
+        [as_buffer(store.live_values()[0][lo:hi])], copy=False, track=True
+    )
+    assert not tracker.done
+    store.lent(tracker, slices)
+    pointers = [t.data_ptr() for t in store.live_values()]
+    for start, stop, seed in [(1, 2, 1), (2, 3, 2)]:  # B, then D: not W
+        store.apply(_part_gradients(store, start, stop, seed), part=(start, stop))
+        alone.apply(_part_gradients(alone, start, stop, seed), part=(start, stop))
+    assert store.copies_on_write == 0
+    assert [t.data_ptr() for t in store.live_values()] == pointers  # written in place
+    store.apply(_part_gradients(store, 0, 1, 3), part=(0, 1))  # W itself: copy first
+    alone.apply(_part_gradients(alone, 0, 1, 3), part=(0, 1))
+    assert store.copies_on_write == 1
+    (sent,) = _received(receiver, [torch.float32])
+    assert torch.equal(sent, before)
+    assert all(
+        torch.equal(a, b) for a, b in zip(store.live_values(), alone.live_values(), strict=True)
+    )

@@ -11,11 +11,15 @@ requests queue up.
 
 The rule: **memory lent to a reply is never written until every reply that carries it has
 left.** The store calls :meth:`CopyOnWrite.before_write` before any write (an update, a
-restore); when a reply carrying its current memory is still in flight, the store's flat
-tensors and every per-variable view of them (the optimizer's parameters, whose state is
-keyed by those tensor objects) are moved, with ``Tensor.set_``, onto memory no reply holds,
-holding a copy of the values: the reply keeps the old memory alive (its buffers are views
-that reference it) and sends it unchanged. The old memory is kept as the spare for the next
+restore), naming the elements the write touches; when a reply still in flight carries any
+of them, the store's flat tensors and every per-variable view of them (the optimizer's
+parameters, whose state is keyed by those tensor objects) are moved, with ``Tensor.set_``,
+onto memory no reply holds, holding a copy of the values: the reply keeps the old memory
+alive (its buffers are views that reference it) and sends it unchanged. A write that
+touches none of the elements in flight happens in place: the reply to one bucket of a push
+(:mod:`tensorfleet.ps.partial_push`) lends only that bucket's slices, so the next bucket's
+update, of other variables, copies nothing. Whole replies (a pull, a whole push) lend
+everything. The old memory is kept as the spare for the next
 such copy once its replies have left, because mapping fresh megabytes per copy (page faults)
 costs more than copying into memory already mapped.
 
@@ -30,6 +34,9 @@ from typing import Protocol
 
 import torch
 
+#: Elements of each flat tensor, ``(lo, hi)`` per flat; None: all of them.
+Ranges = Sequence[tuple[int, int]] | None
+
 
 class Tracker(Protocol):
     """What is needed of a ``zmq.MessageTracker``: whether the message has left."""
@@ -42,26 +49,31 @@ class CopyOnWrite:
     """The replies in flight that carry a store's memory, and the move before a write."""
 
     def __init__(self, max_spares: int = 2) -> None:
-        self._in_flight: list[Tracker] = []
+        self._in_flight: list[tuple[Tracker, Ranges]] = []
         self._spares: list[tuple[list[torch.Tensor], list[Tracker]]] = []
         self._max_spares = max_spares
         self.copies = 0
         """How many writes found the values still in flight and copied them first."""
 
-    def lent(self, tracker: Tracker | None) -> None:
-        """The store's current values went out in a reply that ``tracker`` follows (None:
-        nothing of the store's memory is left in flight, e.g. the reply copied it)."""
+    def lent(self, tracker: Tracker | None, ranges: Ranges = None) -> None:
+        """The store's current values (``ranges`` of them; None: all) went out in a reply
+        that ``tracker`` follows (None: nothing of the store's memory is left in flight, e.g.
+        the reply copied it)."""
         if tracker is not None and not tracker.done:
-            self._in_flight.append(tracker)
+            self._in_flight.append((tracker, None if ranges is None else tuple(ranges)))
 
     def before_write(
-        self, flats: Sequence[torch.Tensor], views: Sequence[Sequence[torch.Tensor]]
+        self,
+        flats: Sequence[torch.Tensor],
+        views: Sequence[Sequence[torch.Tensor]],
+        ranges: Ranges = None,
     ) -> None:
-        """Make the memory of ``flats`` (each with its ``views``) the store's alone again: if a
-        reply carrying it is still in flight, move ``flats`` and ``views`` onto spare memory
-        holding the same values, and keep the old memory until its replies have left."""
-        self._in_flight = [tracker for tracker in self._in_flight if not tracker.done]
-        if not self._in_flight:
+        """Make the memory of ``flats`` (each with its ``views``) that a write of ``ranges``
+        (None: all) touches the store's alone again: if a reply carrying any of it is still
+        in flight, move ``flats`` and ``views`` onto spare memory holding the same values,
+        and keep the old memory until its replies have left."""
+        self._in_flight = [(t, lent) for t, lent in self._in_flight if not t.done]
+        if not any(_overlap(lent, ranges) for _, lent in self._in_flight):
             return
         spare = self._take_spare(flats)
         # Aliases of the lent memory: they keep it alive (with the replies' own views) and
@@ -75,8 +87,8 @@ class CopyOnWrite:
                     view.set_(storage, view.storage_offset(), view.shape, view.stride())
                 flat.set_(storage, 0, flat.shape, flat.stride())
         if len(self._spares) < self._max_spares:
-            self._spares.append((lent, self._in_flight))
-        self._in_flight = []
+            self._spares.append((lent, [tracker for tracker, _ in self._in_flight]))
+        self._in_flight = []  # all of them carry the old memory now
         self.copies += 1
 
     def _take_spare(self, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -86,3 +98,13 @@ class CopyOnWrite:
                 del self._spares[index]
                 return tensors
         return [torch.empty_like(flat) for flat in flats]
+
+
+def _overlap(lent: Ranges, written: Ranges) -> bool:
+    """Whether a write of ``written`` touches an element of ``lent`` (None: all elements)."""
+    if lent is None or written is None:
+        return True
+    return any(
+        lo < hi and w_lo < w_hi and lo < w_hi and w_lo < hi
+        for (lo, hi), (w_lo, w_hi) in zip(lent, written, strict=True)
+    )

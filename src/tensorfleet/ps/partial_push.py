@@ -164,4 +164,4 @@ class PartialPushHandling:
         parts = [
             flat[lo:hi] for flat, (lo, hi) in zip(self.store.live_values(), slices, strict=True)
         ]
-        self._reply_from_store(request, reply, parts)  # type: ignore[attr-defined]
+        self._reply_from_store(request, reply, parts, slices)  # type: ignore[attr-defined]

@@ -526,11 +526,16 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         self._reply_from_store(request, body, self.store.live_values())
 
     def _reply_from_store(
-        self, request: Request, body: dict[str, object], values: list[torch.Tensor]
+        self,
+        request: Request,
+        body: dict[str, object],
+        values: list[torch.Tensor],
+        slices: list[tuple[int, int]] | None = None,
     ) -> None:
         """Reply with ``values``, the store's live tensors (or slices of them), without a
         copy: unless the socket copies them first (shared memory, encryption), they are lent
-        to the reply, and the store's next write copies first while it is in flight. A push
+        to the reply, and the store's next write of those ``slices`` of its groups (None:
+        whole values) copies first while it is in flight. A push
         that asks for its values in a wire dtype gets them rounded (:mod:`~tensorfleet.wire.
         value_encoding`): new tensors, nothing lent."""
         asked = value_encoding.requested(request.body) if request.op == "push" else None
@@ -542,7 +547,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
             return
         tracker = self.socket.reply(request, body, [as_buffer(t) for t in values])
         if not self.socket.reply_copies_buffers(request):
-            self.store.lent(tracker)
+            self.store.lent(tracker, slices)
 
     def _require_initialized(self) -> None:
         if not self.store.initialized:

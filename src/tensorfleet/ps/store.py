@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorfleet.errors import CheckpointMismatch, ConfigError, UsageError
-from tensorfleet.ps.copy_on_write import CopyOnWrite, Tracker
+from tensorfleet.ps.copy_on_write import CopyOnWrite, Ranges, Tracker
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.tensors import DTYPES
@@ -85,10 +85,11 @@ class VariableStore:
         kept across a write (a write may move the store onto other memory)."""
         return list(self._flats)
 
-    def lent(self, tracker: Tracker | None) -> None:
-        """The values of :meth:`live_values` (or views of them) went out in a reply that
-        ``tracker`` follows: until it is done, a write leaves that memory unchanged."""
-        self._copy_on_write.lent(tracker)
+    def lent(self, tracker: Tracker | None, ranges: Ranges = None) -> None:
+        """The values of :meth:`live_values` (``ranges`` of each group: slices of them; None:
+        all) went out in a reply that ``tracker`` follows: until it is done, a write leaves
+        that memory unchanged."""
+        self._copy_on_write.lent(tracker, ranges)
 
     @property
     def copies_on_write(self) -> int:
@@ -200,7 +201,7 @@ class VariableStore:
             if part is not None
             else [(0, group.numel) for group in self.layout.groups]
         )
-        self._copy_on_write.before_write(self._flats, self._views)
+        self._copy_on_write.before_write(self._flats, self._views, slices)
         stepped = []
         for group, indices, views, grad, (lo, _) in zip(
             self.layout.groups,
