@@ -19,9 +19,9 @@ alive (its buffers are views that reference it) and sends it unchanged. A write 
 touches none of the elements in flight happens in place: the reply to one bucket of a push
 (:mod:`tensorfleet.ps.partial_push`) lends only that bucket's slices, so the next bucket's
 update, of other variables, copies nothing. Whole replies (a pull, a whole push) lend
-everything. The old memory is kept as the spare for the next
-such copy once its replies have left, because mapping fresh megabytes per copy (page faults)
-costs more than copying into memory already mapped.
+everything. The old memory is kept as the spare for the next such copy once its replies
+have left, because mapping fresh megabytes per copy (page faults) costs more than copying
+into memory already mapped.
 
 Only the store's own tensors move; nothing outside the store may keep a reference to its
 flats across a write (:meth:`~tensorfleet.ps.store.VariableStore.live_values` says so).

@@ -17,8 +17,8 @@ error feedback element by element (:mod:`tensorfleet.wire.gradient_encoding`), a
 upcast here. Everything is checked before anything changes (never trust bytes): the range
 must be two integers with ``0 <= start < stop <=`` the number of variables, the buffers one
 per dtype group, each exactly the bytes of its slice in the declared wire dtype, the push's
-wire dtype the one the worker declared; ``count_step`` only with ``last``. Anything else is refused
-with :class:`~tensorfleet.errors.ProtocolError` and the shard goes on serving.
+wire dtype the one the worker declared; ``count_step`` only with ``last``. Anything else is
+refused with :class:`~tensorfleet.errors.ProtocolError` and the shard goes on serving.
 
 Invariant. A worker step pushed in buckets that cover each variable once moves the shard
 exactly as the whole push would: the store steps only the part's variables (``torch.optim``

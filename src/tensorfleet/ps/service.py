@@ -532,12 +532,12 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         values: list[torch.Tensor],
         slices: list[tuple[int, int]] | None = None,
     ) -> None:
-        """Reply with ``values``, the store's live tensors (or slices of them), without a
-        copy: unless the socket copies them first (shared memory, encryption), they are lent
-        to the reply, and the store's next write of those ``slices`` of its groups (None:
-        whole values) copies first while it is in flight. A push
-        that asks for its values in a wire dtype gets them rounded (:mod:`~tensorfleet.wire.
-        value_encoding`): new tensors, nothing lent."""
+        """Reply with ``values``, the store's live tensors (or ``slices`` of its groups; None:
+        whole values), without a copy: unless the socket copies them first (shared memory,
+        encryption), they are lent to the reply, and the store's next write of those slices
+        copies first while it is in flight. A push that asks for its values in a wire dtype
+        gets them rounded (:mod:`~tensorfleet.wire.value_encoding`): new tensors, nothing
+        lent."""
         asked = value_encoding.requested(request.body) if request.op == "push" else None
         if asked is not None:
             encoded = value_encoding.encode(values, asked)

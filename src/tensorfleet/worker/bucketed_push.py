@@ -50,7 +50,6 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import ConnectionLost, TensorfleetError
-from tensorfleet.wire import value_encoding
 from tensorfleet.wire.channel import Reply
 from tensorfleet.worker.client import RECOVERABLE, ParameterClient
 from tensorfleet.worker.gradient_buckets import Bucket, BucketFill, BucketPlan
@@ -359,8 +358,7 @@ class BucketedPush:
             "want_values": True,
             "count_step": counting,
             "step": self._session_step,
-            **self._client._wire_fields,
-            **value_encoding.request_fields(self._client.values_dtype),
+            **self._client.push_fields(),
         }
         if not whole:
             body.update(part=[bucket.start, bucket.stop], last=last)

@@ -448,8 +448,7 @@ class ParameterClient:
                 "want_values": True,
                 "task": self.task_name,
                 "step": step,
-                **self._wire_fields,
-                **value_encoding.request_fields(self.values_dtype),
+                **self.push_fields(),
                 **({"data": data} if data is not None and i == 0 else {}),
             }
             for i in range(self.num_shards)
@@ -466,6 +465,10 @@ class ParameterClient:
             )
         self._scatter(replies, pushed=True)
         return self._progress(replies)
+
+    def push_fields(self) -> dict[str, str]:
+        """What every push names of how it travels: its gradients' and its values' dtypes."""
+        return {**self._wire_fields, **value_encoding.request_fields(self.values_dtype)}
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         """The moving average the shards keep, as fresh tensors by parameter name."""
