@@ -12,7 +12,12 @@ several sessions in turn (tests, notebooks) starts each with it clear.
 
 from __future__ import annotations
 
+import logging
 import threading
+
+from tensorfleet.errors import Preempted
+
+log = logging.getLogger("tensorfleet.worker")
 
 _PREEMPTED = threading.Event()
 
@@ -35,3 +40,16 @@ def preempted() -> bool:
 def wait_unless_preempted(seconds: float) -> bool:
     """Sleep ``seconds``, waking at once on a preemption; True when preempted."""
     return _PREEMPTED.wait(max(0.0, seconds))
+
+
+def raise_if_preempted(waiting_for: str) -> None:
+    """:class:`~tensorfleet.errors.Preempted` if this task was preempted: for a wait with
+    nothing to save behind it (a worker still saying hello to its parameter servers), which
+    would otherwise sit out its deadline past the cluster manager's grace period."""
+    if _PREEMPTED.is_set():
+        message = (
+            f"preempted (SIGTERM) while waiting for {waiting_for}: nothing to save yet; "
+            "exiting with status 143 to be restarted"
+        )
+        log.warning("%s", message)  # a SystemExit prints nothing of its own
+        raise Preempted(message)

@@ -306,3 +306,27 @@ def test_a_worker_preempted_while_recovering_exits_at_once_instead_of_retrying()
     # Not DeadlineExceeded after the 60 s: the recovery gave up on the signal.
     assert raised.value.code == PREEMPTED_EXIT_STATUS
     assert not preempted()  # cleared with the handler: the next session starts clear
+
+
+def test_a_worker_preempted_while_saying_hello_exits_at_once_instead_of_waiting() -> None:
+    """A worker whose parameter servers are not up yet waits for their hello answer for
+    ``connect_s`` (a minute by default); a SIGTERM meanwhile has nothing to save, so the
+    wait ends at once with Preempted (status 143) instead of outlasting the cluster
+    manager's grace period and being killed (a launcher stopping a cluster whose ps never
+    started had to SIGKILL every worker after 15 s)."""
+    nobody = f"127.0.0.1:{free_port()}"
+    patient = ClientTimeouts(connect_s=60.0, initialize_s=10.0, step_s=10.0)
+    client = ParameterClient([nobody], SECRET, "worker:0", patient)
+    with PreemptionNotice() as notice:
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
+        try:
+            with pytest.raises(Preempted, match="waiting for ps:0 to answer 'hello'") as raised:
+                client.connect()
+        finally:
+            timer.cancel()
+            client.close()
+        assert notice.received.is_set()
+    # Not DeadlineExceeded after 60 s: the hello gave up on the signal.
+    assert raised.value.code == PREEMPTED_EXIT_STATUS
+    assert not preempted()

@@ -202,7 +202,7 @@ class ParameterClient:
         for channel in self._shards.channels:
             channel.forget_pending()
             channel.server_session = None
-        return self._shards.call("hello", body, timeout_s)
+        return self._shards.call("hello", body, timeout_s, interruptible=True)
 
     def register(
         self,

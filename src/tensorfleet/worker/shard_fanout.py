@@ -9,7 +9,10 @@ than the request's own (the ps gives up first and says why, so its explanation i
 user sees), and a wait ends at once with :class:`~tensorfleet.errors.ConnectionLost` when
 the heartbeat says the shard fell silent or restarted, instead of sitting out the deadline
 (except for the requests that keep a shard too busy to answer heartbeats: creating or
-restoring its variables, and the wait for that; their deadline decides).
+restoring its variables, and the wait for that; their deadline decides). A wait that has
+nothing to save behind it (``interruptible``: the hello) ends with
+:class:`~tensorfleet.errors.Preempted` as soon as the task is preempted
+(:mod:`tensorfleet.preemption_event`).
 
 A caller that keeps one request in flight per shard while it does other work (the pushes of
 gradient buckets during the backward pass, :mod:`tensorfleet.worker.bucketed_push`) uses the
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.errors import UsageError
+from tensorfleet.preemption_event import raise_if_preempted
 from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.worker.heartbeat import Heartbeat
 from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
@@ -60,6 +64,7 @@ class ShardFanout:
         buffers: Sequence[Sequence[Any] | None] | None = None,
         shards: Sequence[int] | None = None,
         abort_when_silent: bool = True,
+        interruptible: bool = False,
     ) -> list[Reply]:
         """Send ``op`` with ``body`` (one for all, or one per shard in ``shards`` order, as
         are ``op`` and ``buffers`` when sequences) to each of ``shards`` (default: all), then
@@ -71,7 +76,12 @@ class ShardFanout:
         heartbeat. For the requests that keep a shard busy without a reply to anything else
         (creating or restoring its variables; the first creation also loads torch's
         optimizer code) and for the wait for them: a silence then means the shard is
-        working for us, and the deadline, not the silence, must decide."""
+        working for us, and the deadline, not the silence, must decide.
+
+        ``interruptible``: a preemption of this task ends the wait with
+        :class:`~tensorfleet.errors.Preempted` (checked every quarter second); for requests
+        with nothing to save behind them (the hello), never for a push, which a preempted
+        worker finishes."""
         targets = list(range(self.num_shards)) if shards is None else list(shards)
         ops = [op] * len(targets) if isinstance(op, str) else list(op)
         bodies = [body] * len(targets) if isinstance(body, dict) else list(body)
@@ -88,7 +98,7 @@ class ShardFanout:
                 for shard, o, b, s in zip(targets, ops, bodies, sends, strict=True)
             ]
         with self.timeline.span("wait"):
-            return self._wait_all(targets, ids, timeout_s, abort_when_silent)
+            return self._wait_all(targets, ids, timeout_s, abort_when_silent, interruptible, op)
 
     def send(
         self,
@@ -116,20 +126,29 @@ class ShardFanout:
         return self._wait_all([shard], [request_id], timeout_s, abort_when_silent=True)[0]
 
     def _wait_all(
-        self, targets: list[int], ids: list[int], timeout_s: float, abort_when_silent: bool
+        self,
+        targets: list[int],
+        ids: list[int],
+        timeout_s: float,
+        abort_when_silent: bool,
+        interruptible: bool = False,
+        op: object = None,
     ) -> list[Reply]:
         """The replies to ``ids`` (sent to ``targets``), in that order."""
+
+        def abort(shard: int) -> str | None:
+            if interruptible:
+                raise_if_preempted(f"ps:{shard} to answer {op!r}")
+            if not abort_when_silent:
+                return None
+            return self._heartbeat.trouble(shard, self.channels[shard].server_session)
+
+        checks = abort_when_silent or interruptible
         return [
             self.channels[shard].wait(
                 request_id,
                 timeout_s + ANSWER_MARGIN_S,
-                abort=(
-                    lambda shard=shard: self._heartbeat.trouble(
-                        shard, self.channels[shard].server_session
-                    )
-                )
-                if abort_when_silent
-                else None,
+                abort=(lambda shard=shard: abort(shard)) if checks else None,
             )
             for shard, request_id in zip(targets, ids, strict=True)
         ]
