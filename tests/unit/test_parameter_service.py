@@ -903,6 +903,32 @@ def test_end_and_grace_period_end_the_service(
     assert time.monotonic() - declared >= 0.3
 
 
+@pytest.mark.parametrize("owns_global_step", [True, False])
+def test_the_end_is_logged_with_the_global_step_only_where_the_shard_counts_it(
+    start_service: Callable[..., RunningService],
+    connect: Callable[..., Channel],
+    caplog: pytest.LogCaptureFixture,
+    owns_global_step: bool,
+) -> None:
+    """A shard that does not count the global step (every shard but the chief's first, in
+    async mode) logged "at global step 0" at the end of a run of hundreds of steps."""
+    service = start_service(end_grace_s=0.2)
+    channel = connect(service.address)
+    _hello(channel)
+    _create(channel, owns_global_step=owns_global_step)
+    for _ in range(2):
+        _push(channel, _gradients())
+    with caplog.at_level("INFO", logger="tensorfleet.ps"):
+        channel.call("end", {}, timeout_s=TIMEOUT_S)
+        channel.call("done", {"task": "worker:0"}, timeout_s=TIMEOUT_S)
+        service.outcome()
+    ends = [r.getMessage() for r in caplog.records if "training over" in r.getMessage()]
+    expected = (
+        "at global step 2" if owns_global_step else "after 2 pushes applied here (another shard"
+    )
+    assert ends and all(expected in line for line in ends), ends
+
+
 def test_idle_timeout_ends_the_service_and_rejected_messages_do_not_count_as_activity(
     start_service: Callable[..., RunningService], raw_peer: Callable[..., RawPeer]
 ) -> None:

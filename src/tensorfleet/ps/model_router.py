@@ -81,7 +81,8 @@ class ModelRouter:
                 step = (
                     default.global_step if default is not None else max(steps.values(), default=0)
                 )
-                return ServiceOutcome(reason, step, models=steps)
+                progress = default.where_training_is() if default is not None else ""
+                return ServiceOutcome(reason, step, models=steps, progress=progress)
             if self.socket.poll(0.2):
                 with self.spans.span("receive"):  # reading, verifying, mapping the payload
                     request = self.socket.receive()
@@ -95,10 +96,10 @@ class ModelRouter:
                 if over is not None:
                     self.over[model] = over
                     log.info(
-                        "%s: training over (%s) at global step %d",
+                        "%s: training over (%s) %s",
                         service.config.name,
                         over,
-                        service.global_step,
+                        service.where_training_is(),
                     )
 
     def route(self, request: Request) -> None:

@@ -167,7 +167,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         while True:
             reason = self._finished_reason(stop)
             if reason is not None:
-                return ServiceOutcome(reason, self.global_step)
+                return ServiceOutcome(reason, self.global_step, progress=self.where_training_is())
             if self.socket.poll(0.2):
                 request = self.socket.receive()
                 if request is not None:

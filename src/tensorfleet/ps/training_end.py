@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 from tensorfleet.errors import RequestRefused
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     import torch
 
     from tensorfleet.ps.service_settings import ServiceConfig
@@ -49,6 +51,13 @@ class ServiceOutcome:
     global_step: int
     models: dict[str, int] = field(default_factory=dict)
     """Each model's global step, by name, when a :class:`~tensorfleet.ps.model_router.ModelRouter` served."""
+    progress: str = field(default="", compare=False)
+    """Where training stood, in words, for the log (``TrainingEndHandling.where_training_is``:
+    the pushes applied, on a shard that does not count the global step)."""
+
+    def where(self) -> str:
+        """``progress``, or ``at global step N`` where none was given."""
+        return self.progress or f"at global step {self.global_step}"
 
     @property
     def clean(self) -> bool:
@@ -66,10 +75,23 @@ class TrainingEndHandling:
     aggregator: SyncAggregator | None
     gate: StalenessGate | None
     global_step: int
+    owns_global_step: bool
+    stats: Counter[str]
     end_declared_at: float | None
     done_workers: set[str]
     _held: list[tuple[Request, str, list[torch.Tensor]]]
     _waiting_for_done: list[Request]
+
+    def where_training_is(self) -> str:
+        """Where training stands on this shard, for a log line: the global step where this
+        shard counts it (the chief's shard in async mode; every shard in sync mode), else the
+        pushes it applied (another shard counts the step; this one's count stays 0)."""
+        if self.owns_global_step or self.aggregator is not None:
+            return f"at global step {self.global_step}"
+        return (
+            f"after {self.stats['pushes']} pushes applied here (another shard counts the "
+            "global step)"
+        )
 
     def _finished_reason(self, stop: threading.Event | None) -> str | None:
         if stop is not None and stop.is_set():
@@ -148,8 +170,8 @@ class TrainingEndHandling:
         if self.end_declared_at is None:
             self.end_declared_at = time.monotonic()
             log.info(
-                "%s: the chief declared training over at global step %d",
+                "%s: the chief declared training over %s",
                 self.config.name,
-                self.global_step,
+                self.where_training_is(),
             )
         self.socket.reply(request, {"grace_s": self.config.end_grace_s})

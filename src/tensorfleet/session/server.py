@@ -143,10 +143,10 @@ class Server:
                     self._stop, self._preempt
                 )
                 log.info(
-                    "%s: parameter service ended (%s) at global step %d",
+                    "%s: parameter service ended (%s) %s",
                     self.task,
                     self.outcome.reason,
-                    self.outcome.global_step,
+                    self.outcome.where(),
                 )
             except BaseException as exc:  # surfaced by join()
                 self._failure = exc
