@@ -388,3 +388,35 @@ def test_a_preempted_shards_request_for_a_checkpoint_reaches_the_chief_through_t
         services[0].service.checkpoint_wanted = True  # what a SIGTERM to the ps sets
         sess.step(lambda: loss_of(1))
         assert [p.name for p in tmp_path.glob("step-*")] == ["step-00000002"]
+
+
+def test_kept_prefetch_says_why_it_turns_prefetch_off(caplog):
+    from tensorfleet.worker.push_overlap import kept_prefetch
+
+    with caplog.at_level(logging.INFO, logger="tensorfleet.worker"):
+        assert kept_prefetch(Overlap(prefetch=True), "worker:0", []) is True
+        assert kept_prefetch(Overlap(), "worker:0", ["persistent buffers ['bn.x']"]) is False
+        assert not caplog.records  # prefetch not asked for: nothing changed, nothing said
+        blockers = ["sparse=True embedding weights ['embedding.weight']"]
+        assert kept_prefetch(Overlap(prefetch=True), "worker:0", blockers) is False
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "worker:0: Overlap(prefetch=True) is off for this model: its sparse=True embedding" in (
+        record.getMessage()
+    )
+
+
+def test_prefetch_asked_for_with_sparse_embedding_weights_is_turned_off_and_said(cluster, caplog):
+    """The sparse=True weights' rows follow each step's outcome: prefetch is off for such a
+    model, and a warning names them (it was silent before); the buckets still go."""
+    with caplog.at_level(logging.INFO, logger="tensorfleet.worker"):
+        trained = _train(
+            cluster(),
+            Overlap(bucket_bytes=600, prefetch=True),
+            steps=2,
+            sparse_embedding=True,
+            **ROWS,
+        )
+    assert [r.global_step for r in trained.results] == [1, 2]  # not one step behind
+    said = [r for r in caplog.records if "Overlap(prefetch=True) is off" in r.getMessage()]
+    assert len(said) == 1 and "['embedding.weight']" in said[0].getMessage()

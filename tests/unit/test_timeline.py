@@ -94,6 +94,25 @@ def test_each_task_gets_its_own_file_and_a_bad_directory_fails_at_once(tmp_path:
         task_timeline(blocker / "trace.json", "worker:0")
 
 
+def test_a_parent_that_is_a_file_is_named_and_missing_directories_are_made(
+    tmp_path: Path,
+) -> None:
+    """A file where a directory should be is named as such (mkdir alone said only "File
+    exists" or "Not a directory"), at once and when writing; missing directories, however
+    deep, are created."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for path in (blocker / "trace.json", blocker / "sub" / "deeper" / "trace.json"):
+        with pytest.raises(ConfigError, match=r"'[^']*a-file' is a file, not a directory") as e:
+            task_timeline(path, "worker:0")
+        assert "File exists" not in str(e.value) and "Not a directory" not in str(e.value)
+        with pytest.raises(ConfigError, match=r"a-file' is a file, not a directory"):
+            Timeline("worker:0").write(path)
+    timeline, target = task_timeline(tmp_path / "new" / "deeper" / "trace.json", "ps:0")
+    assert target == tmp_path / "new" / "deeper" / "trace.ps-0.json" and target.parent.is_dir()
+    assert timeline.write(target).is_file()
+
+
 def test_a_session_in_async_mode_writes_its_steps_and_exchanges(tmp_path: Path) -> None:
     running = serve_in_thread(
         ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)

@@ -5,9 +5,14 @@ same ``Parameter`` objects as the model and keeps their names (``"4.weight"``), 
 variables, checkpoints and the placement report see one model whichever stage computes.
 
 Where to cut: explicit ``boundaries`` (the index of each stage's first layer after the
-first), or ``num_stages`` with boundaries chosen to balance the stages' parameter counts
-(each layer counts ``1 + its parameters``, so parameter-free layers still spread out): with
-one process per stage, the slowest stage sets the pace.
+first), or ``num_stages`` with the boundaries that make the largest stage as small as
+possible, each layer counting ``1 + its parameters`` (so parameter-free layers still spread
+out): with one process per stage, the slowest stage sets the pace. The cut is exact (a
+dynamic programme over the contiguous cuts, ``O(num_stages * layers**2)``, instant for any
+model written as layers). Among the cuts with that smallest largest stage, the one of
+earlier versions (cut once a stage's running count reaches ``1/num_stages`` of the total)
+is kept where it is one of them, so boundaries that were already optimal do not move; the
+cut is otherwise the optimum whose stages end earliest.
 
 The micro-batch rule: a batch of B samples is cut into ``n`` micro-batches of exactly
 ``B / n``; a batch that does not divide is refused (no remainder rule). Reasons: the
@@ -27,7 +32,8 @@ from tensorfleet.parallel.errors import ParallelConfigError
 
 
 def stage_boundaries(model: nn.Sequential, num_stages: int) -> list[int]:
-    """Indices where stages 1..num_stages-1 start, balancing parameter counts."""
+    """Indices where stages 1..num_stages-1 start: the contiguous cut whose largest stage
+    (in ``1 + parameters`` per layer) is smallest (see the module docstring for ties)."""
     layers = _check_sequential(model)
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ParallelConfigError(f"num_stages must be an integer >= 1, got {num_stages!r}")
@@ -37,7 +43,22 @@ def stage_boundaries(model: nn.Sequential, num_stages: int) -> list[int]:
             f"at least one layer. Use at most {layers} stages, or a model with more layers"
         )
     costs = [1 + sum(p.numel() for p in layer.parameters()) for layer in model]
-    total = sum(costs)
+    greedy = _greedy_boundaries(costs, num_stages)
+    best = _min_max_boundaries(costs, num_stages)
+    if _largest_stage(costs, greedy) == _largest_stage(costs, best):
+        return greedy  # the earlier versions' cut, where it already was optimal
+    return best
+
+
+def _largest_stage(costs: list[int], bounds: list[int]) -> int:
+    edges = [0, *bounds, len(costs)]
+    return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:], strict=False))
+
+
+def _greedy_boundaries(costs: list[int], num_stages: int) -> list[int]:
+    """The earlier rule: cut once the running count reaches the stage's share of the total
+    (or where every later stage needs the remaining layers)."""
+    total, layers = sum(costs), len(costs)
     bounds: list[int] = []
     running = 0
     for index, cost in enumerate(costs[:-1]):
@@ -47,9 +68,35 @@ def stage_boundaries(model: nn.Sequential, num_stages: int) -> list[int]:
             break
         layers_left = layers - (index + 1)
         stages_left = num_stages - stage
-        # cut here if we reached this stage's share, or must cut to leave a layer per stage
         if running >= total * stage / num_stages or layers_left == stages_left:
             bounds.append(index + 1)
+    return bounds
+
+
+def _min_max_boundaries(costs: list[int], num_stages: int) -> list[int]:
+    """The contiguous cut into ``num_stages`` non-empty stages whose largest stage is
+    smallest (ties: each stage ends as early as it can), by dynamic programming."""
+    layers = len(costs)
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[k][i]: the smallest largest stage cutting the last ``layers - i`` layers into k
+    # stages; start[k][i]: where the second of those stages starts (``layers`` for k == 1).
+    best = [[0] * (layers + 1) for _ in range(num_stages + 1)]
+    start = [[layers] * (layers + 1) for _ in range(num_stages + 1)]
+    for i in range(layers):
+        best[1][i] = prefix[layers] - prefix[i]
+    for k in range(2, num_stages + 1):
+        for i in range(layers - k + 1):
+            choices = (
+                (max(prefix[j] - prefix[i], best[k - 1][j]), j)
+                for j in range(i + 1, layers - k + 2)
+            )
+            best[k][i], start[k][i] = min(choices)  # ties: the earliest end of this stage
+    bounds, i = [], 0
+    for k in range(num_stages, 1, -1):
+        i = start[k][i]
+        bounds.append(i)
     return bounds
 
 
@@ -59,7 +106,8 @@ def split_stages(
     *,
     boundaries: Sequence[int] | None = None,
 ) -> list[nn.Sequential]:
-    """``model`` cut into stages: give ``num_stages`` (balanced by parameters) or the
+    """``model`` cut into stages: give ``num_stages`` (the cut whose largest stage, in
+    parameters, is smallest: see :func:`stage_boundaries`) or the
     ``boundaries`` (``[4]``: layers 0-3, then 4 to the end). The stages share the model's
     parameters and keep their names."""
     layers = _check_sequential(model)

@@ -12,15 +12,25 @@ the session never branches on them. At most one applies.
 - ``task_pipeline``: the server's ``pipeline_stages`` > 1 (``tensorfleet launch
   --pipeline-stages S``): this worker leads its pipeline (the others call
   ``tfl.serve_pipeline_stage``).
+
+Every engine refuses, when the session starts (its ``wrap``), a model holding a
+``tfl.EmbeddingTable``: the engines run copies or slices of the model in threads of their
+own, and a table's rows are reached only through the session's attachment of the table
+object itself (a replica's deep copy is never attached). A model with an engine and an
+active :class:`~tensorfleet.worker.push_overlap.Overlap` is told (a log line) that the
+engine turns the overlap off: its own backward pass fires no gradient hooks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tensorfleet.errors import ConfigError
+from torch import nn
+
+from tensorfleet.errors import ConfigError, ConfigTypeError
 from tensorfleet.parallel.engine_updaters import LocalPipelineUpdater, ReplicaUpdater
 from tensorfleet.parallel.pipeline_updater import (
     PipelineCluster,
@@ -29,10 +39,13 @@ from tensorfleet.parallel.pipeline_updater import (
 )
 from tensorfleet.parallel.stages import check_microbatches
 from tensorfleet.session.server import Server
+from tensorfleet.worker.table_attachment import find_tables
 
 if TYPE_CHECKING:
     from tensorfleet.session.update_modes import UpdateSettings
     from tensorfleet.worker.updater import Updater
+
+log = logging.getLogger("tensorfleet.session")
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,111 @@ def with_device_engine(
             "'sync' with ps tasks"
         )
     check_microbatches(settings.microbatches, settings.microbatches)
+    _say_overlap_is_off(wanted[0].name, server, settings)
     return wanted[0].wrap(updater, server, settings)
+
+
+def device_option(
+    option: str, devices: Sequence[str] | int | None, *, count_ok: bool
+) -> tuple[str, ...] | None:
+    """The device list of the session option ``option`` (``replica_devices``,
+    ``stage_devices``) as a tuple of device strings; with ``count_ok``, an int ``n`` means
+    ``n`` CPU devices ``/cpu:0`` .. ``/cpu:n-1`` (as ``tfl.InGraphReplicas(model, n)``).
+    A single string (most likely a missing list) and other types are refused, naming the
+    value and the fix."""
+    if devices is None:
+        return None
+    example = "['/cpu:0', '/cpu:1']"
+    if isinstance(devices, int) and not isinstance(devices, bool) and count_ok:
+        if devices < 1:
+            raise ConfigError(
+                f"{option}={devices}: a count of CPU replicas must be >= 1; e.g. "
+                f"{option}=2 (the devices /cpu:0 and /cpu:1), or a list such as {example}"
+            )
+        return tuple(f"/cpu:{index}" for index in range(devices))
+    if isinstance(devices, str):
+        raise ConfigError(
+            f"{option}={devices!r} is one string; {option} takes a list of device strings, "
+            f"one per {'replica' if count_ok else 'stage'}: e.g. {option}={example}"
+        )
+    if isinstance(devices, bool) or not isinstance(devices, Sequence):
+        counts = " or a count of CPU replicas (an int)" if count_ok else ""
+        raise ConfigTypeError(
+            f"{option} takes a list of device strings{counts}, got "
+            f"{type(devices).__name__} {devices!r}: e.g. {option}={example}"
+        )
+    return tuple(devices)
+
+
+def refuse_embedding_tables(model: nn.Module, engine: str) -> None:
+    """ConfigError when ``model`` holds a ``tfl.EmbeddingTable``, naming each table's place
+    in the model, the ``engine`` and the fixes: the engines run copies or slices of the model
+    in threads of their own, which the table's attachment to the ps rows does not reach."""
+    tables = find_tables(model)
+    if not tables:
+        return
+    places = ", ".join(repr(place or "(the model itself)") for place, _ in tables)
+    raise ConfigError(
+        f"the model holds tfl.EmbeddingTable modules ({places}), which the device engine "
+        f"{engine!r} ({_ENGINE_OPTIONS.get(engine, engine)}) cannot run: its replicas or "
+        "stages would use tables that are not attached to their rows. Fix: build the "
+        "embedding as nn.Embedding(..., sparse=True) (the ps holds it as rows too, and it "
+        "works with replica_devices), or train without a device engine"
+    )
+
+
+class _RefusesTables:
+    """Mixed into an engine's updater: its ``wrap`` first refuses a model holding tables."""
+
+    engine_name = ""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        refuse_embedding_tables(model, self.engine_name)
+        return super().wrap(model)  # type: ignore[misc,no-any-return]
+
+
+class _Replicas(_RefusesTables, ReplicaUpdater):
+    engine_name = "replicas"
+
+
+class _LocalPipeline(_RefusesTables, LocalPipelineUpdater):
+    engine_name = "local_pipeline"
+
+
+class _TaskPipeline(_RefusesTables, PipelineLeaderUpdater):
+    engine_name = "task_pipeline"
+
+
+#: What a user writes to ask for each engine (for the messages).
+_ENGINE_OPTIONS = {
+    "replicas": "replica_devices=",
+    "local_pipeline": "stage_devices=",
+    "task_pipeline": "pipelines across tasks, --pipeline-stages",
+}
+
+
+def _say_overlap_is_off(engine: str, server: Server | None, settings: UpdateSettings) -> None:
+    """Log that ``engine`` turns off the overlap the session asks for (mode ``async`` with a
+    ps and no ``max_staleness``, where it would apply): a warning when prefetch was asked
+    for, an info line for the buckets alone (on by default)."""
+    overlap = settings.overlap
+    applies = server is not None and settings.mode == "async" and settings.max_staleness is None
+    if not applies or overlap is None or not overlap.active:
+        return
+    asked = [
+        *([f"buckets (bucket_bytes={overlap.bucket_bytes})"] if overlap.bucket_bytes else []),
+        *(["prefetch"] if overlap.prefetch else []),
+    ]
+    log.log(
+        logging.WARNING if overlap.prefetch else logging.INFO,
+        "%s: the overlap asked for (%s) is off with the device engine %r (%s): it runs its own "
+        "backward pass, which fires no gradient hooks, so each step pushes once per shard "
+        "after it and waits for the replies; pass overlap=None to silence this",
+        server.task if server is not None else "local",
+        " and ".join(asked),
+        engine,
+        _ENGINE_OPTIONS.get(engine, engine),
+    )
 
 
 def placement_table(updater: Any, model: Any, task: str) -> str:
@@ -108,13 +225,13 @@ def placement_table(updater: Any, model: Any, task: str) -> str:
 
 
 def _replicas(updater: Any, server: Server | None, settings: UpdateSettings) -> Any:
-    return ReplicaUpdater(
+    return _Replicas(
         updater, list(settings.replica_devices or ()), soft_placement=settings.soft_placement
     )
 
 
 def _local_pipeline(updater: Any, server: Server | None, settings: UpdateSettings) -> Any:
-    return LocalPipelineUpdater(
+    return _LocalPipeline(
         updater,
         list(settings.stage_devices or ()),
         settings.microbatches,
@@ -131,7 +248,7 @@ def _task_pipeline(updater: Any, server: Server | None, settings: UpdateSettings
             "TrainingSession; call tfl.serve_pipeline_stage(server, model) on the other stages"
         )
     timeout = settings.timeouts.connect_s if settings.timeouts is not None else 60.0
-    return PipelineLeaderUpdater(
+    return _TaskPipeline(
         updater,
         PipelineCluster(server.cluster, server.task, server.pipeline_stages),
         settings.microbatches,

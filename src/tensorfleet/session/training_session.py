@@ -109,7 +109,8 @@ class TrainingSession:
     error naming it. See docs/reliability.md for what happens on each kind of failure.
 
     Several devices or tasks per step (docs/devices.md): ``replica_devices=["/cpu:0",
-    "/cpu:1"]`` replicates the model in this task (in-graph replication), ``stage_devices``
+    "/cpu:1"]`` (or ``2``: that many CPU replicas) replicates the model in this task
+    (in-graph replication), ``stage_devices``
     splits an ``nn.Sequential`` into one stage per device with ``microbatches`` micro-batches
     (GPipe), and a server with ``pipeline_stages`` > 1 makes this worker the leader of a
     pipeline across tasks. ``sess.model`` is then the engine; the gradients are still pushed
@@ -165,7 +166,7 @@ class TrainingSession:
         restore: bool = True,
         data: DataPosition | None = None,
         lost_worker: str = "shrink",
-        replica_devices: Sequence[str] | None = None,
+        replica_devices: Sequence[str] | int | None = None,
         stage_devices: Sequence[str] | None = None,
         microbatches: int = 4,
         soft_placement: bool = False,
@@ -190,8 +191,8 @@ class TrainingSession:
             log_placement=log_placement,
             timeouts=timeouts,
             lost_worker=lost_worker,
-            replica_devices=tuple(replica_devices) if replica_devices is not None else None,
-            stage_devices=tuple(stage_devices) if stage_devices is not None else None,
+            replica_devices=replica_devices,  # UpdateSettings checks them (device_option)
+            stage_devices=stage_devices,
             microbatches=microbatches,
             soft_placement=soft_placement,
             model_name=check_model_name(model_name),

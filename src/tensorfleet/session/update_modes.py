@@ -22,7 +22,7 @@ from tensorfleet.ps.model_namespace import ModelClaim, fingerprint, model_worker
 from tensorfleet.ps.placement import PlacementPlan, VariableSpec, plan_placement
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
-from tensorfleet.session.device_engines import with_device_engine
+from tensorfleet.session.device_engines import device_option, with_device_engine
 from tensorfleet.session.server import Server
 from tensorfleet.wire.gradient_encoding import check_wire_dtype
 from tensorfleet.wire.tensors import dtype_name
@@ -61,6 +61,10 @@ class UpdateSettings:
     overlap: Overlap | None = None
 
     def __post_init__(self) -> None:
+        # any sequence of device strings becomes a tuple; replica_devices=n: /cpu:0../cpu:n-1
+        for option, count_ok in (("replica_devices", True), ("stage_devices", False)):
+            devices = device_option(option, getattr(self, option), count_ok=count_ok)
+            object.__setattr__(self, option, devices)
         check_wire_dtype(self.wire_dtype)
         check_values_wire_dtype(self.values_wire_dtype)
 

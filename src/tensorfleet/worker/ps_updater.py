@@ -44,8 +44,9 @@ from tensorfleet.worker.mirrored_embeddings import (
 )
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.ps_row_source import PsRowSource
-from tensorfleet.worker.push_overlap import Overlap
+from tensorfleet.worker.push_overlap import Overlap, kept_prefetch
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
+from tensorfleet.worker.sync_batch_norm import warn_unsynchronized
 from tensorfleet.worker.table_attachment import TableAttachment, find_tables
 from tensorfleet.worker.timeline import Timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
@@ -136,6 +137,7 @@ class PsUpdater:
         """The model as it is. Its embedding tables and ``sparse=True`` embedding weights
         are attached to the shards (the weights leave the dense plan), then its persistent
         buffers are placed next to their modules' parameters in the plan that remains."""
+        warn_unsynchronized(model, self.discipline.mode if self.discipline else "async")
         tables = find_tables(model)
         sparse = find_sparse_embeddings(model, self._variable_names)
         if tables or sparse:
@@ -208,6 +210,17 @@ class PsUpdater:
             named_params = [(n, p) for n, p in named_params if n not in self.mirrored.names]
         self._named_params, self._rule = named_params, rule
 
+    def _prefetch_blockers(self) -> list[str]:
+        """What this model exchanges after each step's outcome (so prefetch cannot apply)."""
+        blockers = []
+        if self.buffers is not None:
+            blockers.append(f"persistent buffers {sorted(self.buffers.buffers)}")
+        if self.tables is not None:
+            blockers.append(f"embedding tables {[t.table_name for t in self.tables.tables]}")
+        if self.mirrored is not None:
+            blockers.append(f"sparse=True embedding weights {sorted(self.mirrored.names)}")
+        return blockers
+
     def restore(self, checkpoints: CheckpointSource | None, resume: bool = True) -> Restored:
         """The chief creates the variables, or, when the shards started empty and ``resume``,
         brings them to the newest checkpoint; the others wait for that. With
@@ -258,10 +271,9 @@ class PsUpdater:
                 self._overlap,
                 hooks=self._during_backward and self._overlap.bucket_bytes is not None,
                 # their exchanges follow each step's outcome: see push_overlap.py
-                prefetch=self._overlap.prefetch
-                and self.buffers is None
-                and self.tables is None
-                and self.mirrored is None,
+                prefetch=kept_prefetch(
+                    self._overlap, self.client.task_name, self._prefetch_blockers()
+                ),
             )
         return Restored(global_step, self.client.restored_data)
 

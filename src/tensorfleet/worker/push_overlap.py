@@ -31,8 +31,13 @@ and not when a hook overrides ``before_update`` (the NaN guard checks every grad
 veto the step; a bucket already applied cannot be taken back): then the step pushes after
 the hooks, with prefetch still on. Prefetch is off for a model with persistent buffers,
 ``tfl.EmbeddingTable`` s or ``sparse=True`` embedding weights (their exchanges follow the
-gradients' outcome each step), and with a device engine (in-graph replicas, pipelines: the
-engine's own backward gives no hooks). With ``wire_dtype="bf16"`` each bucket's gradients
+gradients' outcome each step; :func:`kept_prefetch` logs a warning naming them when
+prefetch was asked for). The ``sparse=True`` weights are never in a bucket: the ps holds
+them as rows; the rows of their gradients are pushed (``push_rows``) when the step's
+exchange begins, after the backward, and their changed rows pulled (``pull_changed``) after
+the dense reply. With a device engine (in-graph replicas, pipelines) there is no overlap at all,
+buckets nor prefetch: the engine's own backward gives no hooks (the session logs it, see
+:mod:`tensorfleet.session.device_engines`). With ``wire_dtype="bf16"`` each bucket's gradients
 are encoded with the error feedback of their own elements, so buckets and whole pushes send
 the same bytes (:mod:`tensorfleet.wire.gradient_encoding`).
 
@@ -70,9 +75,13 @@ rounds, medians; the tables are in benchmarks/README.md and docs/timeline.md):
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tensorfleet.errors import ConfigError, ConfigTypeError
+
+log = logging.getLogger("tensorfleet.worker")
 
 #: Default bucket size (a bucket is closed once it holds this many bytes): see the module
 #: docstring for the measurement.
@@ -122,3 +131,22 @@ def checked_overlap(overlap: object) -> Overlap | None:
             f"{type(overlap).__name__}: e.g. overlap=tfl.Overlap(prefetch=True)"
         )
     return overlap
+
+
+def kept_prefetch(overlap: Overlap, task: str, blockers: Sequence[str]) -> bool:
+    """Whether ``overlap.prefetch`` stays on for a model whose exchanges include
+    ``blockers`` (descriptions such as ``"persistent buffers ['bn.running_mean']"``: what
+    must follow each step's outcome, so cannot be left in flight). When prefetch was asked
+    for and a blocker turns it off, one warning says so, naming them (no silent change)."""
+    if not overlap.prefetch:
+        return False
+    if blockers:
+        log.warning(
+            "%s: Overlap(prefetch=True) is off for this model: its %s are exchanged after "
+            "each step's outcome and cannot be left in flight; the buckets still apply. "
+            "Fix: Overlap(prefetch=False) to silence this, or a model without them",
+            task,
+            " and ".join(blockers),
+        )
+        return False
+    return True

@@ -21,10 +21,17 @@ Slices may differ in size (the sums are weighted by construction). Without an in
 process group (one process) it is a plain batch norm. ``tfl.convert_sync_batchnorm(model)``
 replaces every ``BatchNorm*d``: by ``torch.nn.SyncBatchNorm`` where the module's tensors are
 on an accelerator, by :class:`CpuSyncBatchNorm` where they are on the CPU.
+
+Synchronized batch norm is for ``allreduce`` mode (the workers form a process group) and
+for one process. In the ps modes (``async``, ``sync``) the workers form no process group,
+so these layers compute exactly what a plain ``BatchNorm`` computes, each worker with its
+own batch's statistics; :func:`warn_unsynchronized` says so once per process and mode
+(an :class:`UnsynchronizedBatchNormWarning`), rather than let the conversion seem to work.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -44,6 +51,49 @@ warnings.filterwarnings(
     message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",
     category=FutureWarning,
 )
+
+
+class UnsynchronizedBatchNormWarning(UserWarning):
+    """Synchronized batch norm layers trained where nothing synchronizes them (a ps mode)."""
+
+
+_warned_modes: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def synchronized_layers(model: nn.Module) -> list[str]:
+    """The places in ``model`` of its synchronized batch norm layers (``nn.SyncBatchNorm``,
+    :class:`CpuSyncBatchNorm`); ``""`` for the model itself."""
+    kinds = (nn.SyncBatchNorm, CpuSyncBatchNorm)
+    return [name for name, module in model.named_modules() if isinstance(module, kinds)]
+
+
+def warn_unsynchronized(model: nn.Module, mode: str) -> list[str]:
+    """Warn (once per process and ``mode``) when ``model``, trained in the ps mode ``mode``,
+    holds synchronized batch norm layers: no process group joins the workers there, so they
+    behave as plain ``BatchNorm`` (each worker's own batch statistics). Returns the layers'
+    places (empty: nothing to say)."""
+    layers = synchronized_layers(model)
+    if not layers:
+        return layers
+    with _warned_lock:
+        first = mode not in _warned_modes
+        _warned_modes.add(mode)
+    if first:
+        shown = ", ".join(repr(name or "(the model itself)") for name in layers[:5])
+        more = f" and {len(layers) - 5} more" if len(layers) > 5 else ""
+        warnings.warn(
+            f"the model has synchronized batch norm layers ({shown}{more}, from "
+            f"tfl.convert_sync_batchnorm or nn.SyncBatchNorm), but mode {mode!r} trains "
+            "through ps tasks, where no process group joins the workers: each worker "
+            "normalizes with its own batch's statistics, as a plain BatchNorm does. For "
+            "statistics over every worker's batch use mode 'allreduce'; in a ps mode, build "
+            "the model with plain BatchNorm (leave out convert_sync_batchnorm) to say what "
+            "it computes",
+            UnsynchronizedBatchNormWarning,
+            stacklevel=2,
+        )
+    return layers
 
 
 class CpuSyncBatchNorm(_BatchNorm):
@@ -139,7 +189,9 @@ def convert_sync_batchnorm(
     ``SyncBatchNorm`` for modules on an accelerator, :class:`CpuSyncBatchNorm` on the CPU.
     Parameters and running statistics are carried over (the same Parameter objects, as in
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``). Returns the converted module (a new
-    object when ``module`` itself is a batch norm)."""
+    object when ``module`` itself is a batch norm). For mode ``allreduce`` and one process:
+    in a ps mode nothing synchronizes them, and the session warns
+    (:func:`warn_unsynchronized`)."""
     converted = module
     if isinstance(module, _BatchNorm) and not isinstance(
         module, (nn.SyncBatchNorm, CpuSyncBatchNorm)

@@ -128,7 +128,7 @@ class Timeline:
         target = Path(path)
         partial = target.with_name(target.name + ".partial")
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_directory(target, self.task)
             partial.write_text(json.dumps(self.to_json()))
             partial.replace(target)
         except OSError as exc:
@@ -172,15 +172,33 @@ def task_path(path: str | os.PathLike[str], task: str) -> Path:
     return given.with_name(f"{stem}.{label}{suffix}")
 
 
+def make_directory(target: Path, task: str) -> None:
+    """Make the directory of the timeline file ``target`` (and the missing ones above it,
+    as ``mkdir -p``), after checking that the nearest one that exists is a directory:
+    ConfigError naming it when it is a file (``mkdir`` alone would say only ``File exists``
+    or ``Not a directory``). A relative ``target`` is relative to the working directory."""
+    for ancestor in (target.parent, *target.parent.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise ConfigError(
+                    f"cannot write the timeline of {task} to {str(target)!r}: "
+                    f"{str(ancestor)!r} is a file, not a directory; give --timeline / "
+                    "timeline= a path under a directory (missing directories are created)"
+                )
+            break
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+
 def task_timeline(path: str | os.PathLike[str] | None, task: str) -> tuple[Timeline, Path | None]:
     """The timeline of ``task`` for the option ``path`` (None: :data:`NO_TIMELINE`), and the
-    file it goes to (:func:`task_path`), whose directory is checked (made) now, so that a bad
-    path fails at the start rather than after the training."""
+    file it goes to (:func:`task_path`), whose directory is checked (made, with any missing
+    parents: :func:`make_directory`) now, so that a bad path fails at the start rather than
+    after the training."""
     if path is None:
         return NO_TIMELINE, None
     target = task_path(path, task)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_directory(target, task)
     except OSError as exc:
         raise ConfigError(
             f"cannot write the timeline of {task} to {str(target)!r}: {exc.strerror}; give "
