@@ -63,6 +63,7 @@ def test_four_configurations_over_two_slots_give_the_right_table(tmp_path):
     assert document["best"]["params"] == {"x": 1} and document["counts"]["complete"] == 4
     assert result.plot is not None and result.plot.stat().st_size > 0
     assert "trial    3 complete" in log and "best loss=0" in log, log
+    assert "sweep: grid search: 4 trials (x 4)" in log, log
 
 
 def test_a_raising_trial_and_a_killed_trial_are_recorded_and_the_sweep_completes(tmp_path):
@@ -80,6 +81,67 @@ def test_a_raising_trial_and_a_killed_trial_are_recorded_and_the_sweep_completes
     assert result.best["params"] == {"x": 1, "mode": "ok"}
     document = json.loads(result.results_json.read_text())
     assert document["counts"] == {"complete": 2, "pruned": 0, "failed": 4}
+
+
+def test_exit_status_3_means_pruned_only_from_an_entry_point_or_when_asked(tmp_path):
+    # A command exiting 3 on its own in a grid sweep (no pruner) failed, with its output.
+    cfg = config(
+        entry=None,
+        command=[
+            "{python}",
+            "-c",
+            "from tensorfleet.patterns.trial import current_trial; "
+            "current_trial().report(0, loss=0.2); print('giving up'); raise SystemExit(3)",
+        ],
+        space={"x": [0]},
+    )
+    result, log = run(cfg, tmp_path / "command")
+    (record,) = result.records
+    assert record.state == "failed", log
+    assert record.error == "exited with status 3: giving up", log
+    # An entry point that raised TrialPruned (trial_main exits 3) is pruned.
+    result, log = run(config(space={"x": [0], "mode": ["ok", "prune"]}), tmp_path / "entry")
+    assert [r.state for r in result.records] == ["complete", "pruned"], log
+
+
+def test_a_sweep_without_a_completed_trial_exits_1_and_says_why_there_is_no_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "fail.json"
+    path.write_text(
+        json.dumps(
+            {
+                "command": ["{python}", "-c", "raise SystemExit(5)"],
+                "space": {"x": [0]},
+                "metric": "loss",
+            }
+        )
+    )
+    status = subprocess.run(
+        [sys.executable, "-m", "tensorfleet", "sweep", str(path), "--dir", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 1, status
+    assert "no trial of the sweep completed" in status.stderr, status.stderr
+    assert "0 complete, 0 pruned, 1 failed" in status.stdout, status.stdout
+    assert "(no plot: no trial reported a value of 'loss')" in status.stdout, status.stdout
+    assert "matplotlib" not in status.stdout, status.stdout
+
+
+def test_a_missing_entry_is_refused_before_any_trial_starts(tmp_path):
+    with pytest.raises(SweepConfigError) as caught:
+        run(config(entry="no_such_mod:train"), tmp_path / "module")
+    message = str(caught.value)
+    assert "entry 'no_such_mod:train': there is no module 'no_such_mod'" in message, message
+    assert PROGRAMS in message and "pythonpath" in message, message
+    with pytest.raises(
+        SweepConfigError,
+        match=r"entry 'sweep_trials:quadratc': 'sweep_trials' \(.*sweep_trials.py\) has no "
+        r"attribute 'quadratc' \(did you mean 'quadratic'\?\); fix the function name",
+    ):
+        run(config(entry="sweep_trials:quadratc"), tmp_path / "function")
+    assert not (tmp_path / "module").exists() and not (tmp_path / "function").exists()
 
 
 def test_bad_input_is_refused_before_anything_starts(tmp_path):

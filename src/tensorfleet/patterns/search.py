@@ -9,7 +9,11 @@ values (an Optuna pruner may answer "stop it") and their end, and knows how to r
 * optuna: the study lives in Optuna's SQLite storage in the sweep directory
   (``study.db``, ``load_if_exists``); trials the killed sweep left RUNNING are marked FAIL
   (tagged ``interrupted``, not counted) and their configurations enqueued again, so each is
-  rerun once and no finished trial runs twice.
+  rerun once and no finished trial runs twice. A resumed study's sampler is seeded with
+  :func:`resumed_sampler_seed` (``seed`` mixed with the number of trials the study already
+  holds): re-seeding it with ``seed`` itself would replay the first run's random draws and
+  run the finished configurations again. A fresh study uses ``seed`` as given, so a fresh run
+  is reproducible.
 
 Why SQLite is enough here: one sweep process writes the study (trials are processes that
 report through files), so none of SQLite's multi-writer locking problems arise; a second
@@ -18,6 +22,7 @@ sweep on the same directory is refused by the sweep's lock.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,10 +30,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tensorfleet.patterns.search_space import SweepConfigError, grid, random_configuration
-from tensorfleet.patterns.sweep_config import SweepConfig
+from tensorfleet.patterns.sweep_config import PRUNER_CLASSES, SweepConfig, check_pruner_options
 
 COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
 STATES = (COMPLETE, PRUNED, FAILED)
+#: Samplers whose random draws depend on the seed alone: a resumed study re-seeds them (see
+#: :func:`resumed_sampler_seed`). ``qmc`` is not among them: its position in the sequence is
+#: kept in the study, so it continues where it stopped with the seed it was given.
+RESEEDED_ON_RESUME = ("tpe", "random", "cmaes", "gp")
 
 
 @dataclass
@@ -97,10 +106,27 @@ class OptunaSearch:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
         self._config = config
+        storage = optuna.storages.RDBStorage(f"sqlite:///{directory / 'study.db'}")
+        try:
+            held = len(
+                storage.get_all_trials(storage.get_study_id_from_name(config.name), deepcopy=False)
+            )
+        except KeyError:  # no study of this name yet: a fresh run
+            held = 0
+        self.sampler_seed = config.seed
+        #: Said to the user when the sampler's seed is not the configured one (a resume).
+        self.seed_note: str | None = None
+        if held and config.sampler in RESEEDED_ON_RESUME:
+            self.sampler_seed = resumed_sampler_seed(config.seed, held)
+            self.seed_note = (
+                f"the study already holds {held} trial(s): the {config.sampler} sampler is "
+                f"seeded with {self.sampler_seed} (derived from seed {config.seed} and {held}), "
+                "not with the seed itself, so that it does not repeat the first run's draws"
+            )
         self._study = optuna.create_study(
             study_name=config.name,
-            storage=f"sqlite:///{directory / 'study.db'}",
-            sampler=_sampler(optuna, config),
+            storage=storage,
+            sampler=_sampler(optuna, config, self.sampler_seed),
             pruner=_pruner(optuna, config),
             direction=config.direction,
             load_if_exists=True,
@@ -151,30 +177,31 @@ class OptunaSearch:
             self._study.tell(trial.handle, state=states.FAIL)
 
 
-def _sampler(optuna: Any, config: SweepConfig) -> Any:
+def resumed_sampler_seed(seed: int, trials_held: int) -> int:
+    """The seed of a resumed study's sampler: a pure function of the configured ``seed`` and
+    the number of trials the study already holds (so a resume is reproducible too), different
+    from ``seed`` and from every earlier resume's (each run adds trials), so that the sampler's
+    random draws never replay the ones that produced the trials already in the study."""
+    digest = hashlib.sha256(f"tensorfleet-resume/{seed}/{trials_held}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")  # numpy's seeds are 32-bit
+
+
+def _sampler(optuna: Any, config: SweepConfig, seed: int) -> Any:
     samplers = optuna.samplers
     if config.sampler == "tpe":
         # constant_liar: trials running in parallel are not all drawn at the same point.
-        return samplers.TPESampler(seed=config.seed, constant_liar=config.slots > 1)
+        return samplers.TPESampler(seed=seed, constant_liar=config.slots > 1)
     if config.sampler == "random":
-        return samplers.RandomSampler(seed=config.seed)
+        return samplers.RandomSampler(seed=seed)
     if config.sampler == "cmaes":
-        return samplers.CmaEsSampler(seed=config.seed)
+        return samplers.CmaEsSampler(seed=seed)
     if config.sampler == "qmc":
-        return samplers.QMCSampler(seed=config.seed)
-    return samplers.GPSampler(seed=config.seed)
+        return samplers.QMCSampler(seed=seed)
+    return samplers.GPSampler(seed=seed)
 
 
 def _pruner(optuna: Any, config: SweepConfig) -> Any:
-    pruners = optuna.pruners
-    options = dict(config.pruner_options)
-    try:
-        if config.pruner == "median":
-            return pruners.MedianPruner(**options)
-        if config.pruner == "successive_halving":
-            return pruners.SuccessiveHalvingPruner(**options)
-        if config.pruner == "hyperband":
-            return pruners.HyperbandPruner(**options)
-    except TypeError as exc:
-        raise SweepConfigError(f"pruner_options {options} for {config.pruner}: {exc}") from None
-    return pruners.NopPruner()
+    if config.pruner == "none":
+        return optuna.pruners.NopPruner()
+    check_pruner_options(config.pruner, config.pruner_options)
+    return getattr(optuna.pruners, PRUNER_CLASSES[config.pruner])(**config.pruner_options)

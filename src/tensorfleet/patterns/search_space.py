@@ -2,17 +2,22 @@
 
 A space is a mapping from parameter name to a :class:`Parameter`. Four kinds cover what
 hyperparameter searches use (the same as Optuna's ``suggest_*`` family, so a space maps onto
-Optuna's samplers one to one):
+Optuna's samplers one to one), each with its own keys (any other key is refused):
 
-* ``choice``: one of a list of values (numbers, strings, booleans);
-* ``int``: an integer in ``[low, high]`` (``step`` for grids, default 1; ``log`` for a log scale);
-* ``float``: a float in ``[low, high]`` (``log: true`` for a log scale, ``grid`` points for
-  grid search, default 5);
+* ``choice``: one of ``values``, a list of numbers, strings or booleans (a bare list is
+  shorthand for a choice);
+* ``int``: an integer in ``[low, high]``; ``step`` (default 1) for the grid and the draws;
+  ``log: true`` for a log scale (then no ``step``; a grid search takes ``grid`` points,
+  default 5, rounded to integers, repeats dropped);
+* ``float``: a float in ``[low, high]``; ``log: true`` for a log scale; ``grid``: how many
+  evenly (or log-evenly) spaced points, ends included, a grid search tries (default
+  :data:`DEFAULT_GRID_POINTS`);
 * ``loguniform``: shorthand for ``float`` with ``log: true``.
 
-A grid search needs every parameter to be finite: a choice, an int range, or a float with its
-number of ``grid`` points. Why a separate module: the same space drives grid, random and
-Optuna search, and the config file, the Python API and the errors must agree on it.
+A grid search tries every combination of the parameters' grid values: a choice's values, an
+int range's steps, a float range's ``grid`` points; :func:`grid_summary` is the one line the
+sweep prints about it before it starts. Why a separate module: the same space drives grid,
+random and Optuna search, and the config file, the Python API and the errors must agree on it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ Value = int | float | str | bool
 KINDS = ("choice", "int", "float", "loguniform")
 #: Points of a float range in a grid search when the parameter does not say.
 DEFAULT_GRID_POINTS = 5
+#: The keys each kind of parameter takes.
+_KEYS = {
+    "choice": {"type", "values"},
+    "int": {"type", "low", "high", "step", "log", "grid"},
+    "float": {"type", "low", "high", "log", "grid"},
+    "loguniform": {"type", "low", "high", "log", "grid"},
+}
 
 
 class SweepConfigError(TensorfleetError, ValueError):
@@ -48,6 +60,8 @@ class Parameter:
     log: bool = False
     step: int = 1
     grid: int = DEFAULT_GRID_POINTS
+    grid_given: bool = False
+    """Whether the config set ``grid`` (else :data:`DEFAULT_GRID_POINTS`, said at the start)."""
 
     def grid_values(self) -> list[Value]:
         """The values a grid search tries, in order."""
@@ -90,6 +104,8 @@ class Parameter:
             out["log"] = True
         if self.kind == "int":
             out["step"] = self.step
+            if self.log and self.grid != DEFAULT_GRID_POINTS:
+                out["grid"] = self.grid
         else:
             out["grid"] = self.grid
         return out
@@ -128,11 +144,12 @@ def parse_parameter(name: str, spec: object) -> Parameter:
         raise SweepConfigError(
             f"{where}: unknown parameter type {kind!r}; the types are {', '.join(KINDS)}"
         )
-    known = {"type", "values", "low", "high", "log", "step", "grid"}
+    known = _KEYS[kind]
     unknown = sorted(set(spec) - known)
     if unknown:
         raise SweepConfigError(
-            f"{where}: unknown keys {unknown}; a parameter takes {sorted(known)}"
+            f"{where}: unknown keys {unknown} for type {kind}; a {kind} parameter takes "
+            f"{sorted(known)}"
         )
     if kind == "choice":
         values = spec.get("values")
@@ -159,9 +176,19 @@ def parse_parameter(name: str, spec: object) -> Parameter:
     assert isinstance(low, (int, float)) and isinstance(high, (int, float))
     if not low <= high:
         raise SweepConfigError(f"{where}: low {low} is above high {high}; swap them")
+    if "log" in spec and not isinstance(spec["log"], bool):
+        raise SweepConfigError(f"{where}: log must be true or false, got {spec['log']!r}")
+    if kind == "loguniform" and spec.get("log") is False:
+        raise SweepConfigError(
+            f"{where}: a loguniform range is log-scaled (log: false contradicts it); use type: "
+            "float for a linear range"
+        )
     log = bool(spec.get("log", False)) or kind == "loguniform"
     if log and low <= 0:
         raise SweepConfigError(f"{where}: a log scale needs low > 0, got low={low}")
+    grid = spec.get("grid", DEFAULT_GRID_POINTS)
+    if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
+        raise SweepConfigError(f"{where}: grid must be an integer >= 1, got {grid!r}")
     if kind == "int":
         step = spec.get("step", 1)
         if int(low) != low or int(high) != high:
@@ -170,11 +197,31 @@ def parse_parameter(name: str, spec: object) -> Parameter:
             raise SweepConfigError(f"{where}: step must be an integer >= 1, got {step!r}")
         if log and step != 1:
             raise SweepConfigError(f"{where}: a log-scaled int range takes no step (got {step})")
-        return Parameter(name, "int", low=int(low), high=int(high), log=log, step=step)
-    grid = spec.get("grid", DEFAULT_GRID_POINTS)
-    if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
-        raise SweepConfigError(f"{where}: grid must be an integer >= 1, got {grid!r}")
-    return Parameter(name, "float", low=float(low), high=float(high), log=log, grid=grid)
+        if "grid" in spec and not log:
+            raise SweepConfigError(
+                f"{where}: grid (points of a grid search) is for float and log-scaled int "
+                f"ranges; a linear int range tries every step from low to high (set step, "
+                f"got grid={grid!r})"
+            )
+        return Parameter(
+            name,
+            "int",
+            low=int(low),
+            high=int(high),
+            log=log,
+            step=step,
+            grid=grid,
+            grid_given="grid" in spec,
+        )
+    return Parameter(
+        name,
+        "float",
+        low=float(low),
+        high=float(high),
+        log=log,
+        grid=grid,
+        grid_given="grid" in spec,
+    )
 
 
 def parse_space(space: object) -> dict[str, Parameter]:
@@ -196,6 +243,25 @@ def grid(space: Mapping[str, Parameter]) -> Iterator[dict[str, Value]]:
     names = list(space)
     for combo in itertools.product(*(space[n].grid_values() for n in names)):
         yield dict(zip(names, combo, strict=True))
+
+
+def grid_summary(space: Mapping[str, Parameter]) -> str:
+    """One line saying how many trials a grid search over ``space`` runs and why, naming the
+    ranges that use the default number of points (the number is not in the config)."""
+    sizes = " x ".join(f"{name} {len(p.grid_values())}" for name, p in space.items())
+    defaulted = [
+        name
+        for name, p in space.items()
+        if (p.kind == "float" or (p.kind == "int" and p.log)) and not p.grid_given
+    ]
+    size = grid_size(space)
+    line = f"grid search: {size} trial{'' if size == 1 else 's'} ({sizes})"
+    if defaulted:
+        line += (
+            f"; {', '.join(defaulted)}: {DEFAULT_GRID_POINTS} points (the default; set grid: N "
+            "on the parameter for another number)"
+        )
+    return line
 
 
 def grid_size(space: Mapping[str, Parameter]) -> int:

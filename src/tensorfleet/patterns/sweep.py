@@ -18,8 +18,12 @@ The sweep directory holds everything, so that a killed sweep resumes where it st
 
 A trial's ``result.json`` is written (atomically) when it ends; a trial without one was
 interrupted and is run again; a trial with one is never run again. A trial that raises, exits
-non-zero or is killed is recorded as failed with its error, and the sweep goes on. Trial
-processes die with the sweep (``PR_SET_PDEATHSIG``), so a killed sweep leaves nothing running.
+non-zero or is killed is recorded as failed with its error, and the sweep goes on; it is
+pruned when the sweep stopped it as pruned, or when an entry-point trial raised
+``TrialPruned`` (:data:`~tensorfleet.patterns.trial_main.PRUNED_EXIT`; a command exiting with
+that status on its own is failed). Trial processes die with the sweep (``PR_SET_PDEATHSIG``),
+so a killed sweep leaves nothing running. An entry point is looked up once before the first
+trial (:func:`~tensorfleet.patterns.trial_main.check_entry`).
 
 Why processes and the launcher, not threads: a trial is a training run that may crash, hang,
 leak or need its own cluster; a process group is the unit that can be stopped for sure.
@@ -50,13 +54,14 @@ from tensorfleet.patterns.search import (
     PlannedTrial,
     Search,
 )
-from tensorfleet.patterns.search_space import SweepConfigError
+from tensorfleet.patterns.search_space import SweepConfigError, grid_summary
 from tensorfleet.patterns.sweep_config import SweepConfig
 from tensorfleet.patterns.sweep_report import (
     PlainProgress,
     TrialRecord,
     choose_progress,
     plot_results,
+    why_no_plot,
     write_results,
 )
 from tensorfleet.patterns.trial import (
@@ -69,7 +74,7 @@ from tensorfleet.patterns.trial import (
     TRIAL_SLOT_VAR,
     MetricsReader,
 )
-from tensorfleet.patterns.trial_main import PRUNED_EXIT
+from tensorfleet.patterns.trial_main import PRUNED_EXIT, check_entry
 
 RESULT_FILE = "result.json"
 OUTPUT_FILE = "output.log"
@@ -195,6 +200,9 @@ class Sweep:
     # --- running ------------------------------------------------------------------------
 
     def run(self) -> SweepResult:
+        entry_note = None
+        if self.config.entry is not None:  # a missing entry is refused before anything starts
+            entry_note = check_entry(self.config.entry, self._env(), self.config.pythonpath)
         self.directory.mkdir(parents=True, exist_ok=True)
         lock = open(self.directory / "lock", "w")  # noqa: SIM115 (held for the whole run)
         try:
@@ -210,6 +218,10 @@ class Sweep:
             self._records = self._finished_trials()
             search = self._search()
             with self.progress:
+                if entry_note:
+                    self.progress.message(entry_note)
+                if self.config.search == "grid":
+                    self.progress.message(grid_summary(self.config.parameters))
                 resumed = len(self._records)
                 if resumed:
                     self.progress.message(
@@ -228,6 +240,8 @@ class Sweep:
                 self.progress.message(
                     f"trials {search.interrupted} were interrupted; running their configurations again"
                 )
+            if search.seed_note:
+                self.progress.message(search.seed_note)
             return search
         return IndexedSearch(self.config, self._records)
 
@@ -258,15 +272,10 @@ class Sweep:
             trial_dir / PARAMS_FILE,
             json.dumps({"number": planned.number, "params": planned.params}),
         )
-        env = dict(os.environ)
-        env.update(self.config.env)
+        env = self._env()
         env[TRIAL_DIR_VAR] = str(trial_dir.resolve())
         env[TRIAL_PARAMS_VAR] = json.dumps(planned.params)
         env[TRIAL_SLOT_VAR] = str(slot)
-        env["PYTHONUNBUFFERED"] = "1"
-        path = [*self.config.pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join(path)
         argv = self._argv(planned.params)
         log = open(trial_dir / OUTPUT_FILE, "wb")  # noqa: SIM115 (closed when the trial ends)
         launcher = self.config.workers_per_trial > 1
@@ -291,6 +300,17 @@ class Sweep:
         return _Running(
             planned, record, process, log, MetricsReader(trial_dir / METRICS_FILE), trial_dir
         )
+
+    def _env(self) -> dict[str, str]:
+        """The environment every trial gets (and the entry check): the sweep's, the config's
+        ``env``, its ``pythonpath`` in front of ``PYTHONPATH``."""
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        path = [*self.config.pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join(path)
+        return env
 
     def _argv(self, params: dict[str, Any]) -> list[str]:
         if self.config.command is not None:
@@ -365,10 +385,14 @@ class Sweep:
         return True
 
     def _outcome(self, trial: _Running, returncode: int) -> tuple[str, str | None]:
-        if trial.stopping == "pruned" or returncode == PRUNED_EXIT:
+        if trial.stopping == "pruned":
             return PRUNED, None
         if trial.stopping:
             return FAILED, trial.stopping
+        if returncode == PRUNED_EXIT and self.config.entry is not None:
+            # trial_main exits with it only when the entry point raised TrialPruned; from a
+            # command, status 3 is the program's own failure like any other.
+            return PRUNED, None
         if returncode == 0:
             if trial.record.value is None:
                 return FAILED, (
@@ -430,7 +454,11 @@ class Sweep:
         )
         self.progress.message(
             f"results: {self.directory / 'results.csv'}, {self.directory / 'results.json'}"
-            + (f", plot: {plot}" if plot else " (no plot: pip install matplotlib)")
+            + (
+                f", plot: {plot}"
+                if plot
+                else f" (no plot: {why_no_plot(records, self.config.metric)})"
+            )
         )
         return SweepResult(
             self.directory,

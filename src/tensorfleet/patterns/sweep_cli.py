@@ -2,6 +2,11 @@
 
 Kept here, next to the sweep, so that the launcher's CLI only registers it (one call) and
 knows nothing of sweeps.
+
+Exit status: 0 when at least one trial completed (failed or pruned trials do not change it:
+they are in the results); :data:`NO_TRIAL_COMPLETED` (1) when the sweep ran to its end but no
+trial completed; 2 for a configuration refused before anything started (the ``tensorfleet``
+CLI's usage error); 130 when interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
@@ -9,12 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
 
+from tensorfleet.patterns.search import COMPLETE
 from tensorfleet.patterns.sweep import run_sweep
 from tensorfleet.patterns.sweep_config import load_config
+
+#: Exit status of a sweep that ran to its end without one completed trial.
+NO_TRIAL_COMPLETED = 1
 
 
 def add_sweep_command(commands: argparse._SubParsersAction) -> None:
@@ -26,8 +36,9 @@ def add_sweep_command(commands: argparse._SubParsersAction) -> None:
         "trial program, the parameter space, the metric and its direction, the search, the "
         "slots), as many at once as there are slots, with live progress; write results.csv, "
         "results.json (with the best configuration) and metric_vs_params.png to the sweep "
-        "directory. Running the same command again resumes an interrupted sweep. "
-        "See docs/patterns.md.",
+        "directory. Running the same command again resumes an interrupted sweep. Exit "
+        "status: 0 when at least one trial completed, 1 when none did, 2 for an invalid "
+        "config. See docs/patterns.md.",
         epilog="example: tensorfleet sweep sweep.yaml --dir runs/sweep --slots 2",
     )
     sweep.add_argument("config", metavar="CONFIG", help="the sweep's YAML or JSON file")
@@ -59,4 +70,11 @@ def _sweep(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, interrupt)
     result = run_sweep(config, directory, live=False if args.no_live else None)
     print(json.dumps({"best": result.best, "results": str(result.results_json)}))
+    if not any(r.state == COMPLETE for r in result.records):
+        print(
+            f"tensorfleet: error: no trial of the sweep completed ({len(result.records)} "
+            f"trial(s), none complete); each trial's error is in {result.results_csv}",
+            file=sys.stderr,
+        )
+        return NO_TRIAL_COMPLETED
     return 0

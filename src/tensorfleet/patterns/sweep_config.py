@@ -18,6 +18,8 @@ Example (YAML)::
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import re
 from collections.abc import Mapping
@@ -31,6 +33,14 @@ SEARCHES = ("grid", "random", "optuna", "list")
 DIRECTIONS = ("minimize", "maximize")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
+#: Packages a sampler needs beyond Optuna.
+_SAMPLER_NEEDS = {"cmaes": ("cmaes",), "qmc": ("scipy",), "gp": ("scipy", "torch")}
+#: The Optuna class of each pruner; ``pruner_options`` are its keyword arguments.
+PRUNER_CLASSES = {
+    "median": "MedianPruner",
+    "successive_halving": "SuccessiveHalvingPruner",
+    "hyperband": "HyperbandPruner",
+}
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -65,11 +75,15 @@ class SweepConfig:
     pruner: str = "none"
     pruner_options: dict[str, Any] = field(default_factory=dict)
     trial_timeout_s: float | None = None
+    """A trial still running after this many seconds is stopped and recorded as failed."""
     name: str = "sweep"
+    """The Optuna study's name, and the sweep directory ``runs/<name>`` when ``--dir`` is not
+    given."""
     pythonpath: list[str] = field(default_factory=list)
     """Directories put in front of ``PYTHONPATH`` for the trials (the config file's directory
     is added when the config comes from a file)."""
     env: dict[str, str] = field(default_factory=dict)
+    """Environment variables set for every trial (on top of the sweep's own)."""
     parameters: dict[str, Parameter] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,9 +156,26 @@ class SweepConfig:
                 f"pruner {self.pruner!r} needs search: optuna (grid and random search run "
                 "every trial to its end)"
             )
+        if self.search == "optuna":
+            check_sampler_packages(self.sampler)
+        if self.pruner != "none":
+            check_pruner_options(self.pruner, self.pruner_options)
+        elif self.pruner_options:
+            raise SweepConfigError(
+                f"pruner_options {self.pruner_options} are given but pruner is 'none'; set "
+                f"pruner ({', '.join(PRUNERS[1:])}) or leave pruner_options out"
+            )
         if self.trial_timeout_s is not None and not self.trial_timeout_s > 0:
             raise SweepConfigError(f"trial_timeout_s must be > 0, got {self.trial_timeout_s!r}")
-        if not re.fullmatch(r"[\w.-]+", self.name):
+        _check_pythonpath(self.pythonpath)
+        if not isinstance(self.env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise SweepConfigError(
+                f"env must map variable names to strings, got {self.env!r}; quote numbers "
+                '(e.g. env: {OMP_NUM_THREADS: "1"})'
+            )
+        if not isinstance(self.name, str) or not re.fullmatch(r"[\w.-]+", self.name):
             raise SweepConfigError(
                 f"name must be letters, digits, '_', '.', '-', got {self.name!r}"
             )
@@ -202,6 +233,63 @@ class SweepConfig:
         }
 
 
+def check_sampler_packages(sampler: str) -> None:
+    """Refuse a sampler whose packages are missing (Optuna would only fail in the middle of
+    the sweep, at the first trial it samples, with a bare ModuleNotFoundError)."""
+    missing = [m for m in _SAMPLER_NEEDS.get(sampler, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SweepConfigError(
+            f"sampler: {sampler} needs the package(s) {missing}, which are not installed: "
+            f"pip install {' '.join(missing)} (or choose sampler: tpe or random)"
+        )
+
+
+def check_pruner_options(pruner: str, options: object) -> None:
+    """Refuse ``pruner_options`` that Optuna's pruner class would not take, naming the
+    accepted ones (read from the class's signature, so they are those of the installed
+    Optuna); the pruner is built once to catch out-of-range values too."""
+    try:
+        import optuna
+    except ImportError:
+        raise SweepConfigError(
+            f"pruner: {pruner} needs Optuna: pip install 'tensorfleet[sweep]'"
+        ) from None
+    if not isinstance(options, Mapping):
+        raise SweepConfigError(
+            f"pruner_options must be a mapping of option to value, got {options!r}"
+        )
+    cls = getattr(optuna.pruners, PRUNER_CLASSES[pruner])
+    accepted = {
+        name: param.default
+        for name, param in inspect.signature(cls).parameters.items()
+        if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    }
+    takes = ", ".join(
+        name if default is inspect.Parameter.empty else f"{name} (default {default!r})"
+        for name, default in accepted.items()
+    )
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise SweepConfigError(
+            f"pruner_options {dict(options)} for {pruner}: unknown option(s) {unknown}; "
+            f"optuna.pruners.{cls.__name__} takes {takes}"
+        )
+    try:
+        cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise SweepConfigError(
+            f"pruner_options {dict(options)} for {pruner}: {exc}; "
+            f"optuna.pruners.{cls.__name__} takes {takes}"
+        ) from None
+
+
+def _check_pythonpath(pythonpath: object) -> None:
+    if not isinstance(pythonpath, list) or not all(isinstance(p, str) for p in pythonpath):
+        raise SweepConfigError(
+            f"pythonpath must be a list of directories, got {pythonpath!r} (e.g. pythonpath: [src])"
+        )
+
+
 def _one_of(label: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise SweepConfigError(f"{label} must be one of {', '.join(allowed)}; got {value!r}")
@@ -243,6 +331,10 @@ def load_config(path: str | Path) -> SweepConfig:
         if required not in raw:
             raise SweepConfigError(f"{path}: missing setting {required!r}")
     raw.setdefault("pythonpath", [])
+    try:
+        _check_pythonpath(raw["pythonpath"])
+    except SweepConfigError as exc:
+        raise SweepConfigError(f"{path}: {exc}") from None
     raw["pythonpath"] = [str((path.parent / p).resolve()) for p in raw["pythonpath"]] + [
         str(path.parent.resolve())
     ]

@@ -6,7 +6,8 @@
 * ``results.csv`` and ``results.json``: one row per trial (number, state, value, params,
   seconds, error) and, in the JSON, the best configuration under the sweep's direction.
 * ``metric_vs_params.png``: the metric against each parameter, one panel per parameter
-  (matplotlib, optional: without it the sweep says so and writes the tables only).
+  (matplotlib, optional: without it the sweep says so and writes the tables only; with no
+  trial that reported the metric there is nothing to plot, and the sweep says that instead).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class PlainProgress:
         if now - self._last_line.get(record.number, 0.0) < PLAIN_METRIC_EVERY_S:
             return
         self._last_line[record.number] = now
-        self._say(f"trial {record.number:4d} step {record.step} {self.metric}={_fmt(record.value)}")
+        step = "" if record.step is None else f" step {record.step}"
+        self._say(f"trial {record.number:4d}{step} {self.metric}={_fmt(record.value)}")
 
     def finished(self, record: TrialRecord) -> None:
         detail = f"{self.metric}={_fmt(record.value)}" if record.value is not None else ""
@@ -204,10 +206,27 @@ def write_results(
     return document
 
 
+def _plotted(records: list[TrialRecord]) -> list[TrialRecord]:
+    """The trials a plot shows: those with a (finite) value, whatever their state."""
+    return [r for r in records if r.value is not None and math.isfinite(r.value)]
+
+
+def why_no_plot(records: list[TrialRecord], metric: str) -> str:
+    """Why :func:`plot_results` drew nothing, for the sweep's last line."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "pip install matplotlib"
+    if not _plotted(records):
+        return f"no trial reported a value of {metric!r}"
+    return "no parameters to plot against"
+
+
 def plot_results(
     path: Path, records: list[TrialRecord], metric: str, direction: str
 ) -> Path | None:
-    """The metric against each parameter, one panel each; None without matplotlib."""
+    """The metric against each parameter, one panel each; None without matplotlib or without
+    a trial that reported the metric (:func:`why_no_plot` says which)."""
     try:
         import matplotlib
 
@@ -215,7 +234,7 @@ def plot_results(
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    done = [r for r in records if r.value is not None and math.isfinite(r.value)]
+    done = _plotted(records)
     names = sorted({k for r in records for k in r.params})
     if not done or not names:
         return None

@@ -6,6 +6,13 @@ calls it with the :class:`~tensorfleet.patterns.trial.Trial` (its ``params``, ``
 metric), or a mapping of metrics. An exception is written to ``error.json`` (type, message,
 traceback) for the sweep's table, and the process exits 1.
 
+``python -m tensorfleet.patterns.trial_main --check MODULE:FUNCTION`` is what the sweep runs
+once before its first trial (:func:`check_entry`): it imports the module and looks the
+function up exactly as a trial would (same interpreter, working directory and ``PYTHONPATH``)
+so that a misspelled entry is one error up front, not the same failure in every trial. It
+runs in a process of its own so that the module's import-time code runs where a trial's
+would, never in the sweep.
+
 Why a fresh process per trial rather than a function call in the sweep: a trial that crashes,
 leaks memory, hangs or is killed takes nothing else with it, its slot is freed by ending one
 process, and nothing has to be pickled to send the function anywhere: it is named, imported.
@@ -13,14 +20,18 @@ process, and nothing has to be pickled to send the function anywhere: it is name
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
+import os
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from tensorfleet.errors import ConfigError, ConfigTypeError
+from tensorfleet.patterns.search_space import SweepConfigError
 from tensorfleet.patterns.trial import (
     ERROR_FILE,
     Trial,
@@ -31,6 +42,11 @@ from tensorfleet.patterns.trial import (
 
 #: Exit status of a trial that ended itself as pruned (raised TrialPruned).
 PRUNED_EXIT = 3
+#: Starts the last output line of ``--check``; the JSON verdict follows it.
+CHECK_MARK = "tensorfleet-entry-check: "
+#: How long the sweep waits for the entry check (importing the module) before going on
+#: without it (and saying so).
+ENTRY_CHECK_TIMEOUT_S = 120.0
 
 
 def load_entry_point(entry: str) -> Callable[[Trial], Any]:
@@ -46,8 +62,96 @@ def load_entry_point(entry: str) -> Callable[[Trial], Any]:
     return target
 
 
+def find_entry_problem(entry: str) -> dict[str, str] | None:
+    """Import ``entry``'s module and look its function up in this process; None when it is
+    there, else ``{"missing": "module" | "function" | "", "message": ...}`` (``""``: the
+    module exists but importing it raised, which a trial's environment may not)."""
+    module_name, _, qualname = entry.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return {"missing": "module", "message": f"there is no module {exc.name!r}"}
+        return {"missing": "", "message": f"importing {module_name!r} raised {exc!r}"}
+    except BaseException as exc:  # the module's own code failed: reported, not judged
+        return {"missing": "", "message": f"importing {module_name!r} raised {exc!r}"}
+    owner = module_name
+    where = getattr(target, "__file__", None) or module_name
+    for part in qualname.split("."):
+        if not hasattr(target, part):
+            names = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3)
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+            return {
+                "missing": "function",
+                "message": f"{owner!r} ({where}) has no attribute {part!r}{hint}",
+            }
+        target = getattr(target, part)
+        owner = f"{owner}.{part}"
+    if not callable(target):
+        return {
+            "missing": "function",
+            "message": f"{owner!r} is a {type(target).__name__}, not a function",
+        }
+    return None
+
+
+def check_entry(entry: str, env: Mapping[str, str], pythonpath: list[str]) -> str | None:
+    """Check, in a child process with the trials' ``env``, that ``entry`` can be imported.
+
+    Raises :class:`SweepConfigError` naming the entry, what is missing and the fix when its
+    module or function does not exist. Returns a note for the sweep to print when the check
+    could not decide (importing the module raised something else, or took longer than
+    :data:`ENTRY_CHECK_TIMEOUT_S`): the trials then run and show what happens. None: found.
+    """
+    argv = [sys.executable, "-m", "tensorfleet.patterns.trial_main", "--check", entry]
+    try:
+        done = subprocess.run(
+            argv,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=ENTRY_CHECK_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return (
+            f"entry {entry!r} not checked: importing it took more than "
+            f"{ENTRY_CHECK_TIMEOUT_S:g} s; the trials start anyway and show any error"
+        )
+    marks = [ln for ln in done.stdout.splitlines() if ln.startswith(CHECK_MARK)]
+    if not marks:
+        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])[-300:]
+        return (
+            f"entry {entry!r} not checked: the check process exited with status "
+            f"{done.returncode} ({tail}); the trials start anyway and show any error"
+        )
+    problem = json.loads(marks[-1][len(CHECK_MARK) :])
+    if problem is None:
+        return None
+    if problem["missing"] == "module":
+        raise SweepConfigError(
+            f"entry {entry!r}: {problem['message']} on the trials' path (the sweep's working "
+            f"directory {os.getcwd()} and pythonpath {pythonpath}); fix the module name, or "
+            "add the directory that holds it to pythonpath (in a config file, relative to the "
+            "file), or run the sweep from that directory"
+        )
+    if problem["missing"] == "function":
+        raise SweepConfigError(
+            f"entry {entry!r}: {problem['message']}; fix the function name after the ':' "
+            "(entry: 'module:function', the function called with the trial)"
+        )
+    return (
+        f"entry {entry!r} not checked: {problem['message']} outside a trial; the trials start "
+        "anyway and show any error"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 2 and args[0] == "--check":
+        print("\n" + CHECK_MARK + json.dumps(find_entry_problem(args[1])), flush=True)
+        return 0
     if len(args) != 2:
         print(
             "usage: python -m tensorfleet.patterns.trial_main MODULE:FUNCTION METRIC",

@@ -25,6 +25,8 @@ def quadratic(trial: Trial) -> float:
         raise ValueError(f"trial with x={x} fails on purpose")
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "prune":
+        raise TrialPruned()
     return (x - 1) ** 2
 
 
