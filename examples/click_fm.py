@@ -51,7 +51,7 @@ class FactorizationMachine(nn.Module):
             ROWS, DIM, initializer=tfl.RowInitializer("normal", 0.1, seed=1)
         )
         self.bias = nn.Parameter(torch.zeros(1))
-        # A second dense variable: every ps shard must hold at least one today.
+        # The learned weight of the interaction term.
         self.scale = nn.Parameter(torch.ones(1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

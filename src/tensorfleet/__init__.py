@@ -55,6 +55,7 @@ _EXPORTS = {
     "NanGuard": "tensorfleet.session.hooks",
     "export_checkpoint": "tensorfleet.session.checkpoints",
     "load_checkpoint": "tensorfleet.session.checkpoints",
+    "load_table_rows": "tensorfleet.session.checkpoints",
     "Hook": "tensorfleet.session.hooks",
     "LoggingHook": "tensorfleet.session.hooks",
     "StepResult": "tensorfleet.session.hooks",
@@ -74,6 +75,7 @@ _EXPORTS = {
     "RowInitializer": "tensorfleet.ps.row_initializer",
     "CpuSyncBatchNorm": "tensorfleet.worker.sync_batch_norm",
     "convert_sync_batchnorm": "tensorfleet.worker.sync_batch_norm",
+    "UnsynchronizedBatchNormWarning": "tensorfleet.worker.sync_batch_norm",
     "torch_device": "tensorfleet.worker.device",
     "SoftPlacementWarning": "tensorfleet.worker.device",
     "device": "tensorfleet.worker.device_scope",
@@ -139,7 +141,11 @@ if TYPE_CHECKING:
     from tensorfleet.parallel.stages import split_stages
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
     from tensorfleet.ps.row_initializer import RowInitializer
-    from tensorfleet.session.checkpoints import export_checkpoint, load_checkpoint
+    from tensorfleet.session.checkpoints import (
+        export_checkpoint,
+        load_checkpoint,
+        load_table_rows,
+    )
     from tensorfleet.session.hooks import (
         CheckpointHook,
         Hook,
@@ -160,7 +166,11 @@ if TYPE_CHECKING:
     from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
     from tensorfleet.worker.placement_report import placement_report
     from tensorfleet.worker.push_overlap import Overlap
-    from tensorfleet.worker.sync_batch_norm import CpuSyncBatchNorm, convert_sync_batchnorm
+    from tensorfleet.worker.sync_batch_norm import (
+        CpuSyncBatchNorm,
+        UnsynchronizedBatchNormWarning,
+        convert_sync_batchnorm,
+    )
     from tensorfleet.worker.task_resources import apply_task_resources
     from tensorfleet.worker.timeouts import ClientTimeouts
 

@@ -65,6 +65,8 @@ def test_sparse_embeddings_converge_across_processes(tmp_path, mode, extra):
             document = (newest / f"shard-{shard}-of-2.safetensors").read_bytes()
             # the EmbeddingTable, and the sparse nn.EmbeddingBag's weight held as rows
             assert set(decode_shard(document).tables) == {"embedding", "bag.weight"}, str(run)
+        ids, values = tfl.load_table_rows(newest, "embedding")  # both shards' created rows
+        assert set(ids.remainder(2).tolist()) == {0, 1} and values.shape == (ids.numel(), 4)
     else:
         _check_mirrored_weights(tmp_path, out, mode, run)
 
@@ -80,6 +82,9 @@ def _check_mirrored_weights(tmp_path, out, mode: str, run) -> None:
             document = decode_shard((newest / f"shard-{shard}-of-2.safetensors").read_bytes())
             assert name in document.tables and f"value/{name}" not in document.values
     state = tfl.load_checkpoint(newest, program.Net())  # strict: every parameter, whole
+    for name in ("embedding.weight", "bag.weight"):  # the same rows, read as a table's
+        ids, values = tfl.load_table_rows(newest, name)
+        assert torch.equal(ids, torch.arange(program.IDS)) and torch.equal(values, state[name])
     for index in range(2):
         mine = json.loads(Path(f"{out}.{index}.json").read_text())
         assert mine["matches_ps"], f"worker:{index}'s copy differs from the ps rows\n{run}"
@@ -154,6 +159,44 @@ def test_a_shard_holding_only_table_rows(tmp_path, mode):
         assert torch.allclose(got, table, atol=1e-5), (got - table).abs().max()
         for got_param, want in zip(result["out"], head, strict=True):
             assert torch.allclose(torch.tensor(got_param), want.detach(), atol=1e-5)
+
+
+def _one_process_session(steps: int) -> tuple[torch.Tensor, list]:
+    """``sparse_embedding_worker.py --table-only`` with no cluster: the same model, data and
+    optimizer in a one-process ``TrainingSession`` (server=None), which trains the table
+    itself (rows in this process, the optimizer's row-sparse twin, pushed every step)."""
+    program = _program()
+    torch.manual_seed(3)
+    model = program.TableOnly()
+    ids, labels = program.make_data((steps + 16) * program.BATCH)
+    with tfl.TrainingSession(
+        None, model, optimizer=tfl.optim.SGD(lr=2.0), hooks=[tfl.StopAtStep(last_step=steps)]
+    ) as sess:
+        while not sess.should_stop():
+            start = sess.global_step * program.BATCH
+            xb, yb = ids[start : start + program.BATCH], labels[start : start + program.BATCH]
+            sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
+    with torch.no_grad():
+        return model.embedding(torch.arange(program.IDS)), list(model.out.parameters())
+
+
+def test_one_process_trains_a_table_like_one_ps_and_one_worker(tmp_path):
+    """The same script in one process and on 1 ps + 1 worker (async): the same table rows
+    and head (the ps applies the same row-sparse SGD to the same gradients)."""
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable, str(PROGRAMS / "sparse_embedding_worker.py"), str(out), "async",
+        str(STEPS), "--table-only",
+    ]  # fmt: skip
+    run = run_local_cluster(1, 1, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    result = json.loads(out.read_text())
+    assert result["global_step"] == STEPS, str(run)
+    table, head = _one_process_session(STEPS)
+    got = torch.tensor(result["table"])
+    assert torch.allclose(got, table, atol=1e-6), (got - table).abs().max()
+    for got_param, want in zip(result["out"], head, strict=True):
+        assert torch.allclose(torch.tensor(got_param), want.detach(), atol=1e-6)
 
 
 def test_a_sparse_gradient_becomes_the_dense_gradient_with_duplicates_summed():

@@ -304,3 +304,15 @@ def test_a_checkpoint_of_the_replica_restores_parameters_optimizer_state_and_dat
             updater.restore_collectively(b"not a checkpoint", 3, "worker:0")
     finally:
         updater.close()
+
+
+def test_a_model_with_an_embedding_table_is_refused_naming_the_table() -> None:
+    """Its rows live on ps shards; all-reduce has none (the first lookup failed with
+    TableNotAttached before)."""
+    import tensorfleet as tfl
+    from tensorfleet.errors import ConfigError
+
+    model = nn.Sequential()
+    model.add_module("user", tfl.EmbeddingTable(100, 4))
+    with pytest.raises(ConfigError, match=r"EmbeddingTable modules \('user'\).*'allreduce'"):
+        AllReduceUpdater("127.0.0.1:1", 0, 1).wrap(model)

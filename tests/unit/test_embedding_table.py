@@ -120,7 +120,7 @@ def test_hashed_ids_strings_and_unbounded_ints() -> None:
 
 def test_bad_ids_and_missing_attachment_are_explained() -> None:
     table = EmbeddingTable(10, 4, name="user_emb")
-    with pytest.raises(TableNotAttached, match="inside a TrainingSession"):
+    with pytest.raises(TableNotAttached, match="'user_emb' is not attached.*inside such a session"):
         table(torch.tensor([1]))
     LocalRowSource([table])
     with pytest.raises(

@@ -256,3 +256,12 @@ def warm_up_optimizers() -> None:
     imports ``torch._dynamo``, measured at 3-8 s on this project's 2-vCPU machine, which is
     longer than a short ``create`` deadline."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
+def rule_label(rule: object) -> str:
+    """A rule as an error message names it: its kind and name (``UpdateRule 'adam'``,
+    ``SparseRowRule 'adagrad'``), or the type of anything else (``None`` for None)."""
+    if rule is None:
+        return "None"
+    name = getattr(rule, "name", None)
+    return f"{type(rule).__name__} {name!r}" if isinstance(name, str) else repr(type(rule).__name__)

@@ -283,6 +283,52 @@ def load_checkpoint(
     return state
 
 
+def load_table_rows(path: str | os.PathLike[str], table: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of embedding table ``table`` saved in a checkpoint: ``(ids, values)``, the
+    int64 ids of every row created so far (ascending) and their ``[len(ids), dim]`` values.
+
+    ``path`` is a checkpoint directory or a run's ``checkpoint_dir`` (its newest valid
+    checkpoint: every file's size and SHA-256 checked against the manifest, as
+    :func:`load_checkpoint` does). The rows are gathered from every shard's document (a
+    one-process run has one). Rows that were never looked up were never created and are not
+    in the checkpoint: their value is the table's initializer's
+    (``table.initializer.rows(ids, dim, dtype)``). ``table`` is the table's name, by default
+    its place in the model (``embedding``, ``towers.user``); a ``sparse=True`` embedding
+    weight held as rows is a table too, named after its parameter (``embedding.weight``).
+    CheckpointError names the tables the checkpoint holds when ``table`` is not one of them,
+    and the shards missing when the documents do not hold all of it."""
+    checkpoint = _find(path)
+    documents: list[bytes] = []
+    held: set[str] = set()
+    for document in checkpoint.documents:
+        try:
+            shard = decode_shard(document)
+        except ProtocolError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint.path}: {exc}") from None
+        held.update(shard.tables)
+        if table in shard.tables:
+            documents.append(shard.tables[table])
+    if not documents:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} holds no embedding table {table!r}; it holds "
+            f"{sorted(held) or 'none'} (a table is named after its place in the model unless "
+            f"given name=...)"
+        )
+    stores = [RowStore.decode(document) for document in documents]
+    shards = stores[0].partition.num_shards
+    missing = sorted(set(range(shards)) - {store.shard for store in stores})
+    if missing or len(stores) != shards:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path}: table {table!r} is split over {shards} shard(s), "
+            f"the documents hold shards {sorted(store.shard for store in stores)} (missing "
+            f"{missing}): the checkpoint is incomplete"
+        )
+    ids = torch.cat([store.created_rows() for store in stores])
+    values = torch.cat([store.pull(store.created_rows()) for store in stores])
+    order = torch.argsort(ids)
+    return ids[order], values[order]
+
+
 def _mirrored_weights(placement: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     """The manifest's tables that are the weight of a parameter (``table/<name>`` entries
     with ``param``: a ``sparse=True`` embedding weight the ps held as rows), by table."""

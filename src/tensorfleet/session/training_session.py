@@ -49,7 +49,7 @@ from tensorfleet.errors import (
 )
 from tensorfleet.ps.model_namespace import check_model_name, label
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
-from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.ps.update_rules import UpdateRule, rule_label
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.device_engines import placement_table, wanted_engines
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
@@ -210,8 +210,8 @@ class TrainingSession:
                 "a row-sparse rule (tfl.optim.SparseAdam(...), tfl.optim.SparseRowRule) goes in "
                 "sparse_optimizer=, for the sparse=True embedding weights and the embedding "
                 "tables; optimizer= takes a dense rule for the other parameters, e.g. "
-                f"tfl.optim.Adam(lr=1e-3); got optimizer={type(optimizer).__name__}, "
-                f"sparse_optimizer={type(sparse_optimizer).__name__}"
+                f"tfl.optim.Adam(lr=1e-3); got optimizer={rule_label(optimizer)}, "
+                f"sparse_optimizer={rule_label(sparse_optimizer)}"
             )
         if not isinstance(optimizer, UpdateRule):
             raise ConfigTypeError(

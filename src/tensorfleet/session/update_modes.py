@@ -154,17 +154,17 @@ def build_updater(
 ) -> Updater:
     """The updater for ``settings.mode`` on ``server``'s task (this process without one)."""
     mode = update_mode(settings)
-    if settings.sparse_optimizer is not None and (server is None or mode.name not in _PS_MODES):
-        where = "in one process" if server is None else f"in mode {mode.name!r}"
+    if settings.sparse_optimizer is not None and server is not None and mode.name not in _PS_MODES:
         raise ConfigError(
             f"sparse_optimizer={settings.sparse_optimizer.name!r} is the row-sparse rule the ps "
-            f"shards apply to the sparse=True embedding weights they hold as rows (modes "
-            f"'async', 'sync'); {where} the model's optimizer (torch's) updates them itself "
-            f"(torch.optim.SGD and Adagrad take sparse gradients, Adam does not); fix: leave "
-            f"sparse_optimizer out here, or train through ps tasks"
+            f"shards apply to the sparse=True embedding weights and embedding tables they hold "
+            f"as rows (modes 'async', 'sync'); in mode {mode.name!r} the model's optimizer "
+            f"(torch's) updates sparse=True weights itself (torch.optim.SGD and Adagrad take "
+            f"sparse gradients, Adam does not); fix: leave sparse_optimizer out here, or train "
+            f"through ps tasks"
         )
-    if server is None:
-        updater: Updater = LocalUpdater(settings.ema_decay)
+    if server is None:  # one process: the rule of the model's tables (LocalUpdater checks)
+        updater: Updater = LocalUpdater(settings.ema_decay, sparse_rule=settings.sparse_optimizer)
     else:
         updater = mode.build(server, named_params, settings)
     return with_device_engine(updater, server, settings)

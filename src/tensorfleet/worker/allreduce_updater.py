@@ -48,6 +48,7 @@ from tensorfleet.worker.replica_state import (
     load_buffers,
     optimizer_state_template,
 )
+from tensorfleet.worker.table_attachment import find_tables
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import (
     CheckpointSource,
@@ -136,7 +137,18 @@ class AllReduceUpdater:
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         """The model wrapped in DDP (rank 0's parameters are broadcast to every worker). The
-        training closure must call this wrapper, not the inner model."""
+        training closure must call this wrapper, not the inner model. A model holding
+        ``tfl.EmbeddingTable`` modules is refused: their rows live on ps shards, and this
+        mode has none."""
+        tables = find_tables(model)
+        if tables:
+            places = ", ".join(repr(place or "(the model itself)") for place, _ in tables)
+            raise ConfigError(
+                f"the model holds tfl.EmbeddingTable modules ({places}), whose rows live on "
+                "ps shards (or in this process, without a cluster); mode 'allreduce' has no "
+                "ps. Fix: train in mode 'async' or 'sync' with ps tasks, or build the embedding "
+                "as nn.Embedding(..., sparse=True), which all-reduce trains as a replicated weight"
+            )
         self._buffers = persistent_buffers(model)  # DDP broadcasts rank 0's at each forward
         self._wrapped = DistributedDataParallel(model)
         self._wrapped.register_forward_pre_hook(self._note_forward)

@@ -35,6 +35,7 @@ from torch import nn
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
+from tensorfleet.ps.row_partition import SCHEMES as PARTITION_SCHEMES
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
@@ -42,6 +43,14 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.worker.sparse_gradient import coalesce_gradient, split_rows
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+def _describe_rule(rule: object) -> str:
+    """A rule in messages: its name and type (``the dense rule 'sgd' (UpdateRule)``)."""
+    name = getattr(rule, "name", None)
+    if isinstance(name, str):
+        return f"the dense rule {name!r} ({type(rule).__name__})"
+    return type(rule).__name__
 
 
 class TableNotAttached(TensorfleetError, RuntimeError):
@@ -64,6 +73,8 @@ class EmbeddingTable(nn.Module):
     any int64 or string is mapped to ``hash(id) mod num_rows``
     (:mod:`tensorfleet.ps.id_hashing`). New rows start from ``initializer`` (default
     ``RowInitializer("normal", 0.01)``). ``partition``: ``mod`` (default) or ``range``.
+    ``rule``: the table's own row-sparse rule (e.g. ``tfl.optim.SparseAdam(lr=0.01)``); None
+    (default): the session's ``sparse_optimizer``, else its optimizer's row-sparse twin.
 
     >>> table = EmbeddingTable(1000, 8, name="user")
     >>> source = LocalRowSource([table], num_shards=2, rule=SparseRowRule("sgd", {"lr": 0.1}))
@@ -82,12 +93,32 @@ class EmbeddingTable(nn.Module):
         initializer: RowInitializer | None = None,
         dtype: torch.dtype = torch.float32,
         partition: str = "mod",
+        rule: SparseRowRule | None = None,
     ) -> None:
         super().__init__()
-        if dtype not in _TORCH_DTYPES:
-            raise ConfigError(f"an EmbeddingTable is float32 or float64, got {dtype}")
         self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
         self.table_name = name
+        if dtype not in _TORCH_DTYPES:
+            raise ConfigError(
+                f"{self._label()}: dtype must be torch.float32 or torch.float64, got {dtype}; "
+                f"fix: dtype=torch.float32"
+            )
+        if partition not in PARTITION_SCHEMES:
+            raise ConfigError(
+                f"{self._label()}: partition must be one of {PARTITION_SCHEMES} ('mod': row r "
+                f"on shard r mod n; 'range': contiguous blocks of rows), got {partition!r}; "
+                f"fix: partition='mod' (the default) or partition='range'"
+            )
+        if rule is not None and not isinstance(rule, SparseRowRule):
+            raise ConfigError(
+                f"{self._label()}: rule must be a row-sparse rule such as "
+                f"tfl.optim.SparseAdam(lr=0.01) or tfl.optim.SparseRowRule('adagrad', "
+                f"{{'lr': 0.1}}), got {_describe_rule(rule)}"
+            )
+        self.rule = rule
+        """The table's own row-sparse rule (None: the session decides, see the class doc)."""
+        self.bound_rule: SparseRowRule | None = None
+        """The rule its rows were created with (set when a source creates them)."""
         self.initializer = initializer or RowInitializer()
         if self.initializer.kind == "given":
             raise ConfigError(
@@ -106,8 +137,9 @@ class EmbeddingTable(nn.Module):
         """The table as the ps shards hold it (needs a name: given, or set by the session)."""
         if not self.table_name:
             raise TableNotAttached(
-                "this EmbeddingTable has no name yet; pass name=... or let the session name "
-                "it after its place in the model"
+                f"{self._label()} has no name yet, and rows are held by table name; fix: "
+                f"build it with name=..., or let a TrainingSession name it after its place in "
+                f"the model (it does when it starts)"
             )
         return TableSpec(
             self.table_name, self.num_rows, self.dim, _TORCH_DTYPES[self.dtype], self.initializer
@@ -119,6 +151,17 @@ class EmbeddingTable(nn.Module):
             self.table_name = name
         self._partition = RowPartition(self.num_rows, num_shards, self.partition_scheme)
         self._source = source
+        self._pending = []
+
+    @property
+    def attached(self) -> bool:
+        """Whether the table reads and writes its rows somewhere (a session or a source)."""
+        return self._source is not None
+
+    @property
+    def source(self) -> RowSource | None:
+        """Where the table's rows live now (None: not attached)."""
+        return self._source
 
     @property
     def partition(self) -> RowPartition:
@@ -166,14 +209,21 @@ class EmbeddingTable(nn.Module):
 
     def take_gradient(self) -> SparseRows:
         """The coalesced gradient of the rows used since the last call (after backward), and
-        forget them. Rows whose gradient autograd never reached count as zero."""
-        pending, self._pending = self._pending, []
+        forget them.
+
+        A lookup that the backward reached gives all its rows, zero gradients included (as
+        ``nn.Embedding(sparse=True)``'s gradient lists every looked-up id). A lookup that no
+        backward reached (its output never entered a loss, e.g. a metric computed in training
+        mode) gives no rows, as torch gives no gradient for it: a zero-gradient row would
+        still move under a rule with moments (``sparse_adam`` decays them and steps)."""
+        pending = [(unique, g) for unique, g in self._pending if g.grad is not None]
+        self._pending = []
         if not pending:
-            return SparseRows(torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim)))
+            return SparseRows(
+                torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim), dtype=self.dtype)
+            )
         ids = torch.cat([unique for unique, _ in pending])
-        grads = torch.cat(
-            [g.grad if g.grad is not None else torch.zeros_like(g) for _, g in pending]
-        )
+        grads = torch.cat([g.grad for _, g in pending])
         if len(pending) == 1:
             return SparseRows(ids, grads.detach())
         sparse = torch.sparse_coo_tensor(
@@ -194,17 +244,32 @@ class EmbeddingTable(nn.Module):
         hashing = f", hash_ids=True (seed {self.hash_seed})" if self.hash_ids else ""
         return f"{self.num_rows}, {self.dim}, name={self.table_name!r}{hashing}"
 
+    def _label(self) -> str:
+        """The table in messages: its name, else its size (a session names it later)."""
+        if self.table_name:
+            return f"EmbeddingTable {self.table_name!r}"
+        return f"an unnamed EmbeddingTable({self.num_rows}, {self.dim})"
+
     def _not_attached(self) -> str:
         return (
-            f"EmbeddingTable {self.table_name!r} is not attached to its rows yet; run the model "
-            f"inside a TrainingSession (which attaches every table to the ps shards), or attach "
-            f"it to a LocalRowSource to use it in one process"
+            f"{self._label()} is not attached to its rows yet: it was used outside a "
+            f"TrainingSession, or in a session whose mode holds no tables ('allreduce', the "
+            f"device engines). A TrainingSession attaches every table (named after its place "
+            f"in the model, e.g. 'embedding') when it starts, in modes 'async' and 'sync' and "
+            f"in one process (server=None); fix: run the model inside such a session (after "
+            f"it started), or attach the table yourself with "
+            f"tfl.LocalRowSource([table], rule=...)"
         )
 
 
 class LocalRowSource:
     """The row stores of ``tables`` in this process, split over ``num_shards`` like on the
-    ps: one-process training, and the reference the cluster must match. Attaches the tables."""
+    ps: one-process training, and the reference the cluster must match. Attaches the tables,
+    each created with its own ``rule`` when it has one, else with ``rule`` (default: plain
+    ``sgd``). A one-process ``TrainingSession`` builds one itself (``num_shards=1``)."""
+
+    sync_step: int | None = None
+    """Unused here (rows are applied at once); a cluster's source names the sync step."""
 
     def __init__(
         self,
@@ -217,8 +282,13 @@ class LocalRowSource:
         self.shards = [ShardTables(k, num_shards, max_memory) for k in range(num_shards)]
         for table in tables:
             table.attach(self, num_shards)
-            for shard in self.shards:
-                shard.create(table.spec(), table.partition, self.rule)
+            self.create(table.spec(), table.partition, table.rule or self.rule)
+            table.bound_rule = table.rule or self.rule
+
+    def create(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> None:
+        """Hold ``table`` cut by ``partition`` on every local shard (idempotent)."""
+        for shard in self.shards:
+            shard.create(table, partition, rule)
 
     def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
         return self.shards[shard].pull(table, ids)
@@ -226,3 +296,13 @@ class LocalRowSource:
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
         for shard, part in zip(self.shards, parts, strict=True):
             shard.apply(table, part)
+
+    def save(self) -> list[dict[str, bytes]]:
+        """Each shard's tables as row store documents (:meth:`ShardTables.save`), by shard."""
+        return [shard.save() for shard in self.shards]
+
+    def restore(self, documents: Sequence[dict[str, bytes]]) -> None:
+        """Replace each shard's tables with ``documents[shard]`` (CheckpointError naming the
+        table when a document does not fit the table this source holds)."""
+        for shard, tables in zip(self.shards, documents, strict=True):
+            shard.restore(tables)

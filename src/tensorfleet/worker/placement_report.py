@@ -7,6 +7,11 @@ module computes.
   several for a partitioned one; ``ps:0,ps:1 (rows mod 2)`` for a ``sparse=True`` embedding
   weight held as rows; ``local`` when no ps holds it: one process, all-reduce, or a
   pipeline's stage-local state), and the device its working copy is on here;
+- ``table``: each :class:`~tensorfleet.EmbeddingTable` (it has no parameters), its
+  ``[num_rows, dim]``, where its rows are (``ps:0,ps:1 (rows mod 2)``; ``local (rows)`` in
+  one process) and the device its looked-up rows are on (the CPU); with a ps plan, a section
+  after the table gives each shard's rows and their bytes at most, as for a ``sparse=True``
+  embedding weight;
 - ``module``: each module that holds parameters directly (the leaves that compute), the task
   it computes on and its device: the device of its parameters (what torch will really use),
   and, when a ``tfl.device`` scope or ``tfl.place`` asked for something else (soft
@@ -26,6 +31,7 @@ from torch import nn
 from tensorfleet.cluster.device import DeviceSpec
 from tensorfleet.ps.placement import PlacementPlan
 from tensorfleet.worker.device_scope import requested_device
+from tensorfleet.worker.embedding_table import EmbeddingTable
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,18 @@ def placement_rows(
                 outside.get(name) or ",".join(sorted(set(shards.get(name, [])))) or "local",
                 _task_of(name, task, stage_tasks),
                 _task_of(name, _spec_of(param.device), stage_devices),
+            )
+        )
+    for place, table in _tables(model):
+        name = table.table_name or place
+        rows.append(
+            PlacementRow(
+                "table",
+                name,
+                f"[{table.num_rows}, {table.dim}]",
+                outside.get(name) or _table_shards(table),
+                _task_of(place, task, stage_tasks),
+                "/device:CPU:0",  # the looked-up rows: pulled into CPU tensors
             )
         )
     for name, module in model.named_modules():
@@ -139,7 +157,42 @@ def placement_report(
         cells = [row.kind, row.name, row.detail, row.stored_on, row.task, row.device]
         text = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
         lines.append(("  " + text + ("  " + row.asked if row.asked else "")).rstrip())
+    if plan is not None:
+        lines.extend(table_sections(model))
     return "\n".join(lines)
+
+
+def table_sections(model: nn.Module) -> list[str]:
+    """Each attached :class:`~tensorfleet.EmbeddingTable`'s rows per ps shard and their bytes
+    at most (``RowPartition.report``). The bytes count the optimizer slots of the table's
+    rule when it is known yet (its own ``rule``, or the rule it was created with); before the
+    session decides it, the values only, and a line says so."""
+    lines: list[str] = []
+    for _, table in _tables(model):
+        if not table.attached or not table.table_name:
+            continue
+        rule = table.bound_rule or table.rule
+        lines.append(table.partition.report(table.spec(), len(rule.slot_names) if rule else 0))
+        if rule is None:
+            lines.append(
+                "  (bytes of the values only: each slot of the table's row-sparse rule adds as "
+                "much, 1 for adagrad, 2 for sparse_adam)"
+            )
+        lines.append("  (an EmbeddingTable: rows on the ps, only each batch's rows on a worker)")
+    return lines
+
+
+def _tables(model: nn.Module) -> list[tuple[str, EmbeddingTable]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, EmbeddingTable)]
+
+
+def _table_shards(table: EmbeddingTable) -> str:
+    """Where an attached table's rows are: its shards and partition scheme."""
+    if not table.attached:
+        return "not attached"
+    partition = table.partition
+    shards = ",".join(f"ps:{k}" for k in range(partition.num_shards))
+    return f"{shards} (rows {partition.scheme} {partition.num_shards})"
 
 
 def _task_of(name: str, task: str, stage_tasks: Mapping[str, str] | None) -> str:

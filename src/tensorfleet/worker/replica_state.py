@@ -39,9 +39,11 @@ def encode_replica(
     global_step: int,
     worker_data: dict[str, dict[str, Any]],
     buffers: dict[str, torch.Tensor] | None = None,
+    tables: dict[str, bytes] | None = None,
 ) -> bytearray:
     """The checkpoint document of a replica (its parameters and persistent ``buffers`` are
-    copied, on any device)."""
+    copied, on any device); ``tables``: its embedding tables' row-store documents by name
+    (``table/<name>``, as a ps shard's), for a one-process run with tables."""
     states: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in named_params:
         state = {
@@ -61,6 +63,7 @@ def encode_replica(
         optimizer=states,
         worker_data=worker_data,
         buffers={name: b.detach().cpu() for name, b in (buffers or {}).items()},
+        tables=tables or {},
     )
 
 
