@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tensorfleet.datasets.batches import BatchStream
-from tensorfleet.errors import CheckpointError
+from tensorfleet.errors import CheckpointError, ConfigTypeError
 from tensorfleet.launch.cli import main
 from tensorfleet.ps.update_rules import Adam
 from tensorfleet.session.checkpoints import load_checkpoint
@@ -128,3 +128,16 @@ def test_the_export_command_without_a_checkpoint_says_so(
     error = capsys.readouterr().err
     assert error.startswith(f"tensorfleet: error: no valid checkpoint in {tmp_path}"), error
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_data_that_cannot_save_its_position_is_refused_when_the_session_is_built() -> None:
+    """A generator (what ``next(batches)`` reads in most loops) has no position to save: it
+    failed at the first step with a bare AttributeError; now the session names it."""
+
+    def generator():
+        while True:
+            yield _data()
+
+    model = nn.Linear(6, 3)
+    with pytest.raises(ConfigTypeError, match=r"data= .*got generator, which has no state_dict"):
+        TrainingSession(None, model, Adam(lr=0.05), data=generator())

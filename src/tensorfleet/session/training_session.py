@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from tensorfleet.ps.model_namespace import check_model_name, label
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_rules import UpdateRule, rule_label
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
+from tensorfleet.session.data_position import DataPosition, checked_data_position
 from tensorfleet.session.device_engines import placement_table, wanted_engines
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
 from tensorfleet.session.preemption import PreemptionNotice
@@ -72,14 +73,6 @@ from tensorfleet.worker.updater import StoredCheckpoint
 log = logging.getLogger("tensorfleet.session")
 
 StepClosure = Callable[[], "torch.Tensor | tuple[torch.Tensor, Any]"]
-
-
-class DataPosition(Protocol):
-    """Where a worker is in its data: what ``data=`` takes (a BatchStream is one)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TrainingSession:
@@ -237,7 +230,7 @@ class TrainingSession:
         )
         self._restore = restore
         self._log_placement = log_placement
-        self._data = data
+        self._data = checked_data_position(data)
         hooks = list(hooks)
         if self.checkpoints is not None:
             hooks.append(
