@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "mnist_cnn.py"
 DATA = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 STEPS = "20"
+#: How long the short-time-limit job runs: long enough to meet slurmctld's periodic
+#: time-limit check, which sends the signal (the old script was requeued within it).
+SHORT_JOB_S = 35
 RUN_TIMEOUT_S = 300
 #: Runs the task, then prints its rank and exit status (srun's --label prefixes the rank).
 REPORT_EXIT = '"$@"; code=$?; echo "task exit status: $code"; exit $code'
@@ -157,3 +160,28 @@ def test_a_step_smaller_than_the_shape_fails_in_every_task_naming_both_numbers(s
     errors = [line for line in run.stderr.splitlines() if "allocation is smaller" in line]
     assert len(errors) == 3, describe
     assert "=3 but the shape is 1 ps + 3 workers = 4 tasks" in errors[0], describe
+
+
+def test_a_short_time_limit_runs_to_the_end_not_requeued_at_once(slurm_cluster, tmp_path):
+    """The tryout's job, `--time 2` with the default requeue signal at 120 s, was requeued
+    one second after it got its node, and again at every run. Now the generator leaves the
+    signal out for so short a limit: the job runs its command to the end, never requeued.
+    The command runs long enough to meet slurmctld's periodic time-limit check, which sends
+    the signal: with the old script (signal at 120 s) the job was requeued within it."""
+    script, secret = tmp_path / "short.sbatch", tmp_path / "secret"
+    command = f"sleep {SHORT_JOB_S}; echo 'ran to the end'"
+    code = main(
+        [
+            "slurm", "--ps", "0", "--workers", "1", "--time", "2",
+            "--secret-file", str(secret), "--log", str(tmp_path / "short-%j.out"),
+            "-o", str(script), "--", "bash", "-c", command,
+        ]
+    )  # fmt: skip
+    assert code == 0
+    state, exit_code, record = slurm_cluster.run_batch_job(script, ROOT, SHORT_JOB_S + 60)
+    logs = list(tmp_path.glob("short-*.out"))
+    output = logs[0].read_text() if logs else "(no job log)"
+    describe = f"{state}, exit {exit_code}\n{record}\n--- script ---\n{script.read_text()}\n--- job log ---\n{output}"  # fmt: skip
+    assert (state, exit_code) == ("COMPLETED", 0), f"{describe}\n{slurm_cluster.logs()}"
+    assert "Restarts=0" in record.split(), describe
+    assert "near its time limit" not in output and "0: ran to the end" in output, describe

@@ -19,6 +19,7 @@ from tensorfleet.errors import ClusterConfigError
 from tensorfleet.launch.cli import main
 from tensorfleet.launch.renderers.kubernetes import (
     AWAIT_DNS,
+    DEFAULT_FS_GROUP,
     KubernetesOptions,
     Resources,
     render_manifests,
@@ -26,9 +27,10 @@ from tensorfleet.launch.renderers.kubernetes import (
 )
 from tensorfleet.launch.renderers.shape import ClusterShape
 
-#: The oldest version with everything the Jobs use GA (podFailurePolicy: 1.31), and the
-#: newest the validator knows.
-KUBERNETES_VERSIONS = ["1.31.0", "1.37.0"]
+#: The oldest version with every field the Jobs use on by default (podFailurePolicy GA in
+#: 1.31; podReplacementPolicy beta, on by default, since 1.29), the first with both GA
+#: (podReplacementPolicy: 1.34), and the newest the validator knows.
+KUBERNETES_VERSIONS = ["1.31.0", "1.34.0", "1.37.0"]
 SECRET = b"0123456789abcdef0123456789abcdef"
 
 
@@ -184,8 +186,13 @@ def test_resources():
         (lambda: ClusterShape(2, 0), "has 2 ps tasks but 0 workers"),
         (lambda: ClusterShape(-1, 2), "number of ps tasks must be a non-negative integer, got -1"),
         (lambda: options(name="My_Job"), "--name 'My_Job' cannot name Kubernetes objects"),
-        (lambda: options(name="x" * 60), "at most 63 characters"),
+        (
+            lambda: options(name="x" * 60),
+            "the longest object name, '" + "x" * 60 + "-worker-2', has 69 characters, more "
+            "than Kubernetes' 63; use at most 54 characters",
+        ),
         (lambda: options(namespace="Prod"), "--namespace 'Prod' is not a Kubernetes namespace"),
+        (lambda: options(fs_group=-1), "--fs-group must be a group id in 0..2147483647, got -1"),
         (lambda: options(port=0), "--port must be in 1..65535, got 0"),
         (lambda: options(max_restarts=-1), "--max-restarts must be 0 or more, got -1"),
         (lambda: Resources(cpu="two"), "cpu 'two' is not a Kubernetes quantity"),
@@ -195,6 +202,76 @@ def test_resources():
 def test_bad_input_is_refused(build, fragment):
     with pytest.raises(ClusterConfigError, match=re.escape(fragment)):
         build()
+
+
+@pytest.mark.parametrize(
+    ("build", "rule"),
+    [
+        (
+            lambda: options(name="MNIST"),
+            "--name 'MNIST' cannot name Kubernetes objects (Services need DNS labels): it has "
+            "upper-case letters, and Kubernetes names allow only lower-case letters, digits "
+            "and '-'; use e.g. 'mnist'",
+        ),
+        (lambda: options(name="My_Job"), "it has upper-case letters and '_'"),
+        (lambda: options(name="run.1"), "it has '.', and Kubernetes names allow only"),
+        (lambda: options(name="1st"), "it starts with '1', and a Service name must start with"),
+        (lambda: options(name="mnist-"), "it ends with '-', and Kubernetes names must end"),
+        (lambda: options(namespace="Prod"), "it has upper-case letters,"),
+        (lambda: options(namespace="x" * 64), "it has 64 characters, more than Kubernetes' 63"),
+    ],
+)
+def test_a_bad_name_says_which_rule_it_breaks(build, rule):
+    """Each refused name gets the one rule it breaks (the tryout's `--name MNIST` was told
+    about 63 characters, not about its upper case), and a name that fits, when one is near."""
+    with pytest.raises(ClusterConfigError, match=re.escape(rule)) as refused:
+        build()
+    if "63" not in rule:
+        assert "63" not in str(refused.value)
+
+
+def test_a_namespace_may_start_with_a_digit():
+    """Namespaces are RFC 1123 labels (a digit first is fine); Service names are not."""
+    documents = render_manifests(options(namespace="1ml"))
+    for document in documents:
+        kubernetes_validate.validate(document, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_a_non_root_image_can_read_the_secret_through_the_pods_fs_group():
+    """The secret volume is mode 0400 and root's; the pod's fsGroup makes the kubelet give the
+    file that group (mode 0440) and every container's processes the group, whatever user the
+    image runs as. --no-fs-group (fs_group=None) renders no securityContext."""
+    for job in by_kind(render_manifests(options()), "Job"):
+        pod = job["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {
+            "fsGroup": DEFAULT_FS_GROUP,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
+        assert pod["volumes"][0]["secret"]["defaultMode"] == 0o400
+    chosen = by_kind(render_manifests(options(fs_group=5000)), "Job")[0]
+    assert chosen["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 5000
+    for document in render_manifests(options(fs_group=None)):
+        if document["kind"] == "Job":
+            assert "securityContext" not in document["spec"]["template"]["spec"]
+        for version in KUBERNETES_VERSIONS:
+            kubernetes_validate.validate(document, version, strict=True)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [([], 1000), (["--fs-group", "4242"], 4242), (["--no-fs-group"], None)])  # fmt: skip
+def test_cli_fs_group_flags(tmp_path, capsys, flags, expected):
+    argv = ["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", *flags]
+    assert main([*argv, "--", "python", "train.py"]) == 0
+    jobs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Job"]
+    for job in jobs:
+        context = job["spec"]["template"]["spec"].get("securityContext", {})
+        assert context.get("fsGroup") == expected
+
+
+def test_cli_creates_the_secret_files_directory(tmp_path, capsys):
+    path = tmp_path / "new" / "secret"
+    assert main(["k8s", "render", "--image", "i", "--secret-file", str(path), "--", "t"]) == 0
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_cli_writes_the_manifests_with_mode_600(tmp_path, capsys):

@@ -4,6 +4,7 @@ input refused before anything is written. The real Slurm run is in tests/cluster
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -19,7 +20,7 @@ from tensorfleet.errors import AuthenticationError, ClusterConfigError
 from tensorfleet.launch.cli import main
 from tensorfleet.launch.renderers.secret_file import ensure_secret_file
 from tensorfleet.launch.renderers.shape import ClusterShape
-from tensorfleet.launch.renderers.slurm import SbatchOptions, render_sbatch
+from tensorfleet.launch.renderers.slurm import SbatchOptions, render_sbatch, time_limit_seconds
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,8 +68,102 @@ def test_directives_for_a_cluster_shape(tmp_path):
     ]
     assert "export TENSORFLEET_SLURM_NUM_PS=2\n" in script
     assert "export TENSORFLEET_SLURM_NUM_WORKERS=6\n" in script
-    assert "srun --kill-on-bad-exit=1 --label python train.py --steps 3000 &\n" in script
+    srun = "srun --kill-on-bad-exit=1 --label --cpus-per-task=8 python train.py --steps 3000 &\n"
+    assert srun in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_cpus_per_task_is_on_the_srun_line(tmp_path, requeue):
+    """Slurm >= 22.05: srun no longer takes --cpus-per-task from the job (only from its own
+    flag or SRUN_CPUS_PER_TASK), so without it on the srun line each task gets 1 CPU."""
+    script = render_sbatch(options(tmp_path, cpus_per_task=4, requeue=requeue))
+    assert "--cpus-per-task=4" in directives(script)
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert srun.startswith("srun --kill-on-bad-exit=1 --label --cpus-per-task=4 python train.py")
+    plain = render_sbatch(options(tmp_path, requeue=requeue))
+    assert "--cpus-per-task" not in plain
+
+
+@pytest.mark.parametrize(
+    ("limit", "seconds"),
+    [
+        ("2", 120),
+        ("90", 5400),
+        ("1:30", 120),  # MM:SS; Slurm rounds seconds up to the next minute
+        ("2:00:00", 7200),
+        ("1-0", 86400),
+        ("1-2:30", 95400),
+        ("1-0:0:1", 86460),
+        ("0", None),  # no limit
+        ("UNLIMITED", None),
+    ],
+)
+def test_time_limit_seconds(limit, seconds):
+    assert time_limit_seconds(limit) == seconds
+
+
+def signal_directives(script: str) -> list[str]:
+    return [d for d in directives(script) if d.startswith("--signal")]
+
+
+def test_the_default_signal_shrinks_to_fit_a_short_time_limit_and_says_so(tmp_path, caplog):
+    """The tryout's job: --time 2 with the default signal at 120 s was requeued one second
+    after it started, forever. The default now fits the limit, or is left out, and a note
+    (logged as a warning) says so; a long enough limit keeps 120 s silently."""
+    caplog.set_level(logging.WARNING, logger="tensorfleet.launch.renderers.slurm")
+    roomy = options(tmp_path, time="10")
+    assert (roomy.signal_at, roomy.notes) == (120, ())
+    assert signal_directives(render_sbatch(roomy)) == ["--signal=B:USR1@120"]
+    assert options(tmp_path).signal_at == 120  # no --time: the partition's limit, unknown
+
+    three = options(tmp_path, time="3")
+    assert three.signal_at == 30  # 180 s: half is 90, less the 60 s Slurm may signal early
+    assert signal_directives(render_sbatch(three)) == ["--signal=B:USR1@30"]
+    (note,) = three.notes
+    assert "the requeue signal comes 30 s before the time limit, not the default 120 s" in note
+
+    two = options(tmp_path, time="2")
+    script = render_sbatch(two)
+    assert two.signal_at == 0 and signal_directives(script) == [] and "trap" not in script
+    (note,) = two.notes
+    assert note.startswith("no requeue signal: --time 2 is too short for one")
+    assert "Give a --time of at least 3 minutes" in note
+    logged = [r.getMessage() for r in caplog.records]
+    assert f"tensorfleet slurm: {note}" in logged
+
+
+@pytest.mark.parametrize(
+    ("time_limit", "asked", "fragment"),
+    [
+        ("2", 120, "--signal-seconds 120 does not leave the job time to run with --time 2"),
+        ("2", 1, "Give a --time of at least 3 minutes, or --signal-seconds 0"),
+        ("10", 300, "Give --signal-seconds 240 or less, a longer --time, or --signal-seconds 0"),
+    ],
+)
+def test_an_explicit_signal_that_leaves_no_time_to_run_is_refused(
+    tmp_path, time_limit, asked, fragment
+):
+    with pytest.raises(ClusterConfigError, match=re.escape(fragment)):
+        options(tmp_path, time=time_limit, signal_seconds=asked)
+
+
+def test_an_explicit_signal_that_fits_is_written_as_asked(tmp_path):
+    fits = options(tmp_path, time="10", signal_seconds=240)
+    assert (fits.signal_at, fits.notes) == (240, ())
+    assert options(tmp_path, time="2", signal_seconds=0).signal_at == 0
+    unused = options(tmp_path, time="2", signal_seconds=120, requeue=False)
+    assert unused.signal_at == 0  # --no-requeue: no signal is written at all, and it says so
+    assert unused.notes == (
+        "--signal-seconds 120 is not used: with --no-requeue the script has no requeue signal "
+        "(drop one of the two)",
+    )
+
+
+def test_gpus_per_task_says_the_ps_tasks_take_gpus_too(tmp_path):
+    with_ps = options(tmp_path, gpus_per_task=1)
+    assert any("4 GPUs in all, 1 of them for the ps" in note for note in with_ps.notes)
+    assert options(tmp_path, shape=ClusterShape(0, 3), gpus_per_task=1).notes == ()
 
 
 def test_no_requeue_runs_srun_in_the_foreground(tmp_path):
@@ -97,6 +192,47 @@ def test_ensure_secret_file_refuses_a_file_others_can_read(tmp_path):
         ensure_secret_file(path)
     path.chmod(0o600)
     assert ensure_secret_file(path) == (path, b"0123456789abcdef0123")
+
+
+def test_ensure_secret_file_creates_missing_directories_with_mode_700(tmp_path, caplog):
+    """The doc's own example, --secret-file ~/.tensorfleet/secret on a fresh account: the
+    directory is created (mode 700, even under a permissive umask), and a warning says so."""
+    caplog.set_level(logging.WARNING, logger="tensorfleet.launch.renderers.secret_file")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    home_mode = home.stat().st_mode
+    target = home / ".tensorfleet" / "deeper" / "secret"
+    old_umask = os.umask(0o022)
+    try:
+        path, secret = ensure_secret_file(target)
+    finally:
+        os.umask(old_umask)
+    assert path == target and len(secret) >= 16
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    for directory in (home / ".tensorfleet", home / ".tensorfleet" / "deeper"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        assert f"created the directory {directory} (mode 700)" in caplog.text
+    assert home.stat().st_mode == home_mode  # an existing directory is left as it was
+
+
+def test_cli_creates_the_secret_files_directory_under_a_fresh_home(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    script = tmp_path / "job.sbatch"
+    argv = ["slurm", "--secret-file", "~/.tensorfleet/secret", "-o", str(script)]
+    assert main([*argv, "--", "python", "train.py"]) == 0, capsys.readouterr().err
+    secret = tmp_path / "home" / ".tensorfleet" / "secret"
+    assert stat.S_IMODE(secret.parent.stat().st_mode) == 0o700
+    assert f"export TENSORFLEET_SECRET_FILE={secret}\n" in script.read_text()
+
+
+def test_a_secret_directory_that_cannot_be_made_is_refused_naming_it(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(
+        AuthenticationError, match=re.escape(f"cannot create its directory {blocker}")
+    ):
+        ensure_secret_file(blocker / "sub" / "secret")
 
 
 def write_stub(path: Path, body: str) -> None:
@@ -175,13 +311,31 @@ def test_the_script_environment_resolves_every_rank(tmp_path):
         ({"time": "2h"}, "--time '2h' is not a Slurm time limit"),
         ({"partition": "gpu; rm -rf /"}, "--partition 'gpu; rm -rf /' may hold only"),
         ({"base_port": 65534}, "--base-port 65534 with up to 4 tasks per node"),
-        ({"signal_seconds": -1}, "--signal-seconds must be 0 (no signal) or positive, got -1"),
+        (
+            {"signal_seconds": -1},
+            "--signal-seconds must be 0 (no signal) or a number of seconds up to 65535 (Slurm's largest), got -1",
+        ),
         ({"command": []}, "no command to run"),
     ],
 )
 def test_bad_options_are_refused(tmp_path, kwargs, fragment):
     with pytest.raises(ClusterConfigError, match=re.escape(fragment)):
         options(tmp_path, **kwargs)
+
+
+def test_cli_tryout_time_2_writes_no_signal_and_says_so(tmp_path, capsys, caplog):
+    """`tensorfleet slurm --ps 0 --workers 1 --time 2 ... -- sleep 100`: no signal that would
+    requeue the job as it starts; an explicit --signal-seconds 120 is refused (exit 2)."""
+    caplog.set_level(logging.WARNING, logger="tensorfleet.launch.renderers.slurm")
+    script, secret = tmp_path / "sig.sbatch", str(tmp_path / "secret")
+    argv = ["slurm", "--ps", "0", "--workers", "1", "--time", "2", "--secret-file", secret]
+    assert main([*argv, "-o", str(script), "--", "sleep", "100"]) == 0
+    assert signal_directives(script.read_text()) == []
+    assert "tensorfleet slurm: no requeue signal: --time 2 is too short" in caplog.text
+    refused = tmp_path / "refused.sbatch"
+    code = main([*argv, "--signal-seconds", "120", "-o", str(refused), "--", "sleep", "100"])
+    assert code == 2 and not refused.exists()
+    assert "--signal-seconds 120 does not leave the job time to run" in capsys.readouterr().err
 
 
 def test_cli_writes_the_script_and_creates_the_secret_file(tmp_path, capsys):

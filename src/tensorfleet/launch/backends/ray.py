@@ -134,10 +134,8 @@ class RayBackend(Backend):
                 configure_logging=False,
             )
         except Exception as exc:  # ConnectionError, RuntimeError: Ray's message says why
-            raise LaunchConfigError(
-                f"cannot connect to the Ray cluster at {self.address!r}: {exc}. Start one with "
-                "`ray start --head` and pass the address it prints (--ray-address HOST:PORT)"
-            ) from exc
+            defaulted = not address and not os.environ.get("RAY_ADDRESS")
+            raise LaunchConfigError(_connect_error(self.address, defaulted, exc)) from exc
 
     def allocate(self, names: Sequence[str]) -> list[str]:
         ray = self._ray
@@ -231,6 +229,21 @@ class RayBackend(Backend):
                 pass
         self._actors.clear()
         self._ray.shutdown()
+
+
+def _connect_error(address: str, defaulted: bool, exc: BaseException) -> str:
+    """The message for a ``ray.init`` that failed at ``address`` (``defaulted``: neither the
+    caller nor ``$RAY_ADDRESS`` gave one, so it is ``"auto"``): Ray's own reason (its
+    trailing full stop dropped, as the sentence goes on), then the fix."""
+    reason = str(exc).strip().rstrip(".") or type(exc).__name__
+    if defaulted:
+        where = "'auto' (the default: no --ray-address given and $RAY_ADDRESS not set)"
+    else:
+        where = repr(address)
+    return (
+        f"cannot connect to the Ray cluster at {where}: {reason}. Start one with "
+        "`ray start --head` and pass the address it prints (--ray-address HOST:PORT)"
+    )
 
 
 def _check_answers(address: str) -> None:

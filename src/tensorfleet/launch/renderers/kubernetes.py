@@ -3,7 +3,11 @@
 What is written, for ``--ps P --workers W`` under ``--name NAME``:
 
 - one ``Secret`` (``NAME-secret``) holding the cluster secret, mounted read-only as a file
-  in every pod and read through ``TENSORFLEET_SECRET_FILE`` (never an environment value);
+  in every pod and read through ``TENSORFLEET_SECRET_FILE`` (never an environment value).
+  The file is owned by root; the pod's ``securityContext.fsGroup`` (``--fs-group``, default
+  :data:`DEFAULT_FS_GROUP`) makes the kubelet give it that group and mode 0440, and adds
+  the group to every container's processes, so an image that runs as a non-root user can
+  read it too (``--no-fs-group`` leaves the group to the cluster, e.g. OpenShift's SCC);
 - per task, a headless ``Service`` (``NAME-ps-0``, ``NAME-worker-1``, ...) selecting that
   task's pod: a stable DNS name, ``NAME-worker-1.NAMESPACE.svc``, that follows the pod when
   it is replaced. Those names, with ``--port``, are the cluster spec;
@@ -64,8 +68,14 @@ JOB_LABEL = "tensorfleet/job"
 INDEX_LABEL = "tensorfleet/task-index"
 #: The ps tasks' default program: the built-in parameter server (as the launcher runs it).
 DEFAULT_PS_COMMAND = ("python", "-m", "tensorfleet", "server")
+#: The pods' ``fsGroup``: the group the secret file gets (mode 0440) and every container's
+#: processes get as a supplementary group, whatever user the image runs as. Any group
+#: works; this one is the usual first non-root group.
+DEFAULT_FS_GROUP = 1000
+#: Longest Kubernetes name of a Service or namespace (a DNS label).
+MAX_NAME_LENGTH = 63
 
-_DNS_LABEL_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_LABEL_CHARS_RE = re.compile(r"[-a-z0-9]")
 _QUANTITY_RE = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 
 #: The init container's program: wait until every host of TF_CONFIG's cluster resolves.
@@ -131,7 +141,10 @@ class KubernetesOptions:
     ``ps_command`` is the ps tasks' program (default: the built-in parameter server,
     ``python -m tensorfleet server``); ``max_restarts`` is how many times a task killed by a
     signal is replaced (each Job's ``backoffLimit``); ``dns_timeout_s`` bounds the wait for
-    the other tasks' names.
+    the other tasks' names. ``fs_group`` is every pod's ``securityContext.fsGroup``, so that
+    a non-root image can read the secret file (``None``: no ``securityContext``; the secret
+    file is then root's, mode 0400, readable only by an image that runs as root, unless the
+    cluster sets an ``fsGroup`` itself).
     """
 
     shape: ClusterShape
@@ -146,6 +159,7 @@ class KubernetesOptions:
     worker_resources: Resources = Resources(cpu="2", memory="4Gi")
     max_restarts: int = 3
     dns_timeout_s: int = 600
+    fs_group: int | None = DEFAULT_FS_GROUP
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -161,16 +175,26 @@ class KubernetesOptions:
                 "registry.example.com/train:1.0)"
             )
         longest = f"{self.name}-worker-{max(self.shape.workers, self.shape.ps) - 1}"
-        if not _DNS_LABEL_RE.fullmatch(self.name) or len(longest) > 63:
+        problem = dns_label_problem(self.name, letter_first=True, longest=longest)
+        if problem is not None:
             raise ClusterConfigError(
-                f"--name {show(self.name)} cannot name Kubernetes objects: use lower-case "
-                "letters, digits and '-', starting with a letter, short enough that "
-                f"{longest!r} has at most 63 characters"
+                f"--name {show(self.name)} cannot name Kubernetes objects (Services need DNS "
+                f"labels): {problem}"
             )
-        if not _DNS_LABEL_RE.fullmatch(self.namespace) or len(self.namespace) > 63:
+        problem = dns_label_problem(self.namespace, letter_first=False)
+        if problem is not None:
             raise ClusterConfigError(
-                f"--namespace {show(self.namespace)} is not a Kubernetes namespace name "
-                "(lower-case letters, digits and '-', at most 63 characters)"
+                f"--namespace {show(self.namespace)} is not a Kubernetes namespace name (a DNS "
+                f"label): {problem}"
+            )
+        if self.fs_group is not None and (
+            isinstance(self.fs_group, bool)
+            or not isinstance(self.fs_group, int)
+            or not 0 <= self.fs_group <= 2**31 - 1
+        ):
+            raise ClusterConfigError(
+                f"--fs-group must be a group id in 0..{2**31 - 1}, got {show(self.fs_group)}; "
+                "or --no-fs-group to render none"
             )
         if not 1 <= self.port <= 65535:
             raise ClusterConfigError(f"--port must be in 1..65535, got {self.port}")
@@ -304,6 +328,7 @@ def _job(
                 "metadata": {"labels": _labels(options, task)},
                 "spec": {
                     "restartPolicy": "Never",
+                    **_security_context(options),
                     "initContainers": [await_dns],
                     "containers": [container],
                     "volumes": [
@@ -316,6 +341,64 @@ def _job(
             },
         },
     }
+
+
+def _security_context(options: KubernetesOptions) -> dict[str, Any]:
+    """The pod's ``securityContext``: its ``fsGroup`` (none when ``fs_group`` is None).
+
+    With it the kubelet gives the secret volume's file that group and mode 0440 (the volume's
+    0400 plus group read), and every container's processes have the group, whatever user the
+    image runs as. ``OnRootMismatch`` spares volumes already owned by the group the recursive
+    ownership change (for volumes the user adds to the pod).
+    """
+    if options.fs_group is None:
+        return {}
+    return {
+        "securityContext": {
+            "fsGroup": options.fs_group,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
+    }
+
+
+def dns_label_problem(value: str, *, letter_first: bool, longest: str | None = None) -> str | None:
+    """What makes ``value`` not a Kubernetes DNS label, naming the rule that fails and the
+    fix, or None when it is one.
+
+    The rules (RFC 1123 labels, as namespaces; ``letter_first`` adds RFC 1035's first letter,
+    as Service names): only lower-case letters, digits and '-', starting with a letter (or a
+    digit, without ``letter_first``) and ending with a letter or digit, at most 63
+    characters. ``longest`` is the longest name built from ``value`` (``NAME-worker-11``),
+    which must fit in 63 characters too.
+    """
+    if not value:
+        return "it is empty; give a name such as 'mnist'"
+    upper = any(c.isupper() for c in value)
+    others = sorted({c for c in value if not c.isupper() and not _LABEL_CHARS_RE.fullmatch(c)})
+    if upper or others:
+        found = ["upper-case letters"] if upper else []
+        if others:
+            found.append(", ".join(map(repr, others)))
+        problem = f"it has {' and '.join(found)}, and Kubernetes names allow only lower-case letters, digits and '-'"
+        suggestion = re.sub(r"[^-a-z0-9]+", "-", value.lower()).strip("-")
+        if suggestion and dns_label_problem(suggestion, letter_first=letter_first) is None:
+            problem += f"; use e.g. {suggestion!r}"
+        return problem
+    if letter_first and not value[0].isalpha():
+        return f"it starts with {value[0]!r}, and a Service name must start with a letter"
+    if value.startswith("-"):
+        return "it starts with '-', and Kubernetes names must start with a letter or digit"
+    if value.endswith("-"):
+        return "it ends with '-', and Kubernetes names must end with a letter or digit"
+    longest = longest or value
+    if len(longest) > MAX_NAME_LENGTH:
+        fit = MAX_NAME_LENGTH - (len(longest) - len(value))
+        named = "it has" if longest == value else f"the longest object name, {longest!r}, has"
+        return (
+            f"{named} {len(longest)} characters, more than Kubernetes' {MAX_NAME_LENGTH}; "
+            f"use at most {fit} characters"
+        )
+    return None
 
 
 def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -362,6 +445,24 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     ps_mode.add_argument(
         "--ps-runs-script", action="store_true", help="run COMMAND for the ps tasks too"
     )
+    fs_group = render.add_mutually_exclusive_group()
+    fs_group.add_argument(
+        "--fs-group",
+        type=int,
+        default=DEFAULT_FS_GROUP,
+        metavar="GID",
+        help="every pod's securityContext.fsGroup: the secret file gets this group (mode "
+        "0440) and every container's processes have it, so a non-root image can read it "
+        f"(default: {DEFAULT_FS_GROUP})",
+    )
+    fs_group.add_argument(
+        "--no-fs-group",
+        dest="fs_group",
+        action="store_const",
+        const=None,
+        help="render no securityContext (the secret file stays root's, mode 0400: the image "
+        "must run as root, or the cluster set an fsGroup, as OpenShift does)",
+    )
     render.add_argument(
         "--max-restarts",
         type=int,
@@ -372,8 +473,8 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     render.add_argument(
         "--secret-file",
         metavar="PATH",
-        help="put this file's secret in the Secret (created, mode 600, if missing; default: "
-        "a fresh secret)",
+        help="put this file's secret in the Secret (created, mode 600, its missing directories "
+        "mode 700, if missing; default: a fresh secret)",
     )
     render.add_argument(
         "-o", "--output", metavar="FILE", help="write here, mode 600 (default: stdout)"
@@ -418,6 +519,7 @@ def _render(args: argparse.Namespace) -> int:
         ps_resources=ps_resources,
         worker_resources=worker_resources,
         max_restarts=args.max_restarts,
+        fs_group=args.fs_group,
     )
     if args.secret_file:
         secret = ensure_secret_file(args.secret_file)[1]

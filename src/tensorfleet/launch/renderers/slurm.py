@@ -13,7 +13,9 @@ Preemption and time limits: with ``--requeue`` (the default) Slurm may requeue t
 it is preempted or its node fails, and ``--signal=B:USR1@N`` makes Slurm signal the script N
 seconds before the time limit; the script then requeues the job itself (as Lightning's
 ``SLURMEnvironment(auto_requeue=True)`` and submitit do), so that the next run resumes from
-the newest checkpoint. Slurm ends the requeued (or preempted) job's tasks with SIGTERM, then
+the newest checkpoint. N must leave the job time to run (:func:`requeue_signal_seconds`):
+an explicit ``--signal-seconds`` that does not is refused, and the default (120 s) shrinks to
+fit a short ``--time``, saying so. Slurm ends the requeued (or preempted) job's tasks with SIGTERM, then
 SIGKILL after its ``KillWait``; tensorfleet's tasks take that SIGTERM as a preemption
 (:mod:`tensorfleet.session.preemption`): the ps tasks wait for the chief's checkpoint and the
 chief writes it, so the next run resumes at the step of the requeue. There is no restart
@@ -24,11 +26,13 @@ the step as soon as one task fails, and the job's exit status is the step's.
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import re
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorfleet import environment
@@ -46,6 +50,105 @@ _PATH_RE = re.compile(r"[A-Za-z0-9_.,%/-]+")
 
 #: Seconds before the time limit at which Slurm signals the script to requeue the job.
 DEFAULT_SIGNAL_SECONDS = 120
+#: How much earlier than asked Slurm may send the signal (sbatch(1), ``--signal``: "up to
+#: 60 seconds earlier than specified", the resolution of its event handling).
+SIGNAL_EARLY_S = 60
+#: The largest ``sig_time`` Slurm accepts in ``--signal``.
+MAX_SIGNAL_SECONDS = 65535
+#: The shortest ``--time`` (minutes) with room for a requeue signal (see
+#: :func:`max_signal_seconds`): half of it less :data:`SIGNAL_EARLY_S` is at least 1 s.
+SHORTEST_TIME_WITH_SIGNAL_MIN = math.ceil(2 * (SIGNAL_EARLY_S + 1) / 60)
+
+log = logging.getLogger(__name__)
+
+
+def time_limit_seconds(limit: str) -> int | None:
+    """The seconds of a Slurm ``--time`` value, ``None`` for no limit (``UNLIMITED`` or 0).
+
+    Slurm's formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS. Slurm counts whole
+    minutes and rounds seconds up to the next minute (sbatch(1)), and so does this.
+    """
+    if limit == "UNLIMITED":
+        return None
+    days, _, clock = limit.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    else:  # minutes, MM:SS
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return math.ceil(total / 60) * 60 or None
+
+
+def max_signal_seconds(limit_s: int) -> int:
+    """The longest requeue signal that still lets a job with a ``limit_s`` time limit run:
+    Slurm may signal up to :data:`SIGNAL_EARLY_S` seconds early, and the job must get at
+    least half of its time limit before the signal (else every run is requeued having done
+    little, and the job loops). 0 or less: no signal fits."""
+    return limit_s // 2 - SIGNAL_EARLY_S
+
+
+def check_signal_seconds(asked: int | None) -> None:
+    """Refuse a ``--signal-seconds`` outside 0..:data:`MAX_SIGNAL_SECONDS` (``None``, the
+    default, passes)."""
+    if asked is not None and (
+        isinstance(asked, bool)
+        or not isinstance(asked, int)
+        or not 0 <= asked <= MAX_SIGNAL_SECONDS
+    ):
+        raise ClusterConfigError(
+            "--signal-seconds must be 0 (no signal) or a number of seconds up to "
+            f"{MAX_SIGNAL_SECONDS} (Slurm's largest), got {show(asked)}"
+        )
+
+
+def requeue_signal_seconds(time: str | None, asked: int | None) -> tuple[int, str | None]:
+    """The ``--signal`` seconds to write for ``--time time`` and ``--signal-seconds asked``
+    (``None``: not given), and a note saying how the default was changed (else ``None``).
+
+    An explicit value is checked against the time limit and refused with
+    :class:`~tensorfleet.errors.ClusterConfigError` if it does not leave the job half of its
+    limit (:func:`max_signal_seconds`). The default, :data:`DEFAULT_SIGNAL_SECONDS`, shrinks
+    to the largest value that fits, or to none (0) when the limit is too short for any; the
+    note says so. Without ``--time`` (the partition's default limit, unknown here) or with no
+    limit, nothing is checked.
+    """
+    check_signal_seconds(asked)
+    limit_s = None if time is None else time_limit_seconds(time)
+    seconds = DEFAULT_SIGNAL_SECONDS if asked is None else asked
+    if limit_s is None or seconds == 0:
+        return seconds, None
+    fits = max_signal_seconds(limit_s)
+    if seconds <= fits:
+        return seconds, None
+    rule = (
+        f"Slurm may send it up to {SIGNAL_EARLY_S} s early, and the job must get at least half "
+        f"of its {limit_s} s before it"
+    )
+    if asked is not None:
+        fix = (
+            f"Give --signal-seconds {fits} or less, a longer --time"
+            if fits > 0
+            else f"Give a --time of at least {SHORTEST_TIME_WITH_SIGNAL_MIN} minutes"
+        )
+        raise ClusterConfigError(
+            f"--signal-seconds {asked} does not leave the job time to run with --time {time}: "
+            f"{rule}, else every run is requeued soon after it starts, forever. {fix}, or "
+            "--signal-seconds 0 (no requeue near the time limit)"
+        )
+    if fits > 0:
+        return fits, (
+            f"the requeue signal comes {fits} s before the time limit, not the default "
+            f"{DEFAULT_SIGNAL_SECONDS} s: with --time {time} ({rule}). Give --signal-seconds "
+            "to choose another value that fits, or a longer --time"
+        )
+    return 0, (
+        f"no requeue signal: --time {time} is too short for one ({rule}), so the job is not "
+        "requeued near its time limit (a preemption still requeues it). Give a --time of at "
+        f"least {SHORTEST_TIME_WITH_SIGNAL_MIN} minutes to have one"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,9 +159,15 @@ class SbatchOptions:
     ps tasks of a tensorfleet script call ``Server(...).join()``). ``secret_file`` must be
     readable at the same path on every node. ``nodes``, ``tasks_per_node``, ``gpus_per_task``,
     ``cpus_per_task``, ``time`` and ``partition`` are left to Slurm's defaults when ``None``.
+    ``cpus_per_task`` goes on the ``srun`` line too: since Slurm 22.05 ``srun`` no longer
+    takes it from the job (``SLURM_CPUS_PER_TASK``), and each task would get 1 CPU.
+    ``gpus_per_task`` is every task's, ps tasks included (one ``srun`` step gives all its
+    tasks the same resources); a note says how many GPUs the ps tasks take.
     ``overcommit`` lets Slurm run more tasks than CPUs (ps tasks need little CPU).
     ``signal_seconds`` (with ``requeue``) is how long before the time limit the script
-    requeues the job; 0 writes no signal.
+    requeues the job; 0 writes no signal; ``None`` is the default, 120 s, shrunk to fit a
+    short ``time`` (:func:`requeue_signal_seconds`). :attr:`signal_at` is the value written,
+    :attr:`notes` what was changed or is worth knowing (also logged as warnings).
     """
 
     shape: ClusterShape
@@ -75,7 +184,9 @@ class SbatchOptions:
     base_port: int = SlurmDetector.DEFAULT_BASE_PORT
     overcommit: bool = False
     requeue: bool = True
-    signal_seconds: int = DEFAULT_SIGNAL_SECONDS
+    signal_seconds: int | None = None
+    signal_at: int = field(init=False, default=0)
+    notes: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -122,10 +233,29 @@ class SbatchOptions:
                 f"--base-port {self.base_port} with up to {tasks} tasks per node gives ports "
                 "outside 1..65535; pick one in 1024..60000"
             )
-        if self.signal_seconds < 0:
-            raise ClusterConfigError(
-                f"--signal-seconds must be 0 (no signal) or positive, got {self.signal_seconds}"
+        check_signal_seconds(self.signal_seconds)
+        notes: list[str] = []
+        signal_at = 0
+        if self.requeue:
+            signal_at, note = requeue_signal_seconds(self.time, self.signal_seconds)
+            if note:
+                notes.append(note)
+        elif self.signal_seconds:
+            notes.append(
+                f"--signal-seconds {self.signal_seconds} is not used: with --no-requeue the "
+                "script has no requeue signal (drop one of the two)"
             )
+        if self.gpus_per_task and self.shape.ps:
+            notes.append(
+                f"--gpus-per-task {self.gpus_per_task} gives each of the {self.shape.ps} ps "
+                f"task(s) GPUs too: {self.gpus_per_task * tasks} GPUs in all, "
+                f"{self.gpus_per_task * self.shape.ps} of them for the ps, which do not use "
+                "them (one srun step gives every task the same resources)"
+            )
+        object.__setattr__(self, "signal_at", signal_at)
+        object.__setattr__(self, "notes", tuple(notes))
+        for note in notes:
+            log.warning("tensorfleet slurm: %s", note)
 
 
 def render_sbatch(options: SbatchOptions) -> str:
@@ -144,11 +274,11 @@ def render_sbatch(options: SbatchOptions) -> str:
         "--distribution=block",
         "--overcommit" if options.overcommit else None,
         "--requeue" if options.requeue else "--no-requeue",
-        f"--signal=B:USR1@{options.signal_seconds}"
-        if options.requeue and options.signal_seconds
-        else None,
+        f"--signal=B:USR1@{options.signal_at}" if options.signal_at else None,
     ]
-    srun = shlex.join(["srun", "--kill-on-bad-exit=1", "--label", *options.command])
+    # srun takes --cpus-per-task from its own flag only (Slurm >= 22.05), not from the job.
+    cpus = [f"--cpus-per-task={options.cpus_per_task}"] if options.cpus_per_task else []
+    srun = shlex.join(["srun", "--kill-on-bad-exit=1", "--label", *cpus, *options.command])
     lines = [
         "#!/bin/bash",
         f"# tensorfleet: {shape}, one Slurm task each; written by `tensorfleet slurm`.",
@@ -165,9 +295,9 @@ def render_sbatch(options: SbatchOptions) -> str:
         f"unset {environment.SECRET_VAR} {environment.TF_CONFIG_VAR}",
         "",
     ]
-    if options.requeue and options.signal_seconds:
+    if options.signal_at:
         lines += [
-            f"# {options.signal_seconds} s before the time limit Slurm sends USR1 to this "
+            f"# {options.signal_at} s before the time limit Slurm sends USR1 to this "
             "script, which requeues",
             "# the job: the next run resumes from the newest checkpoint (keep the "
             "checkpoint_dir on shared storage).",
@@ -251,16 +381,17 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     parser.add_argument(
         "--signal-seconds",
         type=int,
-        default=DEFAULT_SIGNAL_SECONDS,
+        default=None,
         metavar="S",
-        help="requeue the job S seconds before its time limit; 0: never "
-        f"(default: {DEFAULT_SIGNAL_SECONDS})",
+        help="requeue the job S seconds before its time limit; 0: never. It must leave the "
+        f"job half its --time even if Slurm signals {SIGNAL_EARLY_S} s early (default: "
+        f"{DEFAULT_SIGNAL_SECONDS}, shrunk to fit a short --time, saying so)",
     )
     parser.add_argument(
         "--secret-file",
         metavar="PATH",
-        help="the cluster secret's file, on storage every node sees; created (mode 600) if "
-        f"missing (default: ${environment.SECRET_FILE_VAR})",
+        help="the cluster secret's file, on storage every node sees; created (mode 600, its "
+        f"missing directories mode 700) if missing (default: ${environment.SECRET_FILE_VAR})",
     )
     parser.add_argument(
         "-o", "--output", metavar="SCRIPT", help="write the script here (default: stdout)"
