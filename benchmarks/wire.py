@@ -22,7 +22,9 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   1 MiB, pushed as one bucket each (partial pushes, :mod:`tensorfleet.ps.partial_push`), up
   to 8 in flight, each applied and answered as it arrives. What a push+pull cut into parts
   smaller than a variable would reach on the same ps (the ps lends each bucket's reply only
-  that bucket's slices, so the next bucket is applied in place).
+  that bucket's slices, so the next bucket is applied in place);
+* ``push_pull_parts_encrypted``: the same stream with ``--encrypt``: whether sealing each
+  part while the previous one travels pays where sealing one whole message does not.
 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
 bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``.
@@ -218,6 +220,7 @@ class TensorfleetPs:
 UPDATING = (
     "push_pull",
     "push_pull_parts",
+    "push_pull_parts_encrypted",
     "push_pull_encrypted",
     "push_pull_shared_memory",
     "push_pull_baseline",
@@ -229,6 +232,7 @@ MOVES = {
     "raw_tcp_sgd": 2,
     "push_pull": 2,
     "push_pull_parts": 2,
+    "push_pull_parts_encrypted": 2,
     "pull": 1,
     "push_pull_encrypted": 2,
     "push_pull_shared_memory": 2,
@@ -248,6 +252,7 @@ def interleaved(
     raw_sgd = RawEcho(model_bytes, (batches + 1) * per_batch, sgd=True)
     ours = TensorfleetPs(model_bytes)
     streamed = TensorfleetPs(model_bytes, part_bytes=1 << 20)
+    streamed_sealed = TensorfleetPs(model_bytes, encrypt=True, part_bytes=1 << 20)
     encrypted = TensorfleetPs(model_bytes, encrypt=True)
     local = TensorfleetPs(model_bytes, shared_memory=True)
     if not local.shared_memory or ours.shared_memory:
@@ -257,6 +262,7 @@ def interleaved(
         "raw_tcp_sgd": raw_sgd.round_trip,
         "push_pull": ours.push_pull,
         "push_pull_parts": streamed.push_pull_parts,
+        "push_pull_parts_encrypted": streamed_sealed.push_pull_parts,
         "pull": ours.pull,
         "push_pull_encrypted": encrypted.push_pull,
         "push_pull_shared_memory": local.push_pull,
@@ -279,7 +285,7 @@ def interleaved(
     finally:
         raw.close()
         raw_sgd.close()
-        for ps in (ours, streamed, encrypted, local, baseline):
+        for ps in (ours, streamed, streamed_sealed, encrypted, local, baseline):
             if ps is not None:
                 ps.close()
     return times
