@@ -5,13 +5,16 @@ One script for every task. On one machine:
     tensorfleet launch --ps 1 --workers 3 -- python examples/mnist_cnn.py --steps 3000
 
 On several machines, run it on each with the cluster and the task's identity (and the same
-``TENSORFLEET_SECRET`` everywhere):
+secret everywhere: ``TENSORFLEET_SECRET``, or ``--secret-file PATH``; ``--encrypt`` on every
+task encrypts the traffic):
 
     python examples/mnist_cnn.py --cluster '{"ps": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]}' \\
         --job_name worker --task_index 0
 
-or with ``TF_CONFIG`` set (Kubeflow's TFJob does that), or under Slurm. Without any of these it
-trains in this one process. Data: MNIST-format idx files (Fashion-MNIST by default).
+or with the classic host lists instead of ``--cluster`` (``--ps_hosts=h0:2222
+--worker_hosts=h1:2222,h2:2222``), or with ``TF_CONFIG`` set (Kubeflow's TFJob does that), or
+under Slurm. Without any of these it trains in this one process. Data: MNIST-format idx files
+(Fashion-MNIST by default).
 
 With ``--logdir DIR`` the chief keeps checkpoints in ``DIR/checkpoints`` (every
 ``--checkpoint-steps`` global steps and at the end), writes TensorBoard scalars and
@@ -35,6 +38,10 @@ from torch import nn
 
 import tensorfleet as tfl
 from tensorfleet.datasets import BatchStream, load_mnist, normalize
+from tensorfleet.launch.task_flags import add_security_flags, task_security
+
+#: The classic Distributed TensorFlow flags, passed on to tfl.resolve_task.
+CLASSIC_FLAGS = ("job_name", "task_index", "cluster", "ps_hosts", "worker_hosts", "chief_hosts")
 
 
 class ClassicCNN(nn.Module):
@@ -110,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--job_name", default=None)  # the classic flags, read by tfl.resolve_task
     add("--task_index", default=None)
     add("--cluster", default=None, help="cluster spec: JSON text or a JSON file")
+    add("--ps_hosts", default=None, help="instead of --cluster: the ps tasks' h:p,h:p,...")
+    add("--worker_hosts", default=None, help="instead of --cluster: the workers' h:p,h:p,...")
+    add("--chief_hosts", default=None, help="instead of --cluster: the chief's h:p")
+    add_security_flags(p)  # --secret-file, --encrypt: as `tensorfleet server` has them
     return p
 
 
@@ -136,17 +147,22 @@ class Result:
 
 def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Result | None:
     """Run this task (a ps serves; a worker trains); the chief's result, None elsewhere."""
-    classic = [
-        f"--{k}={v}" for k in ("job_name", "task_index", "cluster") if (v := getattr(args, k))
-    ]
+    classic = [f"--{k}={v}" for k in CLASSIC_FLAGS if (v := getattr(args, k))]
     task = tfl.resolve_task(argv=classic, allow_none=True)
-    if task is not None and task.job == "ps":
-        torch.set_num_threads(args.threads or 1)
-        tfl.Server(task.cluster, task.job, task.index).join()
-        return None
-
     torch.set_num_threads(args.threads or (2 if task is None else 1))
-    server = tfl.Server(task.cluster, task.job, task.index) if task is not None else None
+    server = None
+    if task is not None:
+        security = task_security(args)  # --secret-file, --encrypt: as tensorfleet server reads them
+        server = tfl.Server(
+            task.cluster, task.job, task.index,
+            secret=security.secret, config=tfl.ServerConfig(encrypt=security.encrypt),
+        )  # fmt: skip
+        if task.job == "ps":
+            server.join()
+            return None
+    elif args.secret_file is not None or args.encrypt:
+        print("--secret-file and --encrypt are ignored: no cluster, one process", flush=True)
+
     worker_index = task.index if task is not None else 0
     num_workers = task.num_workers if task is not None else 1
     is_chief = server is None or server.is_chief

@@ -172,6 +172,44 @@ def test_ps_that_never_exits_is_stopped_after_the_grace_period(
     assert_all_gone(reported_pids(text), text)
 
 
+def test_ps_is_stopped_at_once_when_every_worker_failed(log: io.StringIO) -> None:
+    # Both workers exit 2 at once (a typo in their flags); the ps would wait forever. The
+    # grace period is far longer than wait()'s bound: only stopping the ps at once, rather
+    # than after the grace period, ends the run within that bound.
+    lc = LocalCluster(
+        1,
+        2,
+        fake("--exit", "worker:*=2"),
+        ps_command=fake("--hang", "*"),
+        output=plain(log),
+        grace_period=600.0,
+        kill_timeout=5.0,
+    )
+    with lc:
+        status = lc.wait(timeout=60)
+    text = log.getvalue()
+    lines = text.splitlines()
+    assert status == 2, text
+    assert lc.returncodes == {"ps:0": -signal.SIGTERM, "worker:0": 2, "worker:1": 2}, text
+    stop = [i for i, ln in enumerate(lines) if "no worker is left running: stopping ps:0 now" in ln]
+    assert len(stop) == 1, text
+    failed = [i for i, ln in enumerate(lines) if re.search(r"worker:\d (also )?failed", ln)]
+    assert len(failed) == 2 and max(failed) < stop[0], text  # after the last worker's end
+    assert "stopping ps:0 with SIGTERM" in "\n".join(lines[stop[0] :]), text
+    # A grace period is announced, if at all, only to tasks that had not ended yet.
+    for i, line in enumerate(lines):
+        if "giving " in line and " up to 600 s" in line:
+            for name in line.split("giving ", 1)[1].split(" up to")[0].split(", "):
+                ended = [
+                    j
+                    for j, ln in enumerate(lines)
+                    if re.search(rf"{name} (ended|(also )?failed)", ln)
+                ]
+                assert ended and min(ended) > i, f"{name} had ended before line {i}\n{text}"
+    assert "did not exit within" not in text, text
+    assert_all_gone(lc.pids.values(), text)
+
+
 def test_wait_deadline_then_stop(log: io.StringIO) -> None:
     lc = LocalCluster(1, 1, fake("--hang", "*"), ps_command=fake("--hang", "*"), output=plain(log))
     with lc:
@@ -312,6 +350,27 @@ def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err
     assert "tensorfleet: error: cannot start worker:0" in err and "Traceback" not in err, err
     assert main([]) == 2
+
+
+def test_cli_options_of_the_program_before_the_separator(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["launch", "--ps", "1", "--workers", "2", "--steps", "100", "--", "python", "x.py"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: tensorfleet launch" in err, err  # the launch command's usage, not the top's
+    assert "tensorfleet launch: error: unrecognized arguments: --steps." in err, err
+    assert "the worker program's options go after `--`" in err, err
+    assert main(["server", "--steps", "100"]) == 2  # other commands: argparse's own message
+    assert "tensorfleet: error: unrecognized arguments: --steps 100" in capsys.readouterr().err
+
+
+def test_cli_negative_grace_period_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--no-live", "--grace-period", "-3", "--", "python", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "tensorfleet: error: --grace-period (grace_period) must be >= 0 seconds, got -3" in err
+    assert main(["launch", "--no-live", "--kill-timeout", "0", "--", "python", "x.py"]) == 2
+    assert "--kill-timeout (kill_timeout) must be > 0 seconds, got 0" in capsys.readouterr().err
 
 
 def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -216,7 +216,7 @@ def test_task_that_always_fails_is_restarted_n_times_then_reported(
     # The final report names the restarts used, with the last run's pid and last lines.
     assert re.search(
         rf"error: worker:1 failed with exit code 4 \(pid {runs[-1]['pid']}, after [\d.]+ s; "
-        r"restarts used: 2 of 2\)",
+        r"restarts used: 2 of 2, all that --error-restarts / --max-restarts allow\)",
         text,
     ), text
     report = text[text.index("restarts used: 2 of 2") :]
@@ -314,7 +314,7 @@ def test_leftovers_of_a_failed_task_are_killed_before_its_restart(log: io.String
     assert status == 2, text
     assert lc.restarts == {"worker:0": 1}, text
     assert "worker:0 left processes behind in its process group; killing them before " in text
-    assert "restarts used: 1 of 1" in text, text
+    assert "restarts used: 1 of 1, all that --error-restarts / --max-restarts allow" in text, text
     # One grandchild per run, each as the task printed it (the report repeats the last one).
     grandchildren = [int(pid) for pid in re.findall(r"^\[worker:0\] GRANDCHILD (\d+)$", text, re.M)]
     assert len(set(grandchildren)) == 2, text

@@ -63,6 +63,18 @@ def test_errors_and_signals_have_their_own_limits() -> None:
     assert not policy.decide(-9, [(0.0, SIGNAL)], now=1.0).restart
 
 
+def test_a_used_up_limit_names_the_option_that_sets_it() -> None:
+    policy = RestartPolicy(signal_restarts=1, error_restarts=1)
+    error = policy.decide(2, [(0.0, ERROR)], now=1.0)
+    assert error.describe_used() == (
+        "restarts used: 1 of 1, all that --error-restarts / --max-restarts allow"
+    )
+    kill = policy.decide(-9, [(0.0, SIGNAL)], now=1.0)
+    assert kill.describe_used().endswith("all that --signal-restarts / --max-restarts allow")
+    # Not used up (a restart refused because the run is stopping): no option to raise.
+    assert policy.decide(-9, [], now=1.0).describe_used() == "restarts used: 0 of 1"
+
+
 def test_uniform_is_what_max_restarts_always_meant() -> None:
     policy = RestartPolicy.uniform(2)
     assert (policy.signal_restarts, policy.error_restarts, policy.window_s) == (2, 2, None)

@@ -457,32 +457,46 @@ DETECTORS: tuple[TaskDetector, ...] = (
 )
 
 
+#: The flags :func:`check_agrees_with_tf_config` tells the user to drop by default: those of
+#: :class:`FlagsDetector`.
+CLASSIC_TASK_FLAGS = "--job_name/--task_index/--cluster"
+
+
+def check_agrees_with_tf_config(
+    task: ResolvedTask, environ: Mapping[str, str], flags: str = CLASSIC_TASK_FLAGS
+) -> None:
+    """Raise :class:`ClusterConfigError` when ``TF_CONFIG`` in ``environ`` names a task and
+    it is not ``task``, which the command-line flags ``flags`` described.
+
+    Flags win over ``TF_CONFIG`` only when they say the same thing: a process started by a
+    launcher or by Kubeflow (which set ``TF_CONFIG``) with leftover task flags would
+    otherwise quietly run as another task than its neighbours expect. ``flags`` names them
+    in the program's own terms (``tensorfleet server`` has ``--job/--task/--cluster``).
+    """
+    request = ResolveRequest(cluster=None, job_name=None, task_index=None, argv=(), environ=environ)
+    other = TFConfigDetector().detect(request)
+    if other is None:
+        return
+    if (other.cluster, other.job, other.index) == (task.cluster, task.job, task.index):
+        return
+    raise ClusterConfigError(
+        f"the flags and {environment.TF_CONFIG_VAR} disagree: the flags say this task "
+        f"is {task.job}:{task.index} of {task.cluster.to_json()} but "
+        f"{environment.TF_CONFIG_VAR} says {other.job}:{other.index} of "
+        f"{other.cluster.to_json()}. Describe the task one way only: drop the "
+        f"{flags} flags, or unset {environment.TF_CONFIG_VAR}"
+    )
+
+
 def _check_flags_agree_with_tf_config(
     task: ResolvedTask, request: ResolveRequest, chosen: Sequence[TaskDetector]
 ) -> None:
-    """Raise :class:`ClusterConfigError` when the flags and ``TF_CONFIG`` both name a task and
-    disagree on the cluster or the task.
-
-    Flags win over ``TF_CONFIG`` only when they say the same thing: a process started by a
-    launcher or by Kubeflow (which set ``TF_CONFIG``) with leftover ``--job_name`` flags
-    would otherwise quietly run as another task than its neighbours expect.
-    """
+    """:func:`check_agrees_with_tf_config` for a task the flags described, when
+    ``TF_CONFIG`` is among the ``chosen`` detectors."""
     if task.source != FlagsDetector.name:
         return
-    for detector in chosen:
-        if isinstance(detector, TFConfigDetector):
-            other = detector.detect(request)
-            if other is None:
-                return
-            if (other.cluster, other.job, other.index) == (task.cluster, task.job, task.index):
-                return
-            raise ClusterConfigError(
-                f"the flags and {environment.TF_CONFIG_VAR} disagree: the flags say this task "
-                f"is {task.job}:{task.index} of {task.cluster.to_json()} but "
-                f"{environment.TF_CONFIG_VAR} says {other.job}:{other.index} of "
-                f"{other.cluster.to_json()}. Describe the task one way only: drop the "
-                f"--job_name/--task_index/--cluster flags, or unset {environment.TF_CONFIG_VAR}"
-            )
+    if any(isinstance(detector, TFConfigDetector) for detector in chosen):
+        check_agrees_with_tf_config(task, request.environ)
 
 
 @overload

@@ -27,6 +27,12 @@ from collections.abc import Callable, Sequence
 from tensorfleet.errors import Preempted, TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
+from tensorfleet.launch.task_flags import (
+    add_security_flags,
+    add_server_task_flags,
+    resolve_server_task,
+    task_security,
+)
 from tensorfleet.patterns.sweep_cli import add_sweep_command
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.version import __version__
@@ -50,35 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     server = commands.add_parser(
         "server",
         help="run one ps task: the built-in parameter server",
-        description="Run a parameter-server task. Without options, the task and the cluster "
-        "come from TF_CONFIG (as `tensorfleet launch` sets it). Returns when training is over.",
+        description="Run a parameter-server task: --job ps --task N with --cluster (or "
+        "--ps_hosts/--worker_hosts), all together. Without them, the task and the cluster come "
+        "from TF_CONFIG (as `tensorfleet launch` sets it). Worker tasks run the training "
+        "script instead. Returns when training is over.",
     )
-    server.add_argument(
-        "--cluster",
-        metavar="JSON_OR_FILE",
-        help='the cluster spec as JSON (\'{"ps": ["h:p"], "worker": [...]}\') or a JSON file',
-    )
-    server.add_argument(
-        "--job", metavar="NAME", help="this task's job name (default: from TF_CONFIG)"
-    )
-    server.add_argument(
-        "--task",
-        type=int,
-        metavar="INDEX",
-        help="this task's index in its job (default: from TF_CONFIG)",
-    )
-    server.add_argument(
-        "--secret-file",
-        metavar="PATH",
-        help="file holding the cluster secret (default: $TENSORFLEET_SECRET or "
-        "$TENSORFLEET_SECRET_FILE)",
-    )
-    server.add_argument(
-        "--encrypt",
-        action="store_true",
-        help="encrypt traffic with AES-256-GCM under keys agreed per connection (default: "
-        "$TENSORFLEET_ENCRYPT); every task must agree",
-    )
+    add_server_task_flags(server)
+    add_security_flags(server)
     server.add_argument(
         "--threads",
         type=int,
@@ -174,7 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # a command may explain where its stray options belong (launch: after --)
+            on_unrecognized = getattr(args, "on_unrecognized", None)
+            if on_unrecognized is not None:
+                on_unrecognized(unknown)
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help, --version, usage errors: argparse already printed
         return exc.code if isinstance(exc.code, int) else USAGE_ERROR
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
@@ -195,21 +184,20 @@ def _server(args: argparse.Namespace) -> int:
     # Imported here so that the CLI (and `launch`) work without the server's dependencies.
     import torch
 
-    from tensorfleet.cluster.resolver import resolve_task
     from tensorfleet.session.server import Server, ServerConfig
-    from tensorfleet.wire.secret import load_secret
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    task = resolve_task(cluster=args.cluster, job_name=args.job, task_index=args.task, argv=[])
+    task = resolve_server_task(args)  # a ps task, or an error in this command's terms
+    security = task_security(args)  # the same options and meaning as in the examples
     try:
         server = Server(
             task.cluster,
             task.job,
             task.index,
-            secret=load_secret(secret_file=args.secret_file),
+            secret=security.secret,
             config=ServerConfig(  # options not given keep the config's own defaults
-                encrypt=True if args.encrypt else None,
+                encrypt=security.encrypt,
                 **{
                     field: value
                     for field, value in (

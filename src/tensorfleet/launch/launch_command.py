@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import shlex
 import signal
 import sys
@@ -20,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from tensorfleet import environment
 from tensorfleet.errors import LaunchConfigError, LaunchError
@@ -200,8 +201,23 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         metavar="COMMAND ...",
         help="the worker program and its arguments (put -- before it if it starts with -)",
     )
-    launch.set_defaults(handler=run_launch)
+    launch.set_defaults(
+        handler=run_launch, on_unrecognized=functools.partial(_refuse_stray_options, launch)
+    )
     return launch
+
+
+def _refuse_stray_options(launch: argparse.ArgumentParser, unknown: list[str]) -> NoReturn:
+    """Refuse options ``tensorfleet launch`` does not have (``tensorfleet``'s ``main`` calls this
+    with them), saying that the worker program's options go after ``--``: the usual cause is
+    ``tensorfleet launch --steps 100 -- python train.py``, where argparse alone would print the
+    top-level usage (and has already taken ``100`` as the program)."""
+    stray = " ".join(unknown)
+    launch.error(
+        f"unrecognized arguments: {stray}. The options before `--` are the launcher's; the "
+        "worker program's options go after `--`, behind the program: "
+        f"`tensorfleet launch --ps 1 --workers 2 -- python train.py {stray} ...`"
+    )
 
 
 def restart_policy_from(args: argparse.Namespace) -> RestartPolicy:

@@ -62,6 +62,9 @@ DEFAULT_MAX_BACKOFF_S = 10.0
 #: The two kinds of failure the policy tells apart.
 SIGNAL = "signal"
 ERROR = "error"
+#: The ``tensorfleet launch`` option that sets the limit for each kind of failure
+#: (``--max-restarts`` sets both).
+LIMIT_FLAGS = {SIGNAL: "--signal-restarts", ERROR: "--error-restarts"}
 
 
 def failure_kind(returncode: int) -> str | None:
@@ -110,6 +113,14 @@ class RestartDecision:
     limit: int
     #: Back-off before the restart, in seconds (0 when not restarting).
     delay_s: float = 0.0
+
+    def describe_used(self) -> str:
+        """``"restarts used: 1 of 1"``, and, once the limit is reached, the option that sets
+        it: ``", all that --error-restarts / --max-restarts allow"``."""
+        text = f"restarts used: {self.used} of {self.limit}"
+        if self.used >= self.limit:
+            text += f", all that {LIMIT_FLAGS[self.kind]} / --max-restarts allow"
+        return text
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,9 @@ Supervision, in the spirit of Horovod's runner:
   (:mod:`tensorfleet.launch.training_completion`); the workers still running get
   ``grace_period`` seconds to exit, then SIGTERM;
 - a failure that is not restarted is reported with the task's last lines (its traceback);
-  the others get ``grace_period`` seconds to notice and finish, then SIGTERM, then SIGKILL.
+  the others get ``grace_period`` seconds to notice and finish, then SIGTERM, then SIGKILL;
+  once no worker is left, the ps tasks get SIGTERM at once
+  (:mod:`tensorfleet.launch.failure_grace`).
   The run's status is that task's exit code (128 + signal number for a signal);
 - :meth:`ClusterSupervisor.interrupt` (the CLI's SIGINT/SIGTERM handler) sends SIGTERM to
   every task at once, then SIGKILL; a second interrupt sends SIGKILL at once;
@@ -60,6 +62,7 @@ from tensorfleet.cluster.spec import ClusterSpec
 from tensorfleet.errors import DeadlineExceeded, LaunchError
 from tensorfleet.launch.backends.base import Backend
 from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
+from tensorfleet.launch.failure_grace import FailureGrace
 from tensorfleet.launch.output import Output, PlainOutput
 from tensorfleet.launch.process_groups import ProcessGroups
 from tensorfleet.launch.restart_policy import (
@@ -99,7 +102,7 @@ def default_ps_command() -> list[str]:
     return [sys.executable, "-m", "tensorfleet", "server"]
 
 
-class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
+class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, FailureGrace):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
     supervise them.
 
@@ -166,9 +169,16 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         worker_argv = _as_argv(worker_command, "worker command")
         ps_argv = default_ps_command() if ps_command is None else _as_argv(ps_command, "ps command")
         if grace_period < 0:
-            raise LaunchError(f"the grace period must be >= 0 seconds, got {grace_period}")
+            raise LaunchError(
+                f"--grace-period (grace_period) must be >= 0 seconds, got {grace_period:g}: "
+                "the time the other tasks get after a failure (and the ps tasks after the "
+                "workers finished); 0 does not wait"
+            )
         if kill_timeout <= 0:
-            raise LaunchError(f"the kill timeout must be > 0 seconds, got {kill_timeout}")
+            raise LaunchError(
+                f"--kill-timeout (kill_timeout) must be > 0 seconds, got {kill_timeout:g}: the "
+                f"time between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})"
+            )
         if history < 1:
             raise LaunchError(f"history must keep at least 1 line, got {history}")
         if max_restarts is not None and restart_policy is not None:
@@ -452,7 +462,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         decision = self.restart_policy.decide(
             task.returncode, task.restart_history, time.monotonic()
         )
-        used = f"; restarts used: {decision.used} of {decision.limit}" if decision.limit else ""
+        used = f"; {decision.describe_used()}" if decision.limit else ""
         if self._failure is not None or self._interrupt is not None:
             last = f"; last line: {lines[-1]}" if lines else ""
             self.output.message(
@@ -470,12 +480,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
         else:
             self.output.message(head + "It printed nothing.", "error")
         if self._phase in (_RUNNING, _DRAINING):
-            others = [t.name for t in self._tasks if t.running]
-            if others:
-                self.output.message(
-                    f"giving {', '.join(others)} up to {self.grace_period:g} s to finish, "
-                    "then stopping them"
-                )
+            self._announce_grace_period()
             self._enter(_FAILING, self.grace_period)
 
     def _restarts_allowed(self) -> bool:
@@ -503,6 +508,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion):
 
     def _on_deadline(self, now: float) -> None:
         """Move to the next phase when the current one's deadline has passed."""
+        if self._phase == _FAILING and self._skip_grace_period():
+            self._phase_deadline = now  # the grace period is the workers'; none is left
         if self._phase_deadline is None or now < self._phase_deadline:
             return
         running = [t for t in self._tasks if t.running]

@@ -313,6 +313,7 @@ def notice_error(notice: dict[str, Any], peer: str) -> Exception:
     if notice.get("reason") == "auth":
         return AuthenticationError(
             f"secret mismatch: {text}. Every task must use the same cluster secret "
-            "(TENSORFLEET_SECRET or --secret-file)"
+            "(TENSORFLEET_SECRET / TENSORFLEET_SECRET_FILE, or --secret-file of `tensorfleet "
+            "server`, `launch` and the examples)"
         )
     return ProtocolError(text)

@@ -56,8 +56,9 @@ def load_secret(
         raise AuthenticationError(
             "no cluster secret: every tensorfleet task needs the same secret to authenticate its "
             f"messages. Set ${environment.SECRET_VAR} (e.g. to the output of "
-            "`python -c 'import secrets; print(secrets.token_hex(32))'`), or pass --secret-file "
-            f"/ ${environment.SECRET_FILE_VAR}; `tensorfleet launch` sets one for local clusters."
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`), or set "
+            f"${environment.SECRET_FILE_VAR} to a file holding it (--secret-file of `tensorfleet "
+            "server`, `launch` and the examples); `tensorfleet launch` sets one for local clusters."
         )
     raw = value.encode() if isinstance(value, str) else bytes(value)
     raw = raw.strip()

@@ -255,8 +255,9 @@ class ServiceSocket:
                 request,
                 EncryptionMismatch.code,
                 f"the service at {self.address} encrypts its traffic (started with --encrypt) and "
-                "this client does not: set TENSORFLEET_ENCRYPT=1 (or pass --encrypt) on every "
-                "task of the cluster",
+                "this client does not: set TENSORFLEET_ENCRYPT=1 on every task of the cluster "
+                "(`tensorfleet launch --encrypt` sets it; `tensorfleet server` and the examples "
+                "also take --encrypt)",
             )
         else:
             try:
