@@ -27,8 +27,12 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
 
 
-def _train(last_step: int, checkpoint_dir: Path | None) -> tuple[nn.Module, TrainingSession, int]:
-    """Train to ``last_step``; return the model, the session and the steps this run took."""
+def _train(
+    last_step: int, checkpoint_dir: Path | None
+) -> tuple[nn.Module, TrainingSession, int, dict[str, torch.Tensor]]:
+    """Train to ``last_step``; return the model, the session, the steps this run took and
+    the moving average at the end (read inside the ``with`` block, where the session is
+    open)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     x, y = _data()
@@ -53,23 +57,25 @@ def _train(last_step: int, checkpoint_dir: Path | None) -> tuple[nn.Module, Trai
                 )
             )
             steps += 1
-    return model, session, steps
+        average = sess.moving_average()
+    return model, session, steps, average
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_exactly_where_the_uninterrupted_one_does(
     tmp_path: Path,
 ) -> None:
-    straight, straight_session, _ = _train(12, None)
+    straight, straight_session, _, straight_average = _train(12, None)
     _train(5, tmp_path)  # the first half; its final checkpoint is at step 5 (an epoch is 8)
-    resumed, resumed_session, steps = _train(12, tmp_path)
+    resumed, resumed_session, steps, resumed_average = _train(12, tmp_path)
     assert steps == 7 and resumed_session.last_checkpoint == tmp_path / "step-00000012"
     assert resumed_session.global_step == straight_session.global_step == 12
     for (name, a), (_, b) in zip(
         straight.state_dict().items(), resumed.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
-    for name, average in straight_session.moving_average().items():
-        assert torch.equal(average, resumed_session.moving_average()[name]), name
+    assert straight_average.keys() == resumed_average.keys()
+    for name, average in straight_average.items():
+        assert torch.equal(average, resumed_average[name]), name
 
 
 def test_without_the_optimizer_state_or_the_data_position_the_result_differs(
@@ -77,8 +83,8 @@ def test_without_the_optimizer_state_or_the_data_position_the_result_differs(
 ) -> None:
     """The exactness above is not an accident: starting the second half from the first
     half's parameters alone (fresh Adam state, data from the start) gives other numbers."""
-    straight, _, _ = _train(12, None)
-    first, _, _ = _train(5, tmp_path)
+    straight, _, _, _ = _train(12, None)
+    first, _, _, _ = _train(5, tmp_path)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     model.load_state_dict(first.state_dict())
@@ -92,7 +98,7 @@ def test_without_the_optimizer_state_or_the_data_position_the_result_differs(
 
 
 def test_load_checkpoint_gives_the_models_state_dict_without_a_session(tmp_path: Path) -> None:
-    trained, _, _ = _train(5, tmp_path)
+    trained, _, _, _ = _train(5, tmp_path)
     fresh = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     state = load_checkpoint(tmp_path, fresh)
     assert set(state) == set(trained.state_dict())
@@ -111,7 +117,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_difference(tmp_path
 def test_the_export_command_writes_the_models_state_dict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trained, _, _ = _train(3, tmp_path / "checkpoints")
+    trained, _, _, _ = _train(3, tmp_path / "checkpoints")
     output = tmp_path / "model.safetensors"
     assert main(["export", str(tmp_path / "checkpoints"), str(output)]) == 0
     assert capsys.readouterr().out.strip() == str(output)

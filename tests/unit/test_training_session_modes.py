@@ -1,31 +1,36 @@
-"""TrainingSession: which mode/argument combinations are refused (before anything connects),
-a local session's moving average, and the LoggingHook printing only for the worker that made
-the step. A Server for a 'worker' task starts nothing, so no test here opens a socket."""
+"""TrainingSession: which mode/argument combinations are refused (before anything connects,
+with or without a server), the warning that --encrypt does not cover mode 'allreduce', a
+local session's moving average, its methods outside the ``with`` block, and the LoggingHook
+printing only for the worker that made the step. A Server for a 'worker' task starts
+nothing, so no test here opens a socket."""
 
 from __future__ import annotations
 
 import copy
+import logging
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from tensorfleet.errors import ClusterConfigError
+from tensorfleet.errors import ClusterConfigError, ConfigError, UsageError
 from tensorfleet.ps.update_rules import SGD
+from tensorfleet.session import update_modes
 from tensorfleet.session.hooks import LoggingHook, StepResult
-from tensorfleet.session.server import Server
+from tensorfleet.session.server import Server, ServerConfig
 from tensorfleet.session.training_session import TrainingSession
 
 SECRET = "s" * 32
 
 
-def _server(ps: int = 1, workers: int = 2, index: int = 0) -> Server:
+def _server(ps: int = 1, workers: int = 2, index: int = 0, encrypt: bool = False) -> Server:
     cluster = {"worker": [f"127.0.0.1:{2000 + i}" for i in range(workers)]}
     if ps:
         cluster["ps"] = [f"127.0.0.1:{3000 + i}" for i in range(ps)]
-    return Server(cluster, "worker", index, secret=SECRET)
+    return Server(cluster, "worker", index, secret=SECRET, config=ServerConfig(encrypt=encrypt))
 
 
 def _model() -> nn.Module:
@@ -63,6 +68,32 @@ def _model() -> nn.Module:
         ({"clip_grad_norm": 0.0}, "clip_grad_norm must be > 0, got 0.0"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm must be > 0, got -1.0"),
         ({"mode": "sync", "clip_grad_norm": float("nan")}, "clip_grad_norm must be > 0, got nan"),
+        (
+            {"mode": "sync", "replicas_to_aggregate": 0},
+            "replicas_to_aggregate must be >= 1 (the gradients a sync step averages, one per "
+            "worker; default: every worker's), got 0: give an int >= 1, or leave "
+            "replicas_to_aggregate out",
+        ),
+        ({"mode": "sync", "replicas_to_aggregate": -1}, "must be >= 1 (the gradients a sync"),
+        (
+            {"max_staleness": -1},
+            "max_staleness must be >= 0 (the steps the fastest worker may run ahead of the "
+            "slowest; 0 is lockstep), got -1: give an int >= 0, or leave max_staleness out",
+        ),
+        (
+            {"mode": "sync", "lost_worker": "wait"},
+            "lost_worker must be one of ('shrink', 'fail'), got 'wait': 'shrink' (the default)",
+        ),
+        (
+            {"mode": "async", "lost_worker": "fail"},
+            "lost_worker=fail only applies to mode 'sync', not 'async': leave lost_worker out, "
+            "or train with mode='sync'",
+        ),
+        (
+            {"mode": "allreduce", "lost_worker": "shrink"},
+            "lost_worker=shrink only applies to mode 'sync', not 'allreduce'",
+        ),
+        ({"ema_decay": 1.0}, "ema_decay must be in (0, 1), got 1.0: the weight of the old"),
     ],
 )
 @pytest.mark.parametrize("with_server", [True, False])
@@ -72,6 +103,109 @@ def test_invalid_arguments_are_refused_by_name(
     server = _server() if with_server else None
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainingSession(server, _model(), SGD(lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"mode": "sync", "replicas_to_aggregate": 2.5},
+            "replicas_to_aggregate must be a whole number (the gradients a sync step averages, "
+            "one per worker; default: every worker's), got 2.5 (float): give an int >= 1, or "
+            "leave replicas_to_aggregate out",
+        ),
+        ({"mode": "sync", "replicas_to_aggregate": True}, "got True (bool): give an int >= 1"),
+        (
+            {"max_staleness": 1.5},
+            "max_staleness must be a whole number (the steps the fastest worker may run ahead "
+            "of the slowest; 0 is lockstep), got 1.5 (float): give an int >= 0",
+        ),
+        ({"max_staleness": True}, "max_staleness must be a whole number"),
+        (
+            {"clip_grad_norm": True},
+            "clip_grad_norm must be a number, got True (bool): give e.g. clip_grad_norm=1.0, "
+            "or leave clip_grad_norm out",
+        ),
+        ({"ema_decay": "0.9"}, "ema_decay must be a number, got '0.9' (str)"),
+    ],
+)
+@pytest.mark.parametrize("with_server", [True, False])
+def test_options_of_the_wrong_type_are_refused_by_name(
+    kwargs: dict, message: str, with_server: bool
+) -> None:
+    """The same script fails alike in one process and on a cluster, before anything is sent
+    (a float max_staleness used to reach the ps as a wire-protocol error)."""
+    server = _server() if with_server else None
+    with pytest.raises(TypeError, match=re.escape(message)):
+        TrainingSession(server, _model(), SGD(lr=0.1), **kwargs)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_sync_with_more_replicas_than_workers_is_refused_on_every_worker(index: int) -> None:
+    """Every worker alike, the chief included, refuses before sending anything (the ps used
+    to refuse only the chief's create and leave the others waiting)."""
+    with pytest.raises(ConfigError) as excinfo:
+        TrainingSession(
+            _server(workers=2, index=index),
+            _model(),
+            SGD(lr=0.1),
+            mode="sync",
+            replicas_to_aggregate=5,
+        )
+    assert str(excinfo.value) == (
+        "replicas_to_aggregate=5 is more than the 2 worker tasks of the cluster (worker:0, "
+        "worker:1) that train it: a sync step averages one gradient per worker. Use "
+        "replicas_to_aggregate <= 2, or launch more workers"
+    )
+
+
+def test_sync_replicas_are_counted_among_the_models_workers() -> None:
+    """With several models on a cluster, a model's replicas are its model_workers only."""
+    with pytest.raises(ConfigError) as excinfo:
+        TrainingSession(
+            _server(workers=3, index=1),
+            _model(),
+            SGD(lr=0.1),
+            mode="sync",
+            replicas_to_aggregate=3,
+            model_name="small",
+            model_workers=[1, 2],
+        )
+    assert str(excinfo.value) == (
+        "replicas_to_aggregate=3 is more than the 2 model_workers of model 'small' (worker:1, "
+        "worker:2) that train it: a sync step averages one gradient per worker. Use "
+        "replicas_to_aggregate <= 2, or name more workers in model_workers"
+    )
+    session = TrainingSession(
+        _server(workers=3, index=1),
+        _model(),
+        SGD(lr=0.1),
+        mode="sync",
+        replicas_to_aggregate=2,
+        model_name="small",
+        model_workers=[1, 2],
+    )
+    try:
+        assert session.discipline.replicas_to_aggregate == 2
+    finally:
+        session._updater.close()  # never started: release the client without telling the ps
+
+
+def test_allreduce_on_an_encrypting_server_warns_once_that_it_is_not_covered(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(update_modes, "_warned_allreduce_in_clear", False)
+    caplog.set_level(logging.WARNING, logger="tensorfleet.session")
+    TrainingSession(_server(ps=0), _model(), SGD(lr=0.1), mode="allreduce")
+    assert not caplog.records  # no --encrypt: nothing to say
+    for index in (0, 1):
+        TrainingSession(
+            _server(ps=0, index=index, encrypt=True), _model(), SGD(lr=0.1), mode="allreduce"
+        )
+    assert [r.getMessage() for r in caplog.records] == [
+        "mode 'allreduce' traffic (torch.distributed, gloo/NCCL) is neither authenticated nor "
+        "encrypted; --encrypt covers the ps traffic only (docs/security.md)"
+    ]
 
 
 def test_an_optimizer_that_is_not_an_update_rule_is_refused() -> None:
@@ -131,7 +265,7 @@ def test_sync_and_async_sessions_describe_their_discipline_without_connecting() 
             "max_staleness": None,
             "clip_norm": 2.0,  # clipped on the ps
             "ema_decay": 0.9,
-            "lost_worker": "shrink",
+            "lost_worker": "shrink",  # the default, in the one mode that takes it
         }
         assert async_ == {
             "mode": "async",
@@ -191,9 +325,8 @@ def test_a_local_session_without_ema_decay_has_no_moving_average() -> None:
 
 @pytest.mark.parametrize("decay", [0.0, 1.0, -0.5])
 def test_a_local_session_refuses_an_ema_decay_outside_0_1(decay: float) -> None:
-    sess = TrainingSession(None, _model(), SGD(lr=0.1), ema_decay=decay)
     with pytest.raises(ValueError, match=re.escape(f"ema_decay must be in (0, 1), got {decay}")):
-        sess.start()
+        TrainingSession(None, _model(), SGD(lr=0.1), ema_decay=decay)
 
 
 def test_a_local_session_clips_each_gradient_like_clip_grad_norm() -> None:
@@ -209,6 +342,38 @@ def test_a_local_session_clips_each_gradient_like_clip_grad_norm() -> None:
     optimizer.step()
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs)
+
+
+_CALLS = {
+    "step()": lambda sess: sess.step(lambda: sess.model(torch.ones(1, 3)).sum()),
+    "pull()": lambda sess: sess.pull(),
+    "cluster_stats()": lambda sess: sess.cluster_stats(),
+    "moving_average()": lambda sess: sess.moving_average(),
+    "save_checkpoint()": lambda sess: sess.save_checkpoint(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_CALLS))
+def test_session_methods_outside_the_with_block_say_where_they_belong(
+    call: str, tmp_path: Path
+) -> None:
+    """Alone as on a cluster (tests/unit/test_open_session.py): before start() and after the
+    block, the methods that use the session's connections raise the same UsageError."""
+    sess = TrainingSession(None, _model(), SGD(lr=0.1), ema_decay=0.5, checkpoint_dir=tmp_path)
+    with pytest.raises(
+        UsageError,
+        match=re.escape(f"{call} needs a started, open session, and this one has not started"),
+    ):
+        _CALLS[call](sess)
+    with sess:
+        _CALLS[call](sess)  # inside the block it works
+    with pytest.raises(UsageError) as excinfo:
+        _CALLS[call](sess)
+    assert str(excinfo.value) == (
+        f"{call} needs a started, open session, and this one is closed (its `with` block "
+        "ended, or it failed): its connections are released. Call it inside the `with` "
+        "block, e.g. after the training loop and before the block ends"
+    )
 
 
 # -- LoggingHook ---------------------------------------------------------------------------------

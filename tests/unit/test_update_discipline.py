@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import ConfigTypeError, ProtocolError
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 
 
@@ -50,6 +50,33 @@ def test_it_is_immutable() -> None:
 def test_invalid_combinations_are_refused_by_name(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         UpdateDiscipline(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "wanted"),
+    [
+        ("max_staleness", 1.5, "int"),
+        ("max_staleness", True, "int"),
+        ("replicas_to_aggregate", 2.0, "int"),
+        ("replicas_to_aggregate", "2", "int"),
+        ("clip_norm", True, "int or float"),
+        ("clip_norm", "1", "int or float"),
+        ("ema_decay", "0.9", "float"),
+        ("mode", 1, "str"),
+        ("lost_worker", 0, "str"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_refused_when_built_naming_it(
+    field: str, value: object, wanted: str
+) -> None:
+    """What from_wire would refuse as a protocol error never gets built, so never sent."""
+    kwargs = {"mode": "sync" if field == "replicas_to_aggregate" else "async", field: value}
+    with pytest.raises(ConfigTypeError) as excinfo:
+        UpdateDiscipline(**kwargs)
+    assert str(excinfo.value) == (
+        f"discipline field {field}={value!r} is a {type(value).__name__}, not {wanted}: "
+        f"give {field} as {wanted}"
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tensorfleet.errors import ConfigError, ProtocolError
+from tensorfleet.errors import ConfigError, ConfigTypeError, ProtocolError
 
 MODES = ("async", "sync")
 #: What a sync shard does when a worker stops sending heartbeats: go on with the live
 #: workers (``shrink``), or refuse the step, naming the lost worker (``fail``).
 LOST_WORKER_POLICIES = ("shrink", "fail")
+#: The type each field must have (None aside; never a bool): the constructor checks them
+#: (ConfigTypeError), and :meth:`UpdateDiscipline.from_wire` refuses others (ProtocolError),
+#: so a value the wire would refuse never leaves the worker.
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "mode": (str,),
+    "replicas_to_aggregate": (int,),
+    "max_staleness": (int,),
+    "clip_norm": (int, float),
+    "ema_decay": (float,),
+    "lost_worker": (str,),
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,14 @@ class UpdateDiscipline:
     aggregates the live workers' gradients only; ``fail`` refuses the step naming it."""
 
     def __post_init__(self) -> None:
+        for name, allowed in FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
+                wanted = " or ".join(t.__name__ for t in allowed)
+                raise ConfigTypeError(
+                    f"discipline field {name}={value!r} is a {type(value).__name__}, not "
+                    f"{wanted}: give {name} as {wanted}"
+                )
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.replicas_to_aggregate is not None and (
@@ -74,17 +93,10 @@ class UpdateDiscipline:
             return cls()
         if not isinstance(data, dict):
             raise ProtocolError(f"'discipline' must be a map, got {type(data).__name__}")
-        types = {
-            "mode": (str,),
-            "replicas_to_aggregate": (int,),
-            "max_staleness": (int,),
-            "clip_norm": (int, float),
-            "ema_decay": (float,),
-            "lost_worker": (str,),
-        }
         for key, value in data.items():
-            if key not in types:
+            if key not in FIELD_TYPES:
                 raise ProtocolError(f"unknown discipline field {key!r}")
-            if value is not None and (isinstance(value, bool) or not isinstance(value, types[key])):
+            allowed = FIELD_TYPES[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
                 raise ProtocolError(f"discipline field {key}={value!r} has the wrong type")
         return cls(**{k: v for k, v in data.items() if v is not None})

@@ -54,6 +54,7 @@ from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.data_position import DataPosition, checked_data_position
 from tensorfleet.session.device_engines import placement_table, wanted_engines
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
+from tensorfleet.session.open_session import require_open
 from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
@@ -89,7 +90,9 @@ class TrainingSession:
     ``clip_grad_norm`` clips by global norm: each worker's gradient in ``async`` mode, the
     aggregated gradient in ``sync`` and ``allreduce`` modes. ``ema_decay`` keeps an
     exponential moving average of the parameters where they live (the ps shards, or the
-    workers without ps); :meth:`moving_average` returns it.
+    workers without ps); :meth:`moving_average` returns it. It, :meth:`pull`,
+    :meth:`cluster_stats`, :meth:`save_checkpoint` and :meth:`step` need the open session
+    (inside the ``with`` block): before ``start()`` or after the block, UsageError.
 
     ``sparse_optimizer`` (modes ``async`` and ``sync``): the row-sparse rule (e.g.
     ``tfl.optim.SparseAdam(lr=1e-3)``) the ps shards apply to the weights of
@@ -97,9 +100,11 @@ class TrainingSession:
     and to the embedding tables; default: ``optimizer``'s row-sparse twin (``sgd``,
     ``adagrad``; ``adam`` has none). See docs/sparse.md.
 
-    ``lost_worker`` (sync mode): when a worker stops sending heartbeats for the ps's liveness
-    timeout, ``"shrink"`` goes on with the live workers, ``"fail"`` stops training with an
-    error naming it. See docs/reliability.md for what happens on each kind of failure.
+    ``lost_worker`` (mode ``sync`` only): when a worker stops sending heartbeats for the ps's
+    liveness timeout, ``"shrink"`` (the default) goes on with the live workers, ``"fail"``
+    stops training with an error naming it. See docs/reliability.md for what happens on each
+    kind of failure. Every option's type and range is checked when the session is built,
+    with or without a server (``update_modes.check_option_values``).
 
     Several devices or tasks per step (docs/devices.md): ``replica_devices=["/cpu:0",
     "/cpu:1"]`` (or ``2``: that many CPU replicas) replicates the model in this task
@@ -158,7 +163,7 @@ class TrainingSession:
         keep_checkpoints: int = 5,
         restore: bool = True,
         data: DataPosition | None = None,
-        lost_worker: str = "shrink",
+        lost_worker: str | None = None,
         replica_devices: Sequence[str] | int | None = None,
         stage_devices: Sequence[str] | None = None,
         microbatches: int = 4,
@@ -211,8 +216,6 @@ class TrainingSession:
                 f"optimizer must be a tensorfleet update rule such as tensorfleet.optim.Adam(lr=1e-4), "
                 f"got {type(optimizer).__name__}: the parameter servers apply it, so it is described, not instantiated"
             )
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ConfigError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
         if checkpoint_dir is None and (save_checkpoint_steps or save_checkpoint_secs):
             raise ConfigError("save_checkpoint_steps/secs need a checkpoint_dir to save into")
         self.server = server
@@ -274,6 +277,7 @@ class TrainingSession:
         self._stop_requested = False
         self._started = False
         self._closed = False
+        self._released = False
         self._preemption = PreemptionNotice()
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -314,7 +318,7 @@ class TrainingSession:
         except BaseException:
             self._updater.close()
             self._compute.release()
-            self._closed = True
+            self._closed = self._released = True
             self._preemption.__exit__(None, None, None)
             raise
         for hook in self.hooks:
@@ -343,6 +347,7 @@ class TrainingSession:
             self._release()
 
     def _release(self) -> None:
+        self._released = True
         self._updater.close()
         self._compute.release()
         self._preemption.__exit__(None, None, None)
@@ -380,10 +385,7 @@ class TrainingSession:
         """One training step: ``closure()`` computes the loss (or ``(loss, aux)``) on the
         current parameters, then the gradients are exchanged and the update applied as the
         mode says, and the updated parameters are in the model."""
-        if not self._started or self._closed:
-            raise UsageError(
-                "step() needs a started, open session: use `with TrainingSession(...) as sess:`"
-            )
+        require_open("step()", started=self._started, closed=self._closed)
         started_ns = time.perf_counter_ns()
         for hook in self.hooks:
             hook.before_step(self)
@@ -460,6 +462,7 @@ class TrainingSession:
         """Save a checkpoint now (the chief; usually the checkpoint hook does it): every
         shard's state, then the manifest. Returns its directory. In ``allreduce`` mode use
         :meth:`request_checkpoint` (every worker must take part)."""
+        require_open("save_checkpoint()", started=self._started, closed=self._released)
         if self.checkpoints is None:
             raise CheckpointError("this session has no checkpoint_dir to save into")
         if not self.is_chief:
@@ -514,6 +517,7 @@ class TrainingSession:
     def pull(self) -> int:
         """Fetch the newest parameters into the model (e.g. before evaluating); returns the
         global step they belong to."""
+        require_open("pull()", started=self._started, closed=self._released)
         progress = self._updater.pull()
         self._global_step = progress.global_step
         return progress.global_step
@@ -522,12 +526,14 @@ class TrainingSession:
         """Each ps shard's own record: pushes, dropped gradients per worker (sync), the
         largest staleness gap applied (async with max_staleness), rejected messages. Empty
         in modes without parameter servers."""
+        require_open("cluster_stats()", started=self._started, closed=self._released)
         return self._updater.stats()
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         """The exponential moving average of the parameters (``ema_decay``), by parameter
         name: load it into a copy of the model to evaluate it (``load_state_dict(...,
         strict=False)``)."""
+        require_open("moving_average()", started=self._started, closed=self._released)
         return self._updater.moving_average()
 
 

@@ -14,14 +14,15 @@ script runs alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorfleet.errors import ClusterConfigError, ConfigError
-from tensorfleet.ps.model_namespace import ModelClaim, fingerprint, model_workers
+from tensorfleet.errors import ClusterConfigError, ConfigError, ConfigTypeError
+from tensorfleet.ps.model_namespace import ModelClaim, fingerprint, label, model_workers
 from tensorfleet.ps.placement import PlacementPlan, VariableSpec, plan_placement
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
-from tensorfleet.ps.update_discipline import UpdateDiscipline
+from tensorfleet.ps.update_discipline import LOST_WORKER_POLICIES, UpdateDiscipline
 from tensorfleet.session.device_engines import device_option, with_device_engine
 from tensorfleet.session.server import Server
 from tensorfleet.wire.gradient_encoding import check_wire_dtype
@@ -34,10 +35,17 @@ from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import NamedParams, Updater
 
+log = logging.getLogger("tensorfleet.session")
+
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """The session's arguments that shape how updates are made (see ``TrainingSession``)."""
+    """The session's arguments that shape how updates are made (see ``TrainingSession``).
+
+    Built, it has checked each option's type and range (:func:`check_option_values`), with
+    or without a server, so that a script refused on a cluster is refused in one process
+    too; which mode takes which option is checked by :func:`update_mode`, and what needs
+    the cluster (e.g. ``replicas_to_aggregate`` against its workers) by the mode's build."""
 
     mode: str = "async"
     replicas_to_aggregate: int | None = None
@@ -48,7 +56,8 @@ class UpdateSettings:
     partition_threshold_bytes: int | None = None
     log_placement: bool = False
     timeouts: ClientTimeouts | None = None
-    lost_worker: str = "shrink"
+    lost_worker: str | None = None
+    """Mode ``sync`` only; None: ``"shrink"`` there."""
     replica_devices: tuple[str, ...] | None = None
     stage_devices: tuple[str, ...] | None = None
     microbatches: int = 4
@@ -67,6 +76,68 @@ class UpdateSettings:
             object.__setattr__(self, option, devices)
         check_wire_dtype(self.wire_dtype)
         check_values_wire_dtype(self.values_wire_dtype)
+        check_option_values(self)
+
+
+def _check_whole_number(option: str, value: object, minimum: int, meaning: str) -> None:
+    """ConfigTypeError unless ``value`` is None or an int (not a bool, not a float);
+    ConfigError when it is below ``minimum``. Both name ``option``, the value and the fix."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(
+            f"{option} must be a whole number ({meaning}), got {value!r} "
+            f"({type(value).__name__}): give an int >= {minimum}, or leave {option} out"
+        )
+    if value < minimum:
+        raise ConfigError(
+            f"{option} must be >= {minimum} ({meaning}), got {value}: give an int >= "
+            f"{minimum}, or leave {option} out"
+        )
+
+
+def _check_real_number(option: str, value: object, example: str) -> None:
+    """ConfigTypeError unless ``value`` is None or an int or float (not a bool)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigTypeError(
+            f"{option} must be a number, got {value!r} ({type(value).__name__}): give e.g. "
+            f"{option}={example}, or leave {option} out"
+        )
+
+
+def check_option_values(settings: UpdateSettings) -> None:
+    """Each update option's type and range, whatever the mode and with or without a server
+    (ConfigError / ConfigTypeError naming the option, the value seen and the fix)."""
+    _check_whole_number(
+        "replicas_to_aggregate",
+        settings.replicas_to_aggregate,
+        1,
+        "the gradients a sync step averages, one per worker; default: every worker's",
+    )
+    _check_whole_number(
+        "max_staleness",
+        settings.max_staleness,
+        0,
+        "the steps the fastest worker may run ahead of the slowest; 0 is lockstep",
+    )
+    _check_real_number("clip_grad_norm", settings.clip_grad_norm, "1.0")
+    if settings.clip_grad_norm is not None and not settings.clip_grad_norm > 0:
+        raise ConfigError(
+            f"clip_grad_norm must be > 0, got {settings.clip_grad_norm}: it is the global norm "
+            "the gradient is clipped to; give e.g. clip_grad_norm=1.0, or leave it out"
+        )
+    _check_real_number("ema_decay", settings.ema_decay, "0.99")
+    if settings.ema_decay is not None and not 0.0 < settings.ema_decay < 1.0:
+        raise ConfigError(
+            f"ema_decay must be in (0, 1), got {settings.ema_decay}: the weight of the old "
+            "average at each step; give e.g. ema_decay=0.99, or leave it out"
+        )
+    if settings.lost_worker is not None and settings.lost_worker not in LOST_WORKER_POLICIES:
+        raise ConfigError(
+            f"lost_worker must be one of {LOST_WORKER_POLICIES}, got {settings.lost_worker!r}: "
+            "'shrink' (the default) goes on with the live workers when one stops sending "
+            "heartbeats, 'fail' stops the training with an error naming it"
+        )
 
 
 UpdaterFactory = Callable[[Server, NamedParams, UpdateSettings], Updater]
@@ -87,7 +158,14 @@ class UpdateMode:
 
 
 #: Session options that only some modes accept; a mode lists those it takes in ``options``.
-MODE_OPTIONS = ("replicas_to_aggregate", "max_staleness", "wire_dtype", "values_wire_dtype")
+#: Each defaults to None, which every mode accepts.
+MODE_OPTIONS = (
+    "replicas_to_aggregate",
+    "max_staleness",
+    "wire_dtype",
+    "values_wire_dtype",
+    "lost_worker",
+)
 
 _MODES: dict[str, UpdateMode] = {}
 
@@ -109,16 +187,18 @@ def mode_names() -> tuple[str, ...]:
 
 def update_mode(settings: UpdateSettings) -> UpdateMode:
     """The registered mode ``settings.mode``, after checking the options fit it (ConfigError
-    naming the option, the modes that take it, and the mode given)."""
+    naming the option, the modes that take it, the mode given and the fix)."""
     mode = _MODES.get(settings.mode)
     if mode is None:
         raise ConfigError(f"mode must be one of {mode_names()}, got {settings.mode!r}")
     for option in MODE_OPTIONS:
         value = getattr(settings, option)
         if value is not None and option not in mode.options:
-            takers = " or ".join(repr(m.name) for m in _MODES.values() if option in m.options)
+            names = [m.name for m in _MODES.values() if option in m.options]
+            takers = " or ".join(repr(name) for name in names)
             raise ConfigError(
-                f"{option}={value} only applies to mode {takers}, not {settings.mode!r}"
+                f"{option}={value} only applies to mode {takers}, not {settings.mode!r}: "
+                f"leave {option} out, or train with mode={names[0]!r}"
             )
     return mode
 
@@ -188,13 +268,15 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
             f"{shards}. Use one ps task, or mode 'async' (each worker clips "
             "its own gradient), or 'allreduce'"
         )
+    model = model_claim(server, settings, named_params)
+    _check_replicas_fit(settings, model)
     discipline = UpdateDiscipline(
         mode=mode,
         replicas_to_aggregate=settings.replicas_to_aggregate,
         max_staleness=settings.max_staleness,
         clip_norm=settings.clip_grad_norm if mode == "sync" else None,
         ema_decay=settings.ema_decay,
-        lost_worker=settings.lost_worker,
+        lost_worker="shrink" if settings.lost_worker is None else settings.lost_worker,
     )
     specs = [
         VariableSpec(name, tuple(p.shape), dtype_name(p.dtype), p.element_size())
@@ -208,7 +290,6 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
         return plan_placement(kept, shards, settings.placement, settings.partition_threshold_bytes)
 
     # log_placement: the session prints the whole table once the model is wrapped
-    model = model_claim(server, settings, named_params)
     chief = model.chief == str(server.task)
     return PsUpdater(
         server.ps_addresses,
@@ -231,6 +312,38 @@ def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSetti
     )
 
 
+def _check_replicas_fit(settings: UpdateSettings, model: ModelClaim) -> None:
+    """A sync step averages ``replicas_to_aggregate`` gradients, one per worker of the model:
+    more than it has workers is refused here, on every worker alike, before anything is
+    sent (the ps would refuse the chief's ``create`` and leave the others waiting)."""
+    wanted, workers = settings.replicas_to_aggregate, model.workers or ()
+    if wanted is None or wanted <= len(workers):
+        return
+    named = settings.model_workers is not None
+    whose = f"model_workers of {label(model.name)}" if named else "worker tasks of the cluster"
+    raise ConfigError(
+        f"replicas_to_aggregate={wanted} is more than the {len(workers)} {whose} "
+        f"({', '.join(workers)}) that train it: a sync step averages one gradient per worker. "
+        f"Use replicas_to_aggregate <= {len(workers)}, or "
+        + ("name more workers in model_workers" if named else "launch more workers")
+    )
+
+
+_warned_allreduce_in_clear = False
+"""Whether this process has said that --encrypt does not cover mode 'allreduce'."""
+
+
+def _warn_allreduce_in_clear(server: Server) -> None:
+    """Once per process, on a server that encrypts: the all-reduce traffic is not covered."""
+    global _warned_allreduce_in_clear
+    if server.encrypt and not _warned_allreduce_in_clear:
+        _warned_allreduce_in_clear = True
+        log.warning(
+            "mode 'allreduce' traffic (torch.distributed, gloo/NCCL) is neither authenticated "
+            "nor encrypted; --encrypt covers the ps traffic only (docs/security.md)"
+        )
+
+
 def _allreduce_updater(
     server: Server, named_params: NamedParams, settings: UpdateSettings
 ) -> Updater:
@@ -246,6 +359,7 @@ def _allreduce_updater(
             f"mode 'allreduce' needs no ps tasks, but the cluster has {len(server.ps_addresses)}: "
             "they would wait for workers that never come. Launch with --ps 0"
         )
+    _warn_allreduce_in_clear(server)
     workers = server.worker_tasks
     chief = server.cluster.chief_task()
     return AllReduceUpdater(
@@ -272,7 +386,9 @@ register_update_mode(
     UpdateMode(
         "sync",
         _ps_updater,
-        options=frozenset({"replicas_to_aggregate", "wire_dtype", "values_wire_dtype"}),
+        options=frozenset(
+            {"replicas_to_aggregate", "lost_worker", "wire_dtype", "values_wire_dtype"}
+        ),
         clips_on_worker=False,
     )
 )

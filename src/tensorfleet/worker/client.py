@@ -33,6 +33,7 @@ import zmq
 from tensorfleet import environment
 from tensorfleet.errors import (
     ConfigError,
+    ConnectionLost,
     DeadlineExceeded,
     IdentityInUse,
     NotInitialized,
@@ -270,7 +271,7 @@ class ParameterClient:
         )
 
     def _wait_ready(self, shards: Sequence[int], timeout_s: float) -> list[Reply]:
-        shards = list(shards)
+        shards, started = list(shards), time.monotonic()
         try:
             return self._shards.call(
                 "wait_ready",
@@ -280,10 +281,12 @@ class ParameterClient:
                 abort_when_silent=False,  # the shard may be busy creating the variables
             )
         except DeadlineExceeded as exc:
-            raise DeadlineExceeded(
-                f"{self.task_name}: the chief has not initialized the variables within "
-                f"{timeout_s:.0f} s ({exc}). Is the chief (worker 0) running? "
-                "Its output says why it has not."
+            ended = f"within {timeout_s:.0f} s ({exc})"
+            if isinstance(exc, ConnectionLost):  # a ps went away: the wait ended early
+                ended = f"after {time.monotonic() - started:.0f} s, when a ps task went away: {exc}"
+            raise type(exc)(
+                f"{self.task_name}: the chief has not initialized the variables {ended}. Is the "
+                "chief (worker 0) running? Its output, and the ps's, say why it has not."
             ) from None
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""A TrainingSession on a real parameter service (in a thread, ``service_harness``): after its
+``with`` block, the methods that use its connections raise a UsageError saying where they
+belong, not the transport's error on a closed socket (ZeroMQ's "Socket operation on
+non-socket"). The one-process twin is in ``test_training_session_modes.py``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tensorfleet.errors import UsageError
+from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.update_rules import SGD
+from tensorfleet.session.server import Server
+from tensorfleet.session.training_session import TrainingSession
+from tensorfleet.wire.secret import load_secret
+
+from .service_harness import serve_in_thread, stop_services
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = "open-session-unit-test-secret-0000000001"
+
+_CALLS: dict[str, Callable[[TrainingSession], object]] = {
+    "pull()": lambda sess: sess.pull(),
+    "cluster_stats()": lambda sess: sess.cluster_stats(),
+    "moving_average()": lambda sess: sess.moving_average(),
+    "step()": lambda sess: sess.step(lambda: sess.model(torch.ones(2, 3)).sum()),
+}
+
+
+def test_after_the_with_block_the_session_methods_raise_a_usage_error() -> None:
+    service = serve_in_thread(
+        ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)
+    )
+    try:
+        server = Server(
+            {"ps": [service.address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+        )
+        torch.manual_seed(0)
+        with TrainingSession(
+            server, nn.Linear(3, 2), SGD(lr=0.1), ema_decay=0.5, progress_secs=None
+        ) as sess:
+            for call in _CALLS.values():
+                call(sess)  # each works inside the block
+            assert sess.cluster_stats()[0]["pushes"] == 1
+        for name, call in _CALLS.items():
+            with pytest.raises(
+                UsageError,
+                match=re.escape(f"{name} needs a started, open session, and this one is closed"),
+            ):
+                call(sess)
+    finally:
+        stop_services([service])
