@@ -121,6 +121,23 @@ def test_the_drain_waits_only_for_models_whose_chief_will_save() -> None:
     assert drain.drained(services)
 
 
+def test_the_drain_says_what_status_143_means_without_promising_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The ps cannot tell a preemption from the launcher stopping the cluster after an error
+    (or a user's kill), where nothing restarts it: its line must be true in both cases."""
+    drain = PreemptionDrain(time.monotonic(), grace_s=30.0, task="ps:1")
+    with caplog.at_level(logging.WARNING, logger="tensorfleet.ps"):
+        drain.start({"": FakeService(False)})
+    assert caplog.messages == [
+        "ps:1: SIGTERM: asking the chief for a checkpoint, then exiting with status 143 "
+        "(within 30 s), which a launcher or cluster manager that restarts tasks treats as a "
+        "preemption (it restarts this task; when the cluster is being stopped, nothing "
+        "restarts it)"
+    ]
+    assert "to be restarted" not in caplog.text
+
+
 def test_the_drain_ends_at_its_grace_period(caplog: pytest.LogCaptureFixture) -> None:
     drain = PreemptionDrain(time.monotonic() - 2.0, grace_s=1.0, task="ps:3")
     with caplog.at_level(logging.WARNING, logger="tensorfleet.ps"):
@@ -197,7 +214,10 @@ def test_a_preempted_ps_asks_the_chief_and_ends_right_after_its_checkpoint() -> 
         client.close()
     assert global_step == pushes and len(documents) == 1
     assert len(raised) == 1 and isinstance(raised[0], Preempted), raised
-    assert raised[0].code == 143 and f"preempted at global step {pushes}" in str(raised[0])
+    assert raised[0].code == 143 and str(raised[0]) == (
+        f"ps:0: SIGTERM at global step {pushes}; exiting with status 143, which a launcher or "
+        "cluster manager that restarts tasks treats as a preemption"
+    )
     assert server.outcome is not None and server.outcome.reason == "preempted"
 
 

@@ -1,10 +1,12 @@
 """The cluster secret: where :func:`load_secret` looks and in which order, what it refuses,
-and the warning for a secret file other users can read."""
+and the warning (a log line) for a secret file other users can read."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import stat
 import warnings
 from pathlib import Path
 
@@ -114,21 +116,36 @@ def test_unreadable_secret_file_is_an_authentication_error(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o601])
-def test_secret_file_readable_by_others_warns(tmp_path: Path, mode: int) -> None:
+def test_secret_file_readable_by_others_is_a_clean_log_warning(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log line naming the file, its mode and the fix; not a Python warning, which would
+    show a tensorfleet source line (load_secret is called deep inside Server and the CLI)."""
     path = _secret_file(tmp_path, "secret", FILE, mode=mode)
-    with pytest.warns(UserWarning, match=re.escape(f"run `chmod 600 {path}`")) as record:
-        assert load_secret(secret_file=path, environ={}) == FILE.encode()
-    assert record[0].filename == __file__  # attributed to the caller of load_secret
-    with pytest.warns(UserWarning, match="can be read by other users"):
-        load_secret(environ={SECRET_FILE_VAR: str(path)})
-
-
-@pytest.mark.parametrize("mode", [0o600, 0o400])
-def test_private_secret_file_does_not_warn(tmp_path: Path, mode: int) -> None:
-    path = _secret_file(tmp_path, "secret", FILE, mode=mode)
+    caplog.set_level(logging.WARNING, logger="tensorfleet.security")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_secret(secret_file=path, environ={}) == FILE.encode()
+        load_secret(environ={SECRET_FILE_VAR: str(path)})
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING and first.name == "tensorfleet.security"
+    assert first.getMessage() == (
+        f"tensorfleet: the secret file {path} can be read by other users "
+        f"(mode {stat.filemode(stat.S_IFREG | mode)}); run `chmod 600 {path}`"
+    )
+    assert second.getMessage() == first.getMessage()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400])
+def test_private_secret_file_does_not_warn(
+    tmp_path: Path, mode: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _secret_file(tmp_path, "secret", FILE, mode=mode)
+    caplog.set_level(logging.DEBUG, logger="tensorfleet.security")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_secret(secret_file=path, environ={}) == FILE.encode()
+    assert not caplog.records
 
 
 def test_process_environment_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,8 +16,14 @@ the flag). The task keeps serving until every model it holds is *drained*:
 
 or until ``preempt_grace_s`` has passed since the notice (a warning names the models not
 saved). It then ends with the outcome ``preempted``, and the process exits with status 143
-(128 + SIGTERM), which the launcher and cluster managers treat as a kill by a signal and
-restart; the chief restores the restarted shard from that checkpoint.
+(128 + SIGTERM), which a launcher or cluster manager that restarts tasks treats as a kill by
+a signal: it restarts the task, and the chief restores the restarted shard from that
+checkpoint.
+
+The ps cannot tell who sent the SIGTERM: a cluster manager reclaiming the machine, the
+launcher stopping the whole cluster after an error (it restarts nothing then), or a user's
+``kill``. So its log lines say what it does and what status 143 means to whoever restarts
+tasks, never that it "will be restarted".
 
 Invariant. The request loop ends before it handles any request after the save that drained
 the last model, so the checkpoint holds every update the shard applied: a preemption loses
@@ -67,8 +73,10 @@ class PreemptionDrain:
         for service in services.values():
             service.checkpoint_wanted = True
         log.warning(
-            "%s: preempted (SIGTERM): asking the chief for a checkpoint, then exiting with "
-            "status %d (within %g s) to be restarted",
+            "%s: SIGTERM: asking the chief for a checkpoint, then exiting with status %d "
+            "(within %g s), which a launcher or cluster manager that restarts tasks treats as "
+            "a preemption (it restarts this task; when the cluster is being stopped, nothing "
+            "restarts it)",
             self.task,
             PREEMPTED_EXIT_STATUS,
             self.grace_s,
@@ -85,8 +93,9 @@ class PreemptionDrain:
             return True
         if time.monotonic() - self.noticed_at >= self.grace_s:
             log.warning(
-                "%s: no checkpoint from the chief of %s within %g s of the preemption; exiting "
-                "without it (the restart loses the steps since the newest checkpoint)",
+                "%s: no checkpoint from the chief of %s within %g s of the SIGTERM; exiting "
+                "without it (a restart of this task loses the steps since the newest "
+                "checkpoint)",
                 self.task,
                 ", ".join(repr(name) if name else "the default model" for name in waiting),
                 self.grace_s,

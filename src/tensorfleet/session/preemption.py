@@ -6,7 +6,10 @@ instances: a notice of 30-120 s). Python's default for SIGTERM ends the process 
 losing everything since the newest checkpoint. Here a task that gets SIGTERM saves what it
 can and then exits with status 143 (128 + SIGTERM), which the launcher (by its restart
 policy) and cluster managers treat as a kill by a signal, so the task is restarted and the
-run goes on:
+run goes on. A task cannot tell who sent the signal: the same SIGTERM comes from the launcher
+stopping the cluster after an error, or from a user's ``kill``, and then nothing restarts it;
+so the log lines of a ps say what status 143 means to whoever restarts tasks, not that a
+restart will come:
 
 * a **worker** finishes the step it is in (its push is applied, nothing is half sent); the
   **chief** then writes a checkpoint (in ``allreduce`` mode a collective one, at the next

@@ -174,8 +174,9 @@ class Server:
         A SIGTERM meanwhile (called from the main thread, as a ps script does) is a
         preemption: the ps asks the chief for a checkpoint, waits for it up to
         ``preempt_grace_s``, then this raises :class:`~tensorfleet.errors.Preempted`, which
-        ends the process with exit status 143 so that the launcher or the cluster manager
-        restarts it (:mod:`tensorfleet.ps.preemption_drain`)."""
+        ends the process with exit status 143: a launcher or cluster manager that restarts
+        tasks restarts it; one stopping the cluster (or a user's ``kill``) does not, and the
+        ps cannot tell which sent the signal (:mod:`tensorfleet.ps.preemption_drain`)."""
         if self._thread is None:
             return None
         with PreemptionNotice(self._preempt.set):
@@ -188,8 +189,9 @@ class Server:
             ) from self._failure
         if self.outcome is not None and self.outcome.reason == "preempted":
             raise Preempted(
-                f"{self.task}: preempted at global step {self.outcome.global_step}; exiting "
-                "with status 143 to be restarted"
+                f"{self.task}: SIGTERM at global step {self.outcome.global_step}; exiting with "
+                "status 143, which a launcher or cluster manager that restarts tasks treats as "
+                "a preemption"
             )
         return self.outcome
 

@@ -4,19 +4,27 @@ Every message between tasks is authenticated with keys derived from one secret s
 the whole cluster. The launcher generates a fresh one per local cluster; on several machines
 users give it by ``TENSORFLEET_SECRET`` or a file (``--secret-file`` /
 ``TENSORFLEET_SECRET_FILE``) that only its owner can read.
+
+A secret file that other users can read is used, and said in a WARNING line on the
+``tensorfleet.security`` logger (as the service's security events are), not with
+``warnings.warn``: the secret is loaded deep inside ``Server``, ``tensorfleet server`` and
+the launcher, so a warning would point at a tensorfleet source line, not at anything the
+user wrote; the line names the file, its mode and the ``chmod`` that fixes it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import stat
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 from tensorfleet import environment
 from tensorfleet.errors import AuthenticationError
+
+log = logging.getLogger("tensorfleet.security")
 
 #: Shortest secret accepted; shorter ones are too easy to guess offline.
 MIN_SECRET_LENGTH = 16
@@ -36,8 +44,8 @@ def load_secret(
     ``TENSORFLEET_SECRET``, ``TENSORFLEET_SECRET_FILE``.
 
     Raises :class:`AuthenticationError` naming every place looked at when none has one, or
-    when the secret is shorter than :data:`MIN_SECRET_LENGTH`. Warns when a secret file can be
-    read by other users.
+    when the secret is shorter than :data:`MIN_SECRET_LENGTH`. Logs a warning when a secret
+    file can be read by other users (and uses it).
     """
     env = environment.environ() if environ is None else environ
     source = "the secret argument"
@@ -77,9 +85,11 @@ def _read_secret_file(path: Path) -> str:
     except OSError as exc:
         raise AuthenticationError(f"cannot read the secret file {path}: {exc.strerror}") from exc
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        warnings.warn(
-            f"secret file {path} can be read by other users (mode {stat.filemode(mode)}); "
-            f"run `chmod 600 {path}`",
-            stacklevel=3,
+        log.warning(
+            "tensorfleet: the secret file %s can be read by other users (mode %s); run "
+            "`chmod 600 %s`",
+            path,
+            stat.filemode(mode),
+            path,
         )
     return text

@@ -15,12 +15,23 @@ The service can hold a request and answer it later (ROUTER socket; see
 With ``encrypt=True`` the socket answers key exchanges itself, opens sealed requests and
 seals the replies to them (:mod:`tensorfleet.wire.encryption`); a request that was not
 sealed is refused with ``EncryptionMismatch``, as is a key exchange without ``encrypt``.
+
+Security events are logged, not only counted: a message dropped because it failed
+authentication (a worker's ``hello`` with the wrong secret), was malformed, spoke another
+protocol or did not match the encryption setting, and a connection quarantined, each make a
+WARNING on the ``tensorfleet.security`` logger naming the service, the peer's IP address and
+the count so far (:class:`RejectionLog`). At most one line per kind per
+``REJECTION_LOG_INTERVAL_S``, so that a flood of junk cannot flood the log; nothing the peer
+sent is logged but the count (the address is the kernel's, and sanitized anyway).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +67,104 @@ RECEIVE_QUEUE_MESSAGES = 64
 QUARANTINE_AFTER_INVALID = 8
 #: Error code of the answer to a request addressed to an earlier incarnation of a service.
 STALE_SESSION = ServiceRestarted.code
+#: Shortest time between two log lines about one kind of rejection (each kind has its own).
+REJECTION_LOG_INTERVAL_S = 60.0
+
+log = logging.getLogger("tensorfleet.security")
+
+#: What each logged kind of rejected message means, and the fix (``rejected`` reasons; stale
+#: and unknown-connection requests follow every ps restart, so they are counted only).
+_REJECTION_MEANINGS = {
+    "auth": "it failed authentication (the sender does not hold this cluster's secret, or the "
+    "message was altered or replayed); if it is one of your tasks, give every task the same "
+    "secret ($TENSORFLEET_SECRET, $TENSORFLEET_SECRET_FILE or --secret-file)",
+    "malformed": "it is not a well-formed tensorfleet message (junk, a port scanner, or another "
+    "program pointed at this port)",
+    "protocol": "it speaks another tensorfleet wire protocol; run the same tensorfleet version "
+    "on every task",
+    "unencrypted": "its encryption does not match this service's (--encrypt / "
+    "$TENSORFLEET_ENCRYPT); the sender was told so; every task must agree",
+}
+_ADDRESS = re.compile(r"[0-9A-Za-z.:%\[\]-]{1,64}")
+
+
+class RejectionLog:
+    """Rate-limited WARNING lines about messages a service drops and connections it quarantines.
+
+    Counting alone (:attr:`ServiceSocket.rejected`) left a ps silent while junk or a worker
+    with the wrong secret knocked; logging every message would let a flood fill the disk. So
+    each kind (a ``rejected`` reason, or ``"quarantine"``) logs at once the first time, then
+    at most once per ``interval_s``, and each line says how many were not logged since.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        interval_s: float = REJECTION_LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.service = service
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._unlogged: Counter[str] = Counter()
+
+    def due(self, kind: str) -> bool:
+        """Whether a line about ``kind`` may be logged now; when not, the event is counted as
+        not logged (the next line says so)."""
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._unlogged[kind] += 1
+            return False
+        self._last[kind] = now
+        return True
+
+    def rejected(self, reason: str, peer_address: str, total: int) -> None:
+        """Log that a message from ``peer_address`` was dropped for ``reason`` (call when
+        :meth:`due`); ``total`` is how many were dropped for it so far."""
+        log.warning(
+            "tensorfleet service %s: dropped a message from %s: %s (%d dropped as %r so far%s)",
+            self.service,
+            peer_address,
+            _REJECTION_MEANINGS[reason],
+            total,
+            reason,
+            self._since(reason),
+        )
+
+    def quarantined(self, peer_address: str, connections: int) -> None:
+        """Log that the connection from ``peer_address`` is ignored from now on (call when
+        :meth:`due`); ``connections`` is how many were quarantined so far."""
+        log.warning(
+            "tensorfleet service %s: ignoring the connection from %s for good after %d invalid "
+            "messages; its further messages are dropped unread (counted as 'quarantined') "
+            "(%d connection(s) quarantined so far%s)",
+            self.service,
+            peer_address,
+            QUARANTINE_AFTER_INVALID,
+            connections,
+            self._since("quarantine"),
+        )
+
+    def _since(self, kind: str) -> str:
+        unlogged = self._unlogged.pop(kind, 0)
+        if not unlogged:
+            return ""
+        every = f"{self.interval_s:g} s"
+        return f", {unlogged} not logged since the last such line: at most one per {every}"
+
+
+def peer_address(frame: zmq.Frame | None) -> str:
+    """The IP address of the peer that sent ``frame`` (ZeroMQ's ``Peer-Address``), checked
+    to be only address characters, or ``"an unknown address"``."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return "an unknown address"
+    if isinstance(address, str) and _ADDRESS.fullmatch(address):
+        return address
+    return "an unknown address"
 
 
 class _StaleSession(ProtocolError):
@@ -157,6 +266,11 @@ class ServiceSocket:
         ``unencrypted``: not sealed where the service encrypts, or the reverse;
         ``unknown_connection``: sealed under keys this service does not hold)."""
         self.last_valid_request_time = time.monotonic()
+        self.rejection_log = RejectionLog(address)
+        """Says in the log what :attr:`rejected` counts (rate-limited)."""
+        self._quarantined_connections = 0
+        self._frame: zmq.Frame | None = None
+        """The first frame of the message being received: where its peer's address is."""
 
     @property
     def session_id(self) -> bytes:
@@ -172,6 +286,7 @@ class ServiceSocket:
         :attr:`rejected`). Call after :meth:`poll` said a message waits."""
         frames = self._socket.recv_multipart(copy=False)
         peer = frames[0].bytes
+        self._frame = frames[0]  # the peer's address, for the log lines of a rejection
         if self._invalid_by_peer.get(peer, 0) >= QUARANTINE_AFTER_INVALID:
             self.rejected["quarantined"] += 1  # a connection that sent garbage again and again
             return None
@@ -215,7 +330,7 @@ class ServiceSocket:
                 self.fail(stub, "ProtocolError", f"{exc} [service {self.address}]")
             return None
         except AuthenticationError as exc:
-            self.rejected["auth"] += 1
+            self._reject("auth")
             self._count_invalid(peer)
             self._notice_once(peer, "auth", f"{exc} [service {self.address}]")
             return None
@@ -225,7 +340,7 @@ class ServiceSocket:
                 if wire.peek_protocol(payload) not in (None, wire.PROTOCOL_VERSION)
                 else "malformed"
             )
-            self.rejected[reason] += 1
+            self._reject(reason)
             self._count_invalid(peer)
             if reason == "protocol":
                 self._notice_once(peer, "protocol", str(exc))
@@ -241,7 +356,7 @@ class ServiceSocket:
         is sealed): refused with ``EncryptionMismatch`` naming the flag; or a key exchange,
         answered with this service's public key."""
         if self._encryption is None:
-            self.rejected["unencrypted"] += 1
+            self._reject("unencrypted")
             self.fail(
                 request,
                 EncryptionMismatch.code,
@@ -250,7 +365,7 @@ class ServiceSocket:
                 "of a cluster must agree; start the service with --encrypt, or the client without",
             )
         elif request.op != KEY_EXCHANGE_OP:
-            self.rejected["unencrypted"] += 1
+            self._reject("unencrypted")
             self.fail(
                 request,
                 EncryptionMismatch.code,
@@ -389,12 +504,24 @@ class ServiceSocket:
         """How many client connections this socket holds encryption keys for."""
         return 0 if self._encryption is None else self._encryption.connections
 
+    def _reject(self, reason: str) -> None:
+        """Count a message dropped for ``reason`` and say so in the log (rate-limited)."""
+        self.rejected[reason] += 1
+        if self.rejection_log.due(reason):
+            self.rejection_log.rejected(reason, peer_address(self._frame), self.rejected[reason])
+
     def _count_invalid(self, peer: bytes) -> None:
         """Count an invalid message of ``peer``; past the limit its connection is ignored."""
         self._invalid_by_peer[peer] = self._invalid_by_peer.get(peer, 0) + 1
         self._invalid_by_peer.move_to_end(peer)
         if len(self._invalid_by_peer) > 4096:
             self._invalid_by_peer.popitem(last=False)
+        if self._invalid_by_peer[peer] == QUARANTINE_AFTER_INVALID:
+            self._quarantined_connections += 1
+            if self.rejection_log.due("quarantine"):
+                self.rejection_log.quarantined(
+                    peer_address(self._frame), self._quarantined_connections
+                )
 
     def _notice_once(self, peer: bytes, reason: str, text: str) -> None:
         if peer in self._noticed:
