@@ -49,7 +49,8 @@ def raise_if_preempted(waiting_for: str) -> None:
     if _PREEMPTED.is_set():
         message = (
             f"preempted (SIGTERM) while waiting for {waiting_for}: nothing to save yet; "
-            "exiting with status 143 to be restarted"
+            "exiting with status 143, a preemption to a launcher or cluster manager that "
+            "restarts tasks"
         )
         log.warning("%s", message)  # a SystemExit prints nothing of its own
         raise Preempted(message)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import tensorfleet as tfl
 from tensorfleet.errors import ClusterConfigError, ConfigError, UsageError
 from tensorfleet.ps.update_rules import SGD
 from tensorfleet.session import update_modes
@@ -189,6 +190,40 @@ def test_sync_replicas_are_counted_among_the_models_workers() -> None:
         assert session.discipline.replicas_to_aggregate == 2
     finally:
         session._updater.close()  # never started: release the client without telling the ps
+
+
+@pytest.mark.parametrize("uses_ps", [True, False])
+def test_a_users_mode_through_the_ps_has_the_models_chief_only_with_uses_ps(
+    uses_ps: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mode of the user's built on ``ps_updater``: with ``uses_ps`` the chief is the
+    model's (the first of model_workers) and sparse_optimizer applies, as in the built-in
+    ps modes; without it the chief is the cluster's and sparse_optimizer is refused."""
+    monkeypatch.setattr(update_modes, "_MODES", dict(update_modes._MODES))  # this test's own
+
+    def build(server, named_params, settings):
+        return update_modes.ps_updater(server, named_params, settings, discipline="async")
+
+    update_modes.register_update_mode(update_modes.UpdateMode("mine", build, uses_ps=uses_ps))
+    session = TrainingSession(
+        _server(workers=3, index=1),
+        _model(),
+        SGD(lr=0.1),
+        mode="mine",
+        model_name="small",
+        model_workers=[1, 2],
+    )
+    try:
+        assert session.is_chief is uses_ps  # worker:1 is the first of model 'small'
+        assert session.discipline.mode == "async"
+    finally:
+        session._updater.close()  # never started: release the client without telling the ps
+    arguments = {"mode": "mine", "sparse_optimizer": tfl.optim.SparseAdam(lr=0.1)}
+    if uses_ps:
+        TrainingSession(_server(), _model(), SGD(lr=0.1), **arguments)._updater.close()
+    else:
+        with pytest.raises(ConfigError, match="sparse_optimizer='sparse_adam'"):
+            TrainingSession(_server(), _model(), SGD(lr=0.1), **arguments)
 
 
 def test_allreduce_on_an_encrypting_server_warns_once_that_it_is_not_covered(

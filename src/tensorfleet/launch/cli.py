@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=ServiceSettings.preempt_grace_s,
         metavar="S",
         help="after a SIGTERM (a preemption), keep serving up to S seconds until the chief "
-        "has written a checkpoint, then exit with status 143 to be restarted "
+        "has written a checkpoint, then exit with status 143 (a preemption, to a launcher "
+        "that restarts tasks) "
         "(default: %(default)g)",
     )
     server.add_argument(

@@ -49,7 +49,8 @@ class SyncAggregator:
         if not 1 <= self.replicas_to_aggregate <= len(self.worker_order):
             raise ConfigError(
                 f"replicas_to_aggregate must be between 1 and the number of workers "
-                f"({len(self.worker_order)}), got {self.replicas_to_aggregate}"
+                f"({len(self.worker_order)}), got {self.replicas_to_aggregate}: use "
+                f"replicas_to_aggregate <= {len(self.worker_order)}, or launch more workers"
             )
 
     def is_stale(self, step: int) -> bool:

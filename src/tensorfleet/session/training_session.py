@@ -24,7 +24,8 @@ saved with the checkpoint and given back on resume, so no batch is replayed.
 
 A SIGTERM while the session is open is a preemption (:mod:`tensorfleet.session.preemption`):
 the step in progress finishes, the chief writes a checkpoint, and
-:class:`~tensorfleet.errors.Preempted` ends the process with status 143 to be restarted.
+:class:`~tensorfleet.errors.Preempted` ends the process with status 143, which a launcher
+or cluster manager that restarts tasks treats as a preemption.
 """
 
 from __future__ import annotations
@@ -436,7 +437,7 @@ class TrainingSession:
         if not self._updater.collective and self.is_chief and self.checkpoints is not None:
             saved = f"; checkpoint saved in {self._save()}"
         log.warning(
-            "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 to be restarted",
+            "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 (a preemption)",
             self.task_name,
             self._global_step,
             saved,

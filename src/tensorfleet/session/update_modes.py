@@ -155,6 +155,10 @@ class UpdateMode:
     """Which of the mode-specific session options (:data:`MODE_OPTIONS`) it accepts."""
     clips_on_worker: bool = True
     """Each worker clips its own gradient (False: the mode clips the aggregate itself)."""
+    uses_ps: bool = False
+    """The mode trains through the ps shards (its ``build`` returns a :func:`ps_updater`, or
+    wraps one): the chief is the model's (the first of ``model_workers``), not the cluster's,
+    and ``sparse_optimizer`` applies."""
 
 
 #: Session options that only some modes accept; a mode lists those it takes in ``options``.
@@ -224,7 +228,7 @@ def is_chief(server: Server | None, settings: UpdateSettings) -> bool:
     ``model_workers`` in cluster order."""
     if server is None:
         return True
-    if settings.mode not in _PS_MODES:
+    if not update_mode(settings).uses_ps:
         return server.is_chief
     return model_claim(server, settings).chief == str(server.task)
 
@@ -234,7 +238,7 @@ def build_updater(
 ) -> Updater:
     """The updater for ``settings.mode`` on ``server``'s task (this process without one)."""
     mode = update_mode(settings)
-    if settings.sparse_optimizer is not None and server is not None and mode.name not in _PS_MODES:
+    if settings.sparse_optimizer is not None and server is not None and not mode.uses_ps:
         raise ConfigError(
             f"sparse_optimizer={settings.sparse_optimizer.name!r} is the row-sparse rule the ps "
             f"shards apply to the sparse=True embedding weights and embedding tables they hold "
@@ -253,12 +257,21 @@ def build_updater(
 # -- the built-in modes ---------------------------------------------------------------------------
 
 
-def _ps_updater(server: Server, named_params: NamedParams, settings: UpdateSettings) -> Updater:
-    """``async`` and ``sync``: the variables live on the ps shards, which apply the updates."""
-    mode, shards = settings.mode, len(server.ps_addresses)
+def ps_updater(
+    server: Server,
+    named_params: NamedParams,
+    settings: UpdateSettings,
+    discipline: str | None = None,
+) -> Updater:
+    """The updater of a mode whose variables live on the ps shards, which apply the updates:
+    ``async`` and ``sync``, and a mode of the user's registered with ``uses_ps=True`` whose
+    ``build`` calls this (and may wrap what it returns). ``discipline``: how the ps applies
+    the pushes, ``"async"`` or ``"sync"`` (default: ``settings.mode``, a built-in mode's)."""
+    mode, shards = discipline or settings.mode, len(server.ps_addresses)
     if not shards:
         raise ClusterConfigError(
-            f"mode {mode!r} trains through parameter servers, but the cluster has no 'ps' job: "
+            f"mode {settings.mode!r} trains through parameter servers, but the cluster has no "
+            "'ps' job: "
             "add ps tasks (tensorfleet launch --ps 1), or use mode='allreduce'"
         )
     if mode == "sync" and settings.clip_grad_norm is not None and shards > 1:
@@ -372,24 +385,24 @@ def _allreduce_updater(
     )
 
 
-_PS_MODES = ("async", "sync")
-
 register_update_mode(
     UpdateMode(
         "async",
-        _ps_updater,
+        ps_updater,
         options=frozenset({"max_staleness", "wire_dtype", "values_wire_dtype"}),
         clips_on_worker=True,
+        uses_ps=True,
     )
 )
 register_update_mode(
     UpdateMode(
         "sync",
-        _ps_updater,
+        ps_updater,
         options=frozenset(
             {"replicas_to_aggregate", "lost_worker", "wire_dtype", "values_wire_dtype"}
         ),
         clips_on_worker=False,
+        uses_ps=True,
     )
 )
 register_update_mode(UpdateMode("allreduce", _allreduce_updater, clips_on_worker=True))

@@ -376,7 +376,7 @@ class ParameterClient:
                 message = (
                     f"{self.task_name}: preempted (SIGTERM) while the parameter servers were "
                     f"unreachable ({last}): nothing could be saved since the last checkpoint; "
-                    "exiting with status 143 to be restarted"
+                    "exiting with status 143 (a preemption: restarted where tasks are)"
                 )
                 log.warning("%s", message)
                 raise Preempted(message)
