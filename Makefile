@@ -52,12 +52,17 @@ lint: setup
 	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/ruff format --check src tests examples benchmarks
 
-# Every benchmark, then one table: benchmarks/results/bench.md (and bench.json). The
-# TensorFlow rows run when tensorflow-cpu installs into its own venv (.venv-tf), which never
-# touches the project's torch; otherwise they say why they are missing.
+# Every benchmark of benchmarks/README.md (benchmarks/run_all.py's list; hours on a small
+# machine), then one table: bench.md (and bench.json), in benchmarks/results/ over the
+# committed tables. BENCH_ARGS goes to run_all.py: "--quick" (small settings, results in a
+# temporary directory), "--out-dir DIR", "--only NAME ...". A benchmark that cannot run here
+# (network namespaces need root) is skipped with its reason in the table; make bench fails
+# only when one failed. The TensorFlow rows run when tensorflow-cpu installs into its own
+# venv (.venv-tf), which never touches the project's torch; otherwise they say why not.
+BENCH_ARGS ?=
 bench: setup data
 	-@$(MAKE) --no-print-directory tf-reference
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 tf-reference:
 	@if [ ! -x .venv-tf/bin/python ]; then \

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from compute_rates import cnn_step_flops, gemm_flop_per_s  # noqa: E402
 from mnist_cnn import ClassicCNN  # noqa: E402
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 BATCH = 50
@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--profile", action="store_true", help="the top ops of each variant")
     parser.add_argument("--skip-tensorflow", action="store_true")
+    add_out_dir_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     flops = cnn_step_flops(BATCH)

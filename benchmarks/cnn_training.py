@@ -10,13 +10,16 @@ and an example should not show.
   bytes its transport sent per steady-state step).
 
 Every other flag is the example's; the training itself is the example's ``train``. Run it as
-the example is run, e.g. ``tensorfleet launch --ps 1 --workers 3 -- python
-benchmarks/cnn_training.py --steps 600 --metrics-json m.json``.
+the example is run, e.g. ``tensorfleet launch --ps 1 --workers 3 -- .venv/bin/python
+benchmarks/cnn_training.py --steps 600 --metrics-json m.json``. With ``--metrics-json`` the
+chief must make more than ``WARMUP_STEPS`` local steps: a shorter run is an error (no
+steady state to time), not a figure.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -64,7 +67,22 @@ class BenchmarkClocks(tfl.Hook):
             self.sent_from = sent if self.local_steps == WARMUP_STEPS else self.sent_from
             self.sent_to = sent
 
-    def figures(self, result: mnist_cnn.Result, mode: str) -> dict[str, float | int | str]:
+    def figures(
+        self, result: mnist_cnn.Result, mode: str, steps: int
+    ) -> dict[str, float | int | str]:
+        """The chief's figures; ``steps`` is the ``--steps`` asked for (named in the error).
+
+        Raises ConfigError when the chief's local steps did not pass the warm-up: there is no
+        steady state to time, and figures of the whole run would pass for per-step ones.
+        """
+        if self.local_steps <= WARMUP_STEPS:
+            needed = math.ceil(steps * (WARMUP_STEPS + 1) / max(1, self.local_steps))
+            raise tfl.ConfigError(
+                f"--steps {steps} gave the chief {self.local_steps} local steps ({mode} mode, "
+                f"{result.workers} worker(s)), not more than the {WARMUP_STEPS} warm-up steps "
+                f"its steady-state clock skips: no figure can be measured; pass at least "
+                f"{WARMUP_STEPS + 1} local steps to the chief (about --steps {needed} here)"
+            )
         elapsed = self.last_step_at - self.started
         steady_s, steady_step = self.steady_from or (self.started, self.first_step)
         steps = result.global_step - self.first_step
@@ -77,12 +95,12 @@ class BenchmarkClocks(tfl.Hook):
             "chief_local_steps": self.local_steps,
             "steady_local_ms_per_step": 1e3
             * (self.last_step_at - steady_s)
-            / max(1, self.local_steps - WARMUP_STEPS),
+            / (self.local_steps - WARMUP_STEPS),
             "test_accuracy": result.test_accuracy,
             "workers": result.workers,
             "mode": mode,
             "sent_bytes_per_step": (self.sent_to - self.sent_from)
-            / max(1, self.local_steps - WARMUP_STEPS)
+            / (self.local_steps - WARMUP_STEPS)
             if self.client is not None
             else None,
         }
@@ -95,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--straggler-slowdown", type=float, default=4.0)
     parser.add_argument("--metrics-json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.metrics_json is not None and args.steps <= WARMUP_STEPS:
+        parser.error(
+            f"--steps {args.steps} cannot pass the chief's {WARMUP_STEPS} warm-up steps, after "
+            f"which --metrics-json's figures are timed: pass --steps {WARMUP_STEPS + 1} or more "
+            "(more with several workers in async mode: the chief makes only its share)"
+        )
     task = tfl.resolve_task(
         argv=[
             f"--{k}={getattr(args, k)}"
@@ -107,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     clocks = BenchmarkClocks(args.straggler_slowdown if slow else None)
     result = mnist_cnn.train(args, extra_hooks=[clocks])
     if result is not None and args.metrics_json is not None:
-        args.metrics_json.write_text(json.dumps(clocks.figures(result, args.mode)))
+        args.metrics_json.write_text(json.dumps(clocks.figures(result, args.mode, args.steps)))
     return 0
 
 

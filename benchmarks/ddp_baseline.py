@@ -2,7 +2,7 @@
 all-reduce mode. One process per worker; rank and rendezvous come from TF_CONFIG (as the
 local launcher sets it). The chief prints one JSON line with its steady-state steps/s.
 
-    tensorfleet launch --ps 0 --workers 3 -- python benchmarks/ddp_baseline.py --steps 300
+    tensorfleet launch --ps 0 --workers 3 -- .venv/bin/python benchmarks/ddp_baseline.py --steps 300
 """
 
 from __future__ import annotations
@@ -23,16 +23,32 @@ from torch.nn.parallel import DistributedDataParallel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mnist_cnn import WARMUP_STEPS, ClassicCNN  # noqa: E402
+from cnn_training import WARMUP_STEPS  # noqa: E402  (the same warm-up as tensorfleet's runs)
+from mnist_cnn import ClassicCNN  # noqa: E402
 
 from tensorfleet.datasets import BatchStream, load_mnist, normalize  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=300)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=300, help=f"steps, the first {WARMUP_STEPS} not timed"
+    )
     args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(
+            f"--steps {args.steps} leaves no step to time: the first {WARMUP_STEPS} are the "
+            f"warm-up; pass --steps {WARMUP_STEPS + 1} or more"
+        )
+    if "TF_CONFIG" not in os.environ:
+        parser.error(
+            "TF_CONFIG is not set: run it under the launcher, e.g. `tensorfleet launch --ps 0 "
+            "--workers 3 -- .venv/bin/python benchmarks/ddp_baseline.py --steps 300`"
+        )
     config = json.loads(os.environ["TF_CONFIG"])
     workers = config["cluster"]["worker"]
     rank, world = config["task"]["index"], len(workers)

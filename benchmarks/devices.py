@@ -16,7 +16,8 @@
 
     .venv/bin/python benchmarks/devices.py [--only budget|pipeline] [--steps N]
 
-Writes benchmarks/results/devices.json and .md. On a shared or small machine the figures
+Writes benchmarks/results/devices.json and .md; ``--only PART`` writes ``devices_PART``
+(a partial run never replaces the whole table). On a shared or small machine the figures
 are noisy: say "measured under load" when quoting them.
 """
 
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet import environment  # noqa: E402
 from tensorfleet.cluster.resources import plan_resources  # noqa: E402
@@ -304,6 +305,12 @@ def pipeline_rows(steps: int) -> dict:
     return rows
 
 
+def results_name(only: str | None) -> str:
+    """The results' file name: ``devices`` for the whole run, ``devices_<part>`` for
+    ``--only <part>``, so that a partial run never replaces the whole table."""
+    return "devices" if only is None else f"devices_{only}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -320,6 +327,7 @@ def main() -> int:
     parser.add_argument("--rendezvous", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     if args.child == "cnn":
         return cnn_child(args.steps, args.threads, args.out)
@@ -366,7 +374,9 @@ def main() -> int:
                 f"| mlp_pipeline_2_tasks_{kind} | {row['steps_per_s']:.2f} | "
                 f"{row['steps_per_s'] / base:.2f}x | idle: {idle} (theory: bubble {rows['bubble_theory']:.0%}) |"
             )
-    write_results("devices", result, f"{result['benchmark']}, {result['date']}", table)
+    write_results(
+        results_name(args.only), result, f"{result['benchmark']}, {result['date']}", table
+    )
     return 0
 
 

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from results_writer import write_results  # noqa: E402
+from cnn_training import WARMUP_STEPS  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 from throughput import example_run  # noqa: E402
 
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
@@ -52,13 +53,17 @@ class Capture(Output):
             self.lines.append(text)
 
 
-def ddp_direct(steps: int, workers: int) -> float:
+def ddp_direct(steps: int, workers: int, timeout: float = 1800.0) -> float:
+    """Steps/s of ``benchmarks/ddp_baseline.py`` on ``workers`` local processes (its chief's
+    steady-state figure); RuntimeError naming the exit status and the chief's last lines when
+    it fails, the launcher's DeadlineExceeded when it does not end within ``timeout`` seconds
+    (its processes are stopped either way)."""
     capture = Capture()
     command = [sys.executable, str(ROOT / "benchmarks" / "ddp_baseline.py"), "--steps", str(steps)]
     cluster = LocalCluster(0, workers, command, output=capture, grace_period=20)
     try:
         cluster.start()
-        code = cluster.wait(timeout=1800)
+        code = cluster.wait(timeout=timeout)
     finally:
         cluster.stop()
     figures = [json.loads(line) for line in capture.lines if line.startswith("{")]
@@ -82,6 +87,31 @@ def run_mode(
     return row
 
 
+def too_short(samples: int, straggler_samples: int, pair_samples: int) -> list[str]:
+    """What is wrong with sample counts whose runs would not pass the chief's warm-up.
+
+    Each figure is the chief's steady state, timed after ``WARMUP_STEPS`` local steps. A
+    sync or all-reduce global step takes one batch from every aggregated worker (so the
+    chief makes one local step per global step); an async one a single batch (the chief
+    makes about a third of the steps on 3 workers): each run needs more local steps than the
+    warm-up. Returns one message per option that is too small (empty when every run passes).
+    """
+    least = WARMUP_STEPS + 1
+    checks = (
+        # (option, value, samples per chief local step in its tightest run, that run)
+        ("--samples", samples, BATCH * 3, "sync and all-reduce on 3 workers"),
+        ("--straggler-samples", straggler_samples, BATCH * 4, "sync on 4 workers"),
+        ("--pair-samples", pair_samples, BATCH * 3, "all-reduce and DDP on 3 workers"),
+    )
+    return [
+        f"{option} {value} gives the chief {value // per_step} local steps in its {run} "
+        f"runs, not more than the {WARMUP_STEPS} warm-up steps its clock skips: no figure "
+        f"could be measured; pass {option} {least * per_step} or more"
+        for option, value, per_step, run in checks
+        if value // per_step < least
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,7 +120,10 @@ def main() -> int:
     parser.add_argument("--straggler-samples", type=int, default=24000)
     parser.add_argument("--pairs", type=int, default=3, help="alternating all-reduce / DDP runs")
     parser.add_argument("--pair-samples", type=int, default=30000)
+    add_out_dir_option(parser)
     args = parser.parse_args()
+    for problem in too_short(args.samples, args.straggler_samples, args.pair_samples):
+        parser.error(problem)
 
     rows: dict[str, dict] = {}
     rows["async"] = run_mode("async", args.samples, 1, 3, 1, ("--mode", "async"))

@@ -46,7 +46,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from results_writer import write_results  # noqa: E402
+from programs.overlap_worker import WARMUP  # noqa: E402
+from results_writer import add_out_dir_option, not_run, write_results  # noqa: E402
 
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
@@ -186,6 +187,22 @@ def measure(
         return json.loads(metrics.read_text())
 
 
+def too_few_steps(steps: int, workers: int) -> str | None:
+    """What is wrong with ``--steps`` when the chief would not pass its warm-up, or None.
+
+    The worker times the chief after ``WARMUP`` local steps; in async mode the chief makes
+    about 1/workers of the global steps, so a run needs workers x (warm-up + 1) steps.
+    """
+    least = workers * (WARMUP + 1)
+    if steps >= least:
+        return None
+    return (
+        f"--steps {steps} gives the chief about {steps // workers} local steps on {workers} "
+        f"worker(s), not more than the {WARMUP} warm-up steps its clock skips: no figure "
+        f"could be measured; pass --steps {least} or more"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,14 +215,17 @@ def main() -> int:
     parser.add_argument("--bucket-sizes", type=int, nargs="*", default=[], metavar="BYTES")
     parser.add_argument("--timelines", type=Path, default=None, metavar="DIR")
     parser.add_argument("--wire-dtypes", action="store_true", help="add the bf16 wire")
+    add_out_dir_option(parser)
     args = parser.parse_args()
+    problem = too_few_steps(args.steps, args.workers)
+    if problem is not None:
+        parser.error(problem)
     if args.rate is not None:
         from tests.multihost.netns import namespaces_available
 
         reason = namespaces_available()
         if reason is not None:
-            print(f"overlap: not run over links: {reason}")
-            return 2
+            return not_run("overlap", f"--rate needs links between network namespaces: {reason}")
     configs = configurations(args.bucket_sizes, args.wire_dtypes)
     runs: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in configs} for m in args.models}
     for round_index in range(args.repeats):

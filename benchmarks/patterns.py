@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.patterns.broadcast import free_address  # noqa: E402
 from tensorfleet.patterns.sweep import run_sweep  # noqa: E402
@@ -103,6 +103,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="training steps per trial")
     parser.add_argument("--al-steps", type=int, default=30_000, help="CartPole environment steps")
     parser.add_argument("--actors", type=int, default=2)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     serial, serial_done = sweep_minutes(args.trials, 1, args.steps)
     parallel, parallel_done = sweep_minutes(args.trials, args.slots, args.steps)

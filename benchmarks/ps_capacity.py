@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ps_load import ROOT, run_load, summarize  # noqa: E402
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "src"))
 from tensorfleet.launch.ports import free_port  # noqa: E402
@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument(
         "--shared-memory", choices=("0", "1"), default="1", help="the same-host fast path"
     )
+    add_out_dir_option(parser)
     args = parser.parse_args()
     env = {"TENSORFLEET_SHARED_MEMORY": args.shared_memory}
     runs: dict[str, dict[int, list[dict]]] = {m: {n: [] for n in args.workers} for m in MODELS}

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ps_load import ROOT, run_load, summarize  # noqa: E402
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, not_run, write_results  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 from tests.multihost.netns import NetworkNamespaces, namespaces_available  # noqa: E402
@@ -77,11 +77,11 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--repeats", type=int, default=1)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     reason = namespaces_available()
     if reason is not None:
-        print(f"ps_sharding_links: not run: {reason}")
-        return 2
+        return not_run("ps_sharding_links", reason)
     model = {"bytes": int(args.megabytes * 1e6) // 4 * 4, "variables": args.variables}
     runs: dict[int, list[dict]] = {n: [] for n in args.shards}
     for _ in range(args.repeats):

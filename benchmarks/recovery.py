@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
 
 from mnist_cnn import ClassicCNN  # noqa: E402
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
@@ -184,6 +184,7 @@ def ps_recovery() -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     costs = checkpoint_costs(args.repeats)
     recovery = ps_recovery()

@@ -1,13 +1,21 @@
-"""Every benchmark in one command (``make bench``): runs each script, then writes
-``benchmarks/results/bench.json`` (the machine, the versions, every command with its exit
-status, and each benchmark's own JSON) and ``bench.md`` (the machine and one table of the
-headline figures, each with its target and the command that measured it).
+"""Every benchmark in one command (``make bench``): runs each script of :data:`BENCHMARKS`,
+then writes ``bench.json`` (the machine, the versions, every command with its outcome, and
+each benchmark's own JSON) and ``bench.md`` (the machine and one table of the headline
+figures, each with its target and the command that measured it).
 
-    .venv/bin/python benchmarks/run_all.py [--quick]
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only NAME ...] [--out-dir DIR]
 
-``--quick`` runs every benchmark with small settings (a smoke test of the scripts, not a
-measurement). A benchmark that cannot run here (the link emulation needs root, the
-TensorFlow rows need ``make tf-reference``) says so in the table instead of a figure.
+Every benchmark's results and ``bench.*`` go to ``benchmarks/results`` (replacing the
+committed tables the docs cite) unless ``--out-dir DIR`` (or ``TENSORFLEET_BENCH_OUT=DIR``)
+names another directory. ``--quick`` runs every benchmark with small settings: a smoke test
+of the scripts, not a measurement, so without ``--out-dir`` its results go to a new
+temporary directory (printed), never over the committed tables.
+
+Each benchmark ends in one of three outcomes: it ran (exit status 0, its JSON written); it
+was skipped (it cannot run here for a reason it printed: the link emulation needs root for
+network namespaces); or it failed (any other exit status, or no JSON). Skips and failures get
+a row with their reason. The exit status is 0 when nothing failed, 1 otherwise. TensorFlow
+missing is not a skip of a whole benchmark: the TensorFlow rows of ``throughput`` say why.
 """
 
 from __future__ import annotations
@@ -17,30 +25,161 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from results_writer import RESULTS, write_results  # noqa: E402
+from results_writer import (  # noqa: E402
+    NOT_RUN_MARK,
+    NOT_RUN_STATUS,
+    OUT_ENV,
+    add_out_dir_option,
+    results_dir,
+    write_results,
+)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark run by ``make bench``: its script, its arguments (the documented
+    measurement, and ``--quick``'s smoke-test settings) and the results file it writes."""
+
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    results: str
+
 
 SPARSE_TABLES_QUICK = "--repeats 1 --rows 100000 --sparse-steps 20 --dense-steps 3".split()
 SPARSE_TABLES_QUICK += "--big-rows 2000000 --big-steps 50".split()
 
-#: name -> (script arguments, quick arguments)
-BENCHMARKS = {
-    "wire": ([], ["--megabytes", "8", "--batches", "2", "--per-batch", "5"]),
-    "wire_floor": ([], ["--megabytes", "8", "--batches", "2", "--per-batch", "5"]),
-    "ps_capacity": ([], ["--workers", "1", "4", "--duration", "1"]),
-    "ps_sharding_links": ([], ["--duration", "2"]),
-    "throughput": ([], ["--steps", "100", "--repeats", "1"]),
-    "modes": ([], ["--samples", "3000"]),
-    "sparse_tables": ([], SPARSE_TABLES_QUICK),
+#: name -> the benchmark. Every script of benchmarks/ that measures something is here; the
+#: others are helpers (cnn_training, compute_rates, ddp_baseline, ps_load, results_writer),
+#: drawing (timeline_picture) or this file. ``quick`` settings pass every warm-up.
+BENCHMARKS: dict[str, Benchmark] = {
+    "wire": Benchmark(
+        "wire", (), ("--megabytes", "8", "--batches", "2", "--per-batch", "5"), "wire"
+    ),
+    "wire_floor": Benchmark(
+        "wire_floor", (), ("--megabytes", "8", "--batches", "2", "--per-batch", "5"), "wire_floor"
+    ),
+    "wire_profile": Benchmark(
+        "wire_profile", (), ("--megabytes", "1", "--rounds", "10"), "wire_profile_push_pull"
+    ),
+    "ps_capacity": Benchmark(
+        "ps_capacity", (), ("--workers", "1", "4", "--duration", "1"), "ps_capacity"
+    ),
+    "ps_sharding_links": Benchmark(
+        "ps_sharding_links", (), ("--duration", "2"), "ps_sharding_links"
+    ),
+    "throughput": Benchmark("throughput", (), ("--steps", "100", "--repeats", "1"), "throughput"),
+    "modes": Benchmark(
+        "modes",
+        (),
+        (
+            "--samples",
+            "6000",
+            "--straggler-samples",
+            "6000",
+            "--pairs",
+            "1",
+            "--pair-samples",
+            "6000",
+        ),
+        "modes",
+    ),
+    "overlap": Benchmark(
+        "overlap",
+        ("--models", "cnn", "mlp", "--steps", "200", "--repeats", "4"),
+        ("--models", "cnn", "--steps", "60", "--repeats", "1"),
+        "overlap",
+    ),
+    "overlap_links": Benchmark(
+        "overlap",
+        ("--models", "cnn", "mlp", "--steps", "120", "--repeats", "3", "--rate", "1gbit"),
+        ("--models", "cnn", "--steps", "60", "--repeats", "1", "--rate", "1gbit"),
+        "overlap_1gbit",
+    ),
+    "sparse_tables": Benchmark("sparse_tables", (), tuple(SPARSE_TABLES_QUICK), "sparse_tables"),
+    "cnn_compute": Benchmark("cnn_compute", (), ("--steps", "5", "--rounds", "1"), "cnn_compute"),
+    "devices": Benchmark("devices", (), ("--steps", "60", "--pairs", "1"), "devices"),
+    "recovery": Benchmark("recovery", ("--repeats", "7"), ("--repeats", "1"), "recovery"),
+    "patterns": Benchmark(
+        "patterns",
+        ("--trials", "8", "--slots", "2", "--steps", "400", "--al-steps", "30000"),
+        ("--trials", "2", "--slots", "2", "--steps", "50", "--al-steps", "2000"),
+        "patterns",
+    ),
+    # The quick chaos run checks the machinery (a kill, the recovery, the checkpoints, no
+    # process left), not the accuracy: 2,000 steps are too few for the 0.01 bound.
+    "chaos": Benchmark(
+        "chaos",
+        (),
+        (
+            "--steps",
+            "2000",
+            "--kills",
+            "1",
+            "--min-interval",
+            "10",
+            "--max-interval",
+            "12",
+            "--tolerance",
+            "1",
+        ),
+        "chaos",
+    ),  # fmt: skip
 }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one benchmark's run ended: ``ran``, ``skipped`` or ``failed``, and why."""
+
+    kind: str
+    reason: str = ""
+
+
+def classify(status: int, output: list[str], wrote_results: bool) -> Outcome:
+    """The outcome of a run from its exit status, its output lines and whether its JSON exists.
+
+    A skip is the status :data:`NOT_RUN_STATUS` together with the ``<name>: not run: <reason>``
+    line the script printed (``results_writer.not_run``): the reason goes into the row. That
+    status without such a line, or any other non-zero status, is a failure, as is a status 0
+    that left no results file.
+    """
+    if status == 0:
+        if wrote_results:
+            return Outcome("ran")
+        return Outcome("failed", "exit status 0, but it wrote no results file")
+    if status == NOT_RUN_STATUS:
+        reasons = [
+            line.split(NOT_RUN_MARK, 1)[1].strip() for line in output if NOT_RUN_MARK in line
+        ]
+        if reasons and reasons[-1]:
+            return Outcome("skipped", reasons[-1])
+        return Outcome("failed", f"exit status {status} (not run) without a reason printed")
+    last = next((line.strip() for line in reversed(output) if line.strip()), "")
+    return Outcome("failed", f"exit status {status}" + (f": {last[-300:]}" if last else ""))
+
+
+def exit_status(outcomes: dict[str, Outcome]) -> int:
+    """0 when every benchmark ran or was skipped with a reason, 1 when one failed."""
+    return 1 if any(o.kind == "failed" for o in outcomes.values()) else 0
+
+
+def tf_python() -> str:
+    """The Python with TensorFlow: ``$TF_PYTHON`` (as ``throughput.py`` honours it), else
+    ``.venv-tf`` (``make tf-reference``)."""
+    return os.environ.get("TF_PYTHON") or str(ROOT / ".venv-tf" / "bin" / "python")
 
 
 def machine() -> dict:
@@ -59,10 +198,10 @@ def machine() -> dict:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    tf_python = ROOT / ".venv-tf" / "bin" / "python"
-    if tf_python.exists():
+    python = tf_python()
+    if Path(python).exists():
         probe = subprocess.run(
-            [str(tf_python), "-c", "import tensorflow as tf; print(tf.__version__)"],
+            [python, "-c", "import tensorflow as tf; print(tf.__version__)"],
             capture_output=True,
             text=True,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
@@ -79,8 +218,8 @@ def machine() -> dict:
     }
 
 
-def _load(name: str) -> dict | None:
-    path = RESULTS / f"{name}.json"
+def _load(results: str) -> dict | None:
+    path = results_dir() / f"{results}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -154,7 +293,7 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
     if throughput:
         for name, row in throughput["rows"].items():
             if "missing" in row:
-                rows.append(("throughput", name, f"not measured: {row['missing']}", ""))
+                rows.append(("throughput", name, f"skipped: {row['missing']}", ""))
                 continue
             value = (
                 f"{row['steps_per_s']:.2f} steps/s, {row['ratio_vs_pytorch_single']:.2f}x "
@@ -166,6 +305,8 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
             rows.append(
                 ("throughput", name, value, target if name.startswith("tensorfleet") else "")
             )
+    rows += _modes_headlines(results.get("modes"))
+    rows += _other_headlines(results)
     tables = results.get("sparse_tables")
     if tables:
         for name, value in tables["ratios"].items():
@@ -187,35 +328,188 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
     return rows
 
 
+def _modes_headlines(modes: dict | None) -> list[tuple[str, str, str, str]]:
+    """The update disciplines: all-reduce against DDP used directly, the straggler runs."""
+    if not modes:
+        return []
+    runs, rows = modes["rows"], []
+    for name in ("async", "sync", "sync_1_backup", "allreduce", "ddp_direct"):
+        if name in runs:
+            value = f"{runs[name]['global_steps_per_s']:.2f} global steps/s"
+            if "test_accuracy" in runs[name]:
+                value += f", test accuracy {runs[name]['test_accuracy']:.3f}"
+            rows.append(("modes", f"{name}, 3 workers", value, ""))
+    if "ratio_vs_ddp_direct" in runs.get("allreduce", {}):
+        ratio = runs["allreduce"]["ratio_vs_ddp_direct"]
+        rows.append(
+            (
+                "modes",
+                "allreduce vs DDP used directly (median of pairs)",
+                f"{ratio:.2f}x",
+                ">= 0.97x",
+            )
+        )
+    for kind, target in (("sync", ""), ("backup", ">= 0.8x")):
+        slow = runs.get(f"straggler_{kind}_4w_slow", {})
+        if "ratio_vs_no_straggler" in slow:
+            rows.append(
+                (
+                    "modes",
+                    f"{'sync' if kind == 'sync' else 'sync + 1 backup'}, 4 workers, one 4x "
+                    "slower, vs none slower",
+                    f"{slow['ratio_vs_no_straggler']:.2f}x",
+                    target,
+                )
+            )
+    return rows
+
+
+def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]]:
+    """One or two figures of each remaining benchmark (their tables hold the rest)."""
+    rows = []
+    profile = results.get("wire_profile")
+    if profile:
+        rows.append(
+            (
+                "wire_profile",
+                profile["benchmark"],
+                f"{profile['ms_per_round']:.2f} ms per round",
+                "",
+            )
+        )
+    for name in ("overlap", "overlap_links"):
+        overlap = results.get(name)
+        for label, row in (overlap or {}).get("rows", {}).items():
+            if label.endswith(" buckets+prefetch"):
+                rows.append(
+                    (
+                        name,
+                        f"{label} vs sequential, {overlap['benchmark']}",
+                        f"{row['ratio']:.2f}x ({row['steps_per_s']:.2f} global steps/s)",
+                        "",
+                    )
+                )
+    compute = results.get("cnn_compute")
+    for variant in ("plain", "channels_last_fused_adam"):
+        row = (compute or {}).get("rows", {}).get(variant)
+        if row and "ms_per_step" in row:
+            rows.append(
+                (
+                    "cnn_compute",
+                    f"{variant}, one thread",
+                    f"{row['ms_per_step']:.1f} ms per step",
+                    "",
+                )
+            )
+    devices = (results.get("devices") or {}).get("rows", {})
+    if "budget_vs_oversubscribed_median_ratio" in devices:
+        ratio = devices["budget_vs_oversubscribed_median_ratio"]
+        rows.append(("devices", "thread budget vs every task all cores", f"{ratio:.2f}x", ""))
+    recovery = results.get("recovery")
+    if recovery:
+        costs, ps = recovery["checkpoint_s"], recovery["ps_recovery"]
+        ours, base = statistics.median(costs["tensorfleet"]), statistics.median(costs["baseline"])
+        rows.append(
+            (
+                "recovery",
+                "checkpoint vs safetensors.save_file + fsync",
+                f"{ours / base:.2f}x ({ours * 1e3:.0f} ms)",
+                "",
+            )
+        )
+        restored = ps["kill_to_first_step_after_restore_s"]
+        rows.append(
+            (
+                "recovery",
+                "ps SIGKILL -> first step after the restore, vs a fresh launch's first step",
+                f"{restored / ps['fresh_start_to_first_step_s']:.2f}x ({restored:.1f} s)",
+                "",
+            )
+        )
+    patterns = results.get("patterns")
+    if patterns:
+        for part, label in (
+            ("sweep", "sweep, slots vs 1 slot"),
+            ("actor_learner", "actor/learner vs one process"),
+        ):
+            rows.append(("patterns", label, f"{patterns[part]['ratio']:.2f}x", ""))
+    chaos = results.get("chaos")
+    if chaos:
+        failed = [name for name, ok in chaos["checks"].items() if not ok]
+        rows.append(
+            (
+                "chaos",
+                f"{len(chaos['kills'])} kills, seed {chaos['seed']}, {chaos['steps']} steps",
+                f"{len(chaos['checks']) - len(failed)} of {len(chaos['checks'])} checks passed"
+                + (f" (failed: {', '.join(failed)})" if failed else ""),
+                "every check",
+            )
+        )
+    return rows
+
+
+def run_one(name: str, command: list[str]) -> tuple[int, list[str]]:
+    """Run one benchmark, its output passed through as it comes; (exit status, its lines)."""
+    lines: list[str] = []
+    with subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip("\n"))
+    return process.returncode, lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="small settings: a smoke test")
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME")
+    add_out_dir_option(parser)
     args = parser.parse_args()
+    if args.quick and not os.environ.get(OUT_ENV):
+        os.environ[OUT_ENV] = tempfile.mkdtemp(prefix="tensorfleet-bench-quick-")
+        print(
+            f"--quick: results go to {os.environ[OUT_ENV]}, not over the committed tables of "
+            "benchmarks/results (pass --out-dir DIR to choose)",
+            flush=True,
+        )
     info = machine()
-    runs = {}
-    for name, (full, quick) in BENCHMARKS.items():
+    runs, outcomes = {}, {}
+    for name, bench in BENCHMARKS.items():
         if args.only and name not in args.only:
             continue
-        command = [sys.executable, str(HERE / f"{name}.py"), *(quick if args.quick else full)]
+        arguments = list(bench.quick if args.quick else bench.full)
+        command = [sys.executable, str(HERE / f"{bench.script}.py"), *arguments]
         print(f"== {name}: {' '.join(command)}", flush=True)
         started = time.time()
-        status = subprocess.run(command, cwd=ROOT).returncode
+        status, output = run_one(name, command)
+        path = results_dir() / f"{bench.results}.json"
+        wrote = path.exists() and path.stat().st_mtime >= started
+        outcomes[name] = classify(status, output, wrote)
         runs[name] = {
-            "command": " ".join(["python", f"benchmarks/{name}.py", *command[2:]]),
+            "command": " ".join(["python", f"benchmarks/{bench.script}.py", *arguments]),
             "exit_status": status,
+            "outcome": outcomes[name].kind,
+            "reason": outcomes[name].reason,
             "seconds": round(time.time() - started, 1),
         }
-    results = {name: _load(name) if runs[name]["exit_status"] == 0 else None for name in runs}
+        print(f"== {name}: {outcomes[name].kind} {outcomes[name].reason}".rstrip(), flush=True)
+    results = {
+        name: _load(BENCHMARKS[name].results) if outcomes[name].kind == "ran" else None
+        for name in runs
+    }
     table = ["| benchmark | figure | value | target | command |", "|---|---|---|---|---|"]
     for bench, figure, value, target in headlines(results):
         table.append(f"| {bench} | {figure} | {value} | {target} | `{runs[bench]['command']}` |")
     for name, run in runs.items():
-        if run["exit_status"] != 0:
+        if run["outcome"] != "ran":
+            reason = run["reason"].replace("|", "\\|")
             table.append(
-                f"| {name} | not measured (exit status {run['exit_status']}; see its output) | | | `{run['command']}` |"
+                f"| {name} | {'skipped' if run['outcome'] == 'skipped' else 'failed'}: {reason} "
+                f"| | | `{run['command']}` |"
             )
     versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
     heading = (
@@ -225,7 +519,16 @@ def main() -> int:
         f"{', '.join(f'{x:.1f}' for x in info['load_average_at_start'])}"
     )
     write_results("bench", {"machine": info, "runs": runs, "results": results}, heading, table)
-    return 0 if all(r["exit_status"] == 0 for r in runs.values()) else 1
+    skipped = [name for name, o in outcomes.items() if o.kind == "skipped"]
+    failed = [name for name, o in outcomes.items() if o.kind == "failed"]
+    print(
+        f"{len(runs) - len(skipped) - len(failed)} ran, {len(skipped)} skipped"
+        + (f" ({', '.join(skipped)})" if skipped else "")
+        + f", {len(failed)} failed"
+        + (f" ({', '.join(failed)})" if failed else ""),
+        flush=True,
+    )
+    return exit_status(outcomes)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "src"))
 
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
@@ -179,6 +179,7 @@ def main() -> int:
     parser.add_argument("--dense-steps", type=int, default=10)
     parser.add_argument("--big-rows", type=int, default=20_000_000, help="0: no big run")
     parser.add_argument("--big-steps", type=int, default=300)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     common = ["--dim", "64", "--batch", str(args.batch)]
     sparse, dense = f"sparse_{_count(args.rows)}", f"dense_{_count(args.rows)}"

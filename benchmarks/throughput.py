@@ -54,9 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "src"))
 
+from cnn_training import WARMUP_STEPS  # noqa: E402
 from compute_rates import cnn_step_flops, gemm_flop_per_s  # noqa: E402
 from mnist_cnn import ClassicCNN  # noqa: E402
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.datasets import BatchStream, load_mnist, normalize  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
@@ -173,6 +174,25 @@ TENSORFLEET_ROWS: dict[str, tuple[int, int, tuple[str, ...], str]] = {
         "bf16 compute",
     ),
 }
+
+
+def too_few_steps(steps: int, names: list[str]) -> str | None:
+    """What is wrong with ``--steps`` when a row's chief would not pass its warm-up, or None.
+
+    The tensorfleet rows time the chief after ``WARMUP_STEPS`` local steps; in async mode it
+    makes about 1/workers of the global steps, so a row needs workers x (warm-up + 1) steps.
+    """
+    least = {name: TENSORFLEET_ROWS[name][1] * (WARMUP_STEPS + 1) for name in names}
+    short = {name: n for name, n in least.items() if steps < n}
+    if not short:
+        return None
+    name = max(short, key=lambda row: short[row])
+    return (
+        f"--steps {steps} is too few for {name}: its chief makes about "
+        f"{steps // TENSORFLEET_ROWS[name][1]} local steps, not more than the {WARMUP_STEPS} "
+        f"warm-up steps its clock skips, so no figure could be measured; pass --steps "
+        f"{short[name]} or more"
+    )
 
 
 def one_round(steps: int, tensorflow: bool, names: list[str], flops: float) -> dict[str, dict]:
@@ -309,7 +329,11 @@ def main() -> int:
     parser.add_argument(
         "--name", default="throughput", help="results file name (benchmarks/results/NAME.json)"
     )
+    add_out_dir_option(parser)
     args = parser.parse_args()
+    problem = too_few_steps(args.steps, args.rows)
+    if problem is not None:
+        parser.error(problem)
     flops = cnn_step_flops()
     rounds = []
     for index in range(args.repeats):

@@ -56,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.launch.ports import free_port  # noqa: E402
 from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
@@ -315,6 +315,7 @@ def main() -> int:
         default=None,
         help="the src directory of another checkout: its ps in the same rounds (an A/B)",
     )
+    add_out_dir_option(parser)
     args = parser.parse_args()
     if args.baseline_src is not None and not (args.baseline_src / "tensorfleet").is_dir():
         parser.error(

@@ -67,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.wire.auth import in_parallel  # noqa: E402
 
@@ -487,6 +487,7 @@ def main() -> int:
     parser.add_argument("--megabytes", type=float, nargs="+", default=[8.0, 32.0])
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--per-batch", type=int, default=10)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     table = [
         "| MB | run | median ms | p10-p90 ms | GB/s | ratio vs raw TCP |",

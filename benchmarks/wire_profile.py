@@ -8,7 +8,9 @@ receive, torch copies and the optimizer show up by name), as milliseconds per ro
 
     .venv/bin/python benchmarks/wire_profile.py [--megabytes 8 --rounds 200 --op push_pull]
 
-Writes benchmarks/results/wire_profile.json and .md.
+Writes benchmarks/results/wire_profile_<op>[_encrypted][_shared_memory].json and .md (e.g.
+``wire_profile_push_pull.md`` for the defaults, ``wire_profile_push_pull_shared_memory.md``
+with ``--shared-memory 1``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from results_writer import write_results  # noqa: E402
+from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.launch.ports import free_port  # noqa: E402
 from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
@@ -80,6 +82,7 @@ def main() -> int:
         "--shared-memory", choices=("0", "1"), default="0", help="the same-host fast path"
     )
     parser.add_argument("--limit", type=int, default=15)
+    add_out_dir_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     secret = generate_secret()

@@ -1,5 +1,7 @@
 """A sweep trial of fixed work: a small MLP trained for a fixed number of steps (one
-thread), so that every trial costs the same and only the scheduling differs."""
+thread), so that every trial costs the same and only the scheduling differs.
+
+A module, not a script: ``benchmarks/patterns.py``'s sweep imports it (``entry="fixed_trial:train"``)."""
 
 from __future__ import annotations
 

@@ -7,13 +7,15 @@ settings of the command line.
 
 ``--bucket-bytes 0``: no buckets (one push per shard after the backward). The chief writes
 its steady-state figures to ``--metrics-json``: global steps/s and its own local steps/s from
-its ``WARMUP``-th local step on.
+its ``WARMUP``-th local step on (a chief that makes no more than ``WARMUP`` local steps is an
+error: nothing to time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -54,6 +56,7 @@ class Clock(tfl.Hook):
     def __init__(self) -> None:
         self.local_steps = 0
         self.start: tuple[float, int] | None = None
+        self.start_global = 0
         self.last: tuple[float, int] = (0.0, 0)
 
     def after_step(self, session: tfl.TrainingSession, result: tfl.StepResult) -> None:
@@ -64,8 +67,18 @@ class Clock(tfl.Hook):
             self.start_global = result.global_step
         self.last = now
 
-    def figures(self) -> dict[str, float]:
-        assert self.start is not None, "the run was shorter than the warm-up"
+    def figures(self, steps: int) -> dict[str, float]:
+        """The chief's steady-state figures; ``steps`` is the ``--steps`` asked for.
+
+        Raises ConfigError when the chief's local steps did not pass the warm-up (no time
+        elapsed after it: nothing to divide by)."""
+        if self.start is None or self.local_steps <= WARMUP:
+            needed = math.ceil(steps * (WARMUP + 1) / max(1, self.local_steps))
+            raise tfl.ConfigError(
+                f"--steps {steps} gave the chief {self.local_steps} local steps, not more than "
+                f"the {WARMUP} warm-up steps its clock skips: no figure can be measured; pass "
+                f"at least {WARMUP + 1} local steps to the chief (about --steps {needed} here)"
+            )
         seconds = self.last[0] - self.start[0]
         return {
             "global_steps_per_s": (self.last[1] - self.start_global) / seconds,
@@ -119,9 +132,13 @@ def main() -> int:
             sess.step(lambda x=x, y=y: F.cross_entropy(model(x), y))
             step += 1
     if sess.is_chief and args.metrics_json is not None:
-        args.metrics_json.write_text(json.dumps(clock.figures()))
+        args.metrics_json.write_text(json.dumps(clock.figures(args.steps)))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except tfl.TensorfleetError as error:  # a misconfiguration: one clear line, no traceback
+        print(f"overlap_worker.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

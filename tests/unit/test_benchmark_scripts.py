@@ -1,0 +1,294 @@
+"""The benchmark scripts stay runnable: each one's ``--help`` works (so every import does),
+the DDP baseline trains under the launcher the way ``modes.py`` runs it, short runs are refused
+with the minimum instead of dividing by zero, results go where ``--out-dir`` /
+``TENSORFLEET_BENCH_OUT`` say, and ``run_all.py`` tells a skip from a failure and covers every
+benchmark. No benchmark is measured here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import tensorfleet as tfl
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import results_writer  # noqa: E402
+import run_all  # noqa: E402
+
+#: Scripts with a command line (``--help`` must work), relative to benchmarks/.
+RUNNABLE = {
+    "chaos.py",
+    "cnn_compute.py",
+    "cnn_training.py",
+    "compute_rates.py",
+    "ddp_baseline.py",
+    "devices.py",
+    "modes.py",
+    "overlap.py",
+    "patterns.py",
+    "ps_capacity.py",
+    "ps_load.py",
+    "ps_sharding_links.py",
+    "recovery.py",
+    "run_all.py",
+    "sparse_tables.py",
+    "throughput.py",
+    "timeline_picture.py",
+    "wire.py",
+    "wire_floor.py",
+    "wire_profile.py",
+    "programs/overlap_worker.py",
+    "programs/sparse_table_worker.py",
+}
+#: Modules without a command line: imported only.
+HELPERS = {"results_writer.py", "programs/fixed_trial.py"}
+#: Run with TensorFlow's own venv (``make tf-reference``), never with the project's.
+TENSORFLOW_ONLY = {"tf_reference/classic_example_tf.py"}
+
+
+def _load_path(path: Path) -> ModuleType:
+    """Import a script by its path without running its ``__main__`` block."""
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_script_is_classified() -> None:
+    found = {str(p.relative_to(BENCHMARKS)) for p in BENCHMARKS.rglob("*.py")}
+    assert found == RUNNABLE | HELPERS | TENSORFLOW_ONLY, (
+        "a benchmark script was added or removed: list it in RUNNABLE or HELPERS"
+    )
+
+
+@pytest.mark.parametrize("script", sorted(RUNNABLE))
+def test_help_runs(script: str) -> None:
+    """``--help`` imports everything the script imports (ddp_baseline's WARMUP_STEPS import,
+    compute_rates' mnist_cnn) in a fresh interpreter with only the venv's packages."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TF_CONFIG")}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
+
+
+@pytest.mark.parametrize("helper", sorted(HELPERS))
+def test_helper_imports(helper: str) -> None:
+    _load_path(BENCHMARKS / helper)
+
+
+def test_ddp_baseline_trains_under_the_launcher() -> None:
+    """modes.py's all-reduce baseline: 2 processes, DDP over gloo, past the warm-up."""
+    import modes
+    from cnn_training import WARMUP_STEPS
+
+    rate = modes.ddp_direct(WARMUP_STEPS + 2, 2, timeout=180)
+    assert rate > 0
+
+
+# --------------------------------------------------------------------- warm-up checks
+
+
+def test_cnn_training_refuses_figures_before_the_warm_up() -> None:
+    import cnn_training
+    import mnist_cnn
+
+    clocks = cnn_training.BenchmarkClocks(None)
+    clocks.local_steps = cnn_training.WARMUP_STEPS  # exactly the warm-up: nothing timed
+    result = mnist_cnn.Result(test_accuracy=0.5, global_step=60, workers=3)
+    with pytest.raises(tfl.ConfigError) as caught:
+        clocks.figures(result, "sync", 20)
+    message = str(caught.value)
+    assert "--steps 20" in message and "20 local steps" in message
+    assert f"at least {cnn_training.WARMUP_STEPS + 1} local steps" in message
+
+
+def test_overlap_worker_refuses_figures_before_the_warm_up() -> None:
+    worker = _load_path(BENCHMARKS / "programs" / "overlap_worker.py")
+    clock = worker.Clock()
+    for step in range(1, worker.WARMUP + 1):  # exactly the warm-up: the clock starts, no time
+        clock.after_step(None, tfl.StepResult(loss=0.0, global_step=step))
+    with pytest.raises(tfl.ConfigError, match=rf"--steps 30 .*{worker.WARMUP} warm-up"):
+        clock.figures(30)
+
+
+def test_modes_refuses_samples_that_do_not_pass_the_warm_up() -> None:
+    import modes
+
+    problems = modes.too_short(3000, 24000, 30000)  # what --quick passed: 20 sync steps
+    assert len(problems) == 1
+    assert "--samples 3000" in problems[0] and "--samples 3150 or more" in problems[0]
+    assert modes.too_short(45000, 24000, 30000) == []  # the documented run
+
+
+def test_throughput_and_overlap_refuse_too_few_steps() -> None:
+    import overlap
+    import throughput
+
+    problem = throughput.too_few_steps(30, list(throughput.TENSORFLEET_ROWS))
+    assert problem is not None and "--steps 30" in problem and "--steps 63 or more" in problem
+    assert throughput.too_few_steps(600, list(throughput.TENSORFLEET_ROWS)) is None
+    problem = overlap.too_few_steps(30, 2)
+    assert problem is not None and "--steps 32 or more" in problem
+    assert overlap.too_few_steps(200, 2) is None
+
+
+def test_quick_settings_pass_every_warm_up() -> None:
+    import modes
+    import overlap
+    import throughput
+
+    def value(arguments: tuple[str, ...], option: str, default: int) -> int:
+        return int(arguments[arguments.index(option) + 1]) if option in arguments else default
+
+    quick = run_all.BENCHMARKS["modes"].quick
+    assert (
+        modes.too_short(
+            value(quick, "--samples", 45000),
+            value(quick, "--straggler-samples", 24000),
+            value(quick, "--pair-samples", 30000),
+        )
+        == []
+    )
+    assert value(quick, "--pairs", 3) == 1
+    steps = value(run_all.BENCHMARKS["throughput"].quick, "--steps", 600)
+    assert throughput.too_few_steps(steps, list(throughput.TENSORFLEET_ROWS)) is None
+    for name in ("overlap", "overlap_links"):
+        steps = value(run_all.BENCHMARKS[name].quick, "--steps", 300)
+        assert overlap.too_few_steps(steps, 2) is None
+
+
+# --------------------------------------------------------------------- where results go
+
+
+def test_results_go_to_the_environment_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(results_writer.OUT_ENV, str(tmp_path))
+    before = {p: p.stat().st_mtime for p in results_writer.RESULTS.glob("*")}
+    path = results_writer.write_results("probe", {"x": 1}, "heading", ["| a |"])
+    assert path == tmp_path / "probe.md"
+    assert json.loads((tmp_path / "probe.json").read_text()) == {"x": 1}
+    assert {p: p.stat().st_mtime for p in results_writer.RESULTS.glob("*")} == before
+
+
+def test_out_dir_option_sets_the_directory_for_the_children(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(results_writer.OUT_ENV, raising=False)
+    assert results_writer.results_dir() == results_writer.RESULTS
+    parser = argparse.ArgumentParser()
+    results_writer.add_out_dir_option(parser)
+    parser.parse_args(["--out-dir", str(tmp_path / "out")])
+    assert os.environ[results_writer.OUT_ENV] == str(tmp_path / "out")
+    assert results_writer.results_dir() == tmp_path / "out"
+
+
+def test_every_benchmark_takes_out_dir() -> None:
+    for path in BENCHMARKS.glob("*.py"):
+        text = path.read_text()
+        if "write_results(" in text and path.name != "results_writer.py":
+            assert "add_out_dir_option(parser)" in text, path.name
+
+
+def test_chaos_names_its_results_by_seed() -> None:
+    import chaos
+
+    committed = json.loads((results_writer.RESULTS / "chaos.json").read_text())
+    assert committed["seed"] == chaos.DEFAULT_SEED  # the committed chaos.md keeps its name
+    assert chaos.results_name(chaos.DEFAULT_SEED) == "chaos"
+    assert chaos.results_name(2) == "chaos_seed2"
+
+
+def test_a_partial_devices_run_has_its_own_file() -> None:
+    import devices
+
+    assert devices.results_name(None) == "devices"
+    assert devices.results_name("budget") == "devices_budget"
+
+
+# --------------------------------------------------------------------- run_all
+
+
+def test_a_benchmark_that_cannot_run_here_is_a_skip(capsys: pytest.CaptureFixture) -> None:
+    status = results_writer.not_run("ps_sharding_links", "network namespaces need root")
+    output = capsys.readouterr().out.splitlines()
+    outcome = run_all.classify(status, output, wrote_results=False)
+    assert outcome == run_all.Outcome("skipped", "network namespaces need root")
+    ran = run_all.classify(0, ["| table |"], wrote_results=True)
+    assert run_all.exit_status({"a": ran, "b": outcome}) == 0
+
+
+def test_failures_are_failures() -> None:
+    crashed = run_all.classify(1, ["Traceback", "ZeroDivisionError: float division by zero"], True)
+    assert crashed.kind == "failed" and "ZeroDivisionError" in crashed.reason
+    assert "exit status 1" in crashed.reason
+    usage = run_all.classify(2, ["x.py: error: unrecognized arguments: --bad"], False)
+    assert usage.kind == "failed"
+    silent = run_all.classify(results_writer.NOT_RUN_STATUS, ["no reason"], False)
+    assert silent.kind == "failed" and "without a reason" in silent.reason
+    no_file = run_all.classify(0, [], wrote_results=False)
+    assert no_file.kind == "failed" and "no results file" in no_file.reason
+    assert run_all.exit_status({"a": run_all.Outcome("ran"), "b": crashed}) == 1
+
+
+def test_make_bench_runs_every_benchmark() -> None:
+    """Every script that writes results is in run_all.BENCHMARKS (the Makefile and
+    benchmarks/README.md say make bench runs them all)."""
+    writers = {
+        p.stem
+        for p in BENCHMARKS.glob("*.py")
+        if "write_results(" in p.read_text() and p.stem not in ("results_writer", "run_all")
+    }
+    assert {b.script for b in run_all.BENCHMARKS.values()} == writers
+
+
+def test_headlines_read_the_committed_results() -> None:
+    """The headline rows of every benchmark whose committed JSON exists, modes included."""
+    results = {}
+    for name, bench in run_all.BENCHMARKS.items():
+        path = results_writer.RESULTS / f"{bench.results}.json"
+        results[name] = json.loads(path.read_text()) if path.exists() else None
+    rows = run_all.headlines(results)
+    modes = [row for row in rows if row[0] == "modes"]
+    assert (
+        "modes",
+        "allreduce vs DDP used directly (median of pairs)",
+        "1.00x",
+        ">= 0.97x",
+    ) in modes
+    covered = {row[0] for row in rows}
+    assert {name for name, result in results.items() if result} <= covered
+
+
+def test_tf_python_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TF_PYTHON", "/opt/tf/bin/python")
+    assert run_all.tf_python() == "/opt/tf/bin/python"
+    monkeypatch.delenv("TF_PYTHON")
+    assert run_all.tf_python() == str(ROOT / ".venv-tf" / "bin" / "python")
+
+
+def test_readme_commands_name_existing_results() -> None:
+    """Each excerpt note in benchmarks/README.md names a results file that exists."""
+    text = (BENCHMARKS / "README.md").read_text()
+    for name in re.findall(r"`benchmarks/results/([\w.]+\.md)`", text):
+        assert (results_writer.RESULTS / name).exists(), name
