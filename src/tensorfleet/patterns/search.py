@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tensorfleet.patterns.search_space import SweepConfigError, grid, random_configuration
-from tensorfleet.patterns.sweep_config import PRUNER_CLASSES, SweepConfig, check_pruner_options
+from tensorfleet.patterns.sweep_config import PRUNER_CLASSES, SweepConfig
 
 COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
 STATES = (COMPLETE, PRUNED, FAILED)
@@ -203,5 +203,5 @@ def _sampler(optuna: Any, config: SweepConfig, seed: int) -> Any:
 def _pruner(optuna: Any, config: SweepConfig) -> Any:
     if config.pruner == "none":
         return optuna.pruners.NopPruner()
-    check_pruner_options(config.pruner, config.pruner_options)
+    # the options were checked with the config (SweepConfig's check_pruner_options)
     return getattr(optuna.pruners, PRUNER_CLASSES[config.pruner])(**config.pruner_options)

@@ -189,8 +189,8 @@ def parse_parameter(name: str, spec: object) -> Parameter:
     grid = spec.get("grid", DEFAULT_GRID_POINTS)
     if not isinstance(grid, int) or isinstance(grid, bool) or grid < 1:
         raise SweepConfigError(f"{where}: grid must be an integer >= 1, got {grid!r}")
+    step = spec.get("step", 1)  # a float range has none (its keys refuse it)
     if kind == "int":
-        step = spec.get("step", 1)
         if int(low) != low or int(high) != high:
             raise SweepConfigError(f"{where}: an int range needs integer bounds, got {low}..{high}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
@@ -203,22 +203,14 @@ def parse_parameter(name: str, spec: object) -> Parameter:
                 f"ranges; a linear int range tries every step from low to high (set step, "
                 f"got grid={grid!r})"
             )
-        return Parameter(
-            name,
-            "int",
-            low=int(low),
-            high=int(high),
-            log=log,
-            step=step,
-            grid=grid,
-            grid_given="grid" in spec,
-        )
+    cast, kind = (int, "int") if kind == "int" else (float, "float")  # loguniform: a float
     return Parameter(
         name,
-        "float",
-        low=float(low),
-        high=float(high),
+        kind,
+        low=cast(low),
+        high=cast(high),
         log=log,
+        step=step,
         grid=grid,
         grid_given="grid" in spec,
     )

@@ -43,6 +43,7 @@ from tensorfleet.worker.table_attachment import find_tables
 
 if TYPE_CHECKING:
     from tensorfleet.session.update_modes import UpdateSettings
+    from tensorfleet.worker.push_overlap import Overlap
     from tensorfleet.worker.updater import Updater
 
 log = logging.getLogger("tensorfleet.session")
@@ -93,7 +94,7 @@ def with_device_engine(
             "'sync' with ps tasks"
         )
     check_microbatches(settings.microbatches, settings.microbatches)
-    _say_overlap_is_off(wanted[0].name, server, settings)
+    _say_overlap_is_off(wanted[0].name, server, getattr(updater, "overlap", None))
     return wanted[0].wrap(updater, server, settings)
 
 
@@ -176,13 +177,11 @@ _ENGINE_OPTIONS = {
 }
 
 
-def _say_overlap_is_off(engine: str, server: Server | None, settings: UpdateSettings) -> None:
-    """Log that ``engine`` turns off the overlap the session asks for (mode ``async`` with a
-    ps and no ``max_staleness``, where it would apply): a warning when prefetch was asked
-    for, an info line for the buckets alone (on by default)."""
-    overlap = settings.overlap
-    applies = server is not None and settings.mode == "async" and settings.max_staleness is None
-    if not applies or overlap is None or not overlap.active:
+def _say_overlap_is_off(engine: str, server: Server | None, overlap: Overlap | None) -> None:
+    """Log that ``engine`` turns off ``overlap``, the one the mode's updater would apply
+    (None where it applies none: sync, ``max_staleness``, all-reduce): a warning when
+    prefetch was asked for, an info line for the buckets alone (on by default)."""
+    if server is None or overlap is None:
         return
     asked = [
         *([f"buckets (bucket_bytes={overlap.bucket_bytes})"] if overlap.bucket_bytes else []),
@@ -193,7 +192,7 @@ def _say_overlap_is_off(engine: str, server: Server | None, settings: UpdateSett
         "%s: the overlap asked for (%s) is off with the device engine %r (%s): it runs its own "
         "backward pass, which fires no gradient hooks, so each step pushes once per shard "
         "after it and waits for the replies; pass overlap=None to silence this",
-        server.task if server is not None else "local",
+        server.task,
         " and ".join(asked),
         engine,
         _ENGINE_OPTIONS.get(engine, engine),

@@ -277,6 +277,12 @@ class PsUpdater:
             )
         return Restored(global_step, self.client.restored_data)
 
+    @property
+    def overlap(self) -> Overlap | None:
+        """The overlap this updater applies (None: none, e.g. sync mode or max_staleness,
+        where each step is one whole push)."""
+        return self._overlap
+
     def step_overlap(self, during_backward: bool) -> StepOverlap:
         """The session drives the overlap of its steps (``during_backward``: nothing after
         the backward pass changes or vetoes the gradients, so buckets may go during it)."""
