@@ -27,6 +27,7 @@ from tensorfleet.errors import DeadlineExceeded, LaunchError
 from tensorfleet.launch.cli import main
 from tensorfleet.launch.local_cluster import LocalCluster
 from tensorfleet.launch.output import Output, PlainOutput
+from tensorfleet.launch.restart_policy import RestartPolicy
 from tests.processes import process_alive
 
 pytestmark = pytest.mark.e2e
@@ -207,6 +208,32 @@ def test_ps_is_stopped_at_once_when_every_worker_failed(log: io.StringIO) -> Non
                 ]
                 assert ended and min(ended) > i, f"{name} had ended before line {i}\n{text}"
     assert "did not exit within" not in text, text
+    assert_all_gone(lc.pids.values(), text)
+
+
+def test_ps_is_stopped_at_once_when_the_last_worker_left_only_waits_for_a_restart(
+    log: io.StringIO,
+) -> None:
+    # worker:0 dies as if killed (status 137): its restart waits out a long back-off;
+    # worker:1 fails. The failure cancels the pending restart, so no worker is left and the
+    # ps must be stopped at once: the grace period is far longer than wait()'s bound (the
+    # restart's cancellation used to come after the check, which then waited it out).
+    lc = LocalCluster(
+        1,
+        2,
+        fake("--exit", "worker:0=137", "--exit", "worker:1=2"),
+        ps_command=fake("--hang", "*"),
+        output=plain(log),
+        grace_period=600.0,
+        kill_timeout=5.0,
+        restart_policy=RestartPolicy(backoff_s=300.0, max_backoff_s=300.0),
+    )
+    with lc:
+        status = lc.wait(timeout=60)
+    text = log.getvalue()
+    assert status != 0, text
+    assert "no worker is left running: stopping ps:0 now" in text, text
+    assert lc.returncodes["ps:0"] == -signal.SIGTERM, text
     assert_all_gone(lc.pids.values(), text)
 
 

@@ -230,6 +230,14 @@ def test_a_bad_name_says_which_rule_it_breaks(build, rule):
         assert "63" not in str(refused.value)
 
 
+def test_a_suggested_name_fits_the_length_too():
+    """A long upper-case name got a lower-case suggestion that the 63-character rule then
+    refused: a suggestion is offered only when every object's name built from it fits."""
+    with pytest.raises(ClusterConfigError, match="upper-case letters") as refused:
+        options(name="MNIST" + "x" * 52)
+    assert "use e.g." not in str(refused.value)
+
+
 def test_a_namespace_may_start_with_a_digit():
     """Namespaces are RFC 1123 labels (a digit first is fine); Service names are not."""
     documents = render_manifests(options(namespace="1ml"))

@@ -148,6 +148,14 @@ def test_an_explicit_signal_that_leaves_no_time_to_run_is_refused(
         options(tmp_path, time=time_limit, signal_seconds=asked)
 
 
+def test_the_time_a_refused_signal_asks_for_fits_that_signal(tmp_path):
+    """The fix names a --time long enough for the signal asked: 120 s needs 6 minutes (the
+    message said 3, which fits a 1-second signal only); that --time then takes it."""
+    with pytest.raises(ClusterConfigError, match="Give a --time of at least 6 minutes"):
+        options(tmp_path, time="2", signal_seconds=120)
+    assert options(tmp_path, time="6", signal_seconds=120).signal_at == 120
+
+
 def test_an_explicit_signal_that_fits_is_written_as_asked(tmp_path):
     fits = options(tmp_path, time="10", signal_seconds=240)
     assert (fits.signal_at, fits.notes) == (240, ())

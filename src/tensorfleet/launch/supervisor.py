@@ -339,8 +339,9 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._result is None:
             now = time.monotonic()
-            self._on_deadline(now)
+            # restarts first: a cancelled one lets the deadline see no worker is left, at once
             self._on_restarts_due(now)
+            self._on_deadline(now)
             if self._abandoned or all(not (t.running or t.restart_pending) for t in self._tasks):
                 return self._finish()
             if deadline is not None and now >= deadline:

@@ -381,7 +381,11 @@ def dns_label_problem(value: str, *, letter_first: bool, longest: str | None = N
             found.append(", ".join(map(repr, others)))
         problem = f"it has {' and '.join(found)}, and Kubernetes names allow only lower-case letters, digits and '-'"
         suggestion = re.sub(r"[^-a-z0-9]+", "-", value.lower()).strip("-")
-        if suggestion and dns_label_problem(suggestion, letter_first=letter_first) is None:
+        built = None if longest is None else suggestion + longest[len(value) :]
+        if (
+            suggestion
+            and dns_label_problem(suggestion, letter_first=letter_first, longest=built) is None
+        ):
             problem += f"; use e.g. {suggestion!r}"
         return problem
     if letter_first and not value[0].isalpha():

@@ -131,7 +131,7 @@ def requeue_signal_seconds(time: str | None, asked: int | None) -> tuple[int, st
         fix = (
             f"Give --signal-seconds {fits} or less, a longer --time"
             if fits > 0
-            else f"Give a --time of at least {SHORTEST_TIME_WITH_SIGNAL_MIN} minutes"
+            else f"Give a --time of at least {math.ceil(2 * (asked + SIGNAL_EARLY_S) / 60)} minutes"
         )
         raise ClusterConfigError(
             f"--signal-seconds {asked} does not leave the job time to run with --time {time}: "
