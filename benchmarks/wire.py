@@ -17,7 +17,7 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
 * ``push_pull_encrypted``: the push+pull over TCP with ``--encrypt`` (every message sealed
   with AES-256-GCM under per-connection keys, ``wire/encryption.py``);
 * ``push_pull_shared_memory`` / ``pull_shared_memory``: the same, with the same-host fast
-  path (payloads in shared memory, the wire carrying headers and tags);
+  path (payloads in shared memory, the wire carrying the authenticated headers only);
 * ``push_pull_parts``: the push+pull over TCP streamed: the model registered as variables of
   1 MiB, pushed as one bucket each (partial pushes, :mod:`tensorfleet.ps.partial_push`), up
   to 8 in flight, each applied and answered as it arrives. What a push+pull cut into parts

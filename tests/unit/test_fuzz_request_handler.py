@@ -158,6 +158,7 @@ class FakeSocket:
     def __init__(self) -> None:
         self.session_id = os.urandom(16)
         self.rejected: Counter[str] = Counter()
+        self.shared_memory: Counter[str] = Counter()
         self.last_valid_request_time = time.monotonic()
         self.answers: dict[int, Answer] = {}
         self.inbox: list[Request] = []

@@ -1,5 +1,6 @@
-"""The same-host fast path (tensorfleet.wire.shared_memory): payloads in shared memory,
-authenticated like frames, chosen automatically, and nothing left behind."""
+"""The same-host fast path (tensorfleet.wire.shared_memory): payloads in shared memory named
+by authenticated headers, replies handed out without a copy, chosen automatically (and
+given up, with one line, where the service cannot reach the memory), nothing left behind."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 
-from tensorfleet.errors import AuthenticationError, ProtocolError, RemoteError
+from tensorfleet.errors import (
+    AuthenticationError,
+    ConnectionLost,
+    DeadlineExceeded,
+    ProtocolError,
+    RemoteError,
+)
 from tensorfleet.launch.ports import free_port
 from tensorfleet.wire import message as wire
 from tensorfleet.wire import shared_memory as shm
@@ -107,7 +115,92 @@ def test_large_payloads_round_trip_through_shared_memory(service: EchoService) -
         small = channel.call("echo", {}, [b"tiny"], timeout_s=TIMEOUT_S)
         assert [bytes(b) for b in small.buffers] == [b"tiny"]
         assert service.requests[1:] == [("echo", True)] * 3 + [("echo", False)]
-        assert service.socket._peer_segments.mapped == 2  # the request and the reply segment
+        # The request segment and two reply segments: while the loop asks for the next
+        # reply, `reply` still holds the previous one's memory, which is then not offered.
+        assert service.socket._peer_segments.mapped == 3
+        assert channel._segments.reply_segments == 2
+    finally:
+        channel.close()
+
+
+def _segment_of(buffer: memoryview, segments: shm.ClientSegments) -> int | None:
+    """The index of the reply segment of ``segments`` that holds ``buffer``, or None."""
+    address = shm._as_bytes_tensor(buffer).data_ptr()
+    for index, reply in enumerate(segments._replies):
+        start = reply.segment.bytes.data_ptr()
+        if start <= address < start + reply.segment.size:
+            return index
+    return None
+
+
+def test_a_reply_is_handed_out_where_it_lies_and_its_segment_waits_until_released(
+    service: EchoService,
+) -> None:
+    """No copy out of the reply segment: the buffers are views of it. The service is never
+    offered a segment whose memory the caller still references, and is offered it again
+    once the caller lets go (e.g. the parameters adopted a newer reply)."""
+    channel = _connected(service.address)
+    try:
+        first_payload, second_payload = os.urandom(BIG), os.urandom(BIG)
+        first = channel.call("echo", {}, [first_payload], timeout_s=TIMEOUT_S)
+        held = _segment_of(first.buffers[0], channel._segments)
+        assert held is not None  # a view of the reply segment, not a private copy
+        second = channel.call("echo", {}, [second_payload], timeout_s=TIMEOUT_S)
+        other = _segment_of(second.buffers[0], channel._segments)
+        assert other is not None and other != held
+        assert bytes(first.buffers[0]) == first_payload  # not overwritten by the second
+        del first
+        third = channel.call("echo", {}, [first_payload], timeout_s=TIMEOUT_S)
+        assert _segment_of(third.buffers[0], channel._segments) == held  # released: reused
+        assert bytes(second.buffers[0]) == second_payload
+        assert channel._segments.reply_segments == 2
+    finally:
+        channel.close()
+
+
+def test_a_full_pool_of_referenced_reply_segments_sends_the_reply_in_frames(
+    service: EchoService,
+) -> None:
+    channel = _connected(service.address)
+    try:
+        channel._segments._max_reply_segments = 2
+        kept = [channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S) for _ in range(2)]
+        payload = os.urandom(BIG)
+        reply = channel.call("echo", {}, [payload], timeout_s=TIMEOUT_S)
+        assert bytes(reply.buffers[0]) == payload
+        assert _segment_of(reply.buffers[0], channel._segments) is None  # came in a frame
+        assert all(_segment_of(r.buffers[0], channel._segments) is not None for r in kept)
+    finally:
+        channel.close()
+
+
+def test_a_service_that_cannot_open_the_shared_memory_makes_the_client_use_tcp(
+    service: EchoService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hardened /proc (or a ptrace policy) that forbids opening another process's
+    descriptors: the hello's probe fails on the service, the client says so once and sends
+    its payloads over the socket; nothing fails."""
+    real_open = os.open
+
+    def forbidden(path: str, flags: int, *args: object) -> int:
+        if path.startswith("/proc/") and "/fd/" in path:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(shm.os, "open", forbidden)
+    with caplog.at_level("WARNING", logger="tensorfleet.wire"):
+        channel = _connected(service.address)
+    try:
+        assert not channel.uses_shared_memory
+        assert "Permission denied" in (channel.shared_memory_refused or "")
+        lines = [r.getMessage() for r in caplog.records if "shared memory" in r.getMessage()]
+        assert len(lines) == 1 and "payloads to it go over TCP" in lines[0], lines
+        payload = os.urandom(BIG)
+        reply = channel.call("echo", {}, [payload], timeout_s=TIMEOUT_S)
+        assert bytes(reply.buffers[0]) == payload
+        assert service.requests[-1] == ("echo", False)
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)  # a second hello: no second line
+        assert len([r for r in caplog.records if "shared memory" in r.getMessage()]) == 1
     finally:
         channel.close()
 
@@ -154,7 +247,7 @@ def test_buffers_already_in_place_are_not_copied_again(monkeypatch: pytest.Monke
         monkeypatch.setattr(
             torch.Tensor, "copy_", lambda t, *a, **k: copies.append(t) or original_copy(t, *a, **k)
         )
-        _, placed = segments.headers(1, staged, {})
+        _, placed = segments.headers(1, "echo", staged, {})
         monkeypatch.undo()
         assert copies == []
         addresses = [shm._as_bytes_tensor(b).data_ptr() for b in (*staged, *placed)]
@@ -235,13 +328,33 @@ def test_payload_in_shared_memory_verifies_and_is_not_copied() -> None:
         segment.close()
 
 
-def test_payload_altered_in_shared_memory_fails_authentication() -> None:
+def test_a_payload_in_shared_memory_carries_no_chunk_tags_and_its_header_is_authentic() -> None:
+    """The payload is not authenticated byte by byte (only the peer's own user can reach
+    it: docs/security.md); the header that names the segment and the sizes is, so nobody
+    without the secret can point a service at other memory or other sizes."""
     segment = shm.Segment(BIG)
     frames, verifier, peers = _signed_in_memory(segment, [b"a" * BIG])
     try:
-        segment.bytes[BIG - 1] ^= 1  # after signing: someone changed the payload
-        with pytest.raises(AuthenticationError, match="payload authentication failed in chunk"):
-            wire.decode(frames, wire.KIND_REQUEST, verifier, wire.Limits(), _resolver(peers))
+        assert memoryview(frames[2]).nbytes == 0  # no chunk tags
+        header = bytearray(memoryview(frames[1]))
+        header[-3] ^= 1  # a size or the segment's name, altered on the way
+        with pytest.raises(AuthenticationError, match="message authentication failed"):
+            wire.decode(
+                [frames[0], bytes(header), frames[2]],
+                wire.KIND_REQUEST,
+                verifier,
+                wire.Limits(),
+                _resolver(peers),
+            )
+        signer = MessageSigner(SECRET, REQUEST_ROLE)
+        header_bytes = msgpack.packb(
+            {"op": "push", "shm": segment.describe(), "sizes": [BIG]}, use_bin_type=True
+        )
+        with_tags = wire.sign_frames(
+            signer, wire.KIND_REQUEST, signer.next_counter(), header_bytes, b"t" * 16
+        )
+        with pytest.raises(ProtocolError, match="chunk tags for a payload in shared memory"):
+            wire.decode(with_tags, wire.KIND_REQUEST, verifier, wire.Limits(), _resolver(peers))
     finally:
         peers.close()
         segment.close()
@@ -393,3 +506,66 @@ def test_a_killed_client_leaves_nothing_in_dev_shm_and_its_memory_goes_with_the_
     service.socket._peer_segments.close()
     gc.collect()
     assert _tensorfleet_memfds() == []  # ...and once it unmaps, nothing of it is left
+
+
+HOLDING_SERVICE = r"""
+import sys
+from tensorfleet.wire.service_socket import ServiceSocket
+service = ServiceSocket(sys.argv[1], b"shared-memory-unit-test-secret-0001", shared_memory=True)
+while True:
+    if not service.poll(1.0):
+        continue
+    request = service.receive()
+    if request is None:
+        continue
+    if request.op == "hold":  # mid-exchange: the payload mapped, no answer yet
+        print("holding", bytes(request.buffers[0][:4]).decode(), flush=True)
+        continue
+    service.reply(request, {}, list(request.buffers))
+"""
+
+
+def _start_holding_service(address: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLDING_SERVICE, address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def test_a_service_killed_in_the_middle_of_an_exchange_is_recovered_like_over_tcp() -> None:
+    """A ps killed (SIGKILL) while it holds a request whose payload lies in shared memory:
+    the client's wait ends (the connection dropped), its segments are retired at the next
+    request, and once a new service runs at the address the same channel says hello and
+    sends through shared memory again, with the right bytes; the dead process's mapping
+    went with it."""
+    address = f"127.0.0.1:{free_port()}"
+    first = _start_holding_service(address)
+    second = None
+    channel = Channel(address, SECRET, "ps:0", shared_memory=True)
+    try:
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        assert channel.uses_shared_memory
+        request_id = channel.send("hold", {}, [b"held" + b"x" * BIG], timeout_s=TIMEOUT_S)
+        line = first.stdout.readline()
+        assert line.split() == ["holding", "held"], f"{line!r}; stderr: {first.stderr.read()}"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(TIMEOUT_S)
+        with pytest.raises((ConnectionLost, DeadlineExceeded)):
+            channel.wait(request_id, TIMEOUT_S)
+        second = _start_holding_service(address)
+        channel.forget_pending()  # what the client does after a failure, before its hello
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        payload = os.urandom(BIG)
+        reply = channel.call("echo", {}, [payload], timeout_s=TIMEOUT_S)
+        assert bytes(reply.buffers[0]) == payload
+        assert channel.uses_shared_memory and channel._segments.retired == 1
+    finally:
+        channel.close()
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(TIMEOUT_S)

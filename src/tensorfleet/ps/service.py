@@ -501,6 +501,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
                 "copies_on_write": self.store.copies_on_write,
                 "refused": self.stats["refused"],
                 "rejected": dict(self.socket.rejected),
+                "shared_memory": dict(self.socket.shared_memory),
                 "done_workers": sorted(self.done_workers),
                 "dropped": dict(self.aggregator.dropped) if self.aggregator else {},
                 "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,

@@ -1,5 +1,6 @@
-"""Reusable byte buffers for payloads the wire itself produces: a reply copied out of shared
-memory, a payload decrypted on arrival, a payload encrypted before it is sent.
+"""Reusable byte buffers for payloads the wire itself produces: a payload decrypted on
+arrival, a payload encrypted before it is sent. (Same-host reply segments are reused by the
+same rule, :mod:`tensorfleet.wire.shared_memory`.)
 
 A buffer is handed out again only when nothing references its memory any more, which torch
 tells by the use count of the buffer's storage: a payload handed to the caller (often

@@ -17,6 +17,7 @@ answer to its key exchange and a service's refusal of keys it no longer holds
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -54,6 +55,8 @@ from tensorfleet.wire.transport import (
     tcp_endpoint,
 )
 
+log = logging.getLogger("tensorfleet.wire")
+
 #: A client send that cannot be queued for this long fails (a send never blocks forever).
 SEND_TIMEOUT_MS = 10_000
 #: At most this many characters of a refusal's code are shown in the client's message.
@@ -90,6 +93,11 @@ class Channel:
         check_resolvable(address, peer_name)
         self._shared_memory_allowed = shared_memory_wanted(shared_memory)
         self._segments: shm.ClientSegments | None = None
+        self._probe: shm.Segment | None = None
+        """A tiny segment a ``hello`` names, for the service to tell whether it can reach
+        this process's shared memory (``shm_refused`` in its answer when not)."""
+        self.shared_memory_refused: str | None = None
+        """Why a service on this host cannot use this process's shared memory, or None."""
         self.address = address
         self.peer_name = peer_name
         self.limits = limits or wire.Limits()
@@ -171,10 +179,14 @@ class Channel:
         buffers, in_frames = list(buffers or []), True
         payload_bytes = sum(memoryview(b).nbytes for b in buffers)
         if self._segments is not None and self.server_session is not None:
-            extra, placed = self._segments.headers(request_id, buffers, self._pending)
+            extra, placed = self._segments.headers(request_id, op, buffers, self._pending)
             header.update(extra)
             if placed is not None:
                 buffers, in_frames = placed, False
+        if op == "hello" and self._shared_memory_allowed:
+            if self._probe is None:
+                self._probe = shm.Segment(shm.ALIGN)
+            header["shm_probe"] = self._probe.describe()
         handshake = self._handshake
         sealer = handshake.encryption.sealer if sealed and handshake is not None else None
         frames = wire.encode(
@@ -442,6 +454,22 @@ class Channel:
             self._segments.arrived(header)
         if "host" in header and header.get("re") in self._pending:
             local = self._shared_memory_allowed and header["host"] == shm.host_identity()
+            refused = header.get("shm_refused")
+            if local and refused is not None:
+                local = False
+                if self.shared_memory_refused is None:
+                    log.warning(
+                        "%s at %s is on this host but cannot open this task's shared memory "
+                        "(%.300s): payloads to it go over TCP. Set TENSORFLEET_SHARED_MEMORY=0 "
+                        "to choose that without trying",
+                        self.peer_name,
+                        self.address,
+                        refused,
+                    )
+                self.shared_memory_refused = str(refused)
+            if self._probe is not None:
+                self._probe.close()
+                self._probe = None
             if local and self._segments is None:
                 self._segments = shm.ClientSegments()
             elif not local and self._segments is not None:
@@ -479,3 +507,6 @@ class Channel:
         if self._segments is not None:
             self._segments.close()
             self._segments = None
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None

@@ -15,9 +15,11 @@ has the same frames, its header and buffers encrypted: the envelope's tag is the
 GCM tag, the chunk tags are the chunks' (see :mod:`tensorfleet.wire.encryption`). The header's own length is in the envelope and the buffers'
 lengths are in the header (``sizes``), so the chunks are unambiguous. Buffers are raw tensor
 bytes, sent and received without copies; their dtypes and shapes are described in the header
-by whoever defines the operation. A header with a ``shm`` key carries no buffer frames: its
-buffers lie in shared memory (:mod:`tensorfleet.wire.shared_memory`), found by the
-transport's resolver, and are verified there like frames, before anyone uses them.
+by whoever defines the operation. A header with a ``shm`` key carries no buffer frames and
+no chunk tags: its buffers lie in shared memory (:mod:`tensorfleet.wire.shared_memory`),
+found by the transport's resolver. They are not authenticated byte by byte: the header that
+names them is, and only processes of the peer's own user can reach that memory, which could
+read the secret out of either task anyway (the threat model is in docs/security.md).
 
 Nothing is parsed before the envelope's tag verifies (for a sealed message: before the
 header decrypts and its tag verifies): bytes from someone without the secret never reach
@@ -46,8 +48,11 @@ from tensorfleet.wire.encryption import Opener, Sealer
 
 #: Version of the framing and of the operations; both sides must speak the same one.
 #: 2: chunk tags (version 1 had one tag over everything). 3: sealed messages and the key
-#: exchange (``--encrypt`` used ZeroMQ CURVE before).
-PROTOCOL_VERSION = 3
+#: exchange (``--encrypt`` used ZeroMQ CURVE before). 4: payloads in shared memory carry no
+#: chunk tags (the peer was authenticated by its hello; see docs/security.md).
+PROTOCOL_VERSION = 4
+#: The header key that names the shared-memory segment holding a message's buffers.
+SHARED_MEMORY_KEY = "shm"
 MAGIC = b"TF"
 KIND_REQUEST = 0
 KIND_REPLY = 1
@@ -122,18 +127,22 @@ def encode(
     """Frames for one message, signed by ``signer``, or with ``sealer`` sealed (encrypted
     under its connection's keys, named by ``signer``'s session and counter). Plain buffers
     are not copied; sealed ones are encrypted into buffers the frames keep alive. With
-    ``in_frames=False`` the buffers are signed (sealed: authenticated) but left out of the
-    frames (the header says where the receiver finds them, e.g. in shared memory)."""
+    ``in_frames=False`` the buffers are left out of the frames and carry no chunk tags: the
+    header (signed or sealed) says where the receiver finds them, in shared memory that only
+    the peer's own user can reach (:data:`SHARED_MEMORY_KEY`)."""
     header = dict(header, sizes=[memoryview(b).nbytes for b in buffers])
     header_bytes = msgpack.packb(header, use_bin_type=True)
     counter = signer.next_counter()
     if sealer is None:
-        tags = signer.chunk_tags(counter, buffers)
+        tags = signer.chunk_tags(counter, buffers) if in_frames else b""
         return [
             *sign_frames(signer, kind, counter, header_bytes, tags),
             *(buffers if in_frames else []),
         ]
-    tags, sealed_buffers = sealer.seal_payload(counter, buffers, encrypt=in_frames)
+    if in_frames:
+        tags, sealed_buffers = sealer.seal_payload(counter, buffers)
+    else:
+        tags, sealed_buffers = b"", []
     envelope = _ENVELOPE.pack(
         MAGIC,
         PROTOCOL_VERSION,
@@ -248,30 +257,37 @@ def decode(
             f"the header's sizes must be a list of at most {limits.max_buffers} non-negative "
             f"ints totalling at most {limits.max_message_bytes} bytes, got {sizes!r:.200}"
         )
-    if "shm" in header:
+    in_memory = SHARED_MEMORY_KEY in header
+    if in_memory:
         if resolve is None:
             raise ProtocolError("a message with its buffers in shared memory, where none is set up")
         if len(views) != FIXED_FRAMES:
             raise ProtocolError(
                 "a message with its buffers in shared memory also has buffer frames"
             )
-        buffers = [memoryview(b) for b in resolve(header, sizes)]
+        if views[2].nbytes != 0:
+            raise ProtocolError(
+                f"{views[2].nbytes} bytes of chunk tags for a payload in shared memory, which "
+                "carries none"
+            )
     else:
-        buffers = views[FIXED_FRAMES:]
+        chunks = len(chunk_spans(sizes))
+        if views[2].nbytes != TAG_BYTES * chunks:
+            raise ProtocolError(
+                f"{views[2].nbytes} bytes of chunk tags for {chunks} chunks ({TAG_BYTES} bytes each)"
+            )
+    # The header (and with it the segment's name and the sizes) is authentic from here on.
+    buffers = [memoryview(b) for b in resolve(header, sizes)] if in_memory else views[FIXED_FRAMES:]
     if [b.nbytes for b in buffers] != sizes:
         raise ProtocolError(
             f"buffer sizes {[b.nbytes for b in buffers]} do not match the header's {sizes!r}"
         )
-    chunks = len(chunk_spans(sizes))
-    if views[2].nbytes != TAG_BYTES * chunks:
-        raise ProtocolError(
-            f"{views[2].nbytes} bytes of chunk tags for {chunks} chunks ({TAG_BYTES} bytes each)"
-        )
     if opener is not None:
-        buffers = opener.open_payload(counter, views[2], buffers, decrypt="shm" not in header)
+        if not in_memory:
+            buffers = opener.open_payload(counter, views[2], buffers)
         opener.accept(counter)
     else:
-        verifier.accept(verified, views[2], buffers)
+        verifier.accept(verified, b"" if in_memory else views[2], [] if in_memory else buffers)
     return Message(
         kind=kind,
         session_id=session_id,

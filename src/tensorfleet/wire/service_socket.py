@@ -187,6 +187,9 @@ class Request:
     """Where the requester wants the reply's payload (its shared-memory segment), or None."""
     sealer: Sealer | None = None
     """Seals the answer (the request came sealed), or None: the answer goes signed."""
+    shared_memory_refused: str | None = None
+    """Why this service cannot reach the shared memory a ``hello`` offered (its probe
+    segment), or None: told to the client, which then sends its payloads over the socket."""
 
 
 class _SegmentUnavailable(ProtocolError):
@@ -262,6 +265,9 @@ class ServiceSocket:
         self._noticed: OrderedDict[bytes, None] = OrderedDict()
         self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()
         self.rejected: Counter[str] = Counter()
+        self.shared_memory: Counter[str] = Counter()
+        """Requests whose payload was read from the requester's shared memory
+        (``requests``) and replies written into it (``replies``): the same-host path."""
         """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``,
         ``unencrypted``: not sealed where the service encrypts, or the reverse;
         ``unknown_connection``: sealed under keys this service does not hold)."""
@@ -346,6 +352,8 @@ class ServiceSocket:
                 self._notice_once(peer, "protocol", str(exc))
             return None
         self.last_valid_request_time = time.monotonic()
+        if wire.SHARED_MEMORY_KEY in msg.header:
+            self.shared_memory["requests"] += 1
         if not msg.sealed and (self._encryption is not None or request.op == KEY_EXCHANGE_OP):
             self._answer_unsealed(request)
             return None
@@ -427,6 +435,8 @@ class ServiceSocket:
                 else None
             ),
         )
+        if op == "hello" and self._peer_segments is not None and "shm_probe" in header:
+            request.shared_memory_refused = shm.probe(header["shm_probe"])
         if op not in ("hello", KEY_EXCHANGE_OP) and addressed_to != self.session_id:
             # Addressed to an earlier incarnation of this service (or a replay from one).
             raise _StaleSession("request addressed to another service session", request)
@@ -475,9 +485,12 @@ class ServiceSocket:
     ) -> tuple[dict[str, Any], list[Buffer], bool]:
         """The reply's header and buffers, and whether the buffers go in frames: into the
         requester's shared-memory segment when it offered one and they fit (then the buffers
-        signed are the copies there); this service's host in answers to ``hello``."""
+        signed are the copies there); this service's host in answers to ``hello``, and why
+        it cannot reach the requester's shared memory when its probe failed."""
         if request.op == "hello" and self._host is not None:
             header = {**header, "host": self._host}
+            if request.shared_memory_refused is not None:
+                header["shm_refused"] = request.shared_memory_refused
         if not buffers or request.reply_segment is None:
             return header, buffers, True
         try:
@@ -491,7 +504,8 @@ class ServiceSocket:
             if request.sealer is None:
                 buffers = [bytes(memoryview(b)) for b in buffers]
             return header, buffers, True
-        return {**header, "shm": {}}, placed, False
+        self.shared_memory["replies"] += 1
+        return {**header, wire.SHARED_MEMORY_KEY: {}}, placed, False
 
     def reply_copies_buffers(self, request: Request) -> bool:
         """Whether a reply to ``request`` copies its buffers before :meth:`reply` returns, so

@@ -1,23 +1,34 @@
 """Same-host fast path: tensor payloads through shared memory, the wire carrying only the
-envelope, the header and the chunk tags.
+envelope and the header.
 
 When a client and a service run on one host (the service's ``hello`` reply names its host,
-see :func:`host_identity`, and the client finds it equal to its own), the client keeps two
-anonymous shared-memory files: one for the payloads of its requests, one for the payloads of
-the replies. A request whose payload goes that way names the file in its header (``shm``);
-the service maps the file and reads the buffers where they lie, without a copy; a reply is
-written by the service straight into the client's reply file (instead of into a snapshot
-for ZeroMQ). Both are authenticated exactly as frames are: the chunk tags cover the bytes in
-shared memory, and no buffer is handed out before they verify (:mod:`tensorfleet.wire.message`).
-The client copies a reply's payload into its own memory *before* verifying it, so nothing
-can change it after the check.
+see :func:`host_identity`, and the client finds it equal to its own), the client keeps a
+request segment and a pool of reply segments: anonymous shared-memory files. A request whose
+payload goes that way names the file in its header (``shm``); the service maps the file and
+reads the buffers where they lie, without a copy; a reply is written by the service straight
+into the reply segment the request offered (``shm_reply``), and the client hands it out
+where it lies, again without a copy (:class:`ClientSegments`).
 
-The choice: ``memfd_create`` files, opened by the peer through ``/proc/<pid>/fd/<fd>``.
-Such a file has no name anywhere: it disappears when the last process holding it (open or
-mapped) ends, whatever way it ends, so a killed task can never leave anything behind in
-``/dev/shm``. The peer checks that the file is the one named in the authenticated header
-(its ``/proc`` link names a random token, and its size) before mapping it: a file retired or
-replaced since (a stale segment) is refused with an error naming it.
+What is authenticated: the header, as on any message (it names the segment, its size and
+the buffers' sizes). The payload bytes are not (protocol 4). The choice, and the measured
+reason: four AES-GMAC passes over the payload (sign and verify, both ways) held a same-host
+push+pull of 8 / 32 MB at 1.65x / 1.32x a raw TCP echo where the copies and the update
+alone allow 6.9x / 3.3x (``benchmarks/wire_floor.py``), and the client's copy out of shared
+memory (made so that the bytes it verified could not change after the check) cost a third
+pass. The alternative, keeping the MAC, protects against nobody: a memfd is reachable only
+through ``/proc/<pid>/fd`` of a process holding it, which the kernel opens only for
+processes allowed to ptrace that process, and those can read the secret out of the task's
+memory or environment anyway (the threat model is in docs/security.md). Before any payload
+goes this way, the ``hello`` carries a probe segment that the service maps: where a
+hardened ``/proc`` forbids it, the answer says why (``shm_refused``), and the client logs
+one line and uses TCP (:func:`probe`).
+
+The choice of file: ``memfd_create`` files, opened by the peer through
+``/proc/<pid>/fd/<fd>``. Such a file has no name anywhere: it disappears when the last
+process holding it (open or mapped) ends, whatever way it ends, so a killed task can never
+leave anything behind in ``/dev/shm``. The peer checks that the file is the one named in the
+authenticated header (its ``/proc`` link names a random token, and its size) before mapping
+it: a file retired or replaced since (a stale segment) is refused with an error naming it.
 
 The alternatives: POSIX shared memory (``shm_open``, Python's
 ``multiprocessing.shared_memory``) gives every segment a name in ``/dev/shm`` that someone
@@ -29,13 +40,17 @@ needs neither, and works between any two processes of one user in one pid namesp
 host identity includes it, so containers with their own pid namespace use TCP).
 
 Lifetimes: a client writes a request payload only when no earlier request that used the
-file is still in flight, and retires both files (fresh ones next time) when a request that
-used them was abandoned (a timeout, a lost connection), so a late answer or a held request
-never sees its bytes change. A service keeps at most :data:`MAX_MAPPED` peers' files mapped
+request segment is still in flight; it offers a reply segment only when no request holds it
+and nothing references a payload handed out of it (torch's storage use count, as
+:class:`~tensorfleet.wire.buffer_pool.BufferPool` tells), so the service never writes memory
+the caller still reads. A request abandoned in flight (a timeout, a lost connection)
+retires every segment (fresh ones next time), so a late answer or a held request never
+touches memory in use. A service keeps at most :data:`MAX_MAPPED` peers' files mapped
 (least recently used are unmapped) and unmaps all when it closes.
 
-Measured on this project's 2-vCPU machine (``benchmarks/wire.py``): see benchmarks/README.md.
-``TENSORFLEET_SHARED_MEMORY=0`` turns the fast path off (every payload goes through ZeroMQ).
+Measured on this project's 2-vCPU machine (``benchmarks/wire.py``): see
+docs/wire-performance.md. ``TENSORFLEET_SHARED_MEMORY=0`` turns the fast path off (every
+payload goes through ZeroMQ).
 """
 
 from __future__ import annotations
@@ -53,17 +68,20 @@ import torch
 from tensorfleet import environment
 from tensorfleet.errors import ProtocolError
 from tensorfleet.wire.auth import Buffer
-from tensorfleet.wire.buffer_pool import ALIGN, BufferPool, offsets
+from tensorfleet.wire.buffer_pool import ALIGN, offsets, storage_users
 
 #: Payloads smaller than this go in ZeroMQ frames (the copy into shared memory and the
 #: bookkeeping cost more than they save).
 MIN_BYTES = 64 << 10
-#: Private buffers a client keeps for reply payloads (see ClientSegments._private). With the
-#: gradients pushed in buckets, a step's replies (one per bucket) are all adopted as the
-#: model's parameters until the next step's replace them: the pool holds two steps' worth.
-PRIVATE_POOL = 8
-#: A service keeps at most this many peers' segments mapped.
-MAX_MAPPED = 64
+#: Reply segments a client keeps towards one service. With the gradients pushed in buckets,
+#: a step's replies (one per bucket) are all adopted as the model's parameters until the next
+#: step's replace them: the pool holds two steps' worth and some to spare.
+MAX_REPLY_SEGMENTS = 16
+#: Requests whose reply's size a client remembers to learn (more: those no longer awaited go).
+MAX_ASKED = 256
+#: A service keeps at most this many peers' segments mapped (mapping one again costs its
+#: page faults: the first write of every page).
+MAX_MAPPED = 512
 _NAME_PREFIX = "tensorfleet-"
 
 
@@ -121,33 +139,47 @@ class Segment:
 
 
 class ClientSegments:
-    """A client's two segments towards one service, and which request may use them.
+    """A client's segments towards one service: one for request payloads, a pool for reply
+    payloads, and which request holds them.
 
-    One request at a time uses shared memory (``busy``); others go through ZeroMQ.
+    One request at a time sends its payload through the request segment (``busy``; the
+    others go through ZeroMQ): the service reads it in place until it answers. A reply's
+    payload is written by the service into a reply segment of the pool that the request
+    offered, and handed to the caller *where it lies*, without a copy (it often becomes the
+    model's parameters, ``FusedParameters.scatter``). A reply segment is offered again only
+    when nothing references its memory any more (the parameters moved on to a newer reply),
+    which torch tells by its storage's use count, as :class:`~tensorfleet.wire.buffer_pool.
+    BufferPool` does: the service never writes memory the caller still reads.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_reply_segments: int = MAX_REPLY_SEGMENTS) -> None:
         self._request: Segment | None = None
-        self._reply: Segment | None = None
-        self._reply_wanted = 0
+        self._replies: list[_ReplySegment] = []
+        self._max_reply_segments = max_reply_segments
+        self._reply_sizes: dict[tuple[str, int], int] = {}
+        """Reply payload bytes last seen for a request of (op, payload bytes)."""
+        self._asked: dict[int, tuple[str, int]] = {}
         self._busy: int | None = None
-        self._private = BufferPool(keep=PRIVATE_POOL)
-        """Private memory for reply payloads (often adopted as the model's parameters)."""
         self.retired = 0
-        """Segment pairs retired because a request that used them was abandoned."""
+        """Segments retired because a request that used them was abandoned."""
 
     def headers(
-        self, request_id: int, buffers: Sequence[Buffer], pending: Any
+        self, request_id: int, op: str, buffers: Sequence[Buffer], pending: Any
     ) -> tuple[dict[str, Any], list[memoryview] | None]:
-        """Header entries for request ``request_id`` and, when its buffers go in shared
-        memory, their copies there (to be signed); ``pending`` holds the ids still awaited."""
+        """Header entries for request ``request_id`` (operation ``op``) and, when its buffers
+        go in shared memory, their copies there (nothing is copied for buffers already in
+        place: :meth:`staging`); ``pending`` holds the ids still awaited."""
+        total = offsets([memoryview(b).nbytes for b in buffers])[1]
+        asked = (op, total)
+        if len(self._asked) > MAX_ASKED:  # requests abandoned without a retirement
+            self._asked = {k: v for k, v in self._asked.items() if k in pending}
+        self._asked[request_id] = asked  # its reply's size is learned, whichever way it comes
         if self._busy is not None:
             if self._busy in pending:
                 return {}, None  # the segments are in use: this one goes through ZeroMQ
             self._retire()  # abandoned while in flight: a late answer must touch nothing
         extra: dict[str, Any] = {}
         placed = None
-        total = offsets([memoryview(b).nbytes for b in buffers])[1]
         if total >= MIN_BYTES:
             if self._request is None or self._request.size < total:
                 if self._request is not None:
@@ -155,16 +187,33 @@ class ClientSegments:
                 self._request = Segment(total)
             placed = self._request.write(buffers)
             extra["shm"] = self._request.describe()
-        wanted = max(self._reply_wanted, total)
+        wanted = self._reply_sizes.get(asked, total)
         if wanted >= MIN_BYTES:
-            if self._reply is None or self._reply.size < wanted:
-                if self._reply is not None:
-                    self._reply.close()
-                self._reply = Segment(wanted)
-            extra["shm_reply"] = self._reply.describe()
+            reply = self._free_reply_segment(wanted)
+            if reply is not None:
+                reply.holder = request_id
+                extra["shm_reply"] = reply.segment.describe()
         if extra:
             self._busy = request_id
         return extra, placed
+
+    def _free_reply_segment(self, size: int) -> _ReplySegment | None:
+        """The smallest reply segment of at least ``size`` bytes that nothing references, a
+        new one when there is none (replacing the smallest free one when the pool is full),
+        or None when every segment of a full pool is still referenced."""
+        free = [r for r in self._replies if r.free()]
+        fitting = [r for r in free if r.segment.size >= size]
+        if fitting:
+            return min(fitting, key=lambda r: r.segment.size)
+        if len(self._replies) >= self._max_reply_segments:
+            if not free:
+                return None
+            smallest = min(free, key=lambda r: r.segment.size)
+            self._replies.remove(smallest)
+            smallest.segment.close()
+        fresh = _ReplySegment(Segment(size))
+        self._replies.append(fresh)
+        return fresh
 
     def staging(self, sizes: Sequence[int], pending: Any) -> list[memoryview] | None:
         """Writable views, at their :func:`offsets` in the request segment, where the caller
@@ -188,36 +237,72 @@ class ClientSegments:
         return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
     def arrived(self, header: dict[str, Any]) -> None:
-        """A verified reply arrived: its request no longer holds the segments; a large
-        payload that came in frames sets the size of the next reply segment."""
-        if "shm" not in header:
-            self._reply_wanted = max(self._reply_wanted, offsets(header["sizes"])[1])
-        if header.get("re") == self._busy:
+        """A verified reply arrived: its request no longer holds the segments (its reply
+        segment stays taken while the caller references the payload in it); the size of
+        its payload is what the next request of the same kind offers room for."""
+        re = header.get("re")
+        asked = self._asked.pop(re, None) if isinstance(re, int) else None
+        if asked is not None:
+            self._reply_sizes[asked] = offsets(header["sizes"])[1]
+        for reply in self._replies:
+            if reply.holder == re:
+                reply.holder = None
+        if re == self._busy:
             self._busy = None
 
     def resolve(self, header: dict[str, Any], sizes: list[int]) -> list[Buffer]:
-        """The buffers of a reply in the reply segment, copied out (then verified by the
-        caller); ProtocolError when this reply may not be there."""
-        if header.get("re") != self._busy or self._reply is None:
+        """The buffers of a reply, where the service wrote them in the reply segment that
+        its request offered (no copy: the segment is not offered again while they are
+        referenced); ProtocolError when this reply may not be there."""
+        re = header.get("re")
+        held = [r for r in self._replies if r.holder is not None and r.holder == re]
+        if re != self._busy or not held:
             raise ProtocolError("a reply in shared memory to a request that offered none")
+        segment = held[0].segment
         starts, end = offsets(sizes)
-        if end > self._reply.size:
-            raise ProtocolError(f"a reply of {end} bytes in a reply segment of {self._reply.size}")
-        private = self._private.take(end)
-        private.copy_(self._reply.bytes[:end])
-        view = memoryview(private.numpy())
+        if end > segment.size:
+            raise ProtocolError(f"a reply of {end} bytes in a reply segment of {segment.size}")
+        view = memoryview(segment.bytes[:end].numpy())  # the view holds the segment taken
         return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
+    @property
+    def reply_segments(self) -> int:
+        """Reply segments in the pool (held, referenced or free)."""
+        return len(self._replies)
+
     def _retire(self) -> None:
-        for segment in (self._request, self._reply):
-            if segment is not None:
-                segment.close()
-        self._request = self._reply = None
+        """Close every segment (a request that used them was abandoned: its late answer, or
+        the service still reading, must find them gone). Memory the caller still references
+        stays mapped until it lets go."""
+        if self._request is not None:
+            self._request.close()
+        for reply in self._replies:
+            reply.segment.close()
+        self._request, self._replies = None, []
         self._busy = None
         self.retired += 1
 
     def close(self) -> None:
         self._retire()
+
+
+class _ReplySegment:
+    """A reply segment of a client's pool, the request that holds it (None: none) and the
+    use count of its memory when nothing but the segment references it."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.holder: int | None = None
+        self._alone = storage_users(segment.bytes)
+
+    def free(self) -> bool:
+        """Whether the service may write into it: no request holds it and no reply payload
+        handed out from it is referenced any more (unknown use counts: never reused)."""
+        return (
+            self.holder is None
+            and self._alone is not None
+            and storage_users(self.segment.bytes) == self._alone
+        )
 
 
 class PeerSegments:
@@ -322,6 +407,21 @@ class PeerSegments:
     def close(self) -> None:
         while self._maps:
             _close_map(self._maps.popitem()[1])
+
+
+def probe(description: object) -> str | None:
+    """Map the probe segment a client's ``hello`` names, and unmap it: None when this
+    process can reach the client's shared memory, else why not (e.g. a hardened ``/proc``
+    that forbids opening another process's descriptors). Told to the client in the answer,
+    so that it sends its payloads over the socket instead of failing its first push."""
+    peers = PeerSegments(max_mapped=1)
+    try:
+        peers.bytes_of(description)
+    except ProtocolError as exc:
+        return str(exc)
+    finally:
+        peers.close()
+    return None
 
 
 def _write(target: torch.Tensor, buffers: Sequence[Buffer]) -> list[memoryview]:

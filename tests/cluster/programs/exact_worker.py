@@ -4,7 +4,7 @@ The chief writes the final parameters (and the ps's stats) to the JSON file give
 
     exact_worker.py OUT MODE RULE STEPS [--clip C] [--ema D] [--replicas K]
                     [--max-staleness S] [--slow-worker I --slow-seconds T] [--step-seconds T]
-                    [--checkpoint-dir DIR --checkpoint-steps N] [--stop-at N]
+                    [--checkpoint-dir DIR --checkpoint-steps N] [--stop-at N] [--hidden H]
 
 STEPS sizes the dataset; training stops at global step STEPS, or at --stop-at.
 """
@@ -24,9 +24,9 @@ import tensorfleet as tfl
 FEATURES, HIDDEN, CLASSES, BATCH = 6, 16, 3, 8
 
 
-def make_model() -> nn.Module:
+def make_model(hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES))
 
 
 def make_data(steps: int, num_workers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +67,14 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-steps", type=int, default=None)
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument(
+        "--hidden", type=int, default=HIDDEN, help="hidden units (wide: payloads of 100s of KB)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task(argv=[])
     server = tfl.Server(task.cluster, task.job, task.index)
-    model = make_model()
+    model = make_model(args.hidden)
     x, y = make_data(args.steps, task.num_workers)
     with tfl.TrainingSession(
         server, model, optimizer=rule(args.rule), mode=args.mode,
