@@ -115,61 +115,66 @@ def test_large_payloads_round_trip_through_shared_memory(service: EchoService) -
         small = channel.call("echo", {}, [b"tiny"], timeout_s=TIMEOUT_S)
         assert [bytes(b) for b in small.buffers] == [b"tiny"]
         assert service.requests[1:] == [("echo", True)] * 3 + [("echo", False)]
-        # The request segment and two reply segments: while the loop asks for the next
-        # reply, `reply` still holds the previous one's memory, which is then not offered.
-        assert service.socket._peer_segments.mapped == 3
-        assert channel._segments.reply_segments == 2
+        # The request segment and one reply segment, with two regions in it: while the loop
+        # asks for the next reply, `reply` still holds the previous one's region, which is
+        # then not offered.
+        assert service.socket._peer_segments.mapped == 2
+        assert channel._segments.reply_segments == 1
+        assert channel._segments.reply_regions == 2
     finally:
         channel.close()
 
 
-def _segment_of(buffer: memoryview, segments: shm.ClientSegments) -> int | None:
-    """The index of the reply segment of ``segments`` that holds ``buffer``, or None."""
+def _region_of(buffer: memoryview, segments: shm.ClientSegments) -> tuple[int, int] | None:
+    """(segment token, offset) of the reply region of ``segments`` that holds ``buffer``, or
+    None when it lies in none (it came in a frame)."""
     address = shm._as_bytes_tensor(buffer).data_ptr()
-    for index, reply in enumerate(segments._replies):
-        start = reply.segment.bytes.data_ptr()
-        if start <= address < start + reply.segment.size:
-            return index
+    for regions in segments._replies._by_size.values():
+        for region in regions:
+            start = region.bytes.data_ptr()
+            if start <= address < start + region.size:
+                return region.segment.token, region.start
     return None
 
 
 def test_a_reply_is_handed_out_where_it_lies_and_its_segment_waits_until_released(
     service: EchoService,
 ) -> None:
-    """No copy out of the reply segment: the buffers are views of it. The service is never
-    offered a segment whose memory the caller still references, and is offered it again
-    once the caller lets go (e.g. the parameters adopted a newer reply)."""
+    """No copy out of the reply segment: the buffers are views of a region of it. The
+    service is never offered a region whose memory the caller still references, and is
+    offered it again once the caller lets go (e.g. the parameters adopted a newer reply)."""
     channel = _connected(service.address)
     try:
         first_payload, second_payload = os.urandom(BIG), os.urandom(BIG)
         first = channel.call("echo", {}, [first_payload], timeout_s=TIMEOUT_S)
-        held = _segment_of(first.buffers[0], channel._segments)
+        held = _region_of(first.buffers[0], channel._segments)
         assert held is not None  # a view of the reply segment, not a private copy
         second = channel.call("echo", {}, [second_payload], timeout_s=TIMEOUT_S)
-        other = _segment_of(second.buffers[0], channel._segments)
+        other = _region_of(second.buffers[0], channel._segments)
         assert other is not None and other != held
         assert bytes(first.buffers[0]) == first_payload  # not overwritten by the second
         del first
         third = channel.call("echo", {}, [first_payload], timeout_s=TIMEOUT_S)
-        assert _segment_of(third.buffers[0], channel._segments) == held  # released: reused
+        assert _region_of(third.buffers[0], channel._segments) == held  # released: reused
         assert bytes(second.buffers[0]) == second_payload
-        assert channel._segments.reply_segments == 2
+        assert channel._segments.reply_regions == 2
     finally:
         channel.close()
 
 
-def test_a_full_pool_of_referenced_reply_segments_sends_the_reply_in_frames(
+def test_referenced_reply_regions_at_their_limit_send_the_reply_in_frames(
     service: EchoService,
 ) -> None:
     channel = _connected(service.address)
     try:
-        channel._segments._max_reply_segments = 2
+        region_bytes = -(-BIG // shm.ALIGN) * shm.ALIGN
+        channel._segments._replies.max_bytes = 2 * region_bytes
         kept = [channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S) for _ in range(2)]
         payload = os.urandom(BIG)
         reply = channel.call("echo", {}, [payload], timeout_s=TIMEOUT_S)
         assert bytes(reply.buffers[0]) == payload
-        assert _segment_of(reply.buffers[0], channel._segments) is None  # came in a frame
-        assert all(_segment_of(r.buffers[0], channel._segments) is not None for r in kept)
+        assert _region_of(reply.buffers[0], channel._segments) is None  # came in a frame
+        assert all(_region_of(r.buffers[0], channel._segments) is not None for r in kept)
     finally:
         channel.close()
 
@@ -569,3 +574,39 @@ def test_a_service_killed_in_the_middle_of_an_exchange_is_recovered_like_over_tc
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait(TIMEOUT_S)
+
+
+def test_many_replies_held_at_once_share_a_few_segments(service: EchoService) -> None:
+    """A large model pushed in buckets of 1 MiB has hundreds of replies adopted as its
+    parameters at once: each gets a region of its own, carved out of segments of
+    REPLY_SEGMENT_BYTES, not a file and a mapping each."""
+    channel = _connected(service.address)
+    try:
+        payloads = [os.urandom(1 << 20) for _ in range(80)]
+        held = [channel.call("echo", {}, [p], timeout_s=TIMEOUT_S) for p in payloads]
+        assert [bytes(r.buffers[0]) for r in held] == payloads  # none overwritten
+        assert all(_region_of(r.buffers[0], channel._segments) is not None for r in held)
+        assert channel._segments.reply_regions == 80
+        assert channel._segments.reply_segments == 2  # 80 MiB in segments of 64 MiB
+        assert service.socket._peer_segments.mapped == 3
+        del held
+        again = [channel.call("echo", {}, [p], timeout_s=TIMEOUT_S) for p in payloads[:10]]
+        assert [bytes(r.buffers[0]) for r in again] == payloads[:10]
+        assert channel._segments.reply_regions == 80  # released regions reused
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize(
+    ("offset", "length"), [(-64, 100), (1, 100), (0, 1 << 40), ("0", 10), (True, 10)]
+)
+def test_a_reply_range_outside_the_segment_is_refused(offset: object, length: object) -> None:
+    segment = shm.Segment(BIG)
+    peers = shm.PeerSegments()
+    try:
+        description = {**segment.describe(), "offset": offset, "length": length}
+        with pytest.raises(ProtocolError, match="does not lie in the"):
+            peers.write(description, [b"x" * 10])
+    finally:
+        peers.close()
+        segment.close()

@@ -73,10 +73,12 @@ from tensorfleet.wire.buffer_pool import ALIGN, offsets, storage_users
 #: Payloads smaller than this go in ZeroMQ frames (the copy into shared memory and the
 #: bookkeeping cost more than they save).
 MIN_BYTES = 64 << 10
-#: Reply segments a client keeps towards one service. With the gradients pushed in buckets,
-#: a step's replies (one per bucket) are all adopted as the model's parameters until the next
-#: step's replace them: the pool holds two steps' worth and some to spare.
-MAX_REPLY_SEGMENTS = 16
+#: Reply regions are carved out of segments of at least this size (a larger reply gets a
+#: segment of its own). With the gradients pushed in buckets of 1 MiB, a step of a large model
+#: has hundreds of replies, each adopted as some parameters' storage until the next step's
+#: replace them: hundreds of files and mappings would cost descriptors and the service's map
+#: slots; a few large segments cost neither.
+REPLY_SEGMENT_BYTES = 64 << 20
 #: Requests whose reply's size a client remembers to learn (more: those no longer awaited go).
 MAX_ASKED = 256
 #: A service keeps at most this many peers' segments mapped (mapping one again costs its
@@ -144,18 +146,18 @@ class ClientSegments:
 
     One request at a time sends its payload through the request segment (``busy``; the
     others go through ZeroMQ): the service reads it in place until it answers. A reply's
-    payload is written by the service into a reply segment of the pool that the request
-    offered, and handed to the caller *where it lies*, without a copy (it often becomes the
-    model's parameters, ``FusedParameters.scatter``). A reply segment is offered again only
-    when nothing references its memory any more (the parameters moved on to a newer reply),
-    which torch tells by its storage's use count, as :class:`~tensorfleet.wire.buffer_pool.
-    BufferPool` does: the service never writes memory the caller still reads.
+    payload is written by the service into the reply region the request offered (a range of
+    one of the client's reply segments, :class:`ReplyRegions`), and handed to the caller
+    *where it lies*, without a copy (it often becomes the model's parameters,
+    ``FusedParameters.scatter``). A region is offered again only when nothing references its
+    memory any more (the parameters moved on to a newer reply), which torch tells by its
+    storage's use count, as :class:`~tensorfleet.wire.buffer_pool.BufferPool` does: the
+    service never writes memory the caller still reads.
     """
 
-    def __init__(self, max_reply_segments: int = MAX_REPLY_SEGMENTS) -> None:
+    def __init__(self, max_reply_bytes: int | None = None) -> None:
         self._request: Segment | None = None
-        self._replies: list[_ReplySegment] = []
-        self._max_reply_segments = max_reply_segments
+        self._replies = ReplyRegions(max_reply_bytes)
         self._reply_sizes: dict[tuple[str, int], int] = {}
         """Reply payload bytes last seen for a request of (op, payload bytes)."""
         self._asked: dict[int, tuple[str, int]] = {}
@@ -189,31 +191,13 @@ class ClientSegments:
             extra["shm"] = self._request.describe()
         wanted = self._reply_sizes.get(asked, total)
         if wanted >= MIN_BYTES:
-            reply = self._free_reply_segment(wanted)
-            if reply is not None:
-                reply.holder = request_id
-                extra["shm_reply"] = reply.segment.describe()
+            region = self._replies.take(wanted)
+            if region is not None:
+                region.holder = request_id
+                extra["shm_reply"] = region.describe()
         if extra:
             self._busy = request_id
         return extra, placed
-
-    def _free_reply_segment(self, size: int) -> _ReplySegment | None:
-        """The smallest reply segment of at least ``size`` bytes that nothing references, a
-        new one when there is none (replacing the smallest free one when the pool is full),
-        or None when every segment of a full pool is still referenced."""
-        free = [r for r in self._replies if r.free()]
-        fitting = [r for r in free if r.segment.size >= size]
-        if fitting:
-            return min(fitting, key=lambda r: r.segment.size)
-        if len(self._replies) >= self._max_reply_segments:
-            if not free:
-                return None
-            smallest = min(free, key=lambda r: r.segment.size)
-            self._replies.remove(smallest)
-            smallest.segment.close()
-        fresh = _ReplySegment(Segment(size))
-        self._replies.append(fresh)
-        return fresh
 
     def staging(self, sizes: Sequence[int], pending: Any) -> list[memoryview] | None:
         """Writable views, at their :func:`offsets` in the request segment, where the caller
@@ -244,9 +228,7 @@ class ClientSegments:
         asked = self._asked.pop(re, None) if isinstance(re, int) else None
         if asked is not None:
             self._reply_sizes[asked] = offsets(header["sizes"])[1]
-        for reply in self._replies:
-            if reply.holder == re:
-                reply.holder = None
+        self._replies.release(re)
         if re == self._busy:
             self._busy = None
 
@@ -255,20 +237,24 @@ class ClientSegments:
         its request offered (no copy: the segment is not offered again while they are
         referenced); ProtocolError when this reply may not be there."""
         re = header.get("re")
-        held = [r for r in self._replies if r.holder is not None and r.holder == re]
-        if re != self._busy or not held:
+        region = self._replies.held_by(re) if re == self._busy else None
+        if region is None:
             raise ProtocolError("a reply in shared memory to a request that offered none")
-        segment = held[0].segment
         starts, end = offsets(sizes)
-        if end > segment.size:
-            raise ProtocolError(f"a reply of {end} bytes in a reply segment of {segment.size}")
-        view = memoryview(segment.bytes[:end].numpy())  # the view holds the segment taken
+        if end > region.size:
+            raise ProtocolError(f"a reply of {end} bytes in a reply region of {region.size}")
+        view = memoryview(region.bytes[:end].numpy())  # the view holds the region taken
         return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
     @property
+    def reply_regions(self) -> int:
+        """Reply regions carved so far (held, referenced or free)."""
+        return self._replies.regions
+
+    @property
     def reply_segments(self) -> int:
-        """Reply segments in the pool (held, referenced or free)."""
-        return len(self._replies)
+        """Reply segments the regions are carved from."""
+        return self._replies.segments
 
     def _retire(self) -> None:
         """Close every segment (a request that used them was abandoned: its late answer, or
@@ -276,9 +262,9 @@ class ClientSegments:
         stays mapped until it lets go."""
         if self._request is not None:
             self._request.close()
-        for reply in self._replies:
-            reply.segment.close()
-        self._request, self._replies = None, []
+        self._replies.close()
+        self._request = None
+        self._replies = ReplyRegions(self._replies.max_bytes)
         self._busy = None
         self.retired += 1
 
@@ -286,22 +272,102 @@ class ClientSegments:
         self._retire()
 
 
-class _ReplySegment:
-    """A reply segment of a client's pool, the request that holds it (None: none) and the
-    use count of its memory when nothing but the segment references it."""
+class ReplyRegions:
+    """A client's reply regions: ranges of its reply segments, each its own torch storage
+    (so that its use count tells whether a payload handed out of it is still referenced),
+    reused for replies of their size.
 
-    def __init__(self, segment: Segment) -> None:
-        self.segment = segment
+    A region is carved (bump allocation) from the newest segment of at least
+    :data:`REPLY_SEGMENT_BYTES`, and never returned to it: replies of one request kind have
+    one size step after step (a bucket's values), so regions are reused by size. At the peak
+    the regions hold what the caller references (the parameters) plus the replies of one
+    step in flight; ``max_bytes`` (None: no limit) bounds them, beyond which a reply comes
+    in frames.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self._segments: list[Segment] = []
+        self._fill = 0
+        self._by_size: dict[int, list[_ReplyRegion]] = {}
+        self._bytes = 0
+
+    @property
+    def regions(self) -> int:
+        return sum(len(regions) for regions in self._by_size.values())
+
+    @property
+    def segments(self) -> int:
+        return len(self._segments)
+
+    def take(self, size: int) -> _ReplyRegion | None:
+        """A region of ``size`` bytes (rounded up to :data:`ALIGN`) that no request holds and
+        nothing references: a free one of that size, else a new one; None past ``max_bytes``."""
+        size = -(-size // ALIGN) * ALIGN
+        regions = self._by_size.setdefault(size, [])
+        for region in regions:
+            if region.free():
+                return region
+        if self.max_bytes is not None and self._bytes + size > self.max_bytes:
+            return None
+        if not self._segments or self._fill + size > self._segments[-1].size:
+            self._segments.append(Segment(max(REPLY_SEGMENT_BYTES, size)))
+            self._fill = 0
+        region = _ReplyRegion(self._segments[-1], self._fill, size)
+        self._fill += size
+        self._bytes += size
+        regions.append(region)
+        return region
+
+    def held_by(self, request_id: object) -> _ReplyRegion | None:
+        """The region request ``request_id`` holds, or None."""
+        for regions in self._by_size.values():
+            for region in regions:
+                if region.holder is not None and region.holder == request_id:
+                    return region
+        return None
+
+    def release(self, request_id: object) -> None:
+        """Request ``request_id`` was answered: it no longer holds its region (the payload
+        handed out of it keeps it taken while referenced)."""
+        region = self.held_by(request_id)
+        if region is not None:
+            region.holder = None
+
+    def close(self) -> None:
+        """Close every segment; memory the caller still references stays mapped until it
+        lets go."""
+        self._by_size.clear()
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
+
+
+class _ReplyRegion:
+    """``size`` bytes at ``start`` of a reply segment, as a torch storage of their own; the
+    request that holds it (None: none) and the storage's use count when only the region
+    references it."""
+
+    def __init__(self, segment: Segment, start: int, size: int) -> None:
+        self.segment, self.start, self.size = segment, start, size
+        self.bytes = torch.frombuffer(
+            memoryview(segment.map)[start : start + size], dtype=torch.uint8
+        )
         self.holder: int | None = None
-        self._alone = storage_users(segment.bytes)
+        self._alone = storage_users(self.bytes)
+
+    def describe(self) -> dict[str, Any]:
+        """What the service needs to write the reply here (goes into an authenticated
+        header): the segment, and the range in it."""
+        return {**self.segment.describe(), "offset": self.start, "length": self.size}
 
     def free(self) -> bool:
         """Whether the service may write into it: no request holds it and no reply payload
-        handed out from it is referenced any more (unknown use counts: never reused)."""
+        handed out of it is referenced any more (unknown use counts: never reused)."""
         return (
             self.holder is None
             and self._alone is not None
-            and storage_users(self.segment.bytes) == self._alone
+            and storage_users(self.bytes) == self._alone
         )
 
 
@@ -397,12 +463,26 @@ class PeerSegments:
         return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
     def write(self, description: object, buffers: Sequence[Buffer]) -> list[memoryview] | None:
-        """Copy ``buffers`` into the segment (a reply) and return views of the copies; None
-        when they do not fit."""
+        """Copy ``buffers`` into the segment (a reply), into the range ``offset`` /
+        ``length`` of it when the description names one, and return views of the copies;
+        None when they do not fit."""
         tensor = self.bytes_of(description)
-        if offsets([memoryview(b).nbytes for b in buffers])[1] > tensor.numel():
+        assert isinstance(description, dict)  # bytes_of checked it
+        start, length = description.get("offset", 0), description.get("length")
+        if length is None:
+            length = tensor.numel() - start if isinstance(start, int) else 0
+        if not (
+            all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, length))
+            and start % ALIGN == 0
+            and start + length <= tensor.numel()
+        ):
+            raise ProtocolError(
+                f"a reply range of {length!r} bytes at {start!r} does not lie in the "
+                f"{tensor.numel()}-byte segment {description.get('token')}"
+            )
+        if offsets([memoryview(b).nbytes for b in buffers])[1] > length:
             return None
-        return _write(tensor, buffers)
+        return _write(tensor[start : start + length], buffers)
 
     def close(self) -> None:
         while self._maps:
