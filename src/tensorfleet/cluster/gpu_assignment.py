@@ -86,7 +86,7 @@ class GpuAssignment:
         if self.shared:
             line += (
                 f".\n{len(self.per_worker)} workers share {len(self.workers_by_gpu())} GPU(s): "
-                "they compete for its compute and memory (mode 'allreduce' uses gloo "
+                "workers on one GPU split its compute and memory (mode 'allreduce' uses gloo "
                 "between workers on one GPU, since NCCL refuses that). "
                 "--gpus-per-worker 0 keeps every task's GPUs as inherited"
             )
