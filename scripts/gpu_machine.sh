@@ -10,7 +10,7 @@
 # safetensors, rich, pytest and pytest-timeout, but not pyzmq, cryptography, cffi and
 # pycparser: `prepare` downloads those four as CPython 3.12 x86-64 wheels, `run` installs
 # them with `pip install --no-index --no-deps --target .gpu-site` (nothing leaves the
-# machine). `run` writes the results to $OUT when set (else benchmarks/results/gpu-run) and
+# machine; a Python that already imports zmq and cryptography installs nothing). `run` writes the results to $OUT when set (else benchmarks/results/gpu-run) and
 # exits with benchmarks/gpu.py's status (77: no CUDA GPU there, with the reason printed).
 #
 # Environment: PYTHON (default python3), DATA_SOURCE for prepare (default
@@ -54,7 +54,11 @@ run() {
             exit 2
         fi
     done
-    "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
+    if "$PYTHON" -c "import zmq, cryptography" 2>/dev/null; then
+        echo "gpu_machine.sh: $PYTHON already has pyzmq and cryptography: nothing to install"
+    else
+        "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
+    fi
     mkdir -p "$SITE/bin"
     printf '#!/bin/sh\nexec %s -m tensorfleet "$@"\n' "$(command -v "$PYTHON")" > "$SITE/bin/tensorfleet"
     chmod +x "$SITE/bin/tensorfleet"
