@@ -137,5 +137,8 @@ def test_a_failed_ddp_setup_names_the_worker_its_device_and_the_fix(
         updater.wrap(nn.Linear(2, 1))
     message = str(caught.value)
     assert message.startswith("worker 0 (worker:0, on the CPU of ")
-    assert "NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage." in message
+    assert (
+        "NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage / ncclInvalidUsage: Duplicate GPU "
+        "detected : rank 2 and rank 0 both on CUDA device 60. Fix:" in message
+    )
     assert "give each worker its own GPU" in message

@@ -193,7 +193,9 @@ class AllReduceUpdater:
         """What a failed collective says: the worker, its device, the backend, the fix."""
         where = self._identity.label if self._identity is not None else str(self._device)
         backend = self.backend_choice.backend if self.backend_choice is not None else "gloo"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        # NCCL's first line says where, its last what ("Duplicate GPU detected : rank 2 ...")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = " / ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else repr(exc)
         return (
             f"worker {self.rank} ({self.task_names[self.rank]}, on {where}): the all-reduce "
             f"group over {backend} failed as DDP set up the gradients' exchange: {first}. "
