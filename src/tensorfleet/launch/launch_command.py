@@ -178,7 +178,7 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="N",
-        help="GPUs Ray reserves for each task (default: 0)",
+        help="GPUs Ray reserves for each worker task; ps tasks get none (default: 0)",
     )
     launch.add_argument(
         "--encrypt",
