@@ -46,7 +46,7 @@ def test_cli_thread_budget_is_seen_inside_every_task() -> None:
         "3",
         "--ps-runs-script",
         "--gpus-per-worker",
-        "0",  # leave CUDA_VISIBLE_DEVICES alone, also on a host with GPUs
+        "0",  # every task on the CPU, also on a host with GPUs
         "--grace-period",
         "2",
         "--",
@@ -66,7 +66,9 @@ def test_cli_thread_budget_is_seen_inside_every_task() -> None:
         assert info["intra"] == info["applied_intra"] == expected[name], (name, text)
         assert info["inter"] == expected[name], (name, text)
         assert info["omp"] == str(expected[name]), (name, text)
-        assert info["cuda_visible_devices"] is None, (name, text)  # no --gpus-per-worker
+        assert info["cuda_visible_devices"] == "", (name, text)  # --gpus-per-worker 0
+        assert info["cuda_devices"] == 0, (name, text)
+    assert text.startswith("[launcher] GPUs: none (--gpus-per-worker 0)"), text
 
 
 @pytest.mark.timeout(60)

@@ -89,8 +89,10 @@ def test_launcher_environments_follow_the_assignment() -> None:
     assert [e["CUDA_VISIBLE_DEVICES"] for e in explicit.envs.values()] == ["0", "1"]
     assert explicit.gpu_line is not None and "share" not in explicit.gpu_line
     off = launch_resources(_args("--gpus-per-worker", "0"), 1, 3, find_host_gpus=two)
-    assert all("CUDA_VISIBLE_DEVICES" not in env for env in off.envs.values())
-    assert off.gpu_line is None
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in off.envs.values()] == ["", "", "", ""]
+    assert off.gpu_line is not None and off.gpu_line.startswith("GPUs: none (--gpus-per-worker 0)")
+    with pytest.raises(ClusterConfigError, match="--gpus-per-worker 0 gives no task a GPU"):
+        launch_resources(_args("--gpus-per-worker", "0", "--gpu-memory-fraction", "0.5"), 1, 3)
     none = launch_resources(_args(), 1, 3, find_host_gpus=lambda: HostGpus((), "none"))
     assert all("CUDA_VISIBLE_DEVICES" not in env for env in none.envs.values())
     assert none.gpu_line is None

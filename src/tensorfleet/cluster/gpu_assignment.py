@@ -8,8 +8,8 @@ own GPU: worker ``i`` sees the host's GPU ``gpus[i % n]`` as its only one (its
 enough; with more workers than GPUs they share, round-robin, and the launcher says so once.
 ps tasks see no GPU (their variables live in host memory). ``--gpus-per-worker N`` gives each
 worker N GPUs of its own instead (refused when the host has fewer than N x workers), and
-``--gpus-per-worker 0`` leaves every task's ``CUDA_VISIBLE_DEVICES`` as inherited (on a GPU
-host: every task computes where its program says; use ``CUDA_VISIBLE_DEVICES=`` to hide them).
+``--gpus-per-worker 0`` hides every GPU from every task (``CUDA_VISIBLE_DEVICES=""``: all
+compute on the CPU).
 
 The host's GPUs are found without torch and without initialising CUDA in the launcher
 (:func:`host_gpus`): its own ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``, else
@@ -88,7 +88,7 @@ class GpuAssignment:
                 f".\n{len(self.per_worker)} workers share {len(self.workers_by_gpu())} GPU(s): "
                 "workers on one GPU split its compute and memory (mode 'allreduce' uses gloo "
                 "between workers on one GPU, since NCCL refuses that). "
-                "--gpus-per-worker 0 keeps every task's GPUs as inherited"
+                "--gpus-per-worker 0 keeps every task on the CPU"
             )
         return line
 
@@ -97,8 +97,8 @@ def assign_gpus(
     num_workers: int, host: HostGpus, gpus_per_worker: int | None
 ) -> GpuAssignment | None:
     """Each worker's GPUs. ``gpus_per_worker``: None is the default (one each, round-robin
-    over ``host.ids``; None when the host has no GPU), 0 is none (None: leave them as
-    inherited), N > 0 gives disjoint blocks of N (a :class:`ClusterConfigError` naming both
+    over ``host.ids``; None when the host has no GPU), 0 is none (None: the caller hides
+    every GPU), N > 0 gives disjoint blocks of N (a :class:`ClusterConfigError` naming both
     counts when the host has fewer than N x workers)."""
     if num_workers < 1:
         raise ClusterConfigError(f"need >= 1 worker to give GPUs to, got {num_workers}")
@@ -128,6 +128,13 @@ def assign_gpus(
         tuple(gpus[i * gpus_per_worker : (i + 1) * gpus_per_worker]) for i in range(num_workers)
     )
     return GpuAssignment(per_worker, host, default=False)
+
+
+#: The launcher's first line with ``--gpus-per-worker 0``.
+NO_GPU_LINE = (
+    "GPUs: none (--gpus-per-worker 0): every task's CUDA_VISIBLE_DEVICES is empty, so every "
+    "task computes on the CPU"
+)
 
 
 def host_gpus(

@@ -11,9 +11,10 @@ TensorFlow's ``ConfigProto`` lets each server be told (``intra_op_parallelism_th
 - threads: ``cores // tasks`` each, at least 1; the remainder goes to the workers first
   (worker 0 first), since they compute and the ps tasks mostly wait on the network;
 - GPUs: by default (``gpus_per_worker=None``) worker i gets the host's GPU ``i % n`` (see
-  :mod:`tensorfleet.cluster.gpu_assignment`); ``gpus_per_worker`` N gives worker i the
-  disjoint set ``[i*N, (i+1)*N)`` of the host's GPUs (physical ids, through the launcher's
-  own ``CUDA_VISIBLE_DEVICES`` when set); 0 leaves them as inherited; ps tasks get none (``CUDA_VISIBLE_DEVICES=""``). Asking for more GPUs than the host has is
+  :mod:`tensorfleet.cluster.gpu_assignment`; a host without GPUs: nothing is set);
+  ``gpus_per_worker`` N gives worker i the disjoint set ``[i*N, (i+1)*N)`` of the host's
+  GPUs (physical ids, through the launcher's own ``CUDA_VISIBLE_DEVICES`` when set); 0
+  hides every GPU from every task (all compute on the CPU); ps tasks get none (``CUDA_VISIBLE_DEVICES=""``). Asking for more GPUs than the host has is
   refused here, before anything starts;
 - memory: ``gpu_memory_fraction`` F in (0, 1] caps each task's share of each of its GPUs
   (torch's caching allocator otherwise grows on demand, which is TensorFlow's
@@ -154,7 +155,7 @@ def plan_resources(
     *,
     host_cores: int | None = None,
     host_gpus: Sequence[int] = (),
-    gpus_per_worker: int | None = 0,
+    gpus_per_worker: int | None = None,
     gpu_memory_fraction: float | None = None,
     intra_op_threads: int | None = None,
     inter_op_threads: int | None = None,
@@ -185,6 +186,11 @@ def plan_resources(
         _check_fraction(gpu_memory_fraction, "gpu_memory_fraction")
     gpus = tuple(host_gpus)
     assignment = assign_gpus(num_workers, HostGpus(gpus, "given"), gpus_per_worker)
+    if gpu_memory_fraction is not None and gpus_per_worker == 0:
+        raise ClusterConfigError(
+            f"gpu_memory_fraction={gpu_memory_fraction} caps GPU memory, but --gpus-per-worker 0 "
+            "gives no task a GPU; drop one of the two"
+        )
     if gpu_memory_fraction is not None and not gpus_per_worker and not gpus:
         raise ClusterConfigError(
             f"gpu_memory_fraction={gpu_memory_fraction} caps GPU memory, but this host has no "
@@ -199,7 +205,7 @@ def plan_resources(
     for position, name in enumerate(names):
         job, index = name.split(":")
         if assignment is None:
-            visible = None
+            visible = () if gpus_per_worker == 0 else None  # 0: no GPU for anyone
         elif job == "worker":
             visible = assignment.per_worker[int(index)]
         else:

@@ -5,7 +5,7 @@
 override the thread budget, ``--no-thread-budget`` leaves torch's defaults (every task uses
 every core); on a host with GPUs each worker gets one of them by default (round-robin, see
 :mod:`tensorfleet.cluster.gpu_assignment`), ``--gpus-per-worker N`` gives each worker N GPUs
-of its own and ``--gpus-per-worker 0`` none,
+of its own and ``--gpus-per-worker 0`` none (every task on the CPU),
 ``--gpu-memory-fraction F`` caps each task's share of its GPUs' memory. A request the host
 cannot meet is refused before any task starts.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorfleet import environment
-from tensorfleet.cluster.gpu_assignment import HostGpus, assign_gpus, host_gpus
+from tensorfleet.cluster.gpu_assignment import NO_GPU_LINE, HostGpus, assign_gpus, host_gpus
 from tensorfleet.cluster.resources import plan_resources
 from tensorfleet.errors import ClusterConfigError
 
@@ -49,9 +49,9 @@ def add_resource_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="give each worker N GPUs of its own (disjoint CUDA_VISIBLE_DEVICES); ps tasks get "
-        "none. Refused before anything starts if the host has fewer than N x workers. 0: leave "
-        "every task's CUDA_VISIBLE_DEVICES as inherited (default: on a host with GPUs, one GPU "
-        "per worker, round-robin, shared when there are more workers than GPUs)",
+        "none. Refused before anything starts if the host has fewer than N x workers. 0: no "
+        "task sees a GPU (all compute on the CPU). Default: on a host with GPUs, one GPU per "
+        "worker, round-robin, shared when there are more workers than GPUs",
     )
     group.add_argument(
         "--gpu-memory-fraction",
@@ -160,7 +160,9 @@ def launch_resources(
     assignment = assign_gpus(num_workers, host, args.gpus_per_worker)
     return LaunchResources(
         {name: {**resources.to_env(), **pipelines} for name, resources in plan.items()},
-        None if assignment is None else assignment.describe(),
+        NO_GPU_LINE
+        if args.gpus_per_worker == 0
+        else (None if assignment is None else assignment.describe()),
     )
 
 
