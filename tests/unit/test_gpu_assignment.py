@@ -29,6 +29,7 @@ def test_default_gives_each_worker_one_gpu_round_robin(gpus: int, workers: int) 
     line = assignment.describe()
     assert line.startswith(f"GPUs: one per worker, round-robin (the default), of the {gpus}")
     assert ("share" in line) == (workers > gpus), line
+    assert (f"{gpus - workers} GPU(s) left unused" in line) == (workers < gpus), line
     assert line.count("\n") == (1 if workers > gpus else 0), line
 
 

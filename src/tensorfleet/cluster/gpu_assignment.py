@@ -83,6 +83,12 @@ class GpuAssignment:
             f"GPUs: {how}, of the {len(self.host.ids)} this host has ({self.host.source}): "
             f"{groups}. Each worker sees its GPU(s) from /gpu:0 on; ps tasks see none"
         )
+        unused = len(self.host.ids) - len(self.workers_by_gpu())
+        if unused and self.default:
+            line += (
+                f"; {unused} GPU(s) left unused (--gpus-per-worker N gives each worker N, e.g. "
+                "for replica_devices or stage_devices on several GPUs)"
+            )
         if self.shared:
             line += (
                 f".\n{len(self.per_worker)} workers share {len(self.workers_by_gpu())} GPU(s): "
