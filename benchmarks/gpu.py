@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,8 @@ NAME = "gpu"
 #: Seconds each part may take (the tests; each row).
 TESTS_LIMIT_S = 240
 ROW_LIMIT_S = 100
+#: Seconds a part past its limit has to stop its tasks after SIGINT, before SIGKILL.
+STOP_GRACE_S = 30
 
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:
@@ -67,19 +70,7 @@ def run_tests(limit_s: float) -> dict:
     files = gpu_test_files()
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=_child_env(),
-            capture_output=True,
-            text=True,
-            timeout=limit_s,
-        )
-        output, status = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = _text(exc.stdout) + _text(exc.stderr)
-        status = None
+    output, status = run_limited(command, _child_env(), limit_s)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next(
         (line for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), ""
@@ -157,13 +148,7 @@ def run_row(
             if row.get("share"):
                 env["CUDA_VISIBLE_DEVICES"] = first_gpu  # the launcher puts every worker on it
         started = time.perf_counter()
-        try:
-            done = subprocess.run(
-                command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s
-            )
-            output, status = done.stdout + done.stderr, done.returncode
-        except subprocess.TimeoutExpired as exc:
-            output, status = _text(exc.stdout) + _text(exc.stderr), None
+        output, status = run_limited(command, env, limit_s)
         result: dict = {
             "name": row["name"],
             "command": " ".join(command[command.index("--") + 1 :] if "--" in command else command),
@@ -213,10 +198,31 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    return data if isinstance(data, str) else data.decode(errors="replace")
+def run_limited(command: list[str], env: dict[str, str], limit_s: float) -> tuple[str, int | None]:
+    """Run ``command`` (output and exit status), or stop it after ``limit_s`` (status None).
+    A run past its limit gets SIGINT first (the launcher stops its tasks on it, pytest runs
+    its tests' cleanup), then, :data:`STOP_GRACE_S` later, SIGKILL to its process group, so
+    that no task is left holding the GPU for the next part."""
+    child = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = child.communicate(timeout=limit_s)
+        return output, child.returncode
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGINT)
+        try:
+            output, _ = child.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            output, _ = child.communicate()
+        return output + f"\n(stopped after {limit_s:.0f} s)", None
 
 
 def main(argv: list[str] | None = None) -> int:

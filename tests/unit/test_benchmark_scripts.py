@@ -400,3 +400,16 @@ def test_gpu_check_row_plumbing_on_the_cpu() -> None:
     result = gpu.run_row(row, None, "0", 180, device="/cpu:0")  # the examples' data search
     assert "error" not in result, result
     assert result["chief_local_steps"] == 25 and result["batches_per_s"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_stops_a_part_past_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part past its limit is interrupted (SIGINT, then SIGKILL to its group) and reported
+    as stopped, never waited for: here a child that ignores SIGINT and sleeps."""
+    import gpu
+
+    monkeypatch.setattr(gpu, "STOP_GRACE_S", 2)
+    program = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"
+    output, status = gpu.run_limited([sys.executable, "-c", program], dict(os.environ), 3)
+    assert status is None
+    assert output.endswith("(stopped after 3 s)")
