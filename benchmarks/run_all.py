@@ -111,6 +111,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "sparse_tables": Benchmark("sparse_tables", (), tuple(SPARSE_TABLES_QUICK), "sparse_tables"),
     "cnn_compute": Benchmark("cnn_compute", (), ("--steps", "5", "--rounds", "1"), "cnn_compute"),
     "devices": Benchmark("devices", (), ("--steps", "60", "--pairs", "1"), "devices"),
+    "gpu": Benchmark("gpu", (), ("--steps", "200", "--tests-limit", "120"), "gpu"),
     "recovery": Benchmark("recovery", ("--repeats", "7"), ("--repeats", "1"), "recovery"),
     "patterns": Benchmark(
         "patterns",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def test_cli_thread_budget_is_seen_inside_every_task() -> None:
         "--workers",
         "3",
         "--ps-runs-script",
+        "--gpus-per-worker",
+        "0",  # every task on the CPU, also on a host with GPUs
         "--grace-period",
         "2",
         "--",
@@ -63,7 +66,50 @@ def test_cli_thread_budget_is_seen_inside_every_task() -> None:
         assert info["intra"] == info["applied_intra"] == expected[name], (name, text)
         assert info["inter"] == expected[name], (name, text)
         assert info["omp"] == str(expected[name]), (name, text)
-        assert info["cuda_visible_devices"] is None, (name, text)  # no --gpus-per-worker
+        assert info["cuda_visible_devices"] == "", (name, text)  # --gpus-per-worker 0
+        assert info["cuda_devices"] == 0, (name, text)
+    assert text.startswith("[launcher] GPUs: none (--gpus-per-worker 0)"), text
+
+
+@pytest.mark.timeout(60)
+def test_default_gives_each_worker_one_gpu_and_says_so_first() -> None:
+    """Two GPUs faked through the launcher's CUDA_VISIBLE_DEVICES (physical ids 3 and 5),
+    three workers: each worker's environment holds one of them, round-robin; the ps sees
+    none; the launcher's first line says so, and a second that two workers share GPU 3."""
+    argv = [
+        sys.executable,
+        "-m",
+        "tensorfleet",
+        "launch",
+        "--no-live",
+        "--ps",
+        "1",
+        "--workers",
+        "3",
+        "--ps-runs-script",
+        "--grace-period",
+        "2",
+        "--",
+        sys.executable,
+        str(PROBE),
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3,5"}
+    result = subprocess.run(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=50, env=env
+    )
+    text = result.stdout
+    assert result.returncode == 0, text
+    found = reports(text)
+    assert {n: i["cuda_visible_devices"] for n, i in found.items()} == {
+        "worker:0": "3",
+        "worker:1": "5",
+        "worker:2": "3",
+        "ps:0": "",
+    }, text
+    lines = text.splitlines()
+    assert lines[0].startswith("[launcher] GPUs: one per worker, round-robin (the default)"), text
+    assert "GPU 3: worker 0,2; GPU 5: worker 1." in lines[0], text
+    assert lines[1].startswith("[launcher] 3 workers share 2 GPU(s)"), text
 
 
 @pytest.mark.timeout(60)

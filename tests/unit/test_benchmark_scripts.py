@@ -35,6 +35,7 @@ RUNNABLE = {
     "compute_rates.py",
     "ddp_baseline.py",
     "devices.py",
+    "gpu.py",
     "modes.py",
     "overlap.py",
     "patterns.py",
@@ -341,3 +342,74 @@ def test_readme_commands_name_existing_results() -> None:
     text = (BENCHMARKS / "README.md").read_text()
     for name in re.findall(r"`benchmarks/results/([\w.]+\.md)`", text):
         assert (results_writer.RESULTS / name).exists(), name
+
+
+# --------------------------------------------------------------------- gpu.py
+
+
+def test_gpu_check_finds_its_test_files_and_plans_its_rows() -> None:
+    import gpu
+
+    files = gpu.gpu_test_files()
+    assert "tests/cluster/test_gpu_modes.py" in files and "tests/unit/test_device.py" in files
+    steps = {"one": 40, "ps": 20, "ps3": 20, "allreduce": 10}
+    one_gpu = [row["name"] for row in gpu.rows_to_run(1, steps)]
+    assert one_gpu == [
+        "one process",
+        "1 ps + 1 worker, async",
+        "1 ps + 3 workers sharing one GPU, async",
+        "all-reduce, 3 workers sharing one GPU (gloo)",
+    ]
+    assert gpu.rows_to_run(2, steps)[-1]["name"] == "all-reduce, 2 workers on a GPU each (nccl)"
+
+
+def test_gpu_check_table_gives_ratios_in_batches_and_names_failures() -> None:
+    import gpu
+
+    def row(name: str, rate: float, workers: int, mode: str) -> dict:
+        return {
+            "name": name,
+            "steady_global_steps_per_s": rate,
+            "batches_per_s": rate * (workers if mode == "allreduce" else 1),
+            "steady_local_ms_per_step": 2.5,
+        }
+
+    result = {
+        "tests": {"files": ["a", "b"], "summary": "9 passed, 1 skipped in 3s"},
+        "rows": [
+            row("one process", 400.0, 1, "async"),
+            row("all-reduce, 3 workers sharing one GPU (gloo)", 50.0, 3, "allreduce"),
+            {"name": "1 ps + 1 worker, async", "error": "timed out after 100 s"},
+        ],
+    }
+    lines = gpu.table(result)
+    assert lines[2] == "| GPU tests (2 files) | 9 passed, 1 skipped in 3s | | | |"
+    assert (
+        lines[4] == "| all-reduce, 3 workers sharing one GPU (gloo) | 50.0 | 150.0 | 0.38 | 2.50 |"
+    )
+    assert lines[5] == "| 1 ps + 1 worker, async | timed out after 100 s | | | |"
+
+
+@pytest.mark.timeout(200)
+def test_gpu_check_row_plumbing_on_the_cpu() -> None:
+    """The one-process row on /cpu:0 (the GPU check's own rows need a GPU): the figures of
+    cnn_training's --metrics-json come back, with batches/s."""
+    import gpu
+
+    row = {"name": "one process", "launch": None, "mode": "async", "steps": 25}
+    result = gpu.run_row(row, None, "0", 180, device="/cpu:0")  # the examples' data search
+    assert "error" not in result, result
+    assert result["chief_local_steps"] == 25 and result["batches_per_s"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_gpu_check_stops_a_part_past_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part past its limit is interrupted (SIGINT, then SIGKILL to its group) and reported
+    as stopped, never waited for: here a child that ignores SIGINT and sleeps."""
+    import gpu
+
+    monkeypatch.setattr(gpu, "STOP_GRACE_S", 2)
+    program = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(120)"
+    output, status = gpu.run_limited([sys.executable, "-c", program], dict(os.environ), 3)
+    assert status is None
+    assert output.endswith("(stopped after 3 s)")

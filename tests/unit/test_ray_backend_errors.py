@@ -61,3 +61,42 @@ def test_the_doc_quotes_the_does_not_answer_error_as_it_is():
     assert len(quoted) == 1
     doc_port = re.search(r"127\.0\.0\.1:(\d+)", quoted[0]).group(1)
     assert quoted[0].replace(doc_port, str(port)) == f"tensorfleet: error: {message}"
+
+
+class _FakeRay:
+    """What RayBackend.allocate calls of ray, recording each actor's GPUs."""
+
+    class exceptions:  # noqa: N801 - ray.exceptions
+        GetTimeoutError = TimeoutError
+
+    def __init__(self) -> None:
+        self.actor_gpus: list[float] = []
+
+    def remote(self, cls: type) -> _FakeRay:
+        return self
+
+    def options(self, **options: object) -> _FakeActorClass:
+        return _FakeActorClass(self, float(options["num_gpus"]))  # type: ignore[arg-type]
+
+    def get(self, refs: list[str], timeout: float) -> list[str]:
+        return refs
+
+
+class _FakeActorClass:
+    def __init__(self, ray: _FakeRay, gpus: float) -> None:
+        self.ray, self.gpus = ray, gpus
+
+    def remote(self) -> object:
+        self.ray.actor_gpus.append(self.gpus)
+        address = f"10.0.0.{len(self.ray.actor_gpus)}:2222"
+        return type("Actor", (), {"reserve_address": type("M", (), {"remote": lambda: address})})
+
+
+def test_ray_workers_reserve_their_gpus_and_ps_tasks_none():
+    backend = RayBackend.__new__(RayBackend)  # no Ray cluster: allocate against a fake
+    backend._ray, backend._actors, backend._hosts = _FakeRay(), {}, {}
+    backend.cpus_per_task, backend.gpus_per_task, backend.address = 1.0, 1.0, "fake"
+    addresses = backend.allocate(["ps:0", "worker:0", "worker:1", "ps:1"])
+    assert backend._ray.actor_gpus == [0.0, 1.0, 1.0, 0.0]
+    assert addresses == [f"10.0.0.{i}:2222" for i in (1, 2, 3, 4)]
+    assert backend.gpus_for("worker:7") == 1.0 and backend.gpus_for("ps:0") == 0.0

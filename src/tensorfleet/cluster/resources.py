@@ -10,9 +10,11 @@ TensorFlow's ``ConfigProto`` lets each server be told (``intra_op_parallelism_th
 
 - threads: ``cores // tasks`` each, at least 1; the remainder goes to the workers first
   (worker 0 first), since they compute and the ps tasks mostly wait on the network;
-- GPUs: ``gpus_per_worker`` N gives worker i the disjoint set ``[i*N, (i+1)*N)`` of the
-  host's GPUs (physical ids, through the launcher's own ``CUDA_VISIBLE_DEVICES`` when set);
-  ps tasks get none (``CUDA_VISIBLE_DEVICES=""``). Asking for more GPUs than the host has is
+- GPUs: by default (``gpus_per_worker=None``) worker i gets the host's GPU ``i % n`` (see
+  :mod:`tensorfleet.cluster.gpu_assignment`; a host without GPUs: nothing is set);
+  ``gpus_per_worker`` N gives worker i the disjoint set ``[i*N, (i+1)*N)`` of the host's
+  GPUs (physical ids, through the launcher's own ``CUDA_VISIBLE_DEVICES`` when set); 0
+  hides every GPU from every task (all compute on the CPU); ps tasks get none (``CUDA_VISIBLE_DEVICES=""``). Asking for more GPUs than the host has is
   refused here, before anything starts;
 - memory: ``gpu_memory_fraction`` F in (0, 1] caps each task's share of each of its GPUs
   (torch's caching allocator otherwise grows on demand, which is TensorFlow's
@@ -31,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensorfleet import environment
+from tensorfleet.cluster.gpu_assignment import HostGpus, assign_gpus
 from tensorfleet.cluster.spec import show
 from tensorfleet.errors import ClusterConfigError
 
@@ -152,7 +155,7 @@ def plan_resources(
     *,
     host_cores: int | None = None,
     host_gpus: Sequence[int] = (),
-    gpus_per_worker: int = 0,
+    gpus_per_worker: int | None = None,
     gpu_memory_fraction: float | None = None,
     intra_op_threads: int | None = None,
     inter_op_threads: int | None = None,
@@ -161,7 +164,8 @@ def plan_resources(
     """Each task's resources by task name (``"ps:0"``, ``"worker:1"``), all on one host.
 
     ``host_cores`` defaults to the cores this process may use; ``host_gpus`` are the GPU ids
-    the host offers (physical ids). Explicit ``intra_op_threads`` / ``inter_op_threads``
+    the host offers (physical ids); ``gpus_per_worker`` None gives each worker one of them,
+    round-robin (:func:`~tensorfleet.cluster.gpu_assignment.assign_gpus`). Explicit ``intra_op_threads`` / ``inter_op_threads``
     apply to every task; otherwise, with ``thread_budget_enabled``, the host's cores are
     divided (workers first). Raises :class:`ClusterConfigError` when the workers would need
     more GPUs than ``host_gpus`` holds, naming both counts.
@@ -170,7 +174,7 @@ def plan_resources(
         raise ClusterConfigError(
             f"need >= 0 ps tasks and >= 1 worker, got {num_ps} and {num_workers}"
         )
-    if (
+    if gpus_per_worker is not None and (
         isinstance(gpus_per_worker, bool)
         or not isinstance(gpus_per_worker, int)
         or gpus_per_worker < 0
@@ -180,15 +184,14 @@ def plan_resources(
         )
     if gpu_memory_fraction is not None:
         _check_fraction(gpu_memory_fraction, "gpu_memory_fraction")
-    gpus = list(host_gpus)
-    needed = gpus_per_worker * num_workers
-    if needed > len(gpus):
+    gpus = tuple(host_gpus)
+    assignment = assign_gpus(num_workers, HostGpus(gpus, "given"), gpus_per_worker)
+    if gpu_memory_fraction is not None and gpus_per_worker == 0:
         raise ClusterConfigError(
-            f"{gpus_per_worker} GPU(s) per worker x {num_workers} worker(s) = {needed} GPU(s), but "
-            f"this host has {len(gpus)} ({_describe_gpus(gpus)}). Lower --gpus-per-worker or "
-            "--workers, or run on a host with more GPUs; nothing was started"
+            f"gpu_memory_fraction={gpu_memory_fraction} caps GPU memory, but --gpus-per-worker 0 "
+            "gives no task a GPU; drop one of the two"
         )
-    if gpu_memory_fraction is not None and gpus_per_worker == 0 and not gpus:
+    if gpu_memory_fraction is not None and not gpus_per_worker and not gpus:
         raise ClusterConfigError(
             f"gpu_memory_fraction={gpu_memory_fraction} caps GPU memory, but this host has no "
             "GPU; drop --gpu-memory-fraction"
@@ -201,11 +204,10 @@ def plan_resources(
     plan: dict[str, TaskResources] = {}
     for position, name in enumerate(names):
         job, index = name.split(":")
-        if gpus_per_worker == 0:
-            visible = None
+        if assignment is None:
+            visible = () if gpus_per_worker == 0 else None  # 0: no GPU for anyone
         elif job == "worker":
-            start = int(index) * gpus_per_worker
-            visible = tuple(gpus[start : start + gpus_per_worker])
+            visible = assignment.per_worker[int(index)]
         else:
             visible = ()
         threads = intra[position]
@@ -218,10 +220,6 @@ def plan_resources(
             gpu_memory_fraction=gpu_memory_fraction if visible != () else None,
         )
     return plan
-
-
-def _describe_gpus(gpus: list[int]) -> str:
-    return "GPU ids " + ",".join(map(str, gpus)) if gpus else "no GPU torch can use"
 
 
 def _env_count(env: Mapping[str, str], name: str) -> int | None:

@@ -31,7 +31,7 @@ from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
 from tensorfleet.launch.resource_flags import (
     add_pipeline_flags,
     add_resource_flags,
-    task_environments,
+    launch_resources,
 )
 from tensorfleet.launch.restart_policy import (
     DEFAULT_POLICY,
@@ -178,7 +178,7 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="N",
-        help="GPUs Ray reserves for each task (default: 0)",
+        help="GPUs Ray reserves for each worker task; ps tasks get none (default: 0)",
     )
     launch.add_argument(
         "--encrypt",
@@ -284,7 +284,8 @@ def run_launch(args: argparse.Namespace) -> int:
     policy = restart_policy_from(args)  # bad limits are refused before anything starts
     # resources the host cannot give, or workers that do not form whole pipelines: refused
     # before anything starts
-    task_env = task_environments(args, args.ps, args.workers, local=args.backend == "local")
+    resources = launch_resources(args, args.ps, args.workers, local=args.backend == "local")
+    task_env = resources.envs
 
     output: Output
     if not args.no_live and sys.stdout.isatty():
@@ -312,6 +313,8 @@ def run_launch(args: argparse.Namespace) -> int:
         raise
     with _forward_signals(cluster.interrupt), output:
         try:
+            if resources.gpu_line is not None:
+                output.message(resources.gpu_line)  # the first line: which worker has which GPU
             cluster.start()
             return cluster.wait()
         finally:

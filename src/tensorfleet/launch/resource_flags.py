@@ -3,7 +3,9 @@
 ``tensorfleet launch`` divides the host among the tasks it starts (see
 :mod:`tensorfleet.cluster.resources`): ``--intra-op-threads`` / ``--inter-op-threads``
 override the thread budget, ``--no-thread-budget`` leaves torch's defaults (every task uses
-every core), ``--gpus-per-worker N`` gives each worker N GPUs of its own,
+every core); on a host with GPUs each worker gets one of them by default (round-robin, see
+:mod:`tensorfleet.cluster.gpu_assignment`), ``--gpus-per-worker N`` gives each worker N GPUs
+of its own and ``--gpus-per-worker 0`` none (every task on the CPU),
 ``--gpu-memory-fraction F`` caps each task's share of its GPUs' memory. A request the host
 cannot meet is refused before any task starts.
 """
@@ -11,9 +13,12 @@ cannot meet is refused before any task starts.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from tensorfleet import environment
-from tensorfleet.cluster.resources import parse_visible_devices, plan_resources
+from tensorfleet.cluster.gpu_assignment import NO_GPU_LINE, HostGpus, assign_gpus, host_gpus
+from tensorfleet.cluster.resources import plan_resources
 from tensorfleet.errors import ClusterConfigError
 
 
@@ -41,10 +46,12 @@ def add_resource_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--gpus-per-worker",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="give each worker N GPUs of its own (disjoint CUDA_VISIBLE_DEVICES); ps tasks get "
-        "none. Refused before anything starts if the host has fewer than N x workers (default: 0)",
+        "none. Refused before anything starts if the host has fewer than N x workers. 0: no "
+        "task sees a GPU (all compute on the CPU). Default: on a host with GPUs, one GPU per "
+        "worker, round-robin, shared when there are more workers than GPUs",
     )
     group.add_argument(
         "--gpu-memory-fraction",
@@ -84,16 +91,39 @@ def pipeline_environment(args: argparse.Namespace) -> dict[str, str]:
     return {environment.PIPELINE_STAGES_VAR: str(stages)}
 
 
+@dataclass(frozen=True)
+class LaunchResources:
+    """Each task's resource variables by task name, and the line the launcher prints first
+    about the GPUs (None when it gives out none)."""
+
+    envs: dict[str, dict[str, str]]
+    gpu_line: str | None = None
+
+
 def task_environments(
     args: argparse.Namespace, num_ps: int, num_workers: int, *, local: bool = True
 ) -> dict[str, dict[str, str]]:
-    """Each task's resource variables by task name, from the parsed flags. Raises
+    """Each task's resource variables by task name (:func:`launch_resources`' ``envs``)."""
+    return launch_resources(args, num_ps, num_workers, local=local).envs
+
+
+def launch_resources(
+    args: argparse.Namespace,
+    num_ps: int,
+    num_workers: int,
+    *,
+    local: bool = True,
+    find_host_gpus: Callable[[], HostGpus] | None = None,
+) -> LaunchResources:
+    """Each task's resource variables by task name, from the parsed flags, and the GPU line
+    (:meth:`~tensorfleet.cluster.gpu_assignment.GpuAssignment.describe`). Raises
     :class:`~tensorfleet.errors.ClusterConfigError` for a request the host cannot meet.
     ``local``: every task runs on this host; otherwise (the Ray backend) the tasks' hosts are
     unknown here, so only explicit thread counts and the pipelines apply, and GPUs are the
-    backend's to give (``--ray-gpus-per-task``)."""
+    backend's to give (``--ray-gpus-per-task``). ``find_host_gpus`` (tests) replaces
+    :func:`~tensorfleet.cluster.gpu_assignment.host_gpus`."""
     if num_ps < 0 or num_workers < 1:
-        return {}  # the supervisor refuses these counts with its own message
+        return LaunchResources({})  # the supervisor refuses these counts with its own message
     pipelines = pipeline_environment(args)
     if not local:
         if args.gpus_per_worker or args.gpu_memory_fraction is not None:
@@ -110,29 +140,46 @@ def task_environments(
             if value is not None
         }
         names = [f"ps:{i}" for i in range(num_ps)] + [f"worker:{i}" for i in range(num_workers)]
-        return {name: {**{k: str(v) for k, v in threads.items()}, **pipelines} for name in names}
-    host_gpus: tuple[int, ...] = ()
-    if args.gpus_per_worker or args.gpu_memory_fraction is not None:
-        host_gpus = _host_gpus()
+        return LaunchResources(
+            {name: {**{k: str(v) for k, v in threads.items()}, **pipelines} for name in names}
+        )
+    host = HostGpus((), "not looked up: --gpus-per-worker 0")
+    if args.gpus_per_worker != 0 or args.gpu_memory_fraction is not None:
+        explicit = bool(args.gpus_per_worker) or args.gpu_memory_fraction is not None
+        host = find_host_gpus() if find_host_gpus is not None else _host_gpus(explicit)
     plan = plan_resources(
         num_ps,
         num_workers,
-        host_gpus=host_gpus,
+        host_gpus=host.ids,
         gpus_per_worker=args.gpus_per_worker,
         gpu_memory_fraction=args.gpu_memory_fraction,
         intra_op_threads=args.intra_op_threads,
         inter_op_threads=args.inter_op_threads,
         thread_budget_enabled=not args.no_thread_budget,
     )
-    return {name: {**resources.to_env(), **pipelines} for name, resources in plan.items()}
+    assignment = assign_gpus(num_workers, host, args.gpus_per_worker)
+    return LaunchResources(
+        {name: {**resources.to_env(), **pipelines} for name, resources in plan.items()},
+        NO_GPU_LINE
+        if args.gpus_per_worker == 0
+        else (None if assignment is None else assignment.describe()),
+    )
 
 
-def _host_gpus() -> tuple[int, ...]:
-    """The physical GPU ids the launcher may hand out: its own ``CUDA_VISIBLE_DEVICES`` when
-    set, else every GPU torch finds (torch is imported only when GPUs are asked for)."""
-    inherited = environment.environ().get(environment.CUDA_VISIBLE_DEVICES_VAR)
-    if inherited is not None:
-        return parse_visible_devices(inherited)
+def _host_gpus(explicit: bool) -> HostGpus:
+    """The GPUs the launcher may hand out (:func:`~tensorfleet.cluster.gpu_assignment.host_gpus`:
+    no torch, no CUDA initialised). When that finds none and GPUs were asked for ``explicit``ly,
+    torch is asked too (a driver without nvidia-smi or /proc entries, e.g. ROCm). By default
+    an inherited CUDA_VISIBLE_DEVICES of GPU UUIDs is left to the tasks as it is."""
+    try:
+        found = host_gpus()
+    except ClusterConfigError:
+        if explicit:
+            raise
+        return HostGpus((), "CUDA_VISIBLE_DEVICES names GPUs by UUID: left as inherited")
+    if not explicit or found.ids or found.source.startswith(environment.CUDA_VISIBLE_DEVICES_VAR):
+        return found
     from tensorfleet.worker.device import cuda_device_count_here
 
-    return tuple(range(cuda_device_count_here()))
+    count = cuda_device_count_here()
+    return HostGpus(tuple(range(count)), "torch.cuda.device_count()") if count else found

@@ -1,5 +1,7 @@
 """All-reduce training without parameter servers: the worker job forms a torch.distributed
-process group (gloo on CPU, NCCL on GPU) from the cluster spec, the model is wrapped in
+process group from the cluster spec (gloo; the gradients go over NCCL when every worker has
+a GPU of its own, over gloo when workers share a GPU or compute on CPUs:
+:mod:`tensorfleet.worker.collective_backend`), the model is wrapped in
 ``DistributedDataParallel`` (which averages gradients during the backward pass, bucket by
 bucket), and every worker applies the same update to its own replica. Rank = worker index;
 rank 0 is the chief. The rendezvous is the chief's address in the cluster spec.
@@ -29,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tensorfleet import task_markers
 from tensorfleet.errors import (
     CheckpointError,
+    ClusterConfigError,
     ConfigError,
     DeadlineExceeded,
     ProtocolError,
@@ -39,6 +42,14 @@ from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.shard_checkpoint import MAX_WORKER_DATA_BYTES, check_worker_data
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.worker.collective_backend import (
+    BackendChoice,
+    DeviceIdentity,
+    choose_backend,
+    decode_identity,
+    device_identity,
+    encode_identity,
+)
 from tensorfleet.worker.moving_average import MovingAverage
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.replica_state import (
@@ -108,20 +119,27 @@ class AllReduceUpdater:
         self._named_params: list[tuple[str, torch.Tensor]] = []
         self._buffers: dict[str, torch.Tensor] = {}
         self._rule: UpdateRule | None = None
+        self._device = torch.device("cpu")
+        self._identity: DeviceIdentity | None = None
+        self._gradient_group: Any = None  # None: the default (gloo) group
+        #: The gradients' backend and why (set by :meth:`connect`).
+        self.backend_choice: BackendChoice | None = None
 
     def connect(self, device: torch.device | None = None) -> None:
-        """Join the process group (waits up to ``connect_s`` for every worker to arrive):
-        NCCL when the model is on a GPU, gloo otherwise."""
-        device_type = device.type if device is not None else "cpu"
+        """Join the process group (waits up to ``connect_s`` for every worker to arrive) over
+        gloo, exchange where each worker computes, and choose the gradients' backend
+        (:func:`~tensorfleet.worker.collective_backend.choose_backend`): NCCL when every
+        worker has a GPU of its own, gloo otherwise (workers sharing a GPU, or CPUs). The
+        chief prints the choice and its reason."""
+        self._device = device if device is not None else torch.device("cpu")
         if dist.is_initialized():
             raise UsageError(
                 "a torch.distributed process group already exists in this process: one "
                 "all-reduce session per process"
             )
-        backend = "nccl" if device_type == "cuda" else "gloo"
         try:
             dist.init_process_group(
-                backend,
+                "gloo",
                 init_method=f"tcp://{self.rendezvous_address}",
                 rank=self.rank,
                 world_size=self.world_size,
@@ -134,6 +152,15 @@ class AllReduceUpdater:
                 "workers started, and is the chief's address reachable?"
             ) from exc
         self._own_group = True
+        self._identity = device_identity(self._device)
+        mine = encode_identity(self._identity)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        self.backend_choice = choose_backend([decode_identity(t) for t in gathered])
+        if self.rank == 0:
+            print(self.backend_choice.describe(self.rank), flush=True)
+        if self.backend_choice.backend == "nccl":  # pragma: no cover - needs several GPUs
+            self._gradient_group = dist.new_group(backend="nccl")
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         """The model wrapped in DDP (rank 0's parameters are broadcast to every worker). The
@@ -150,9 +177,32 @@ class AllReduceUpdater:
                 "as nn.Embedding(..., sparse=True), which all-reduce trains as a replicated weight"
             )
         self._buffers = persistent_buffers(model)  # DDP broadcasts rank 0's at each forward
-        self._wrapped = DistributedDataParallel(model)
+        on_gpu = self._device.type == "cuda"
+        try:
+            self._wrapped = DistributedDataParallel(
+                model,
+                device_ids=[self._device.index or 0] if on_gpu else None,
+                process_group=self._gradient_group,
+            )
+        except RuntimeError as exc:  # NCCL's and gloo's failures (DistBackendError too)
+            raise ClusterConfigError(self._collective_failure(exc)) from exc
         self._wrapped.register_forward_pre_hook(self._note_forward)
         return self._wrapped
+
+    def _collective_failure(self, exc: BaseException) -> str:
+        """What a failed collective says: the worker, its device, the backend, the fix."""
+        where = self._identity.label if self._identity is not None else str(self._device)
+        backend = self.backend_choice.backend if self.backend_choice is not None else "gloo"
+        # NCCL's first line says where, its last what ("Duplicate GPU detected : rank 2 ...")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = " / ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else repr(exc)
+        return (
+            f"worker {self.rank} ({self.task_names[self.rank]}, on {where}): the all-reduce "
+            f"group over {backend} failed as DDP set up the gradients' exchange: {first}. "
+            "Fix: give each worker its own GPU (tensorfleet launch does while there are enough; "
+            "check each worker's CUDA_VISIBLE_DEVICES), or compute on the CPU (--device "
+            "/cpu:0); the other workers' output may say more"
+        )
 
     def _note_forward(self, module: nn.Module, args: object) -> None:
         self._forward_seen = True

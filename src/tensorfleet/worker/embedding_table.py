@@ -195,13 +195,18 @@ class EmbeddingTable(nn.Module):
         if self._source is None:
             raise TableNotAttached(self._not_attached())
         rows = self.rows_of(ids)
-        unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
+        # The rows live in host memory (the ps, or this process's store): ids on a GPU are
+        # looked up on the CPU, and the batch's rows come to the ids' device for the lookup
+        # (their gradient leaves it again in take_gradient).
+        device = rows.device
+        unique, inverse = torch.unique(rows.reshape(-1).cpu(), sorted=True, return_inverse=True)
         shard_of = self.partition.shard_of(unique)
         gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
         for shard in range(self.partition.num_shards):
             mask = shard_of == shard
             if bool(mask.any()):
                 gathered[mask] = self._source.pull_rows(self.spec().name, shard, unique[mask])
+        gathered, inverse = gathered.to(device), inverse.to(device)
         if torch.is_grad_enabled() and self.training:
             gathered.requires_grad_(True)
             self._pending.append((unique, gathered))
@@ -223,7 +228,7 @@ class EmbeddingTable(nn.Module):
                 torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim), dtype=self.dtype)
             )
         ids = torch.cat([unique for unique, _ in pending])
-        grads = torch.cat([g.grad for _, g in pending])
+        grads = torch.cat([g.grad.cpu() for _, g in pending])  # to the host's rows
         if len(pending) == 1:
             return SparseRows(ids, grads.detach())
         sparse = torch.sparse_coo_tensor(

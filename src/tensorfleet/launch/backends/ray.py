@@ -2,7 +2,8 @@
 cluster (``tensorfleet launch --backend ray --ray-address HOST:PORT``).
 
 One actor per task (:class:`~tensorfleet.launch.backends.ray_actor.TaskRunner`), placed
-with Ray's ``SPREAD`` strategy and ``cpus_per_task`` CPUs (and ``gpus_per_task`` GPUs) each.
+with Ray's ``SPREAD`` strategy and ``cpus_per_task`` CPUs each (and ``gpus_per_task`` GPUs
+each worker; ps tasks reserve none).
 Before any task starts, each actor reserves its task's address on its node (the node's IP
 and a free port), so that ``TF_CONFIG`` names where every task really runs. The actor then
 starts the task's command on its node in its own process group; a thread per task here
@@ -87,8 +88,8 @@ class RayBackend(Backend):
             prints it; None: ``$RAY_ADDRESS``, else ``"auto"`` (a cluster started on this
             machine). Never starts a new Ray instance.
         cpus_per_task: CPUs Ray reserves for each task's actor.
-        gpus_per_task: GPUs Ray reserves for each task's actor (Ray sets
-            ``CUDA_VISIBLE_DEVICES`` in it accordingly).
+        gpus_per_task: GPUs Ray reserves for each worker task's actor (Ray sets
+            ``CUDA_VISIBLE_DEVICES`` in it accordingly); ps tasks get none.
         cwd: the tasks' working directory on their nodes (default: the launcher's).
 
     Raises :class:`~tensorfleet.errors.LaunchConfigError` before anything starts when Ray is
@@ -137,17 +138,25 @@ class RayBackend(Backend):
             defaulted = not address and not os.environ.get("RAY_ADDRESS")
             raise LaunchConfigError(_connect_error(self.address, defaulted, exc)) from exc
 
+    def gpus_for(self, name: str) -> float:
+        """GPUs Ray reserves for task ``name``'s actor: ``gpus_per_task`` for a worker, none
+        for a ps task (its variables live in host memory: a GPU would sit idle)."""
+        return 0.0 if name.partition(":")[0] == "ps" else self.gpus_per_task
+
     def allocate(self, names: Sequence[str]) -> list[str]:
         ray = self._ray
-        runner = ray.remote(TaskRunner).options(
-            num_cpus=self.cpus_per_task,
-            num_gpus=self.gpus_per_task,
-            max_restarts=0,
-            max_concurrency=4,  # a read blocks while a signal must get through
-            scheduling_strategy="SPREAD",
-        )
+        runners: dict[float, Any] = {}
         for name in names:
-            self._actors[name] = runner.remote()
+            gpus = self.gpus_for(name)
+            if gpus not in runners:
+                runners[gpus] = ray.remote(TaskRunner).options(
+                    num_cpus=self.cpus_per_task,
+                    num_gpus=gpus,
+                    max_restarts=0,
+                    max_concurrency=4,  # a read blocks while a signal must get through
+                    scheduling_strategy="SPREAD",
+                )
+            self._actors[name] = runners[gpus].remote()
         refs = [self._actors[name].reserve_address.remote() for name in names]
         try:
             addresses = ray.get(refs, timeout=PLACEMENT_TIMEOUT_S)
@@ -157,7 +166,8 @@ class RayBackend(Backend):
             raise LaunchError(
                 f"the Ray cluster at {self.address} did not place {len(names)} task actors "
                 f"within {PLACEMENT_TIMEOUT_S:g} s: each asks for {self.cpus_per_task:g} CPU(s) "
-                f"and {self.gpus_per_task:g} GPU(s) (--ray-cpus-per-task, --ray-gpus-per-task) "
+                f"and each worker {self.gpus_per_task:g} GPU(s) (--ray-cpus-per-task, "
+                "--ray-gpus-per-task) "
                 f"and the cluster has available {resources}"
             ) from None
         except Exception as exc:

@@ -1,0 +1,285 @@
+"""The GPU check: the CUDA tests and the GPU rows, in one command on a machine with a GPU.
+
+Parts, each with its own time limit, the results rewritten after each one (so a part that
+hangs or a machine that is taken back still leaves what was measured):
+
+1. **tests**: pytest on the test files that touch CUDA (every ``tests/**/test_*.py`` whose
+   text mentions ``cuda``), passed / failed / skipped counts and the summary line;
+2. **rows**: ``benchmarks/cnn_training.py`` (the example's CNN, Fashion-MNIST) on the GPU,
+   steady-state global steps/s from its ``--metrics-json``:
+
+   - one process (the baseline of every ratio, measured in the same run);
+   - 1 ps + 1 worker, async;
+   - 1 ps + 3 workers sharing one GPU, async;
+   - all-reduce, 3 workers sharing one GPU (gloo between them: NCCL refuses that);
+   - all-reduce, one GPU per worker (NCCL), where the host has 2 or more GPUs.
+
+   The sharing rows run the launcher with ``CUDA_VISIBLE_DEVICES`` set to the first GPU, so
+   that its default assignment puts every worker on that one. A global step of all-reduce is
+   one batch per worker, so the table gives batches/s too and compares those.
+
+    python benchmarks/gpu.py [--data-dir DIR] [--only tests|rows] [--out-dir DIR]
+
+Writes ``gpu.json`` and ``gpu.md`` (the card from ``torch.cuda.get_device_name``). Without a
+CUDA GPU it prints ``gpu: not run: <reason>`` and exits with the benchmarks' skip status (77:
+``run_all.py`` reports a skip, not a failure). ``scripts/gpu_machine.sh`` prepares a bare GPU
+machine (wheels and data carried from here) and runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from results_writer import add_out_dir_option, not_run, write_results  # noqa: E402
+
+NAME = "gpu"
+#: Seconds each part may take (the tests; each row).
+TESTS_LIMIT_S = 240
+ROW_LIMIT_S = 100
+#: Seconds a part past its limit has to stop its tasks after SIGINT, before SIGKILL.
+STOP_GRACE_S = 30
+
+
+def gpu_test_files(root: Path = ROOT) -> list[str]:
+    """The test files that touch CUDA: every ``tests/**/test_*.py`` mentioning ``cuda``."""
+    found = [
+        str(path.relative_to(root))
+        for path in sorted((root / "tests").rglob("test_*.py"))
+        if re.search("cuda", path.read_text(), re.IGNORECASE)
+    ]
+    return found
+
+
+def run_tests(limit_s: float) -> dict:
+    """pytest on :func:`gpu_test_files`: its counts and summary line, or why it stopped."""
+    files = gpu_test_files()
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    started = time.perf_counter()
+    output, status = run_limited(command, _child_env(), limit_s)
+    lines = [line for line in output.splitlines() if line.strip()]
+    summary = next(
+        (line for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), ""
+    )
+    counts = {
+        kind: int(m.group(1)) if (m := re.search(rf"(\d+) {kind}", summary)) else 0
+        for kind in ("passed", "failed", "skipped", "error")
+    }
+    return {
+        "files": files,
+        "status": status,
+        "seconds": time.perf_counter() - started,
+        "summary": summary if status is not None else f"timed out after {limit_s:.0f} s",
+        **counts,
+        "tail": lines[-40:],
+    }
+
+
+def rows_to_run(gpus: int, steps: dict[str, int]) -> list[dict]:
+    """The rows for a host with ``gpus`` GPUs: name, launcher arguments (None: one process),
+    worker arguments, whether every worker shares the first GPU."""
+    rows = [
+        {"name": "one process", "launch": None, "mode": "async", "steps": steps["one"]},
+        {"name": "1 ps + 1 worker, async", "launch": ["--ps", "1", "--workers", "1"],
+         "mode": "async", "steps": steps["ps"]},
+        {"name": "1 ps + 3 workers sharing one GPU, async",
+         "launch": ["--ps", "1", "--workers", "3"], "mode": "async", "steps": steps["ps3"],
+         "share": True},
+        {"name": "all-reduce, 3 workers sharing one GPU (gloo)",
+         "launch": ["--ps", "0", "--workers", "3"], "mode": "allreduce",
+         "steps": steps["allreduce"], "share": True},
+    ]  # fmt: skip
+    if gpus >= 2:
+        workers = min(gpus, 8)
+        rows.append(
+            {
+                "name": f"all-reduce, {workers} workers on a GPU each (nccl)",
+                "launch": ["--ps", "0", "--workers", str(workers)],
+                "mode": "allreduce",
+                "steps": steps["allreduce"],
+            }
+        )
+    return rows
+
+
+def run_row(
+    row: dict, data_dir: str | None, first_gpu: str, limit_s: float, device: str = "/gpu:0"
+) -> dict:
+    """One row: its figures from ``--metrics-json``, or why there are none. (``device``:
+    the tests run a row on ``/cpu:0`` to check the plumbing.)"""
+    with tempfile.TemporaryDirectory(prefix="tfl-gpu-") as scratch:
+        metrics = Path(scratch) / "metrics.json"
+        program = [
+            sys.executable,
+            str(HERE / "cnn_training.py"),
+            "--device",
+            device,
+            "--mode",
+            row["mode"],
+            "--steps",
+            str(row["steps"]),
+            "--test-limit",
+            "1000",
+            "--log-every",
+            "1000000",
+            "--metrics-json",
+            str(metrics),
+        ] + (["--data-dir", data_dir] if data_dir else [])
+        env = _child_env()
+        if row["launch"] is None:
+            command = program
+        else:
+            command = [sys.executable, "-m", "tensorfleet", "launch", "--no-live"]
+            command += [*row["launch"], "--", *program]
+            if row.get("share"):
+                env["CUDA_VISIBLE_DEVICES"] = first_gpu  # the launcher puts every worker on it
+        started = time.perf_counter()
+        output, status = run_limited(command, env, limit_s)
+        result: dict = {
+            "name": row["name"],
+            "command": " ".join(command[command.index("--") + 1 :] if "--" in command else command),
+            "launcher": None if row["launch"] is None else " ".join(row["launch"]),
+            "shared_gpu": bool(row.get("share")),
+            "status": status,
+            "seconds": time.perf_counter() - started,
+        }
+        if status == 0 and metrics.exists():
+            figures = json.loads(metrics.read_text())
+            result.update(figures)
+            per_step = figures["workers"] if figures["mode"] == "allreduce" else 1
+            result["batches_per_s"] = figures["steady_global_steps_per_s"] * per_step
+        else:
+            why = "timed out" if status is None else f"exit status {status}"
+            result["error"] = f"{why} after {result['seconds']:.0f} s"
+            result["tail"] = [line for line in output.splitlines() if line.strip()][-30:]
+        return result
+
+
+def table(result: dict) -> list[str]:
+    """The markdown table: one line for the tests, one per row with its ratio."""
+    lines = ["| run | global steps/s | batches/s | vs one process (batches/s) | chief ms per local step |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    tests = result.get("tests")
+    if tests is not None:
+        lines.append(f"| GPU tests ({len(tests['files'])} files) | {tests['summary']} | | | |")
+    rows = result.get("rows", [])
+    base = next((r.get("batches_per_s") for r in rows if r["name"] == "one process"), None)
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['name']} | {row['error']} | | | |")
+            continue
+        ratio = f"{row['batches_per_s'] / base:.2f}" if base else "n/a"
+        lines.append(
+            f"| {row['name']} | {row['steady_global_steps_per_s']:.1f} | "
+            f"{row['batches_per_s']:.1f} | {ratio} | {row['steady_local_ms_per_step']:.2f} |"
+        )
+    return lines
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def run_limited(command: list[str], env: dict[str, str], limit_s: float) -> tuple[str, int | None]:
+    """Run ``command`` (output and exit status), or stop it after ``limit_s`` (status None).
+    A run past its limit gets SIGINT first (the launcher stops its tasks on it, pytest runs
+    its tests' cleanup), then, :data:`STOP_GRACE_S` later, SIGKILL to its process group, so
+    that no task is left holding the GPU for the next part."""
+    child = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = child.communicate(timeout=limit_s)
+        return output, child.returncode
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGINT)
+        try:
+            output, _ = child.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            output, _ = child.communicate()
+        return output + f"\n(stopped after {limit_s:.0f} s)", None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-dir", default=None, help="Fashion-MNIST's four .gz files")
+    parser.add_argument("--only", choices=("tests", "rows"), default=None, help="one part")
+    parser.add_argument("--tests-limit", type=float, default=TESTS_LIMIT_S, metavar="S")
+    parser.add_argument("--row-limit", type=float, default=ROW_LIMIT_S, metavar="S")
+    parser.add_argument("--steps", type=int, default=1500, help="global steps of the ps rows")
+    add_out_dir_option(parser)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return not_run(
+            NAME,
+            f"no CUDA GPU here (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+            "torch.cuda.is_available() is False)",
+        )
+    gpus = torch.cuda.device_count()
+    card = torch.cuda.get_device_name(0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    first_gpu = visible.split(",")[0].strip() if visible.strip() else "0"
+    result: dict = {
+        "card": card,
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    heading = (
+        f"# GPU check on {gpus} x {card} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    )
+
+    def save() -> None:
+        write_results(NAME, result, heading, table(result))
+
+    if args.only in (None, "tests"):
+        print(f"gpu: the CUDA tests ({args.tests_limit:.0f} s at most)", flush=True)
+        result["tests"] = run_tests(args.tests_limit)
+        save()
+    if args.only in (None, "rows"):
+        steps = {
+            "one": 2 * args.steps,
+            "ps": args.steps,
+            "ps3": args.steps,
+            "allreduce": args.steps // 2,
+        }
+        result["rows"] = []
+        for row in rows_to_run(gpus, steps):
+            print(f"gpu: {row['name']} ({args.row_limit:.0f} s at most)", flush=True)
+            result["rows"].append(run_row(row, args.data_dir, first_gpu, args.row_limit))
+            save()
+    failed = ("tests" in result and result["tests"]["status"] != 0) or any(
+        "error" in row for row in result.get("rows", [])
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
