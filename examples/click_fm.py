@@ -82,7 +82,7 @@ def main() -> int:
         server, model, optimizer=tfl.optim.Adagrad(lr=args.lr), mode="async",
         hooks=[tfl.StopAtStep(last_step=args.steps)], log_placement=True,
     ) as sess:  # fmt: skip
-        seed = 1000 + task.index
+        seed = 1000 + task.rank
         while not sess.should_stop():
             ids, labels, _ = make_clicks(BATCH, seed)
             seed += task.num_workers

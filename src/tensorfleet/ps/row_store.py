@@ -99,6 +99,15 @@ class RowStore:
         versions = self._changed_at.numel() * 8
         return self._values.shape[0] * (row + 8) + self.local_rows * 8 + versions
 
+    def stats(self) -> dict[str, object]:
+        """Rows live, bytes held, the rule and the update count (``cluster_stats()``)."""
+        return {
+            "rows_live": self.size,
+            "bytes": self.nbytes,
+            "rule": self.rule.name,
+            "step": self.step,
+        }
+
     @property
     def complete(self) -> bool:
         """Whether every row of this shard exists (a table of given rows: all arrived)."""

@@ -92,6 +92,25 @@ class ShardTables:
         """The tables this shard holds."""
         return list(self._stores)
 
+    def describe(self, name: str) -> str:
+        """One line on table ``name`` for the ps log: its rows here, their bytes, its rule
+        (``table 'users': 500,000 of 1,000,000 rows, up to 12,000,000 B, rule adagrad``)."""
+        store = self.store(name)
+        full = self.full_bytes(store.table, store.partition, store.rule)
+        return (
+            f"table {name!r}: {store.local_rows:,d} of {store.table.num_rows:,d} rows, up to "
+            f"{full:,d} B ({store.nbytes:,d} B held now), rule {store.rule.name}"
+        )
+
+    def summary(self) -> str:
+        """Every table in one clause for the ps log (empty: no tables)."""
+        return "; ".join(self.describe(name) for name in self._stores)
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Each table's numbers for ``cluster_stats()``: rows live, bytes held, rule, step
+        (and, for a table of raw ids, admitted and evicted rows, dropped gradients)."""
+        return {name: store.stats() for name, store in self._stores.items()}
+
     def save(self) -> dict[str, bytes]:
         """Each table's document (:meth:`RowStore.encode`), by table name."""
         return {name: store.encode() for name, store in self._stores.items()}

@@ -35,6 +35,7 @@ to it: the service's request loop is unchanged.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -48,6 +49,8 @@ from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows, check_sparse_rows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, from_buffer
+
+log = logging.getLogger("tensorfleet.ps")
 
 
 class TableRequests:
@@ -97,6 +100,17 @@ class TableRequests:
             "pull_changed": self._pull_changed,
         }
 
+    def summary(self) -> str:
+        """The tables this shard holds, for the log line of the dense variables' creation
+        (``""``: none yet; each table is logged when it is created)."""
+        if self.tables is None or not len(self.tables):
+            return ""
+        return f"; {self.tables.summary()}"
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Each table's numbers (:meth:`ShardTables.stats`), by name."""
+        return {} if self.tables is None else self.tables.stats()
+
     def documents(self) -> dict[str, bytes]:
         """Each table's document for the shard's checkpoint (none: no tables)."""
         return {} if self.tables is None else self.tables.save()
@@ -127,6 +141,8 @@ class TableRequests:
         else:
             created = self.tables.create(spec, partition, rule)
         complete = self.tables.store(spec.name).complete
+        if created:
+            log.info("ps:%d: created %s", self.shard, self.tables.describe(spec.name))
         self.socket.reply(request, {"created": created, "complete": complete})
 
     def _pull_rows(self, request: Request) -> None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError, UsageError
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 from tensorfleet.ps.row_partition import SCHEMES as PARTITION_SCHEMES
@@ -132,6 +132,7 @@ class EmbeddingTable(nn.Module):
         self._source: RowSource | None = None
         self._partition: RowPartition | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._released: str | None = None
 
     def spec(self) -> TableSpec:
         """The table as the ps shards hold it (needs a name: given, or set by the session)."""
@@ -152,6 +153,15 @@ class EmbeddingTable(nn.Module):
         self._partition = RowPartition(self.num_rows, num_shards, self.partition_scheme)
         self._source = source
         self._pending = []
+        self._released = None
+
+    def release(self, where: str) -> None:
+        """The rows' holder is gone (``where``: e.g. ``the ps shards``): the session that
+        attached the table has ended. Every later lookup or push raises ``UsageError`` naming
+        the fix, instead of talking to shards that ended with the training."""
+        self._source = None
+        self._pending = []
+        self._released = where
 
     @property
     def attached(self) -> bool:
@@ -193,6 +203,7 @@ class EmbeddingTable(nn.Module):
 
     def forward(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
         if self._source is None:
+            self._refuse_released()
             raise TableNotAttached(self._not_attached())
         rows = self.rows_of(ids)
         unique, inverse = torch.unique(rows.reshape(-1), sorted=True, return_inverse=True)
@@ -234,6 +245,7 @@ class EmbeddingTable(nn.Module):
     def push_gradient(self) -> SparseRows:
         """Send :meth:`take_gradient` to the shards (one part each); returns what was sent."""
         if self._source is None:
+            self._refuse_released()
             raise TableNotAttached(self._not_attached())
         rows = self.take_gradient()
         parts = split_rows(rows, self.partition.shard_of(rows.indices), self.partition.num_shards)
@@ -249,6 +261,17 @@ class EmbeddingTable(nn.Module):
         if self.table_name:
             return f"EmbeddingTable {self.table_name!r}"
         return f"an unnamed EmbeddingTable({self.num_rows}, {self.dim})"
+
+    def _refuse_released(self) -> None:
+        if self._released is not None:
+            raise UsageError(
+                f"{self._label()}: its rows live on {self._released}, and the session that "
+                f"held them has ended (its `with` block is over: the ps tasks end with the "
+                f"training). Fix: evaluate inside the `with` block, after the training loop "
+                f"(e.g. `if sess.is_chief: evaluate(model)` before the block ends), or read "
+                f"the rows from the final checkpoint with tfl.load_table_rows(checkpoint_dir, "
+                f"{self.table_name!r})"
+            )
 
     def _not_attached(self) -> str:
         return (
