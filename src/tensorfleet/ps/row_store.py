@@ -92,6 +92,11 @@ class RowStore:
         """The global ids of the rows created so far, ascending."""
         return torch.sort(self._ids[: self.size]).values
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, values)`` of the rows created so far, ids ascending."""
+        order = torch.argsort(self._ids[: self.size])
+        return self._ids[: self.size][order], self._values[: self.size][order]
+
     @property
     def nbytes(self) -> int:
         """Bytes held now (capacity, not just created rows), bookkeeping included."""

@@ -42,6 +42,7 @@ import torch
 
 from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps.held_row_gradients import HeldRowGradients
+from tensorfleet.ps.raw_id_rows import decode_store
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
@@ -111,9 +112,33 @@ class TableRequests:
         """Each table's numbers (:meth:`ShardTables.stats`), by name."""
         return {} if self.tables is None else self.tables.stats()
 
+    def stat_lines(self) -> list[str]:
+        """One line per table for the ps log: rows live, bytes, rule, updates; for a table
+        of raw ids also admitted, evicted, still counting, forgotten, dropped, deferred."""
+        lines = []
+        for name, numbers in self.stats().items():
+            line = f"table {name!r}: {numbers['rows_live']:,d} rows live"
+            if "admitted" in numbers:
+                line += (
+                    f" ({numbers['admitted']:,d} admitted, {numbers['evicted']:,d} evicted), "
+                    f"{numbers['pending']:,d} ids counting toward admission "
+                    f"({numbers['forgotten']:,d} forgotten), {numbers['dropped_rows']:,d} "
+                    f"gradient rows dropped, {numbers['deferred']:,d} admissions deferred (full)"
+                )
+            lines.append(
+                f"{line}, {numbers['bytes']:,d} B, rule {numbers['rule']}, "
+                f"{numbers['step']:,d} updates"
+            )
+        return lines
+
     def documents(self) -> dict[str, bytes]:
-        """Each table's document for the shard's checkpoint (none: no tables)."""
-        return {} if self.tables is None else self.tables.save()
+        """Each table's document for the shard's checkpoint (none: no tables); logs each
+        table's numbers (:meth:`stat_lines`)."""
+        if self.tables is None:
+            return {}
+        for line in self.stat_lines():
+            log.info("ps:%d: saving %s", self.shard, line)
+        return self.tables.save()
 
     def restore(self, documents: dict[str, bytes]) -> None:
         """Take a checkpoint's tables (ConfigError, nothing changed, when one is bad)."""
@@ -121,7 +146,7 @@ class TableRequests:
             return
         try:
             if self.tables is None:
-                first = RowStore.decode(next(iter(documents.values())))
+                first = decode_store(next(iter(documents.values())))
                 tables = ShardTables(self.shard, first.partition.num_shards, self.max_memory)
                 tables.restore(documents)
                 self.tables = tables

@@ -35,8 +35,8 @@ from torch import nn
 from tensorfleet.errors import ConfigError, TensorfleetError, UsageError
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
+from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_partition import SCHEMES as PARTITION_SCHEMES
-from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -94,10 +94,28 @@ class EmbeddingTable(nn.Module):
         dtype: torch.dtype = torch.float32,
         partition: str = "mod",
         rule: SparseRowRule | None = None,
+        ids: str = "rows",
+        admit_after: int = 0,
+        expire_after_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
         self.table_name = name
+        if ids not in ("rows", "raw"):
+            raise ConfigError(
+                f"{self._label()}: ids must be 'rows' (ids are row numbers, or hashed into "
+                f"them with hash_ids=True) or 'raw' (any int64 id gets a row of its own), got "
+                f"{ids!r}"
+            )
+        self.raw_ids = ids == "raw"
+        """Rows keyed by raw int64 ids, one per admitted id (``ids="raw"``)."""
+        if self.raw_ids and (hash_ids or partition != "mod"):
+            raise ConfigError(
+                f"{self._label()}: ids='raw' gives every id a row of its own on the shard its "
+                f"hash picks; hash_ids={hash_ids} and partition={partition!r} do not apply; "
+                f"fix: leave them out"
+            )
+        self.admit_after, self.expire_after_steps = admit_after, expire_after_steps
         if dtype not in _TORCH_DTYPES:
             raise ConfigError(
                 f"{self._label()}: dtype must be torch.float32 or torch.float64, got {dtype}; "
@@ -127,8 +145,8 @@ class EmbeddingTable(nn.Module):
                 "nn.Embedding(sparse=True) weight, whose rows the chief sends"
             )
         self.dtype = dtype
-        self.partition_scheme = partition
-        TableSpec(name or "unnamed", num_rows, dim, _TORCH_DTYPES[dtype], self.initializer)
+        self.partition_scheme = HASH if self.raw_ids else partition
+        self._spec_of(name or "unnamed")  # checks the arguments now (ConfigError)
         self._source: RowSource | None = None
         self._partition: RowPartition | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -142,8 +160,18 @@ class EmbeddingTable(nn.Module):
                 f"build it with name=..., or let a TrainingSession name it after its place in "
                 f"the model (it does when it starts)"
             )
+        return self._spec_of(self.table_name)
+
+    def _spec_of(self, name: str) -> TableSpec:
         return TableSpec(
-            self.table_name, self.num_rows, self.dim, _TORCH_DTYPES[self.dtype], self.initializer
+            name,
+            self.num_rows,
+            self.dim,
+            _TORCH_DTYPES[self.dtype],
+            self.initializer,
+            raw_ids=self.raw_ids,
+            admit_after=self.admit_after,
+            expire_after_steps=self.expire_after_steps,
         )
 
     def attach(self, source: RowSource, num_shards: int, name: str | None = None) -> None:
@@ -180,7 +208,17 @@ class EmbeddingTable(nn.Module):
         return self._partition
 
     def rows_of(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
-        """The table rows of ``ids`` (hashed, or checked to be in range): int64, same shape."""
+        """The table rows of ``ids`` (hashed, or checked to be in range; raw ids: the ids
+        themselves): int64, same shape."""
+        if self.raw_ids:
+            if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+                raise SparseGradientError(
+                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 tensor, got "
+                    f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}"
+                    f"; fix: map strings to int64 first (e.g. tensorfleet.ps.id_hashing."
+                    f"hash_string_ids(ids, 2**63 - 1))"
+                )
+            return ids.to(torch.int64)
         if self.hash_ids:
             if isinstance(ids, torch.Tensor):
                 return hash_int_ids(ids, self.num_rows, self.hash_seed)
@@ -237,6 +275,10 @@ class EmbeddingTable(nn.Module):
         grads = torch.cat([g.grad for _, g in pending])
         if len(pending) == 1:
             return SparseRows(ids, grads.detach())
+        if self.raw_ids:  # ids are not row numbers: a sparse tensor cannot index them
+            unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            summed = grads.new_zeros((unique.numel(), self.dim)).index_add_(0, inverse, grads)
+            return SparseRows(unique, summed.detach())
         sparse = torch.sparse_coo_tensor(
             ids.unsqueeze(0), grads.detach(), (self.num_rows, self.dim), check_invariants=True
         )
@@ -254,6 +296,11 @@ class EmbeddingTable(nn.Module):
 
     def extra_repr(self) -> str:
         hashing = f", hash_ids=True (seed {self.hash_seed})" if self.hash_ids else ""
+        if self.raw_ids:
+            hashing = (
+                f", ids='raw', admit_after={self.admit_after}, "
+                f"expire_after_steps={self.expire_after_steps}"
+            )
         return f"{self.num_rows}, {self.dim}, name={self.table_name!r}{hashing}"
 
     def _label(self) -> str:
