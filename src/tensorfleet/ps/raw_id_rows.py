@@ -117,16 +117,20 @@ class RawIdRowStore:
         """The rows of ``ids`` (raw ids of this shard, 1-D int64), zeros for an id without a
         row (``admit_after`` 0: created now, while the shard has room); marks them seen."""
         self._check_ids(ids)
-        if self.table.admit_after == 0 and ids.numel():
-            unique = torch.unique(ids)
-            index, found = self._find(unique)
-            without = ~found
-            if bool(found.any()):
-                without[found] = self._pos[index[found]] < 0
-            if bool(without.any()):
-                self._insert(unique[without & ~found])
-                self._admit(unique[without])
         index, found = self._find(ids)
+        if self.table.admit_after == 0 and ids.numel():
+            has_row = found.clone()
+            has_row[found] = self._pos[index[found]] >= 0
+            if not bool(has_row.all()):
+                without = torch.unique(ids[~has_row])
+                self._insert(without[~self._find(without)[1]])
+                self._admit(without)
+                index, found = self._find(ids)
+        if bool(found.all()):  # the common case: every id known
+            self._seen[index] = self.step
+            positions = self._pos[index]
+            if bool((positions >= 0).all()):
+                return self._values.index_select(0, positions)
         out = torch.zeros((ids.numel(), self.table.dim), dtype=self.table.torch_dtype)
         if bool(found.any()):
             where = index[found]
@@ -221,9 +225,9 @@ class RawIdRowStore:
             due = without[self._count[where] >= self.table.admit_after]
             if due.numel():
                 self._admit(due)
+            index, _ = self._find(ids)  # the map changed
         if ids.numel():
-            where, _ = self._find(ids)
-            self._seen[where] = self.step
+            self._seen[index] = self.step
         self._expire()
 
     def check(self, gradient: SparseRows) -> None:
@@ -340,6 +344,8 @@ class RawIdRowStore:
                 f"table {self.table.name!r}: ids must be a 1-D int64 tensor, got {ids.dtype} "
                 f"{list(ids.shape)}"
             )
+        if self.partition.num_shards == 1:
+            return
         wrong = self.partition.shard_of(ids) != self.shard
         if bool(wrong.any()):
             raise SparseGradientError(
@@ -363,8 +369,10 @@ class RawIdRowStore:
         new = torch.sort(new).values
         old = self._keys.numel()
         total = old + new.numel()
-        at_new = torch.searchsorted(self._keys, new) + torch.arange(new.numel())
-        at_old = torch.arange(old) + torch.searchsorted(new, self._keys)
+        below = torch.searchsorted(self._keys, new)  # old keys below each new one
+        at_new = below + torch.arange(new.numel())
+        # new keys below each old key: those whose insertion point is at or before it
+        at_old = torch.arange(old) + torch.bincount(below, minlength=old + 1).cumsum(0)[:old]
         merged = []
         for tensor, fill in ((self._keys, None), (self._count, 0), (self._seen, self.step),
                              (self._pos, -1)):  # fmt: skip

@@ -76,6 +76,13 @@ class EmbeddingTable(nn.Module):
     ``rule``: the table's own row-sparse rule (e.g. ``tfl.optim.SparseAdam(lr=0.01)``); None
     (default): the session's ``sparse_optimizer``, else its optimizer's row-sparse twin.
 
+    ``ids="raw"``: every int64 id gets a row of its own (no collisions), on the shard its hash
+    picks; ``num_rows`` is then the table's capacity (rows live at once). ``admit_after=N``:
+    an id gets its row once N updates carried it (lookups return zeros and its gradients are
+    dropped before; 0: at its first lookup); ``expire_after_steps=T``: an id not seen for T
+    updates loses its row, slots and count (None: never). See
+    :mod:`tensorfleet.ps.raw_id_rows` and docs/sparse.md.
+
     >>> table = EmbeddingTable(1000, 8, name="user")
     >>> source = LocalRowSource([table], num_shards=2, rule=SparseRowRule("sgd", {"lr": 0.1}))
     >>> table(torch.tensor([[3, 999], [3, 4]])).shape
