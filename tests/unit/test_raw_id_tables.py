@@ -313,7 +313,8 @@ def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
         def start(k: int) -> None:
             recordings[k] = _start(updaters[k], models[k])
 
-        _in_threads([lambda k=k: start(k) for k in range(2)])
+        with caplog.at_level(logging.INFO, logger="tensorfleet.ps"):
+            _in_threads([lambda k=k: start(k) for k in range(2)])
         ps_stores = [s.service.tables.tables.store("users") for s in services]
         for step in range(STEPS):
             if mode == "sync":
@@ -342,6 +343,12 @@ def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
         assert totals["admitted"] > 6 and totals["evicted"] > 0, totals
         assert sum(s.counters["forgotten"] for s in ps_stores) > 0  # the ids seen once
         assert sum(s.stats()["pending"] for s in ps_stores) > 0  # rare ids still counting
+        created = [r.getMessage() for r in caplog.records if "created table" in r.getMessage()]
+        assert any(
+            "table 'users' of raw ids (admit after 2 updates, expire after 3 steps unseen): up "
+            "to 32 of its 64 rows live here" in line
+            for line in created
+        ), created
         with caplog.at_level(logging.INFO, logger="tensorfleet.ps"):
             saved = updaters[0].save()
         logged = [

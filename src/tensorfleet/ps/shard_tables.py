@@ -102,8 +102,16 @@ class ShardTables:
         (``table 'users': 500,000 of 1,000,000 rows, up to 12,000,000 B, rule adagrad``)."""
         store = self.store(name)
         full = self.full_bytes(store.table, store.partition, store.rule)
+        spec = store.table
+        if spec.raw_ids:
+            return (
+                f"table {name!r} of raw ids (admit after {spec.admit_after} updates, expire "
+                f"after {spec.expire_after_steps or 'no'} steps unseen): up to "
+                f"{store.local_rows:,d} of its {spec.num_rows:,d} rows live here, up to "
+                f"{full:,d} B ({store.nbytes:,d} B held now), rule {store.rule.name}"
+            )
         return (
-            f"table {name!r}: {store.local_rows:,d} of {store.table.num_rows:,d} rows, up to "
+            f"table {name!r}: {store.local_rows:,d} of {spec.num_rows:,d} rows, up to "
             f"{full:,d} B ({store.nbytes:,d} B held now), rule {store.rule.name}"
         )
 
