@@ -252,7 +252,9 @@ def _updater(services: list[RunningService], model: Net, task: str, mode: str) -
         task,
         is_chief=task == "worker:0",
         plan=plan_placement(specs, len(services)),
-        discipline=UpdateDiscipline(mode=mode),
+        discipline=UpdateDiscipline(mode="async", max_staleness=1)
+        if mode == "max_staleness"
+        else UpdateDiscipline(mode=mode),
         timeouts=TIMEOUTS,
     )
 
@@ -287,7 +289,7 @@ def _in_threads(calls: list[Callable[[], object]]) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "max_staleness"])
 def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
     shards, mode, tmp_path, caplog
 ):
@@ -295,7 +297,8 @@ def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
     expire_after_steps=3. The reference is the same table in one process (a LocalRowSource
     split over two shards like the ps), looked up with the same batches at the same points
     and updated with the same rules: sync, the mean of the two workers' rows per step (what
-    a sync step applies); async, each worker's rows in the order they were pushed. After
+    a sync step applies); async (and max_staleness=1, whose gate releases each push of the
+    alternating workers at once), each worker's rows in the order they were pushed. After
     every step the shards' state (ids, rows, slots, counts, last_seen, counters) equals the
     reference's bit for bit, and no two ids share a row. The final checkpoint's documents
     restore the same state, and tfl.load_table_rows reads the rows back."""
