@@ -109,6 +109,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         "overlap_1gbit",
     ),
     "sparse_tables": Benchmark("sparse_tables", (), tuple(SPARSE_TABLES_QUICK), "sparse_tables"),
+    "raw_id_tables": Benchmark(
+        "raw_id_tables",
+        (),
+        ("--known", "100000", "--steps", "10", "--repeats", "1"),
+        "raw_id_tables",
+    ),
     "cnn_compute": Benchmark("cnn_compute", (), ("--steps", "5", "--rounds", "1"), "cnn_compute"),
     "devices": Benchmark("devices", (), ("--steps", "60", "--pairs", "1"), "devices"),
     "gpu": Benchmark("gpu", (), ("--steps", "200", "--tests-limit", "120"), "gpu"),
@@ -308,6 +314,10 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
             )
     rows += _modes_headlines(results.get("modes"))
     rows += _other_headlines(results)
+    raw = results.get("raw_id_tables")
+    if raw:
+        for key in ("raw_vs_hashed_step_time", "raw_new_ids_vs_hashed_step_time"):
+            rows.append(("raw_id_tables", key, f"{raw[key]:.2f}x", ""))
     tables = results.get("sparse_tables")
     if tables:
         for name, value in tables["ratios"].items():

@@ -10,12 +10,22 @@ factorization machine whose one table of 1M rows x 8 (``tfl.EmbeddingTable``) li
 row-partitioned on the ps shards: a step pulls and pushes only the rows of its batch, and
 no worker ever holds the table. The chief prints log-loss and AUC on held-out examples,
 and those of the known model (the best any model can do) for comparison.
+
+``--raw-ids``: the ids are spread over the whole int64 range (each id multiplied by an odd
+64-bit constant, a bijection, so nothing collides) and the table is
+``tfl.EmbeddingTable(ROWS, DIM, ids="raw", admit_after=N, expire_after_steps=T)``: a row per
+id once N updates carried it (``--admit-after``, default 2), evicted after T steps unseen
+(``--expire-after-steps``, default 200); the chief also prints the table's numbers from
+``cluster_stats()`` (rows live, admitted, evicted, gradient rows dropped).
+
+    tensorfleet launch --ps 2 --workers 2 -- python examples/click_fm.py --steps 600 --raw-ids
 """
 
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,10 +55,10 @@ class FactorizationMachine(nn.Module):
     """``bias + scale * <v_user, v_item>``; user ids use the table's rows as they are, item ids too
     (one shared table, as one field space)."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw: dict[str, int | None] | None = None) -> None:
         super().__init__()
         self.embedding = tfl.EmbeddingTable(
-            ROWS, DIM, initializer=tfl.RowInitializer("normal", 0.1, seed=1)
+            ROWS, DIM, initializer=tfl.RowInitializer("normal", 0.1, seed=1), **(raw or {})
         )
         self.bias = nn.Parameter(torch.zeros(1))
         # The learned weight of the interaction term.
@@ -57,6 +67,13 @@ class FactorizationMachine(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         vectors = self.embedding(ids)  # [batch, 2, DIM]
         return self.bias + self.scale * (vectors[:, 0] * vectors[:, 1]).sum(1)
+
+
+def spread(ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` over the whole int64 range: times an odd 64-bit constant, modulo 2**64 (a
+    bijection: distinct ids stay distinct)."""
+    wide = ids.numpy().astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return torch.from_numpy(wide.view(np.int64))
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -73,19 +90,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--raw-ids", action="store_true", help="ids over int64, a row per id")
+    parser.add_argument("--admit-after", type=int, default=2)
+    parser.add_argument("--expire-after-steps", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task()
     server = tfl.Server(task.cluster, task.job, task.index)
-    model = FactorizationMachine()
+    raw = None
+    if args.raw_ids:
+        raw = {
+            "ids": "raw",
+            "admit_after": args.admit_after,
+            "expire_after_steps": args.expire_after_steps,
+        }
+    ids_of = spread if args.raw_ids else (lambda ids: ids)
+    model = FactorizationMachine(raw)
     with tfl.TrainingSession(
         server, model, optimizer=tfl.optim.Adagrad(lr=args.lr), mode="async",
         hooks=[tfl.StopAtStep(last_step=args.steps)], log_placement=True,
     ) as sess:  # fmt: skip
-        seed = 1000 + task.index
+        seed = 1000 + task.rank
         while not sess.should_stop():
             ids, labels, _ = make_clicks(BATCH, seed)
             seed += task.num_workers
+            ids = ids_of(ids)
             sess.step(
                 lambda ids=ids, labels=labels: F.binary_cross_entropy_with_logits(
                     model(ids), labels
@@ -95,7 +124,17 @@ def main() -> int:
             sess.pull()
             ids, labels, probability = make_clicks(20_000, seed=7)  # held out
             with torch.no_grad():
-                scores = model(ids)
+                scores = model(ids_of(ids))
+            if args.raw_ids:
+                shards = [s["tables"]["embedding"] for s in sess.cluster_stats()]
+                print(
+                    "raw-id table: "
+                    + ", ".join(
+                        f"{sum(s[key] for s in shards):,d} {key.replace('_', ' ')}"
+                        for key in ("rows_live", "admitted", "evicted", "dropped_rows")
+                    ),
+                    flush=True,
+                )
             loss = F.binary_cross_entropy_with_logits(scores, labels).item()
             best = F.binary_cross_entropy(probability, labels).item()
             print(

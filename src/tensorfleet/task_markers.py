@@ -37,15 +37,23 @@ def _file(directory: Path, task_name: str, fact: str) -> Path:
     return directory / f"{task_name.replace(':', '-')}.{fact}"
 
 
-def mark(fact: str, task_name: str, environ_: Mapping[str, str] | None = None) -> None:
+def markers_directory(environ_: Mapping[str, str] | None = None) -> str | None:
+    """The run's marker directory, when a launcher supervises this process (else None)."""
+    return (environment.environ() if environ_ is None else environ_).get(MARKERS_VAR) or None
+
+
+def mark(
+    fact: str, task_name: str, environ_: Mapping[str, str] | None = None, text: str = ""
+) -> None:
     """Leave ``fact`` about ``task_name`` (e.g. ``"worker:1"``) for the launcher, when one
-    supervises this process; a marker that cannot be written is reported, not raised (the
+    supervises this process (``text``: what the fact says, e.g. a number; empty: the file's
+    existence is the fact); a marker that cannot be written is reported, not raised (the
     launcher then treats the task as before)."""
-    directory = (environment.environ() if environ_ is None else environ_).get(MARKERS_VAR)
+    directory = markers_directory(environ_)
     if not directory:
         return
     try:
-        _file(Path(directory), task_name, fact).touch()
+        _file(Path(directory), task_name, fact).write_text(text, encoding="ascii")
     except OSError as exc:
         warnings.warn(
             f"could not leave the marker {fact!r} for the launcher in {directory}: {exc}",
@@ -68,6 +76,15 @@ class TaskMarkers:
     def has(self, task_name: str, fact: str) -> bool:
         """Whether the task ``task_name`` left ``fact``."""
         return self.directory is not None and _file(self.directory, task_name, fact).exists()
+
+    def read(self, task_name: str, fact: str) -> str | None:
+        """What task ``task_name`` wrote for ``fact`` (None: it left no such marker)."""
+        if self.directory is None:
+            return None
+        try:
+            return _file(self.directory, task_name, fact).read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError):
+            return None
 
     def remove(self) -> None:
         if self.directory is not None:

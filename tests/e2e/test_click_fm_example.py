@@ -23,3 +23,24 @@ def test_click_fm_learns_through_the_launcher():
     assert len(lines) == 1, str(run)
     auc = float(re.search(r"AUC ([0-9.]+) \(known", lines[0]).group(1))
     assert auc > 0.6, f"held-out AUC {auc} (0.5 is chance)\n{run}"
+
+
+def test_click_fm_with_raw_ids_learns_and_admits_and_evicts_rows():
+    """``--raw-ids``: ids over the whole int64 range, a row per id after 2 updates, evicted
+    after 200 steps unseen; it still learns, and the table admitted and evicted rows."""
+    command = [sys.executable, str(EXAMPLE), "--steps", "300", "--raw-ids"]
+    run = run_local_cluster(2, 2, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    lines = run.output.of("worker:0")
+    held_out = [line for line in lines if line.startswith("held-out:")]
+    assert len(held_out) == 1, str(run)
+    auc = float(re.search(r"AUC ([0-9.]+) \(known", held_out[0]).group(1))
+    assert auc > 0.6, f"held-out AUC {auc} (0.5 is chance)\n{run}"
+    table = next(line for line in lines if line.startswith("raw-id table:"))
+    numbers = {
+        key: int(value.replace(",", ""))
+        for value, key in re.findall(r"([0-9,]+) (rows live|admitted|evicted|dropped rows)", table)
+    }
+    assert numbers["admitted"] > numbers["rows live"] > 0, table
+    assert numbers["evicted"] == numbers["admitted"] - numbers["rows live"], table
+    assert numbers["dropped rows"] > 0, table

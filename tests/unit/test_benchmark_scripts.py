@@ -42,6 +42,7 @@ RUNNABLE = {
     "ps_capacity.py",
     "ps_load.py",
     "ps_sharding_links.py",
+    "raw_id_tables.py",
     "recovery.py",
     "run_all.py",
     "sparse_tables.py",

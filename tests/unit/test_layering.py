@@ -17,7 +17,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "tensorfleet"
 LAYERS = ["cluster", "wire", "ps", "worker", "parallel", "session", "patterns", "launch"]
-SHARED = {"errors", "environment", "version", "preemption_event", "task_markers"}
+SHARED = {"errors", "environment", "version", "preemption_event", "task_markers", "task_memory"}
 #: Side packages that only the top layers may use (data for examples, not the runtime).
 SIDE = {"datasets": 0}
 #: Leaf packages that import nothing of tensorfleet but SHARED, each usable by the layers from

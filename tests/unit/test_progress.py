@@ -64,6 +64,23 @@ def test_without_a_last_step_the_line_says_so() -> None:
     assert report is not None and report.last_step is None and report.fraction is None
 
 
+def test_async_pushes_past_the_last_step_never_show_more_than_the_target() -> None:
+    """In async training the pushes in flight when the last step was reached still count:
+    the line read 'global step 19/18 [####################] 100%'. It shows the target and
+    says how far past it the count went; the launcher parses the target."""
+    lines: list[str] = []
+    clock = FakeClock()
+    hook = ProgressHook(
+        every_n_secs=100, last_step=18, display="lines", print_fn=lines.append, clock=clock
+    )
+    run_hook(hook, clock, [hook], [(0.0, 0), (2.0, 19)])
+    assert lines == [
+        "[progress] global step 18/18 [####################] 100% (+1 in flight past the "
+        "last step) 9.5 steps/s, 0:00:00 left"
+    ], lines
+    assert parse_progress_line(lines[0]) == ProgressReport(18, 18, 9.5, 0.0)
+
+
 def test_format_and_parse_round_trip() -> None:
     for report in (
         ProgressReport(0, 3000, 0.0, None),

@@ -5,11 +5,13 @@ does not fit, naming it, and the shard stays up."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+import tensorfleet as tfl
 from tensorfleet.errors import RemoteError
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -142,3 +144,82 @@ def test_a_shards_tables_travel_in_its_checkpoint_document_and_restore():
     assert torch.equal(restarted.tables.pull("items", ids), local.shards[1].pull("items", ids))
     with pytest.raises(ValueError, match="the checkpoint's tables"):
         TableRequests(None, 0, None).restore({"items": saved["items"]})  # ps:1's rows on ps:0
+
+
+def test_the_ps_log_names_each_table_its_rows_bytes_and_rule_and_stats_count_them(shards, caplog):
+    """A shard holding only table rows used to log '0 variables created (0 bytes), rule
+    adagrad' and nothing on its tables; now each table's creation is a line naming its rows
+    there, their bytes and its rule, and ``stats`` (``cluster_stats()``) carries each
+    table's numbers and the shard's peak RSS."""
+    client, source = _source(shards)
+    try:
+        table = EmbeddingTable(ROWS, DIM, name="items")
+        table.attach(source, num_shards=2)
+        with caplog.at_level(logging.INFO, logger="tensorfleet.ps"):
+            source.create(table.spec(), table.partition, SparseRowRule("sparse_adam"))
+            source.create(table.spec(), table.partition, SparseRowRule("sparse_adam"))
+        lines = [r.getMessage() for r in caplog.records if "table 'items'" in r.getMessage()]
+        assert len(lines) == 2, lines  # one per shard, not one per request
+        assert any(
+            line.startswith("ps:1: created table 'items': 500 of 1,000 rows") for line in lines
+        )
+        assert all("rule sparse_adam" in line and " B held now" in line for line in lines)
+        table(torch.tensor([1, 2, 3]))
+        stats = client.stats()
+        assert [s["tables"]["items"]["rows_live"] for s in stats] == [1, 2]
+        assert all(s["tables"]["items"]["rule"] == "sparse_adam" for s in stats)
+        assert all(s["peak_rss_bytes"] > 1 << 20 for s in stats)
+    finally:
+        client.close()
+
+
+class _TableModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = EmbeddingTable(ROWS, DIM)
+        self.head = torch.nn.Linear(DIM, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids)).squeeze(-1)
+
+
+def test_a_lookup_after_the_cluster_session_ended_is_a_usage_error_naming_the_fix(shards):
+    """The chief evaluating with its tables after the session's ``with`` block: the rows
+    were on the ps shards, which end with the training; the lookup talked to closed
+    channels. It is a UsageError naming the fix (evaluate inside the block, or read the
+    checkpoint's rows)."""
+    from tensorfleet.ps.placement import VariableSpec, plan_placement
+    from tensorfleet.ps.update_discipline import UpdateDiscipline
+    from tensorfleet.ps.update_rules import UpdateRule
+    from tensorfleet.wire.tensors import dtype_name
+    from tensorfleet.worker.ps_updater import PsUpdater
+
+    model = _TableModel()
+    specs = [
+        VariableSpec(n, tuple(p.shape), dtype_name(p.dtype), p.element_size())
+        for n, p in model.named_parameters()
+    ]
+    updater = PsUpdater(
+        [s.address for s in shards],
+        SECRET,
+        "worker:0",
+        is_chief=True,
+        plan=plan_placement(specs, 2),
+        discipline=UpdateDiscipline(mode="async"),
+    )
+    try:
+        updater.connect()
+        updater.wrap(model)
+        updater.register(list(model.named_parameters()), UpdateRule("sgd", {"lr": 0.1}))
+        updater.restore(None)
+        updater.pull()
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        updater.exchange(0, None)
+        with torch.no_grad():
+            assert model(torch.tensor([1, 2])).shape == (2,)  # inside: the shards answer
+    finally:
+        updater.close()
+    with pytest.raises(tfl.UsageError, match="load_table_rows") as refused:
+        with torch.no_grad():
+            model(torch.tensor([1, 2]))
+    assert "'embedding'" in str(refused.value) and "inside the `with` block" in str(refused.value)

@@ -61,6 +61,19 @@ def test_chief_job_makes_chief_0_the_chief():
     assert ResolvedTask(cluster, "worker", 0, "x").num_workers == 3
 
 
+def test_rank_is_unique_among_the_training_tasks_and_none_for_a_ps():
+    """``index`` repeats when a chief job sits beside the workers (chief:0 and worker:0);
+    ``rank`` (what data sharding needs with ``num_workers``) does not."""
+    cluster = ClusterSpec({"chief": ["c:1"], "worker": ["w0:1", "w1:1"], "ps": ["p:1"]})
+    ranks = [
+        ResolvedTask(cluster, job, i, "x").rank
+        for job, i in (("chief", 0), ("worker", 0), ("worker", 1))
+    ]
+    assert ranks == [0, 1, 2]
+    assert ResolvedTask(cluster, "ps", 0, "x").rank is None
+    assert ResolvedTask(ClusterSpec(CLUSTER), "worker", 2, "x").rank == 2
+
+
 def test_num_workers_without_worker_job():
     assert ResolvedTask(ClusterSpec({"ps": ["p:1"]}), "ps", 0, "x").num_workers == 0
 

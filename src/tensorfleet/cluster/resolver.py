@@ -87,14 +87,29 @@ class ResolvedTask:
 
     @property
     def is_chief(self) -> bool:
-        """Whether this task is the chief (:meth:`ClusterSpec.chief_task`)."""
+        """Whether this task is the chief (:meth:`ClusterSpec.chief_task`: ``chief:0`` when
+        the cluster has that job, else ``worker:0``): the task that creates the variables,
+        writes the checkpoints and evaluates. Known before any server starts, so a script
+        can decide up front (e.g. only the chief downloads the held-out set); inside a
+        session ``sess.is_chief`` says the same."""
         return self.task_id == self.cluster.chief_task()
 
     @property
     def num_workers(self) -> int:
         """How many tasks train the model: those of the ``"worker"`` job plus those of the
-        ``"chief"`` job (which, as in TensorFlow, trains as well as leading)."""
+        ``"chief"`` job (which, as in TensorFlow, trains as well as leading). Shard the data
+        by it with :attr:`rank`: task ``rank`` reads every ``num_workers``-th batch from
+        ``rank`` on, so the workers read disjoint parts and together all of it."""
         return len(self.cluster.training_tasks())
+
+    @property
+    def rank(self) -> int | None:
+        """This task's place among the tasks that train, ``0 .. num_workers - 1``, in the
+        order of :meth:`ClusterSpec.training_tasks` (the chief job's first); None for a ps
+        task. Unlike ``index`` it is unique when the cluster has a ``chief`` job beside the
+        workers (``chief:0`` and ``worker:0`` both have index 0)."""
+        tasks = self.cluster.training_tasks()
+        return tasks.index(self.task_id) if self.task_id in tasks else None
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from tensorfleet.launch.backends.base import Backend
 from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
 from tensorfleet.launch.failure_grace import FailureGrace
 from tensorfleet.launch.output import Output, PlainOutput
+from tensorfleet.launch.peak_memory import peak_memory_line
 from tensorfleet.launch.process_groups import ProcessGroups
 from tensorfleet.launch.restart_policy import (
     DEFAULT_POLICY,
@@ -583,6 +584,9 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         else:
             self.output.message(f"exit status {result} after {elapsed:.1f} s")
         self._phase, self._phase_deadline, self._result = _DONE, None, result
+        memory = peak_memory_line([t.name for t in self._tasks], self._markers)
+        if memory is not None:
+            self.output.message(memory)
         self._markers.remove()
         return result
 

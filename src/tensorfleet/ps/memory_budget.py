@@ -80,7 +80,7 @@ def check_fits(
         return
     raise TableDoesNotFit(
         f"table {table!r} needs up to {_human(needed_bytes)} on ps:{shard} (values, optimizer "
-        f"slots and 16 B per row, 24 B for a table of given rows), which already holds {_human(used_bytes)} of other tables, "
+        f"slots and 16 B per row, 24 B for a table of given rows, 40 B for a table of raw ids), which already holds {_human(used_bytes)} of other tables, "
         f"and its --max-memory is {_human(max_bytes)}; fix: run more ps tasks (now "
         f"{num_shards}), raise --max-memory, or make the table smaller (fewer rows: hash ids "
         f"into fewer buckets; or a smaller dim; or an update rule with fewer slots: sgd keeps "

@@ -101,6 +101,8 @@ class ModelRouter:
                         over,
                         service.where_training_is(),
                     )
+                    for line in service.tables.stat_lines():  # each table's final numbers
+                        log.info("%s: %s", service.config.name, line)
 
     def route(self, request: Request) -> None:
         """Hand ``request`` to its model's service (opening the model on a hello)."""

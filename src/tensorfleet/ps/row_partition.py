@@ -26,9 +26,12 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import ConfigError
+from tensorfleet.ps.id_hashing import hash_int_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 
 SCHEMES = ("mod", "range")
+#: Tables of raw ids: an id lives on shard ``splitmix64(id) mod n`` (not a user's choice).
+HASH = "hash"
 #: Table names: what may appear in a safetensors tensor name and a log line.
 _NAME = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -44,6 +47,14 @@ class TableSpec:
     dim: int
     dtype: str = "float32"
     initializer: RowInitializer = RowInitializer()
+    raw_ids: bool = False
+    """Rows are keyed by raw int64 ids (one row per admitted id, never shared; ``num_rows``
+    is then the table's capacity), not by row numbers: :mod:`tensorfleet.ps.raw_id_rows`."""
+    admit_after: int = 0
+    """Raw ids: how many updates must carry an id before it gets a row (0: its first lookup)."""
+    expire_after_steps: int | None = None
+    """Raw ids: a row (or an id's count) not looked up nor updated in this many updates of
+    the table is evicted (None: never)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -59,6 +70,25 @@ class TableSpec:
             raise ConfigError(
                 f"table {self.name!r}: dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
+        admit, expire = self.admit_after, self.expire_after_steps
+        if not isinstance(admit, int) or isinstance(admit, bool) or admit < 0:
+            raise ConfigError(
+                f"table {self.name!r}: admit_after must be an int >= 0 (0: a row at the first "
+                f"lookup), got {admit!r}"
+            )
+        if expire is not None and (
+            not isinstance(expire, int) or isinstance(expire, bool) or expire < 1
+        ):
+            raise ConfigError(
+                f"table {self.name!r}: expire_after_steps must be an int >= 1 or None (never), "
+                f"got {expire!r}"
+            )
+        if not self.raw_ids and (admit != 0 or expire is not None):
+            raise ConfigError(
+                f"table {self.name!r}: admit_after and expire_after_steps apply to tables of "
+                f"raw ids; fix: EmbeddingTable(..., ids='raw', admit_after={admit}, "
+                f"expire_after_steps={expire})"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,19 +99,28 @@ class TableSpec:
         return self.dim * self.torch_dtype.itemsize
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "name": self.name,
             "num_rows": self.num_rows,
             "dim": self.dim,
             "dtype": self.dtype,
             "initializer": self.initializer.to_wire(),
         }
+        if self.raw_ids:  # only then: the documents of other tables are as before
+            wire["raw_ids"] = {
+                "admit_after": self.admit_after,
+                "expire_after_steps": self.expire_after_steps,
+            }
+        return wire
 
     @classmethod
     def from_wire(cls, data: object) -> TableSpec:
         """Parse a spec from a peer or a checkpoint (ValueError when malformed)."""
         if not isinstance(data, dict):
             raise ConfigError(f"a table spec is a map, got {type(data).__name__}")
+        raw = data.get("raw_ids")
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f"a table spec's raw_ids is a map, got {type(raw).__name__}")
         try:
             return cls(
                 data["name"],
@@ -89,6 +128,9 @@ class TableSpec:
                 data["dim"],
                 data["dtype"],
                 RowInitializer.from_wire(data["initializer"]),
+                raw_ids=raw is not None,
+                admit_after=0 if raw is None else raw.get("admit_after", 0),
+                expire_after_steps=None if raw is None else raw.get("expire_after_steps"),
             )
         except KeyError as exc:
             raise ConfigError(f"a table spec lacks {exc}") from None
@@ -103,7 +145,7 @@ class RowPartition:
     scheme: str = "mod"
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
+        if self.scheme not in (*SCHEMES, HASH):
             raise ConfigError(f"row partition scheme must be one of {SCHEMES}, got {self.scheme!r}")
         if self.num_shards < 1 or self.num_rows < 1:
             raise ConfigError(
@@ -112,7 +154,9 @@ class RowPartition:
             )
 
     def rows_on(self, shard: int) -> int:
-        """How many rows shard ``shard`` holds."""
+        """How many rows shard ``shard`` holds (``hash``: at most, its share of the capacity)."""
+        if self.scheme == HASH:
+            return math.ceil(self.num_rows / self.num_shards)
         if self.scheme == "mod":
             return max(0, math.ceil((self.num_rows - shard) / self.num_shards))
         start, stop = self.range_of(shard)
@@ -127,6 +171,8 @@ class RowPartition:
 
     def shard_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The shard of each row id (int64, same shape)."""
+        if self.scheme == HASH:
+            return hash_int_ids(ids, self.num_shards)
         if self.scheme == "mod":
             return torch.remainder(ids, self.num_shards)
         starts = torch.tensor(
@@ -136,6 +182,8 @@ class RowPartition:
 
     def local_of(self, ids: torch.Tensor) -> torch.Tensor:
         """Each row id's index among its shard's rows."""
+        if self.scheme == HASH:
+            raise ConfigError("a table of raw ids has no fixed local index per id")
         if self.scheme == "mod":
             return torch.div(ids, self.num_shards, rounding_mode="floor")
         starts = torch.tensor(
@@ -154,7 +202,9 @@ class RowPartition:
         shards = []
         for shard in range(self.num_shards):
             entry: dict[str, Any] = {"shard": shard, "rows": self.rows_on(shard)}
-            if self.scheme == "range":
+            if self.scheme == HASH:
+                entry["ids"] = f"splitmix64(id) mod {self.num_shards} == {shard}"
+            elif self.scheme == "range":
                 entry["range"] = list(self.range_of(shard))
             else:
                 entry["ids"] = f"r mod {self.num_shards} == {shard}"
@@ -184,6 +234,8 @@ class RowPartition:
             where = (
                 f"rows [{self.range_of(shard)[0]:,d}, {self.range_of(shard)[1]:,d})"
                 if self.scheme == "range"
+                else f"ids hashed mod {self.num_shards} == {shard}"
+                if self.scheme == HASH
                 else f"rows r mod {self.num_shards} == {shard}"
             )
             full = rows * table.row_bytes * (1 + slot_count)

@@ -92,12 +92,26 @@ class RowStore:
         """The global ids of the rows created so far, ascending."""
         return torch.sort(self._ids[: self.size]).values
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, values)`` of the rows created so far, ids ascending."""
+        order = torch.argsort(self._ids[: self.size])
+        return self._ids[: self.size][order], self._values[: self.size][order]
+
     @property
     def nbytes(self) -> int:
         """Bytes held now (capacity, not just created rows), bookkeeping included."""
         row = self.table.row_bytes * (1 + len(self._slots))
         versions = self._changed_at.numel() * 8
         return self._values.shape[0] * (row + 8) + self.local_rows * 8 + versions
+
+    def stats(self) -> dict[str, object]:
+        """Rows live, bytes held, the rule and the update count (``cluster_stats()``)."""
+        return {
+            "rows_live": self.size,
+            "bytes": self.nbytes,
+            "rule": self.rule.name,
+            "step": self.step,
+        }
 
     @property
     def complete(self) -> bool:

@@ -81,6 +81,7 @@ from tensorfleet.ps.training_end import ServiceOutcome, TrainingEndHandling
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule, warm_up_optimizers
 from tensorfleet.ps.worker_roster import WorkerRoster
+from tensorfleet.task_memory import peak_rss_bytes
 from tensorfleet.version import __version__
 from tensorfleet.wire import value_encoding
 from tensorfleet.wire.gradient_encoding import GradientDecoder
@@ -292,11 +293,12 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         elif request.body.get("global_step") is not None:
             self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(
-            "%s: %d variables created (%s bytes), rule %s",
+            "%s: %d dense variables created (%s bytes), rule %s (dense variables)%s",
             self.config.name,
             len(layout.variables),
             sum(layout.group_bytes()),
             rule.name,
+            self.tables.summary(),  # tables created later log a line each
         )
         self.socket.reply(
             request,
@@ -507,6 +509,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
                 "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,
                 "mode": self.discipline.mode,
                 "lost_workers": sorted(self.lost_workers),
+                "tables": self.tables.stats(),
+                "peak_rss_bytes": peak_rss_bytes(),
             },
         )
 

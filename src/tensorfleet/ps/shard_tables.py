@@ -14,6 +14,7 @@ import torch
 
 from tensorfleet.errors import CheckpointError, ConfigError, TensorfleetError
 from tensorfleet.ps.memory_budget import check_fits, table_shard_bytes
+from tensorfleet.ps.raw_id_rows import MAP_ENTRY_BYTES, RawIdRowStore, decode_store, new_store
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.sparse_rows import SparseRows
@@ -30,7 +31,7 @@ class ShardTables:
 
     def __init__(self, shard: int, num_shards: int, max_memory: int | None = None) -> None:
         self.shard, self.num_shards, self.max_memory = shard, num_shards, max_memory
-        self._stores: dict[str, RowStore] = {}
+        self._stores: dict[str, RowStore | RawIdRowStore] = {}
 
     def create(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> bool:
         """Hold this shard's part of ``table``; idempotent for the same table (every worker
@@ -60,11 +61,15 @@ class ShardTables:
             max_bytes=self.max_memory,
             num_shards=self.num_shards,
         )
-        self._stores[table.name] = RowStore(table, partition, self.shard, rule)
+        self._stores[table.name] = new_store(table, partition, self.shard, rule)
         return True
 
     def full_bytes(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> int:
-        """The most this shard's part of ``table`` can take (every row created)."""
+        """The most this shard's part of ``table`` can take (every row created; raw ids:
+        its share of the capacity, each row with its id and its entry in the id map)."""
+        if table.raw_ids:
+            per_row = table.row_bytes * (1 + len(rule.slot_names)) + 8 + MAP_ENTRY_BYTES
+            return partition.rows_on(self.shard) * per_row
         return table_shard_bytes(
             partition.rows_on(self.shard),
             table.row_bytes,
@@ -78,7 +83,7 @@ class ShardTables:
     def apply(self, name: str, gradient: SparseRows) -> None:
         self.store(name).apply(gradient)
 
-    def store(self, name: str) -> RowStore:
+    def store(self, name: str) -> RowStore | RawIdRowStore:
         store = self._stores.get(name)
         if store is None:
             raise UnknownTable(
@@ -92,6 +97,33 @@ class ShardTables:
         """The tables this shard holds."""
         return list(self._stores)
 
+    def describe(self, name: str) -> str:
+        """One line on table ``name`` for the ps log: its rows here, their bytes, its rule
+        (``table 'users': 500,000 of 1,000,000 rows, up to 12,000,000 B, rule adagrad``)."""
+        store = self.store(name)
+        full = self.full_bytes(store.table, store.partition, store.rule)
+        spec = store.table
+        if spec.raw_ids:
+            return (
+                f"table {name!r} of raw ids (admit after {spec.admit_after} updates, expire "
+                f"after {spec.expire_after_steps or 'no'} steps unseen): up to "
+                f"{store.local_rows:,d} of its {spec.num_rows:,d} rows live here, up to "
+                f"{full:,d} B ({store.nbytes:,d} B held now), rule {store.rule.name}"
+            )
+        return (
+            f"table {name!r}: {store.local_rows:,d} of {spec.num_rows:,d} rows, up to "
+            f"{full:,d} B ({store.nbytes:,d} B held now), rule {store.rule.name}"
+        )
+
+    def summary(self) -> str:
+        """Every table in one clause for the ps log (empty: no tables)."""
+        return "; ".join(self.describe(name) for name in self._stores)
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Each table's numbers for ``cluster_stats()``: rows live, bytes held, rule, step
+        (and, for a table of raw ids, admitted and evicted rows, dropped gradients)."""
+        return {name: store.stats() for name, store in self._stores.items()}
+
     def save(self) -> dict[str, bytes]:
         """Each table's document (:meth:`RowStore.encode`), by table name."""
         return {name: store.encode() for name, store in self._stores.items()}
@@ -101,7 +133,7 @@ class ShardTables:
         restored = {}
         for name, document in documents.items():
             expect = self._stores[name].table if name in self._stores else None
-            store = RowStore.decode(document, expect=expect)
+            store = decode_store(document, expect=expect)
             if store.table.name != name or store.shard != self.shard:
                 raise CheckpointError(
                     f"the document for table {name!r} holds table {store.table.name!r} of "

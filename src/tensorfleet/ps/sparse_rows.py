@@ -86,9 +86,11 @@ def check_sparse_rows(
     dim: int,
     dtype: torch.dtype,
     held_dense: bool = False,
+    raw_ids: bool = False,
 ) -> None:
     """Refuse (SparseGradientError) a sparse gradient that does not fit table ``table`` of
-    ``num_rows`` x ``dim`` ``dtype``; ``held_dense``: the ps holds it as a dense variable."""
+    ``num_rows`` x ``dim`` ``dtype``; ``held_dense``: the ps holds it as a dense variable;
+    ``raw_ids``: the indices are raw int64 ids (any value), not rows in ``[0, num_rows)``."""
     if held_dense:
         raise SparseGradientError(
             f"a sparse gradient was pushed for {table!r}, which the ps holds as a dense "
@@ -123,7 +125,7 @@ def check_sparse_rows(
     if rows.num_rows == 0:
         return
     low, high = int(rows.indices.min()), int(rows.indices.max())
-    if low < 0 or high >= num_rows:
+    if not raw_ids and (low < 0 or high >= num_rows):
         bad = rows.indices[(rows.indices < 0) | (rows.indices >= num_rows)]
         raise SparseGradientError(
             f"table {table!r}: row id {int(bad[0])} is out of range [0, {num_rows}) "

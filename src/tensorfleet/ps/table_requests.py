@@ -35,12 +35,14 @@ to it: the service's request loop is unchanged.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
 
 from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps.held_row_gradients import HeldRowGradients
+from tensorfleet.ps.raw_id_rows import decode_store
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
@@ -48,6 +50,8 @@ from tensorfleet.ps.sparse_rows import MAX_ROWS, SparseRows, check_sparse_rows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, from_buffer
+
+log = logging.getLogger("tensorfleet.ps")
 
 
 class TableRequests:
@@ -97,9 +101,44 @@ class TableRequests:
             "pull_changed": self._pull_changed,
         }
 
+    def summary(self) -> str:
+        """The tables this shard holds, for the log line of the dense variables' creation
+        (``""``: none yet; each table is logged when it is created)."""
+        if self.tables is None or not len(self.tables):
+            return ""
+        return f"; {self.tables.summary()}"
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        """Each table's numbers (:meth:`ShardTables.stats`), by name."""
+        return {} if self.tables is None else self.tables.stats()
+
+    def stat_lines(self) -> list[str]:
+        """One line per table for the ps log: rows live, bytes, rule, updates; for a table
+        of raw ids also admitted, evicted, still counting, forgotten, dropped, deferred."""
+        lines = []
+        for name, numbers in self.stats().items():
+            line = f"table {name!r}: {numbers['rows_live']:,d} rows live"
+            if "admitted" in numbers:
+                line += (
+                    f" ({numbers['admitted']:,d} admitted, {numbers['evicted']:,d} evicted), "
+                    f"{numbers['pending']:,d} ids counting toward admission "
+                    f"({numbers['forgotten']:,d} forgotten), {numbers['dropped_rows']:,d} "
+                    f"gradient rows dropped, {numbers['deferred']:,d} admissions deferred (full)"
+                )
+            lines.append(
+                f"{line}, {numbers['bytes']:,d} B, rule {numbers['rule']}, "
+                f"{numbers['step']:,d} updates"
+            )
+        return lines
+
     def documents(self) -> dict[str, bytes]:
-        """Each table's document for the shard's checkpoint (none: no tables)."""
-        return {} if self.tables is None else self.tables.save()
+        """Each table's document for the shard's checkpoint (none: no tables); logs each
+        table's numbers (:meth:`stat_lines`)."""
+        if self.tables is None:
+            return {}
+        for line in self.stat_lines():
+            log.info("ps:%d: saving %s", self.shard, line)
+        return self.tables.save()
 
     def restore(self, documents: dict[str, bytes]) -> None:
         """Take a checkpoint's tables (ConfigError, nothing changed, when one is bad)."""
@@ -107,7 +146,7 @@ class TableRequests:
             return
         try:
             if self.tables is None:
-                first = RowStore.decode(next(iter(documents.values())))
+                first = decode_store(next(iter(documents.values())))
                 tables = ShardTables(self.shard, first.partition.num_shards, self.max_memory)
                 tables.restore(documents)
                 self.tables = tables
@@ -127,6 +166,8 @@ class TableRequests:
         else:
             created = self.tables.create(spec, partition, rule)
         complete = self.tables.store(spec.name).complete
+        if created:
+            log.info("ps:%d: created %s", self.shard, self.tables.describe(spec.name))
         self.socket.reply(request, {"created": created, "complete": complete})
 
     def _pull_rows(self, request: Request) -> None:

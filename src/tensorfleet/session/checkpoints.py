@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
+from tensorfleet.ps.raw_id_rows import decode_store
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.version import __version__
@@ -314,7 +315,7 @@ def load_table_rows(path: str | os.PathLike[str], table: str) -> tuple[torch.Ten
             f"{sorted(held) or 'none'} (a table is named after its place in the model unless "
             f"given name=...)"
         )
-    stores = [RowStore.decode(document) for document in documents]
+    stores = [decode_store(document) for document in documents]
     shards = stores[0].partition.num_shards
     missing = sorted(set(range(shards)) - {store.shard for store in stores})
     if missing or len(stores) != shards:
@@ -323,8 +324,9 @@ def load_table_rows(path: str | os.PathLike[str], table: str) -> tuple[torch.Ten
             f"the documents hold shards {sorted(store.shard for store in stores)} (missing "
             f"{missing}): the checkpoint is incomplete"
         )
-    ids = torch.cat([store.created_rows() for store in stores])
-    values = torch.cat([store.pull(store.created_rows()) for store in stores])
+    held_rows = [store.rows() for store in stores]
+    ids = torch.cat([rows for rows, _ in held_rows])
+    values = torch.cat([rows for _, rows in held_rows])
     order = torch.argsort(ids)
     return ids[order], values[order]
 

@@ -191,4 +191,6 @@ class ProgressHook(Hook):
 
     def _update_rich(self, step: int) -> None:
         rate = f"{self.latest.steps_per_s:.1f} steps/s" if self.latest is not None else ""
-        self._rich.update(self._rich_task, completed=step, total=self.last_step, rate=rate)
+        last = self.last_step
+        shown = step if last is None else min(step, last)  # never past the target
+        self._rich.update(self._rich_task, completed=shown, total=last, rate=rate)

@@ -5,6 +5,11 @@ the launcher's live view::
 
     [progress] global step 1200/3000 [########............] 40% 41.2 steps/s, 0:00:44 left
     [progress] global step 1200 (no last step) 41.2 steps/s
+    [progress] global step 18/18 [####################] 100% (+1 in flight past the last step) 9.1 steps/s, 0:00:00 left
+
+The step shown never passes the last step (the target) and the bar never 100 %: in async
+training the pushes in flight when the chief reached the last step still count, so the
+global step may end a little past it; the line then says by how much.
 
 Written by :class:`~tensorfleet.session.progress_hook.ProgressHook` on the chief; read by
 :mod:`tensorfleet.launch.output`. This module imports nothing heavy (no torch), so that the
@@ -63,9 +68,14 @@ def format_progress_line(report: ProgressReport) -> str:
     filled = int(fraction * BAR_WIDTH)
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
     eta = "?" if report.eta_s is None else format_duration(report.eta_s)
+    shown, past = report.step, ""
+    if report.last_step is not None and report.step > report.last_step:
+        # Async pushes already in flight when the last step was reached count past it.
+        shown = report.last_step
+        past = f" (+{report.step - report.last_step} in flight past the last step)"
     return (
-        f"{PREFIX} global step {report.step}/{report.last_step} [{bar}] "
-        f"{fraction * 100:.0f}% {rate}, {eta} left"
+        f"{PREFIX} global step {shown}/{report.last_step} [{bar}] "
+        f"{fraction * 100:.0f}%{past} {rate}, {eta} left"
     )
 
 

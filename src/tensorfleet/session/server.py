@@ -22,6 +22,7 @@ from tensorfleet.ps.model_router import ModelRouter
 from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.session.preemption import PreemptionNotice
+from tensorfleet.task_memory import record_at_exit
 from tensorfleet.wire.secret import load_secret
 from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.task_resources import AppliedResources, apply_task_resources
@@ -88,6 +89,7 @@ class Server:
         self.pipeline_stages = _pipeline_stages(self.config.pipeline_stages, self.cluster)
         """Stages per pipeline across the worker tasks (1: no pipelines)."""
         self.outcome: ServiceOutcome | None = None
+        record_at_exit(str(self.task))  # the launcher's end-of-run summary lists it
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._preempt = threading.Event()

@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorfleet.errors import ConfigError, TensorfleetError
+from tensorfleet.errors import ConfigError, TensorfleetError, UsageError
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
+from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_partition import SCHEMES as PARTITION_SCHEMES
-from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -76,6 +76,13 @@ class EmbeddingTable(nn.Module):
     ``rule``: the table's own row-sparse rule (e.g. ``tfl.optim.SparseAdam(lr=0.01)``); None
     (default): the session's ``sparse_optimizer``, else its optimizer's row-sparse twin.
 
+    ``ids="raw"``: every int64 id gets a row of its own (no collisions), on the shard its hash
+    picks; ``num_rows`` is then the table's capacity (rows live at once). ``admit_after=N``:
+    an id gets its row once N updates carried it (lookups return zeros and its gradients are
+    dropped before; 0: at its first lookup); ``expire_after_steps=T``: an id not seen for T
+    updates loses its row, slots and count (None: never). See
+    :mod:`tensorfleet.ps.raw_id_rows` and docs/sparse.md.
+
     >>> table = EmbeddingTable(1000, 8, name="user")
     >>> source = LocalRowSource([table], num_shards=2, rule=SparseRowRule("sgd", {"lr": 0.1}))
     >>> table(torch.tensor([[3, 999], [3, 4]])).shape
@@ -94,10 +101,28 @@ class EmbeddingTable(nn.Module):
         dtype: torch.dtype = torch.float32,
         partition: str = "mod",
         rule: SparseRowRule | None = None,
+        ids: str = "rows",
+        admit_after: int = 0,
+        expire_after_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
         self.table_name = name
+        if ids not in ("rows", "raw"):
+            raise ConfigError(
+                f"{self._label()}: ids must be 'rows' (ids are row numbers, or hashed into "
+                f"them with hash_ids=True) or 'raw' (any int64 id gets a row of its own), got "
+                f"{ids!r}"
+            )
+        self.raw_ids = ids == "raw"
+        """Rows keyed by raw int64 ids, one per admitted id (``ids="raw"``)."""
+        if self.raw_ids and (hash_ids or partition != "mod"):
+            raise ConfigError(
+                f"{self._label()}: ids='raw' gives every id a row of its own on the shard its "
+                f"hash picks; hash_ids={hash_ids} and partition={partition!r} do not apply; "
+                f"fix: leave them out"
+            )
+        self.admit_after, self.expire_after_steps = admit_after, expire_after_steps
         if dtype not in _TORCH_DTYPES:
             raise ConfigError(
                 f"{self._label()}: dtype must be torch.float32 or torch.float64, got {dtype}; "
@@ -127,11 +152,12 @@ class EmbeddingTable(nn.Module):
                 "nn.Embedding(sparse=True) weight, whose rows the chief sends"
             )
         self.dtype = dtype
-        self.partition_scheme = partition
-        TableSpec(name or "unnamed", num_rows, dim, _TORCH_DTYPES[dtype], self.initializer)
+        self.partition_scheme = HASH if self.raw_ids else partition
+        self._spec_of(name or "unnamed")  # checks the arguments now (ConfigError)
         self._source: RowSource | None = None
         self._partition: RowPartition | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._released: str | None = None
 
     def spec(self) -> TableSpec:
         """The table as the ps shards hold it (needs a name: given, or set by the session)."""
@@ -141,8 +167,18 @@ class EmbeddingTable(nn.Module):
                 f"build it with name=..., or let a TrainingSession name it after its place in "
                 f"the model (it does when it starts)"
             )
+        return self._spec_of(self.table_name)
+
+    def _spec_of(self, name: str) -> TableSpec:
         return TableSpec(
-            self.table_name, self.num_rows, self.dim, _TORCH_DTYPES[self.dtype], self.initializer
+            name,
+            self.num_rows,
+            self.dim,
+            _TORCH_DTYPES[self.dtype],
+            self.initializer,
+            raw_ids=self.raw_ids,
+            admit_after=self.admit_after,
+            expire_after_steps=self.expire_after_steps,
         )
 
     def attach(self, source: RowSource, num_shards: int, name: str | None = None) -> None:
@@ -152,6 +188,15 @@ class EmbeddingTable(nn.Module):
         self._partition = RowPartition(self.num_rows, num_shards, self.partition_scheme)
         self._source = source
         self._pending = []
+        self._released = None
+
+    def release(self, where: str) -> None:
+        """The rows' holder is gone (``where``: e.g. ``the ps shards``): the session that
+        attached the table has ended. Every later lookup or push raises ``UsageError`` naming
+        the fix, instead of talking to shards that ended with the training."""
+        self._source = None
+        self._pending = []
+        self._released = where
 
     @property
     def attached(self) -> bool:
@@ -170,7 +215,17 @@ class EmbeddingTable(nn.Module):
         return self._partition
 
     def rows_of(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
-        """The table rows of ``ids`` (hashed, or checked to be in range): int64, same shape."""
+        """The table rows of ``ids`` (hashed, or checked to be in range; raw ids: the ids
+        themselves): int64, same shape."""
+        if self.raw_ids:
+            if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+                raise SparseGradientError(
+                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 tensor, got "
+                    f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}"
+                    f"; fix: map strings to int64 first (e.g. tensorfleet.ps.id_hashing."
+                    f"hash_string_ids(ids, 2**63 - 1))"
+                )
+            return ids.to(torch.int64)
         if self.hash_ids:
             if isinstance(ids, torch.Tensor):
                 return hash_int_ids(ids, self.num_rows, self.hash_seed)
@@ -193,6 +248,7 @@ class EmbeddingTable(nn.Module):
 
     def forward(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
         if self._source is None:
+            self._refuse_released()
             raise TableNotAttached(self._not_attached())
         rows = self.rows_of(ids)
         # The rows live in host memory (the ps, or this process's store): ids on a GPU are
@@ -231,6 +287,10 @@ class EmbeddingTable(nn.Module):
         grads = torch.cat([g.grad.cpu() for _, g in pending])  # to the host's rows
         if len(pending) == 1:
             return SparseRows(ids, grads.detach())
+        if self.raw_ids:  # ids are not row numbers: a sparse tensor cannot index them
+            unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+            summed = grads.new_zeros((unique.numel(), self.dim)).index_add_(0, inverse, grads)
+            return SparseRows(unique, summed.detach())
         sparse = torch.sparse_coo_tensor(
             ids.unsqueeze(0), grads.detach(), (self.num_rows, self.dim), check_invariants=True
         )
@@ -239,6 +299,7 @@ class EmbeddingTable(nn.Module):
     def push_gradient(self) -> SparseRows:
         """Send :meth:`take_gradient` to the shards (one part each); returns what was sent."""
         if self._source is None:
+            self._refuse_released()
             raise TableNotAttached(self._not_attached())
         rows = self.take_gradient()
         parts = split_rows(rows, self.partition.shard_of(rows.indices), self.partition.num_shards)
@@ -247,6 +308,11 @@ class EmbeddingTable(nn.Module):
 
     def extra_repr(self) -> str:
         hashing = f", hash_ids=True (seed {self.hash_seed})" if self.hash_ids else ""
+        if self.raw_ids:
+            hashing = (
+                f", ids='raw', admit_after={self.admit_after}, "
+                f"expire_after_steps={self.expire_after_steps}"
+            )
         return f"{self.num_rows}, {self.dim}, name={self.table_name!r}{hashing}"
 
     def _label(self) -> str:
@@ -254,6 +320,17 @@ class EmbeddingTable(nn.Module):
         if self.table_name:
             return f"EmbeddingTable {self.table_name!r}"
         return f"an unnamed EmbeddingTable({self.num_rows}, {self.dim})"
+
+    def _refuse_released(self) -> None:
+        if self._released is not None:
+            raise UsageError(
+                f"{self._label()}: its rows live on {self._released}, and the session that "
+                f"held them has ended (its `with` block is over: the ps tasks end with the "
+                f"training). Fix: evaluate inside the `with` block, after the training loop "
+                f"(e.g. `if sess.is_chief: evaluate(model)` before the block ends), or read "
+                f"the rows from the final checkpoint with tfl.load_table_rows(checkpoint_dir, "
+                f"{self.table_name!r})"
+            )
 
     def _not_attached(self) -> str:
         return (

@@ -402,6 +402,8 @@ class PsUpdater:
     def close(self) -> None:
         if self.overlapped is not None:
             self.overlapped.close()
+        if self.tables is not None:  # a lookup after the session: a UsageError with the fix
+            self.tables.release("the ps shards")
         self.client.close()
 
     def stats(self) -> list[dict[str, Any]]:

@@ -104,6 +104,12 @@ class TableAttachment:
         for table in self.tables:
             table.push_gradient()
 
+    def release(self, where: str) -> None:
+        """The session ended: lookups of the tables raise ``UsageError`` from now on (their
+        rows were on ``where``, which ends with the training)."""
+        for table in self.tables:
+            table.release(where)
+
     def discard(self) -> None:
         """Forget this step's row gradients (a vetoed update)."""
         for table in self.tables:

@@ -1,0 +1,43 @@
+"""The launcher's end-of-run line on each task's peak memory (resident set size).
+
+Each task leaves its peak RSS when it exits (:mod:`tensorfleet.task_memory`); the supervisor
+prints, after its summary line, one line naming every task's::
+
+    peak memory (RSS): ps:0 212.4 MiB, ps:1 208.0 MiB, worker:0 401.7 MiB, worker:1 ? (no record: killed?)
+
+A task that left no record (killed by SIGKILL, or not a tensorfleet program) shows ``?``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tensorfleet.task_markers import TaskMarkers
+from tensorfleet.task_memory import PEAK_RSS
+
+
+def peak_memory_line(task_names: Sequence[str], markers: TaskMarkers) -> str | None:
+    """The summary line for ``task_names`` (None when no task left a record: nothing to say,
+    e.g. the command is not a tensorfleet program)."""
+    parts, known = [], 0
+    for name in task_names:
+        text = markers.read(name, PEAK_RSS)
+        try:
+            value = int(text) if text is not None else None
+        except ValueError:
+            value = None
+        if value is None:
+            parts.append(f"{name} ? (no record: killed?)")
+        else:
+            known += 1
+            parts.append(f"{name} {format_bytes(value)}")
+    return f"peak memory (RSS): {', '.join(parts)}" if known else None
+
+
+def format_bytes(nbytes: int) -> str:
+    """``212.4 MiB``, ``1.21 GiB``, ``512 KiB``."""
+    if nbytes >= 1 << 30:
+        return f"{nbytes / (1 << 30):.2f} GiB"
+    if nbytes >= 1 << 20:
+        return f"{nbytes / (1 << 20):.1f} MiB"
+    return f"{nbytes // 1024} KiB"

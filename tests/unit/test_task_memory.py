@@ -1,0 +1,49 @@
+"""Each task's peak memory: measured (``tensorfleet.task_memory``), left for the launcher in
+the run's marker directory, and read back into the summary line
+(``tensorfleet.launch.peak_memory``)."""
+
+from __future__ import annotations
+
+from tensorfleet import task_markers, task_memory
+from tensorfleet.launch.peak_memory import format_bytes, peak_memory_line
+
+
+def test_peak_rss_is_this_processes_high_water_mark() -> None:
+    before = task_memory.peak_rss_bytes()
+    block = bytearray(64 << 20)  # zero-filled: its pages are touched
+    after = task_memory.peak_rss_bytes()
+    assert len(block) == 64 << 20
+    assert after >= before > 1 << 20
+    assert after >= 64 << 20
+
+
+def test_a_tasks_record_reaches_the_summary_line_and_a_missing_one_is_a_question_mark(
+    tmp_path,
+) -> None:
+    markers = task_markers.TaskMarkers()
+    markers.directory = tmp_path
+    environ = {task_markers.MARKERS_VAR: str(tmp_path)}
+    task_memory.write_now("ps:0", environ)
+    line = peak_memory_line(["ps:0", "worker:0"], markers)
+    assert line is not None
+    assert line.startswith("peak memory (RSS): ps:0 ")
+    assert "MiB" in line.split(",")[0]
+    assert line.endswith("worker:0 ? (no record: killed?)")
+    assert markers.read("ps:0", task_memory.PEAK_RSS).isdigit()
+
+
+def test_no_record_at_all_gives_no_line(tmp_path) -> None:
+    markers = task_markers.TaskMarkers()
+    markers.directory = tmp_path
+    assert peak_memory_line(["worker:0"], markers) is None
+
+
+def test_without_a_launcher_nothing_is_registered() -> None:
+    task_memory.record_at_exit("worker:7", {})
+    assert "worker:7" not in task_memory._registered
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512 << 10) == "512 KiB"
+    assert format_bytes(212 << 20) == "212.0 MiB"
+    assert format_bytes(3 << 30) == "3.00 GiB"
