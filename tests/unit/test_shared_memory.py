@@ -610,3 +610,39 @@ def test_a_reply_range_outside_the_segment_is_refused(offset: object, length: ob
     finally:
         peers.close()
         segment.close()
+
+
+def test_an_encrypted_channel_sends_its_payloads_through_shared_memory_too() -> None:
+    """With --encrypt the headers go sealed and the payloads through shared memory, neither
+    encrypted nor tagged (they never leave the host: docs/security.md)."""
+    address = f"127.0.0.1:{free_port()}"
+    socket = ServiceSocket(address, SECRET, encrypt=True, shared_memory=True)
+    stop, failures = threading.Event(), []
+
+    def serve() -> None:
+        try:
+            while not stop.is_set():
+                if socket.poll(0.05):
+                    request = socket.receive()
+                    if request is not None:
+                        socket.reply(request, {}, list(request.buffers))
+        except BaseException as exc:  # surfaced below
+            failures.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    channel = Channel(address, SECRET, "ps:0", encrypt=True, shared_memory=True)
+    try:
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        payload = os.urandom(BIG)
+        for _ in range(2):
+            reply = channel.call("echo", {}, [payload], timeout_s=TIMEOUT_S)
+            assert bytes(reply.buffers[0]) == payload
+        assert channel.uses_shared_memory
+        assert dict(socket.shared_memory) == {"requests": 2, "replies": 2}
+    finally:
+        channel.close()
+        stop.set()
+        thread.join(TIMEOUT_S)
+        socket.close()
+    assert not failures, failures
