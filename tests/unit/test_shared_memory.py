@@ -98,6 +98,19 @@ def service() -> Iterator[EchoService]:
         running.close()
 
 
+def _fail_descriptor_opens(monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
+    """Make every open of another process's descriptor (``/proc/PID/fd/N``) fail with
+    ``error``, as a hardened /proc or a file retired meanwhile would."""
+    real_open = os.open
+
+    def failing(path: str, flags: int, *args: object) -> int:
+        if path.startswith("/proc/") and "/fd/" in path:
+            raise error
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(shm.os, "open", failing)
+
+
 def _connected(address: str, shared_memory: bool | None = True) -> Channel:
     channel = Channel(address, SECRET, "ps:0", shared_memory=shared_memory)
     channel.call("hello", {}, timeout_s=TIMEOUT_S)
@@ -185,14 +198,7 @@ def test_a_service_that_cannot_open_the_shared_memory_makes_the_client_use_tcp(
     """A hardened /proc (or a ptrace policy) that forbids opening another process's
     descriptors: the hello's probe fails on the service, the client says so once and sends
     its payloads over the socket; nothing fails."""
-    real_open = os.open
-
-    def forbidden(path: str, flags: int, *args: object) -> int:
-        if path.startswith("/proc/") and "/fd/" in path:
-            raise PermissionError(13, "Permission denied")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(shm.os, "open", forbidden)
+    _fail_descriptor_opens(monkeypatch, PermissionError(13, "Permission denied"))
     with caplog.at_level("WARNING", logger="tensorfleet.wire"):
         channel = _connected(service.address)
     try:
@@ -415,14 +421,7 @@ def test_a_segment_retired_between_the_name_check_and_the_open_is_stale(
     """The client may close its descriptor at any moment (an abandoned request): an open
     that fails after the name matched is a stale segment, not an OSError out of the loop."""
     segment = shm.Segment(BIG)
-    real_open = os.open
-
-    def retired_meanwhile(path: str, flags: int, *args: object) -> int:
-        if path.startswith("/proc/") and "/fd/" in path:
-            raise FileNotFoundError(2, "No such file or directory")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(shm.os, "open", retired_meanwhile)
+    _fail_descriptor_opens(monkeypatch, FileNotFoundError(2, "No such file or directory"))
     try:
         with pytest.raises(ProtocolError, match="stale shared-memory segment: .* cannot be opened"):
             shm.PeerSegments().buffers(segment.describe(), [10])
