@@ -219,11 +219,17 @@ class EmbeddingTable(nn.Module):
         themselves): int64, same shape."""
         if self.raw_ids:
             if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+                fix = (
+                    "ids.long(), if they hold whole numbers"
+                    if isinstance(ids, torch.Tensor)
+                    else "map strings to int64 first (e.g. tensorfleet.ps.id_hashing."
+                    "hash_string_ids(ids, 2**63 - 1))"
+                )
                 raise SparseGradientError(
-                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 tensor, got "
+                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 or int32 "
+                    f"tensor, got "
                     f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}"
-                    f"; fix: map strings to int64 first (e.g. tensorfleet.ps.id_hashing."
-                    f"hash_string_ids(ids, 2**63 - 1))"
+                    f"; fix: {fix}"
                 )
             return ids.to(torch.int64)
         if self.hash_ids:
