@@ -198,8 +198,13 @@ def _loss_of_table(table: EmbeddingTable, ids: torch.Tensor) -> torch.Tensor:
 def test_raw_table_arguments_are_checked() -> None:
     with pytest.raises(ConfigError, match="ids must be 'rows'"):
         EmbeddingTable(10, 2, ids="strings")
-    with pytest.raises(ConfigError, match="hash_ids=True and partition='mod' do not apply"):
+    # only what was given is named (partition='mod' is the default, not the user's choice)
+    with pytest.raises(
+        ConfigError, match="hash picks; hash_ids=True does not apply; fix: leave it"
+    ):
         EmbeddingTable(10, 2, ids="raw", hash_ids=True)
+    with pytest.raises(ConfigError, match="hash_ids=True and partition='range' do not apply"):
+        EmbeddingTable(10, 2, ids="raw", hash_ids=True, partition="range")
     with pytest.raises(ConfigError, match="admit_after must be an int >= 0"):
         EmbeddingTable(10, 2, ids="raw", admit_after=-1)
     with pytest.raises(ConfigError, match="expire_after_steps must be an int >= 1"):

@@ -117,10 +117,12 @@ class EmbeddingTable(nn.Module):
         self.raw_ids = ids == "raw"
         """Rows keyed by raw int64 ids, one per admitted id (``ids="raw"``)."""
         if self.raw_ids and (hash_ids or partition != "mod"):
+            given = [f"hash_ids={hash_ids}"] if hash_ids else []
+            given += [f"partition={partition!r}"] if partition != "mod" else []
             raise ConfigError(
                 f"{self._label()}: ids='raw' gives every id a row of its own on the shard its "
-                f"hash picks; hash_ids={hash_ids} and partition={partition!r} do not apply; "
-                f"fix: leave them out"
+                f"hash picks; {' and '.join(given)} {'does' if len(given) == 1 else 'do'} not "
+                f"apply; fix: leave {'it' if len(given) == 1 else 'them'} out"
             )
         self.admit_after, self.expire_after_steps = admit_after, expire_after_steps
         if dtype not in _TORCH_DTYPES:
