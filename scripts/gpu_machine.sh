@@ -71,8 +71,25 @@ run() {
     "$PYTHON" benchmarks/gpu.py --data-dir "$DATA" --out-dir "$out" "$@"
 }
 
+usage() {
+    cat <<'USAGE'
+usage: scripts/gpu_machine.sh prepare | run [benchmarks/gpu.py options]
+
+The GPU check on a bare GPU machine without internet, in two steps:
+  prepare   here, with internet: download pyzmq, cryptography, cffi and pycparser as
+            CPython 3.12 x86-64 wheels into .gpu-wheels/, copy Fashion-MNIST into
+            .gpu-data/ (from $DATA_SOURCE, default /usr/share/datasets/fashion-mnist)
+  run       there, from a copy of the repository carrying both folders: install the
+            wheels offline into .gpu-site/, then run benchmarks/gpu.py (options after
+            'run' go to it); results in $OUT, else benchmarks/results/gpu-run; exits
+            with its status (77: no CUDA GPU there)
+Environment: PYTHON (default python3), DATA_SOURCE, OUT. See docs/gpu.md.
+USAGE
+}
+
 case "${1:-}" in
     prepare) shift; prepare "$@" ;;
     run) shift; run "$@" ;;
-    *) echo "usage: scripts/gpu_machine.sh prepare | run [benchmarks/gpu.py options]" >&2; exit 2 ;;
+    -h|--help|help) usage ;;
+    *) usage >&2; exit 2 ;;
 esac

@@ -57,6 +57,21 @@ def test_explicit_count_gives_disjoint_blocks_or_is_refused() -> None:
         assign_gpus(3, HostGpus((0, 1), "nvidia-smi -L"), -1)
 
 
+def test_a_refusal_names_the_inherited_visible_devices_that_limit_the_count() -> None:
+    # CUDA_VISIBLE_DEVICES= hides every GPU: the refusal said 'no GPU torch can use'
+    hidden = HostGpus((), "CUDA_VISIBLE_DEVICES=")
+    with pytest.raises(ClusterConfigError) as refused:
+        assign_gpus(1, hidden, 1)
+    assert "this host has 0 (none: CUDA_VISIBLE_DEVICES='' hides every GPU)" in str(refused.value)
+    assert "unset CUDA_VISIBLE_DEVICES or list more GPUs in it" in str(refused.value)
+    with pytest.raises(ClusterConfigError) as refused:
+        assign_gpus(2, HostGpus((3,), "CUDA_VISIBLE_DEVICES=3"), 1)
+    assert "this host has 1 (GPU ids 3, from CUDA_VISIBLE_DEVICES=3)" in str(refused.value)
+    with pytest.raises(ClusterConfigError) as refused:  # what the launcher says
+        launch_resources(_args("--gpus-per-worker", "1"), 0, 1, find_host_gpus=lambda: hidden)
+    assert "CUDA_VISIBLE_DEVICES='' hides every GPU" in str(refused.value)
+
+
 def test_host_gpus_from_visible_devices_nvidia_smi_or_proc(tmp_path: Path) -> None:
     absent = tmp_path / "absent"
     assert host_gpus({"CUDA_VISIBLE_DEVICES": "3,1"}).ids == (3, 1)

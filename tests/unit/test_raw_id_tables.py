@@ -26,7 +26,7 @@ from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.raw_id_rows import RawIdRowStore, decode_store
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import decode_shard
-from tensorfleet.ps.sparse_rows import SparseRows
+from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.table_requests import TableRequests
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -198,14 +198,30 @@ def _loss_of_table(table: EmbeddingTable, ids: torch.Tensor) -> torch.Tensor:
 def test_raw_table_arguments_are_checked() -> None:
     with pytest.raises(ConfigError, match="ids must be 'rows'"):
         EmbeddingTable(10, 2, ids="strings")
-    with pytest.raises(ConfigError, match="hash_ids=True and partition='mod' do not apply"):
+    # only what was given is named (partition='mod' is the default, not the user's choice)
+    with pytest.raises(
+        ConfigError, match="hash picks; hash_ids=True does not apply; fix: leave it"
+    ):
         EmbeddingTable(10, 2, ids="raw", hash_ids=True)
+    with pytest.raises(ConfigError, match="hash_ids=True and partition='range' do not apply"):
+        EmbeddingTable(10, 2, ids="raw", hash_ids=True, partition="range")
     with pytest.raises(ConfigError, match="admit_after must be an int >= 0"):
         EmbeddingTable(10, 2, ids="raw", admit_after=-1)
     with pytest.raises(ConfigError, match="expire_after_steps must be an int >= 1"):
         EmbeddingTable(10, 2, ids="raw", expire_after_steps=0)
     with pytest.raises(ConfigError, match="apply to tables of raw ids"):
         EmbeddingTable(10, 2, admit_after=2)
+
+
+def test_raw_ids_of_another_dtype_are_refused_with_the_fix_for_that_dtype() -> None:
+    table = EmbeddingTable(10, 2, name="users", ids="raw")
+    with pytest.raises(SparseGradientError) as refused:
+        table.rows_of(torch.tensor([1.0, 2.0]))
+    message = str(refused.value)
+    assert "ids must be an int64 or int32 tensor, got torch.float32" in message
+    assert "ids.long()" in message
+    with pytest.raises(SparseGradientError, match="got list; fix: map strings to int64"):
+        table.rows_of(["a", "b"])
 
 
 # -- two real shards, sync and async, against one process ----------------------------------------

@@ -290,6 +290,19 @@ def test_turned_off_it_uses_frames(service: EchoService) -> None:
         channel.close()
 
 
+def test_the_counts_read_zero_when_nothing_went_through_shared_memory(
+    service: EchoService,
+) -> None:
+    # cluster_stats() shows them as they are: a reader of ["shared_memory"]["requests"]
+    # gets 0 over TCP rather than a KeyError
+    channel = _connected(service.address, shared_memory=False)
+    try:
+        channel.call("echo", {}, [b"x" * BIG], timeout_s=TIMEOUT_S)
+        assert dict(service.socket.shared_memory) == {"requests": 0, "replies": 0}
+    finally:
+        channel.close()
+
+
 def test_a_service_on_another_host_is_not_treated_as_local(
     service: EchoService, monkeypatch: pytest.MonkeyPatch
 ) -> None:

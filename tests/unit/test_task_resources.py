@@ -90,12 +90,22 @@ def test_env_round_trip():
         ({"TENSORFLEET_INTER_OP_THREADS": "two"}, "TENSORFLEET_INTER_OP_THREADS='two'"),
         ({"TENSORFLEET_GPU_MEMORY_FRACTION": "1.5"}, "must be a number in (0, 1], got '1.5'"),
         ({"TENSORFLEET_GPU_MEMORY_FRACTION": "half"}, "got 'half'"),
-        ({"CUDA_VISIBLE_DEVICES": "GPU-1234"}, "'GPU-1234' is not a GPU index"),
+        ({"CUDA_VISIBLE_DEVICES": "0,two"}, "'two' is not a GPU index"),
     ],
 )
 def test_malformed_env_is_named(env, fragment):
     with pytest.raises(ClusterConfigError, match=re.escape(fragment)):
         TaskResources.from_env(env)
+
+
+@pytest.mark.parametrize(
+    "value", ["GPU-8f2e1c4a-1b2c-3d4e-5f60-718293a4b5c6", "GPU-a,GPU-b", "MIG-1c3b9d2e-aaaa"]
+)
+def test_gpus_named_by_uuid_are_left_to_cuda(value):
+    # The launcher leaves an inherited CUDA_VISIBLE_DEVICES of UUIDs to the tasks as it is
+    # (docs/gpu.md), and MIG instances are only named that way: tfl.Server, which reads the
+    # task's resources on creation, must not refuse it.
+    assert TaskResources.from_env({"CUDA_VISIBLE_DEVICES": value}).visible_gpus is None
 
 
 @pytest.mark.parametrize(

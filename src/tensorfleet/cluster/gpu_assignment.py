@@ -124,11 +124,23 @@ def assign_gpus(
         return GpuAssignment(per_worker, host, default=True)
     needed = gpus_per_worker * num_workers
     if needed > len(gpus):
-        described = "GPU ids " + ",".join(map(str, gpus)) if gpus else "no GPU torch can use"
+        inherited = host.source.startswith(f"{environment.CUDA_VISIBLE_DEVICES_VAR}=")
+        if gpus:
+            described = "GPU ids " + ",".join(map(str, gpus))
+            described += f", from {host.source}" if inherited else ""
+        elif inherited:
+            described = f"none: {environment.CUDA_VISIBLE_DEVICES_VAR}='' hides every GPU"
+        else:
+            described = "no GPU torch can use"
+        also = (
+            f", unset {environment.CUDA_VISIBLE_DEVICES_VAR} or list more GPUs in it"
+            if inherited
+            else ""
+        )
         raise ClusterConfigError(
             f"{gpus_per_worker} GPU(s) per worker x {num_workers} worker(s) = {needed} GPU(s), but "
             f"this host has {len(gpus)} ({described}). Lower --gpus-per-worker or "
-            "--workers, or run on a host with more GPUs; nothing was started"
+            f"--workers{also}, or run on a host with more GPUs; nothing was started"
         )
     per_worker = tuple(
         tuple(gpus[i * gpus_per_worker : (i + 1) * gpus_per_worker]) for i in range(num_workers)

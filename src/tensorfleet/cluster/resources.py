@@ -100,7 +100,7 @@ class TaskResources:
         env = environment.environ() if environ is None else environ
         visible: tuple[int, ...] | None = None
         raw_visible = env.get(environment.CUDA_VISIBLE_DEVICES_VAR)
-        if raw_visible is not None:
+        if raw_visible is not None and not names_gpus_by_uuid(raw_visible):
             visible = parse_visible_devices(raw_visible)
         fraction: float | None = None
         raw_fraction = env.get(environment.GPU_MEMORY_FRACTION_VAR, "").strip()
@@ -118,6 +118,18 @@ class TaskResources:
         )
 
 
+#: How CUDA names a GPU or a MIG instance by UUID in ``CUDA_VISIBLE_DEVICES``.
+UUID_PREFIXES = ("GPU-", "MIG-")
+
+
+def names_gpus_by_uuid(value: str) -> bool:
+    """Whether ``CUDA_VISIBLE_DEVICES=value`` names its GPUs by UUID (``GPU-...``, or
+    ``MIG-...`` for MIG instances, which have no index). The launcher never writes that form;
+    an inherited one is left to CUDA: :meth:`TaskResources.from_env` reads it as "not set by
+    the launcher" instead of refusing it, so a task on such a host still starts."""
+    return any(part.strip().startswith(UUID_PREFIXES) for part in value.split(","))
+
+
 def parse_visible_devices(value: str) -> tuple[int, ...]:
     """``"0,2"`` -> ``(0, 2)``; ``""`` -> ``()``. GPU UUIDs (``GPU-...``) are refused with a
     clear error: tensorfleet hands out GPUs by index."""
@@ -130,7 +142,9 @@ def parse_visible_devices(value: str) -> tuple[int, ...]:
         if not part.isdigit():
             raise ClusterConfigError(
                 f"{environment.CUDA_VISIBLE_DEVICES_VAR}={value!r}: {part!r} is not a GPU index; "
-                "tensorfleet expects a comma-separated list of indices such as '0,1'"
+                "tensorfleet hands out GPUs by index: list them as indices such as '0,1' "
+                "(nvidia-smi -L numbers them); GPUs named by UUID are passed to the tasks as "
+                "they are only without --gpus-per-worker"
             )
         ids.append(int(part))
     return tuple(ids)

@@ -147,6 +147,8 @@ def launch_resources(
     if args.gpus_per_worker != 0 or args.gpu_memory_fraction is not None:
         explicit = bool(args.gpus_per_worker) or args.gpu_memory_fraction is not None
         host = find_host_gpus() if find_host_gpus is not None else _host_gpus(explicit)
+    # First: its refusal of too few GPUs names where the count came from.
+    assignment = assign_gpus(num_workers, host, args.gpus_per_worker)
     plan = plan_resources(
         num_ps,
         num_workers,
@@ -157,7 +159,6 @@ def launch_resources(
         inter_op_threads=args.inter_op_threads,
         thread_budget_enabled=not args.no_thread_budget,
     )
-    assignment = assign_gpus(num_workers, host, args.gpus_per_worker)
     return LaunchResources(
         {name: {**resources.to_env(), **pipelines} for name, resources in plan.items()},
         NO_GPU_LINE

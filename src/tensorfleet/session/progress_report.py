@@ -7,7 +7,7 @@ the launcher's live view::
     [progress] global step 1200 (no last step) 41.2 steps/s
     [progress] global step 18/18 [####################] 100% (+1 in flight past the last step) 9.1 steps/s, 0:00:00 left
 
-The step shown never passes the last step (the target) and the bar never 100 %: in async
+The step shown never passes the last step (the target) and the bar never passes 100 %: in async
 training the pushes in flight when the chief reached the last step still count, so the
 global step may end a little past it; the line then says by how much.
 

@@ -265,12 +265,13 @@ class ServiceSocket:
         self._noticed: OrderedDict[bytes, None] = OrderedDict()
         self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()
         self.rejected: Counter[str] = Counter()
-        self.shared_memory: Counter[str] = Counter()
-        """Requests whose payload was read from the requester's shared memory
-        (``requests``) and replies written into it (``replies``): the same-host path."""
         """Messages dropped, by reason (``auth``, ``protocol``, ``stale``, ``malformed``,
         ``unencrypted``: not sealed where the service encrypts, or the reverse;
         ``unknown_connection``: sealed under keys this service does not hold)."""
+        self.shared_memory: Counter[str] = Counter(requests=0, replies=0)
+        """Requests whose payload was read from the requester's shared memory
+        (``requests``) and replies written into it (``replies``): the same-host path.
+        Both keys are always there (0 over TCP), as ``cluster_stats()`` shows them."""
         self.last_valid_request_time = time.monotonic()
         self.rejection_log = RejectionLog(address)
         """Says in the log what :attr:`rejected` counts (rate-limited)."""

@@ -117,10 +117,12 @@ class EmbeddingTable(nn.Module):
         self.raw_ids = ids == "raw"
         """Rows keyed by raw int64 ids, one per admitted id (``ids="raw"``)."""
         if self.raw_ids and (hash_ids or partition != "mod"):
+            given = [f"hash_ids={hash_ids}"] if hash_ids else []
+            given += [f"partition={partition!r}"] if partition != "mod" else []
             raise ConfigError(
                 f"{self._label()}: ids='raw' gives every id a row of its own on the shard its "
-                f"hash picks; hash_ids={hash_ids} and partition={partition!r} do not apply; "
-                f"fix: leave them out"
+                f"hash picks; {' and '.join(given)} {'does' if len(given) == 1 else 'do'} not "
+                f"apply; fix: leave {'it' if len(given) == 1 else 'them'} out"
             )
         self.admit_after, self.expire_after_steps = admit_after, expire_after_steps
         if dtype not in _TORCH_DTYPES:
@@ -219,11 +221,17 @@ class EmbeddingTable(nn.Module):
         themselves): int64, same shape."""
         if self.raw_ids:
             if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+                fix = (
+                    "ids.long(), if they hold whole numbers"
+                    if isinstance(ids, torch.Tensor)
+                    else "map strings to int64 first (e.g. tensorfleet.ps.id_hashing."
+                    "hash_string_ids(ids, 2**63 - 1))"
+                )
                 raise SparseGradientError(
-                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 tensor, got "
+                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 or int32 "
+                    f"tensor, got "
                     f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}"
-                    f"; fix: map strings to int64 first (e.g. tensorfleet.ps.id_hashing."
-                    f"hash_string_ids(ids, 2**63 - 1))"
+                    f"; fix: {fix}"
                 )
             return ids.to(torch.int64)
         if self.hash_ids:
