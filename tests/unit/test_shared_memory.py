@@ -19,6 +19,7 @@ import torch
 
 from tensorfleet.errors import (
     AuthenticationError,
+    ConfigError,
     ConnectionLost,
     DeadlineExceeded,
     ProtocolError,
@@ -316,7 +317,12 @@ def test_a_service_on_another_host_is_not_treated_as_local(
 
 def test_environment_variable_turns_it_off() -> None:
     assert not shm.enabled({"TENSORFLEET_SHARED_MEMORY": "0"})
-    assert shm.enabled({})
+    assert shm.enabled({}) and shm.enabled({"TENSORFLEET_SHARED_MEMORY": "1"})
+
+
+def test_an_environment_value_that_is_neither_on_nor_off_is_refused() -> None:
+    with pytest.raises(ConfigError, match="TENSORFLEET_SHARED_MEMORY='of' is neither on nor off"):
+        shm.enabled({"TENSORFLEET_SHARED_MEMORY": "of"})
 
 
 # -- authentication and bad descriptions -------------------------------------------------------

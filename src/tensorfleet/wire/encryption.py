@@ -43,9 +43,9 @@ How it works, and why:
 * **Not sealed.** The 48-byte envelope (it names the session and counter, hence the key),
   and the lengths of the frames (so the sizes of headers and tensors). Payloads that go
   through shared memory between tasks of one host (:mod:`tensorfleet.wire.shared_memory`)
-  are authenticated under the message key but not encrypted: they never leave the host, and
-  whoever can open a task's memory file (through ``/proc``: the same user, or root) can read
-  that task's memory and its secret too, so encrypting them would cost a copy and protect
+  are neither encrypted nor tagged (the sealed header names them): they never leave the
+  host, and whoever can open a task's memory file (through ``/proc``: the same user, or
+  root) can read that task's secret too, so sealing them would cost a pass and protect
   nothing. ``TENSORFLEET_SHARED_MEMORY=0`` sends them in sealed frames instead.
 
 The choice, and the alternatives. ZeroMQ CURVE (what ``--encrypt`` used before protocol 3)

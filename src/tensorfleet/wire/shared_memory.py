@@ -12,13 +12,15 @@ where it lies, again without a copy (:class:`ClientSegments`).
 What is authenticated: the header, as on any message (it names the segment, its size and
 the buffers' sizes). The payload bytes are not (protocol 4). The choice, and the measured
 reason: four AES-GMAC passes over the payload (sign and verify, both ways) held a same-host
-push+pull of 8 / 32 MB at 1.65x / 1.32x a raw TCP echo where the copies and the update
-alone allow 6.9x / 3.3x (``benchmarks/wire_floor.py``), and the client's copy out of shared
-memory (made so that the bytes it verified could not change after the check) cost a third
-pass. The alternative, keeping the MAC, protects against nobody: a memfd is reachable only
-through ``/proc/<pid>/fd`` of a process holding it, which the kernel opens only for
-processes allowed to ptrace that process, and those can read the secret out of the task's
-memory or environment anyway (the threat model is in docs/security.md). Before any payload
+push+pull of 8 / 32 MB to at most 1.65x / 1.32x a raw TCP echo (the floor of that design,
+``benchmarks/wire_floor.py``) where the copies and the update alone allow 6.9x / 3.3x, and
+with the client's copy out of shared memory (made so that the bytes it verified could not
+change after the check) the path itself reached 0.6-0.9x. The alternative, keeping the MAC,
+protects against nobody: a memfd is reachable only through ``/proc/<pid>/fd`` of a process
+holding it, which the kernel opens only for processes that pass its ptrace *read* check on
+that process (the same user, or ``CAP_SYS_PTRACE``; Yama's ``ptrace_scope`` restricts only
+attaching), and those can read the secret from the task's ``/proc/<pid>/environ`` or its
+secret file anyway (the threat model is in docs/security.md). Before any payload
 goes this way, the ``hello`` carries a probe segment that the service maps: where a
 hardened ``/proc`` forbids it, the answer says why (``shm_refused``), and the client logs
 one line and uses TCP (:func:`probe`).
@@ -66,7 +68,7 @@ from typing import Any
 import torch
 
 from tensorfleet import environment
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.wire.auth import Buffer
 from tensorfleet.wire.buffer_pool import ALIGN, offsets, storage_users
 
@@ -88,13 +90,21 @@ _NAME_PREFIX = "tensorfleet-"
 
 
 def enabled(environ: Any = None) -> bool:
-    """Whether the fast path may be used (``TENSORFLEET_SHARED_MEMORY`` is not ``0``) and
-    this system has what it needs (``memfd_create``, ``/proc``)."""
+    """Whether the fast path may be used (``TENSORFLEET_SHARED_MEMORY`` unset or ``1``; ``0``
+    turns it off) and this system has what it needs (``memfd_create``, ``/proc``). Any other
+    value is a :class:`~tensorfleet.errors.ConfigError` naming it: a typo must not leave the
+    path on (or off) silently."""
     value = (environment.environ() if environ is None else environ).get(
         environment.SHARED_MEMORY_VAR, "1"
     )
-    if value.strip().lower() in ("0", "false", "no", "off"):
+    choice = value.strip().lower()
+    if choice in ("0", "false", "no", "off"):
         return False
+    if choice not in ("", "1", "true", "yes", "on"):
+        raise ConfigError(
+            f"{environment.SHARED_MEMORY_VAR}={value!r} is neither on nor off: set it to 1 "
+            "(the same-host fast path, the default) or 0 (every payload over TCP)"
+        )
     return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
