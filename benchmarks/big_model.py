@@ -9,7 +9,8 @@ an untied LM head over the 30,522-token vocabulary instead); by default BERT-bas
 32 uniform random tokens (a pool of 8 from a seeded generator). Adam, lr 1e-4. Runs:
 
 * ``torch``: one process, the plain PyTorch loop with ``torch.optim.Adam`` (torch's default
-  threads): **the baseline** every ratio is taken against;
+  threads): **the baseline** every ratio is taken against (``torch_1thread`` when
+  ``--runs`` leaves ``torch`` out; no ratio when it leaves both out);
 * ``torch_1thread``: the same with one thread (``OMP_NUM_THREADS=1``): the thread budget
   the launcher gives the cluster's worker on a 2-core host (``--ps 1``: 2 tasks, one core
   each), to tell the cost of the exchange from the cost of fewer threads;
@@ -31,6 +32,13 @@ of a task's life; and it works for the built-in ``tensorfleet server`` ps tasks,
 cannot report on themselves. The worker programs also read their own ``VmHWM`` after
 training (exact); a worker's figure is the larger of the two. Shared memory mapped by a task
 (``RssShmem``: the same-host payloads) counts in its resident set.
+
+CPU seconds and minor page faults per timed step, of every task: sampled with the memory
+(``/proc/<pid>/stat``: ``utime + stime``, ``minflt``) and interpolated to the timed steps'
+window (the programs' ``time.perf_counter``, one clock for every process); a worker's CPU
+time is its own ``time.process_time()``. CPU time is what a step costs whatever the load (a
+shared machine stretches the wall time, not the work); a minor fault is a page touched for
+the first time, i.e. fresh memory filled (the price of buffers not reused).
 
 Where the cluster's time goes: every session run records the session's timeline
 (``docs/timeline.md``: about a microsecond per span) and the table of phases gives the mean
@@ -143,20 +151,22 @@ def task_name(pid: int) -> str | None:
     return None
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """``pid``'s CPU time so far (user + system, every thread), or None once it is gone."""
+def cpu_and_faults(pid: int) -> tuple[float, float] | None:
+    """``pid``'s CPU time so far (user + system, every thread) and its minor page faults (a
+    page touched for the first time: fresh memory), or None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rfind(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime (fields 14, 15)
+    # minflt, utime, stime: fields 10, 14 and 15 of proc(5), counted from the state (3).
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, float(fields[7])
 
 
 def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
-    """CPU seconds spent between ``start`` and ``end`` (``time.perf_counter``) from
-    ``(perf_counter, cpu seconds)`` samples, linearly interpolated; None without samples
-    on both sides of the window."""
+    """How much a counter (CPU seconds, page faults) grew between ``start`` and ``end``
+    (``time.perf_counter``) from ``(perf_counter, count)`` samples, linearly interpolated;
+    None without samples on both sides of the window."""
 
     def at(when: float) -> float | None:
         for (t0, c0), (t1, c1) in zip(samples, samples[1:], strict=False):
@@ -172,12 +182,14 @@ class TaskSampler:
     """Samples, every :data:`SAMPLE_S` seconds until stopped, a process (``cluster`` False:
     ``pid`` itself, named ``process``) or a launcher's children (each named by its task):
     the peak of its :data:`MEMORY_FIELDS` (``peak[name][field]``, KiB) and its CPU time
-    (``cpu[name]``: ``(time.perf_counter(), CPU seconds)`` pairs)."""
+    (``cpu[name]``: ``(time.perf_counter(), CPU seconds)`` pairs) and its minor page faults
+    (``faults[name]``: ``(time.perf_counter(), faults)`` pairs)."""
 
     def __init__(self, pid: int, cluster: bool) -> None:
         self.pid, self.cluster = pid, cluster
         self.peak: dict[str, dict[str, int]] = {}
         self.cpu: dict[str, list[tuple[float, float]]] = {}
+        self.faults: dict[str, list[tuple[float, float]]] = {}
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="task-sampler", daemon=True)
@@ -203,9 +215,10 @@ class TaskSampler:
             self._record(self.names[pid], pid)
 
     def _record(self, name: str, pid: int) -> None:
-        now, cpu, status = time.perf_counter(), cpu_seconds(pid), status_kib(pid)
-        if cpu is not None:
-            self.cpu.setdefault(name, []).append((now, cpu))
+        now, counters, status = time.perf_counter(), cpu_and_faults(pid), status_kib(pid)
+        if counters is not None:
+            self.cpu.setdefault(name, []).append((now, counters[0]))
+            self.faults.setdefault(name, []).append((now, counters[1]))
         seen = self.peak.setdefault(name, dict.fromkeys(MEMORY_FIELDS, 0))
         for key, kib in status.items():
             seen[key] = max(seen[key], kib)
@@ -292,9 +305,16 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    reader = threading.Thread(
-        target=lambda: lines.extend(line.rstrip("\n") for line in process.stdout), daemon=True
-    )
+
+    def read() -> None:
+        """Keep every line (for a failure's report); echo the program's own (its steps)."""
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            if "big_model_worker:" in line:
+                print(f"  {name}: {lines[-1]}", flush=True)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     sampler = TaskSampler(process.pid, cluster=name.startswith("ps"))
     try:
@@ -332,15 +352,21 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         if seconds is not None:
             tasks_cpu[task] = seconds / timed
     tasks_cpu[worker] = result["cpu_s_per_step"]  # its own clock: exact
+    tasks_faults = {}
+    for task, samples in sampler.faults.items():
+        faults = cpu_between(samples, *window)
+        if faults is not None:
+            tasks_faults[task] = faults / timed
     result.pop("memory_kib_after_build", None)
     result.update(
         name=name,
         what=RUNS[name],
-        command=" ".join(command),
+        command=shown(command, tmp),
         wall_s=wall,
         tasks_memory_kib=tasks,
         worker_peak_rss_kib=tasks[worker]["VmHWM"],
         tasks_cpu_s_per_step=tasks_cpu,
+        tasks_minor_faults_per_step=tasks_faults,
         phases_ms=phases(load_events(timeline.with_name(trace)), ps_events, args.warmup),
         load_average_after=os.getloadavg()[0],
     )
@@ -350,6 +376,14 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         flush=True,
     )
     return result
+
+
+def shown(command: list[str], tmp: Path) -> str:
+    """``command`` as the results record it: ``python`` for this interpreter, paths in this
+    tree relative to it, the run's temporary directory as ``$TMPDIR``."""
+    text = " ".join("python" if part == sys.executable else part for part in command)
+    text = text.replace(f"{sys.executable} ", "python ").replace(f"{ROOT}/", "")
+    return text.replace(str(tmp.parent), "$TMPDIR")
 
 
 def stop(process: subprocess.Popen, tasks: list[int]) -> None:
@@ -382,7 +416,7 @@ def _worker_first(task: str) -> tuple[bool, str]:
     return (task.startswith("ps:"), task)
 
 
-def summarize(rounds: list[dict[str, dict]], baseline: str) -> dict[str, dict]:
+def summarize(rounds: list[dict[str, dict]], baseline: str | None) -> dict[str, dict]:
     """Each run's medians over the rounds, with the ratios to ``baseline`` (same round)."""
     rows = {}
     for name in rounds[0]:
@@ -396,6 +430,12 @@ def summarize(rounds: list[dict[str, dict]], baseline: str) -> dict[str, dict]:
             "steps_per_s": 1 / seconds,
             "worker_peak_rss_kib": rss,
             "tasks_memory_kib": points[-1]["tasks_memory_kib"],
+            "tasks_minor_faults_per_step": {
+                task: statistics.median(
+                    p["tasks_minor_faults_per_step"].get(task, 0.0) for p in points
+                )
+                for task in points[-1]["tasks_minor_faults_per_step"]
+            },
             "tasks_cpu_s_per_step": {
                 task: statistics.median(p["tasks_cpu_s_per_step"].get(task, 0.0) for p in points)
                 for task in points[-1]["tasks_cpu_s_per_step"]
@@ -420,14 +460,14 @@ def summarize(rounds: list[dict[str, dict]], baseline: str) -> dict[str, dict]:
     return rows
 
 
-def tables(rows: dict[str, dict], baseline: str) -> list[str]:
+def tables(rows: dict[str, dict], baseline: str | None) -> list[str]:
     """The markdown: the runs, then the phases per timed step."""
     table = [
         f"| run | threads | s/step | steps/s vs {baseline} (target) | vs {SAME_THREADS} | "
         "worker peak RSS | "
         f"vs {baseline} (target) | each ps peak RSS | CPU s/step: worker (+ each ps) | "
-        "loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "page faults/step: worker (+ each ps) | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         speed = row.get("steps_per_s_vs_baseline")
@@ -435,7 +475,7 @@ def tables(rows: dict[str, dict], baseline: str) -> list[str]:
         targets = row.get("targets", {})
         speed_text = "" if speed is None else f"{speed:.2f}x"
         memory_text = "" if memory is None else f"{memory:.2f}x"
-        if targets:
+        if targets and speed is not None:
             speed_text += f" (>= {targets['steps_per_s']}x)"
             memory_text += f" (<= {targets['worker_peak_rss']}x)"
         ps = ", ".join(
@@ -447,12 +487,16 @@ def tables(rows: dict[str, dict], baseline: str) -> list[str]:
         same_threads = "" if same is None else f"{same:.2f}x"
         cpu = row["tasks_cpu_s_per_step"]
         cpu_text = " + ".join(f"{cpu[task]:.2f}" for task in sorted(cpu, key=_worker_first))
+        faults = row["tasks_minor_faults_per_step"]
+        faults_text = " + ".join(
+            f"{faults[task] / 1e3:.0f}k" for task in sorted(faults, key=_worker_first)
+        )
         first, last = row["loss_first_last"]
         table.append(
             f"| {name}: {row['what']} | {row['threads']} | {row['s_per_step']:.3f} | "
             f"{speed_text} | {same_threads} | {_gib(row['worker_peak_rss_kib'])} | "
             f"{memory_text} | {ps} | "
-            f"{cpu_text} | {first:.3f} -> {last:.3f} |"
+            f"{cpu_text} | {faults_text} | {first:.3f} -> {last:.3f} |"
         )
     names = [s for s in WORKER_SPANS if any(s in r["phases_ms"] for r in rows.values())]
     ps_names = sorted({k for r in rows.values() for k in r["phases_ms"] if k.startswith("ps:")})
@@ -532,7 +576,9 @@ def main() -> int:
         args.profile = args.profile.resolve()
     runs = [name for name in RUNS if name in args.runs]
     print(describe(args), flush=True)
-    baseline = runs[0]  # "torch" whenever it runs
+    # The ratios' baseline: the one-process loop (with torch's threads when it runs); a run of
+    # cluster runs alone has none.
+    baseline = next((n for n in ("torch", SAME_THREADS) if n in runs), None)
     load_before = os.getloadavg()
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="big-model-") as tmp:
@@ -541,7 +587,7 @@ def main() -> int:
             for name in runs:
                 rounds[-1][name] = run_one(name, args, Path(tmp) / f"round{index}")
     rows = summarize(rounds, baseline)
-    first = rounds[0][baseline]
+    first = rounds[0][runs[0]]
     load_after = os.getloadavg()
     result = {
         "benchmark": "BERT-base-sized encoder, Adam, async cluster vs one process",
