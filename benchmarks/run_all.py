@@ -115,6 +115,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         ("--known", "100000", "--steps", "10", "--repeats", "1"),
         "raw_id_tables",
     ),
+    # The BERT-base-sized model: the full run takes minutes of a quiet 2-core machine; --quick
+    # a tiny model (a smoke test).
+    "big_model": Benchmark("big_model", (), ("--quick",), "big_model"),
     "cnn_compute": Benchmark("cnn_compute", (), ("--steps", "5", "--rounds", "1"), "cnn_compute"),
     "devices": Benchmark("devices", (), ("--steps", "60", "--pairs", "1"), "devices"),
     "gpu": Benchmark("gpu", (), ("--steps", "200", "--tests-limit", "120"), "gpu"),
@@ -444,6 +447,7 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
             ("actor_learner", "actor/learner vs one process"),
         ):
             rows.append(("patterns", label, f"{patterns[part]['ratio']:.2f}x", ""))
+    rows += _big_model_headlines(results.get("big_model"))
     chaos = results.get("chaos")
     if chaos:
         failed = [name for name, ok in chaos["checks"].items() if not ok]
@@ -454,6 +458,32 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
                 f"{len(chaos['checks']) - len(failed)} of {len(chaos['checks'])} checks passed"
                 + (f" (failed: {', '.join(failed)})" if failed else ""),
                 "every check",
+            )
+        )
+    return rows
+
+
+def _big_model_headlines(big: dict | None) -> list[tuple[str, str, str, str]]:
+    """The cluster runs of the BERT-base-sized model against the one-process loop."""
+    if not big:
+        return []
+    rows = []
+    for name, row in big["rows"].items():
+        targets = row.get("targets")
+        if not targets or "steps_per_s_vs_baseline" not in row:
+            continue
+        # Against one thread too: on a busy 2-core machine torch's two threads lose most.
+        same = row.get("steps_per_s_vs_torch_1thread")
+        rows.append(
+            (
+                "big_model",
+                f"{name}: {row['what']}, {big['parameters'] / 1e6:.0f} M parameters, vs "
+                f"{big['baseline']}: steps/s; worker peak RSS",
+                f"{row['steps_per_s_vs_baseline']:.2f}x ({row['s_per_step']:.2f} s/step"
+                + ("" if same is None else f"; {same:.2f}x the one-thread loop")
+                + f"); {row['worker_peak_rss_vs_baseline']:.2f}x "
+                f"({row['worker_peak_rss_kib'] / 2**20:.2f} GiB)",
+                f">= {targets['steps_per_s']}x; <= {targets['worker_peak_rss']}x",
             )
         )
     return rows

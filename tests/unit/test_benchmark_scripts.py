@@ -29,6 +29,7 @@ import run_all  # noqa: E402
 
 #: Scripts with a command line (``--help`` must work), relative to benchmarks/.
 RUNNABLE = {
+    "big_model.py",
     "chaos.py",
     "cnn_compute.py",
     "cnn_training.py",
@@ -51,6 +52,7 @@ RUNNABLE = {
     "wire.py",
     "wire_floor.py",
     "wire_profile.py",
+    "programs/big_model_worker.py",
     "programs/overlap_worker.py",
     "programs/sparse_table_worker.py",
 }
@@ -226,6 +228,51 @@ def test_quick_settings_pass_every_warm_up() -> None:
     for name in ("overlap", "overlap_links"):
         steps = value(run_all.BENCHMARKS[name].quick, "--steps", 300)
         assert overlap.too_few_steps(steps, 2) is None
+
+
+def test_big_model_refuses_runs_without_a_timed_step() -> None:
+    import big_model
+
+    problem = big_model.too_few_steps(3, 3)
+    assert problem is not None and "--steps 3" in problem and "--steps 4 or more" in problem
+    assert big_model.too_few_steps(12, 3) is None
+    quick = big_model.QUICK
+    assert big_model.too_few_steps(quick["steps"], quick["warmup"]) is None
+
+
+def test_big_model_phases_are_per_timed_step() -> None:
+    """The warm-up steps are left out, spans of other threads too, and the ps's spans count
+    only inside a timed step."""
+    import big_model
+
+    def span(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {"name": name, "ts": ts, "dur": dur, "tid": tid, "ph": "X"}
+
+    worker = [
+        span("step", 0, 100),  # the warm-up step
+        span("backward", 10, 50),
+        span("step", 1000, 2000),
+        span("backward", 1100, 1000),
+        span("wait", 2200, 400),
+        span("step", 4000, 4000),
+        span("backward", 4100, 3000),
+        span("wait", 7200, 600),
+        span("wait", 7200, 9999, tid=2),  # another thread: not the stepping one
+    ]
+    ps = {
+        "ps:0": [span("apply", 50, 10, 7), span("apply", 2300, 200, 7), span("apply", 9000, 5, 7)]
+    }
+    phases = big_model.phases(worker, ps, warmup=1)
+    assert phases == {"step": 3.0, "backward": 2.0, "wait": 0.5, "ps:0:apply": 0.1}
+    assert big_model.phases(worker, ps, warmup=3) == {}
+
+
+def test_big_model_cpu_time_is_interpolated_over_the_window() -> None:
+    import big_model
+
+    samples = [(0.0, 0.0), (1.0, 0.5), (2.0, 1.5)]
+    assert big_model.cpu_between(samples, 0.5, 1.5) == pytest.approx(1.0 - 0.25)
+    assert big_model.cpu_between(samples, 0.5, 3.0) is None  # no sample after the window
 
 
 # --------------------------------------------------------------------- where results go

@@ -76,6 +76,30 @@ def test_gather_of_values_into_lent_buffers() -> None:
             assert torch.equal(tensor, by_name[name].detach())
 
 
+def test_values_are_not_kept_in_the_send_buffers() -> None:
+    """The chief's values (its create) go into buffers of their own: packed into the send
+    buffers, they made a copy of the model resident for the worker's life (on one host no
+    push uses the send buffers: gradients go into shared memory), and a later push into the
+    send buffers overwrote them."""
+    params = _model()
+    fused = _fused(params)
+    by_name = dict(params)
+    values = [fused.gather(s, values=True) for s in range(fused.num_shards)]
+    own = [
+        (flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
+        for buffers in fused._send_buffers
+        for flat in buffers
+    ]
+    for buffers in values:
+        for buffer in buffers:
+            address = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+            assert not any(lo <= address < hi for lo, hi in own)
+    for shard in range(fused.num_shards):
+        fused.gather(shard, values=False)  # a push into the send buffers
+    for name, tensor in fused.assemble(values).items():
+        assert torch.equal(tensor, by_name[name].detach())
+
+
 def test_gather_into_a_buffer_of_the_wrong_size_or_read_only_is_refused() -> None:
     fused = _fused(_model())
     sizes = fused.group_nbytes(0)

@@ -129,7 +129,9 @@ class FusedParameters:
         given) into its buffers, one copy per tensor and no temporary (a missing gradient is
         sent as zeros). ``into``: writable byte buffers of :meth:`group_nbytes` (e.g. a
         request's shared-memory segment) to pack into instead of this object's own send
-        buffers; returned as given."""
+        buffers; returned as given. Values without ``into`` go into new buffers of their own
+        (freed once the caller lets go of them), never into the send buffers: the send
+        buffers stay unfaulted (not resident) until a push packs into them."""
         start, stop = part if part is not None else (0, len(self.layouts[shard].variables))
         slices = self._slices(shard, part)
         targets = [
@@ -140,6 +142,12 @@ class FusedParameters:
                 self._writable_flat(buffer, flat)
                 for buffer, flat in zip(into, targets, strict=True)
             ]
+        elif values:
+            # The values are gathered once, for the chief's create: into memory of their own,
+            # freed once sent. Packed into the send buffers, they made those resident for the
+            # worker's whole life (a copy of the model), though on one host no push uses
+            # them (gradients go straight into shared memory).
+            targets = [torch.empty_like(flat) for flat in targets]
         for members, flat, (lo, _) in zip(self._members[shard], targets, slices, strict=True):
             for m in members:
                 if not start <= m.index < stop:
