@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from tensorfleet.cluster.device import DeviceSpec
 from tensorfleet.errors import TensorfleetError
@@ -174,6 +173,11 @@ class RemotePipelineStage:
         self.device = torch_device(device, soft_placement=soft_placement)
         self.module = stage.to(self.device)
         self.loss_reduction = loss_reduction
+        # Imported here, not with the module: torch.distributed.pipelining takes seconds to
+        # import (3-7 s measured on this project's 2-core machine), and every session imports
+        # this module, so every task's start (and every restart) paid it without a pipeline.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         self._pipe_stage = PipelineStage(
             _ContiguousOutput(self.module), stage_index, num_stages, self.device, group=group
         )
