@@ -222,6 +222,18 @@ def why_no_plot(records: list[TrialRecord], metric: str) -> str:
     return "no parameters to plot against"
 
 
+def prepare_plot() -> None:
+    """Import matplotlib (about 1-2 s) ahead of :func:`plot_results`, e.g. while the last
+    trials run; nothing when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
+
+
 def plot_results(
     path: Path, records: list[TrialRecord], metric: str, direction: str
 ) -> Path | None:
