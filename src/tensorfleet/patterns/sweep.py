@@ -336,7 +336,8 @@ class Sweep:
                 if self._poll(trial, search):
                     del self._running[slot]
                     ended = True
-            if exhausted and not plot_ready:
+            last_started = len(self._records) >= self.config.total_trials
+            if (exhausted or last_started) and not plot_ready:
                 # The last trials run in their own processes: import the plotting library
                 # meanwhile rather than after them.
                 prepare_plot()

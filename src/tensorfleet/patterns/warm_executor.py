@@ -15,7 +15,11 @@ fresh process as before (:class:`ProcessTrial`), and so does every trial with
 The choice and its measured reason. Starting a fresh interpreter that imports torch and
 tensorfleet took 2.2 s on an idle 2-core machine and 4-7 s under load, against trials of
 0.3-1.3 s: a 20-trial search ran at 5.3 trials/min with 2 slots where a hand-written Optuna
-loop in one process did 45.8. Two ways keep the imports warm:
+loop in one process did 45.8. Importing torch is not all of it: a process's first
+optimizer step imports ``torch._dynamo`` (about 830 modules, sympy among them): the same
+300-step trial took 4.3-6.2 s as the first in a process that had imported torch, 0.3-0.4 s
+after that (under load), so the executor imports it too (:data:`PRELOADED`: 1.7 s, no
+thread). Two ways keep the imports warm:
 
 * **fork per trial from a preloaded parent** (chosen): fork + a small torch op + exit took
   26 ms against 19 ms for the same op in the parent, i.e. about 7 ms per trial, under 1% of a
@@ -34,10 +38,11 @@ so torch's intra-op (OpenMP) and inter-op pools are never started in it (they st
 child at its first parallel op; ``torch.get_num_threads`` does not start them). Importing
 torch starts exactly one thread: the OpenBLAS server of the numpy it imports, which is idle on
 a condition variable and which OpenBLAS stops itself before every fork (its
-``pthread_atfork`` handler). The executor records its threads after importing torch and
-checks again before every fork: when the entry's import started another one (e.g. it ran a
-large torch op at import time, or started a thread of its own), it forks nothing and the
-trials run in fresh processes, as the sweep says once.
+``pthread_atfork`` handler); the preloaded ``torch._dynamo`` and tensorfleet start none. The
+executor records its threads after importing torch and checks again before every fork: when
+a preload or the entry's import started another one (e.g. it ran a large torch op at import
+time, or started a thread of its own), it forks nothing and the trials run in fresh
+processes, as the sweep says once.
 
 What the isolation users rely on still holds: a trial that raises, exits, calls ``os._exit``,
 hangs past ``trial_timeout_s`` or is killed ends only its own process; the executor reports
@@ -61,6 +66,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
+import importlib
 import json
 import os
 import select
@@ -75,6 +82,10 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 _PR_SET_PDEATHSIG = 1
+#: Imported by every executor before the entry's module, so that no trial pays for them.
+#: ``torch._dynamo`` (with sympy and about 800 other modules) is what torch's optimizers
+#: import at their first ``step()``: 1.7 s, once per process.
+PRELOADED = ("torch._dynamo", "tensorfleet", "tensorfleet.patterns.trial")
 
 
 class TrialProcess(Protocol):
@@ -252,21 +263,15 @@ class WarmExecutor:
         )
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the executor: close its command channel (it exits when idle), then SIGKILL its
-        process group if it has not exited within ``timeout``; at once when it is still
-        importing (it would read the channel only after that)."""
+        """End the executor at once (SIGKILL; called when no trial of it runs): it holds
+        nothing worth a graceful exit (its trials' results are in their files), and an
+        interpreter's teardown of torch takes seconds under load."""
         assert self.process.stdin is not None
-        self.pump()
-        if self.ready is None:
-            signal_group(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self.process.stdin.close()
-        try:
-            self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            signal_group(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=timeout)
         signal_group(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=timeout)
         assert self.process.stdout is not None
         self.process.stdout.close()
         self._stderr.close()
@@ -367,10 +372,14 @@ def _serve(entry: str, metric: str) -> int:
 
     import torch  # noqa: F401 (the point: imported once, before any trial)
 
-    import tensorfleet.patterns.trial  # noqa: F401
+    allowed = _threads()  # torch's import starts numpy's OpenBLAS server: safe (see above)
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a trial that needs it fails in its own process, with this
+            print(f"warm executor: could not preload {name}: {exc!r}", file=sys.stderr)
     from tensorfleet.patterns.trial_main import find_entry_problem, load_entry_point
 
-    allowed = _threads()
     problem = find_entry_problem(entry)
     function = None
     if problem is None:
@@ -411,6 +420,10 @@ def _serve(entry: str, metric: str) -> int:
             continue
         sys.stdout.flush()
         sys.stderr.flush()
+        # The imported objects move to the collector's permanent generation: a child's
+        # collections then neither walk them nor write to their pages (which would copy
+        # them); measured 1.07-1.25 s against 1.15-1.29 s for a 1 s trial, in-process 1.16.
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             channel_fd, commands_fd = channel.fileno(), commands.fileno()
