@@ -2,10 +2,17 @@
 
 * sweep throughput: the same trials (fixed work each) with ``--slots`` slots vs one slot
   (one after another), in trials per minute;
+* a search of short trials (``--search-trials`` TPE trials of ``--search-steps`` steps, about
+  1 s each) three ways in one run: an Optuna loop by hand in this process (the baseline),
+  ``tensorfleet sweep`` (:func:`run_sweep`, the function the command calls) with 1 slot and
+  with 2 slots; trials/min and their ratios to the hand loop, and each sweep's wall time
+  against the ideal (trials x the hand loop's mean trial time / slots);
 * actor/learner: CartPole samples per second with ``--actors`` actor processes and one
   learner vs one process that plays and learns in turn (the same PPO, the same steps).
 
     .venv/bin/python benchmarks/patterns.py --trials 8 --slots 2 --steps 400 --al-steps 30000
+    .venv/bin/python benchmarks/patterns.py --only search --search-trials 20 --search-steps 300 \
+        --search-repeats 2
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import io
 import math
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +59,146 @@ def sweep_minutes(trials: int, slots: int, steps: int) -> tuple[float, int]:
         minutes = (time.monotonic() - started) / 60
     complete = sum(r.state == "complete" for r in result.records)
     return minutes, complete
+
+
+def search_space(steps: int) -> dict:
+    """The searched space; ``steps`` is a one-value choice so that every trial does the same
+    work whatever the sampler picks."""
+    return {
+        "lr": {"type": "loguniform", "low": 1e-3, "high": 0.3},
+        "width": [32, 64],
+        "steps": [steps],
+    }
+
+
+def hand_loop(trials: int, steps: int, seed: int) -> dict:
+    """The baseline: the same trial function called by a hand-written Optuna loop (TPE, an
+    in-memory study) in this process."""
+    import optuna
+
+    from tensorfleet.patterns.trial import Trial
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "programs"))
+    # What torch's optimizers import at their first step (1.7 s, once per process): imported
+    # before the clock starts, so the baseline's trials are all steady-state ones.
+    import torch._dynamo  # noqa: F401
+    from fixed_trial import search_train
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed))
+    durations = []
+    with tempfile.TemporaryDirectory() as directory:
+
+        def objective(ot: optuna.Trial) -> float:
+            params = {
+                "lr": ot.suggest_float("lr", 1e-3, 0.3, log=True),
+                "width": ot.suggest_categorical("width", [32, 64]),
+                "steps": ot.suggest_categorical("steps", [steps]),
+            }
+            trial_dir = Path(directory) / str(ot.number)
+            trial_dir.mkdir()
+            started = time.monotonic()
+            value = search_train(Trial(trial_dir, ot.number, params))
+            durations.append(time.monotonic() - started)
+            return value
+
+        started = time.monotonic()
+        study.optimize(objective, n_trials=trials)
+        wall = time.monotonic() - started
+    return {
+        "trials": trials,
+        "wall_s": wall,
+        "trials_per_min": trials / wall * 60,
+        "mean_trial_s": statistics.fmean(durations),
+    }
+
+
+def sweep_search(trials: int, steps: int, seed: int, slots: int) -> dict:
+    """The same search through ``tensorfleet sweep`` (its function, in this process)."""
+    config = SweepConfig(
+        entry="fixed_trial:search_train",
+        space=search_space(steps),
+        search="optuna",
+        sampler="tpe",
+        trials=trials,
+        seed=seed,
+        metric="loss",
+        slots=slots,
+        pythonpath=[str(ROOT / "benchmarks" / "programs")],
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        started = time.monotonic()
+        result = run_sweep(
+            config, Path(directory) / "sweep", progress=PlainProgress("loss", io.StringIO())
+        )
+        ended = time.monotonic()
+    records = result.records
+    complete = sum(r.state == "complete" for r in records)
+    first = min(r.started for r in records)
+    last = max(r.started + (r.seconds or 0.0) for r in records)
+    wall = ended - started
+    return {
+        "slots": slots,
+        "complete": complete,
+        "wall_s": wall,
+        "trials_per_min": complete / wall * 60,
+        "median_trial_s": statistics.median(r.seconds for r in records if r.seconds),
+        "until_first_trial_s": first - started,
+        # from the first trial's start to the last one's end: the per-trial overhead alone,
+        # without the executors' start and the results at the end
+        "between_trials_per_min": complete / (last - first) * 60,
+        "after_last_trial_s": ended - last,
+    }
+
+
+def fresh_import_s() -> float:
+    """What a hand-written loop started as a script pays before its first trial, and each
+    sweep executor once: a fresh interpreter importing torch (with what its optimizers import
+    at their first step), optuna and tensorfleet."""
+    started = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-c", "import torch, torch._dynamo, optuna, tensorfleet"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+        check=True,
+        timeout=300,
+    )
+    return time.monotonic() - started
+
+
+def search_row(trials: int, steps: int, repeats: int = 1, seed: int = 0) -> dict:
+    """The three ways, ``repeats`` rounds (every other round in reverse order, so that a
+    change of the machine's load does not favour one way); the median of each figure over
+    the rounds, and the ratios of the medians."""
+    ways = {
+        "hand_loop": lambda: hand_loop(trials, steps, seed),
+        "one_slot": lambda: sweep_search(trials, steps, seed, 1),
+        "two_slots": lambda: sweep_search(trials, steps, seed, 2),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in ways}
+    imports = [fresh_import_s()]
+    for round_ in range(repeats):
+        for name in list(ways) if round_ % 2 == 0 else list(ways)[::-1]:
+            runs[name].append(ways[name]())
+        imports.append(fresh_import_s())
+    medians = {
+        name: {key: statistics.median(run[key] for run in done) for key in done[0]}
+        for name, done in runs.items()
+    }
+    hand = medians["hand_loop"]
+    for name in ("one_slot", "two_slots"):
+        run = medians[name]
+        run["ratio_to_hand_loop"] = run["trials_per_min"] / hand["trials_per_min"]
+        run["between_ratio_to_hand_loop"] = run["between_trials_per_min"] / hand["trials_per_min"]
+        run["ideal_wall_s"] = trials * hand["mean_trial_s"] / run["slots"]
+        run["wall_to_ideal"] = run["wall_s"] / run["ideal_wall_s"]
+    return {
+        "trials": trials,
+        "steps": steps,
+        "repeats": repeats,
+        "fresh_import_s": statistics.median(imports),
+        **medians,
+        "runs": runs,
+    }
 
 
 def actor_learner(al_steps: int, actors: int) -> tuple[dict, dict]:
@@ -103,39 +251,97 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="training steps per trial")
     parser.add_argument("--al-steps", type=int, default=30_000, help="CartPole environment steps")
     parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument(
+        "--search-trials", type=int, default=20, help="trials of the search row (default 20)"
+    )
+    parser.add_argument(
+        "--search-steps",
+        type=int,
+        default=300,
+        help="training steps per search trial (300: about 1 s on an idle 2-core machine)",
+    )
+    parser.add_argument(
+        "--search-repeats",
+        type=int,
+        default=1,
+        help="rounds of the search row's three ways (medians are reported; default 1)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=("sweep", "search", "actor_learner"),
+        action="append",
+        help="run only these rows (repeatable; default: all)",
+    )
     add_out_dir_option(parser)
     args = parser.parse_args()
+    rows = set(args.only or ("sweep", "search", "actor_learner"))
+    result: dict = {"cpus": os.cpu_count(), "load_avg_1min_at_start": os.getloadavg()[0]}
+    table = ["| what | baseline | tensorfleet | ratio |", "|---|---|---|---|"]
+    if "sweep" in rows:
+        table.append(sweep_table_row(args, result))
+    if "search" in rows:
+        search = result["search"] = search_row(
+            args.search_trials, args.search_steps, args.search_repeats
+        )
+        hand, one, two = search["hand_loop"], search["one_slot"], search["two_slots"]
+        for run, name in ((one, "1 slot"), (two, "2 slots")):
+            table.append(
+                f"| search, {search['trials']} TPE trials of {hand['mean_trial_s']:.2f} s, "
+                f"median of {search['repeats']} "
+                f"(trials/min; wall vs ideal) | Optuna loop by hand: {hand['trials_per_min']:.1f} "
+                f"| tensorfleet sweep, {name}: {run['trials_per_min']:.1f}; wall "
+                f"{run['wall_s']:.1f} s = {run['wall_to_ideal']:.2f}x ideal "
+                f"({run['ideal_wall_s']:.1f} s; first trial after {run['until_first_trial_s']:.1f} s; "
+                f"first trial's start to last one's end: {run['between_trials_per_min']:.1f}, "
+                f"{run['between_ratio_to_hand_loop']:.2f}x) | {run['ratio_to_hand_loop']:.2f}x |"
+            )
+        table.append(
+            f"\n(a fresh interpreter importing torch, torch._dynamo, optuna and tensorfleet took "
+            f"{search['fresh_import_s']:.1f} s in this run: what a hand-written loop started as a "
+            "script pays once, and each sweep executor once; the hand loop above ran in a warm "
+            "process)"
+        )
+    if "actor_learner" in rows:
+        table.append(actor_learner_row(args, result))
+    # a partial run (--only) keeps its own files, next to the full run's patterns.json
+    name = "patterns" if args.only is None else "_".join(["patterns", *sorted(rows)])
+    write_results(name, result, f"Cluster patterns ({os.cpu_count()} CPUs)", table)
+    return 0
+
+
+def sweep_table_row(args: argparse.Namespace, result: dict) -> str:
     serial, serial_done = sweep_minutes(args.trials, 1, args.steps)
     parallel, parallel_done = sweep_minutes(args.trials, args.slots, args.steps)
-    single, distributed = actor_learner(args.al_steps, args.actors)
-    result = {
-        "sweep": {
-            "trials": args.trials,
-            "steps_per_trial": args.steps,
-            "serial_trials_per_min": serial_done / serial,
-            "parallel_slots": args.slots,
-            "parallel_trials_per_min": parallel_done / parallel,
-            "ratio": (parallel_done / parallel) / (serial_done / serial),
-        },
-        "actor_learner": {
-            "env_steps": args.al_steps,
-            "actors": args.actors,
-            "single_samples_per_s": single["samples_per_s"],
-            "distributed_samples_per_s": distributed["samples_per_s"],
-            "ratio": distributed["samples_per_s"] / single["samples_per_s"],
-            "dropped_stale": distributed["dropped_stale"],
-        },
-        "cpus": os.cpu_count(),
+    s = result["sweep"] = {
+        "trials": args.trials,
+        "steps_per_trial": args.steps,
+        "serial_trials_per_min": serial_done / serial,
+        "parallel_slots": args.slots,
+        "parallel_trials_per_min": parallel_done / parallel,
+        "ratio": (parallel_done / parallel) / (serial_done / serial),
     }
-    s, a = result["sweep"], result["actor_learner"]
-    table = [
-        "| what | baseline | tensorfleet | ratio |",
-        "|---|---|---|---|",
-        f"| sweep, {s['trials']} trials of {s['steps_per_trial']} steps (trials/min) | 1 slot: {s['serial_trials_per_min']:.1f} | {s['parallel_slots']} slots: {s['parallel_trials_per_min']:.1f} | {s['ratio']:.2f}x |",
-        f"| actor/learner CartPole, {a['env_steps']} steps (samples/s) | one process: {a['single_samples_per_s']:.0f} | {a['actors']} actors + learner: {a['distributed_samples_per_s']:.0f} | {a['ratio']:.2f}x |",
-    ]
-    write_results("patterns", result, f"Cluster patterns ({os.cpu_count()} CPUs)", table)
-    return 0
+    return (
+        f"| sweep, {s['trials']} trials of {s['steps_per_trial']} steps (trials/min) | 1 slot: "
+        f"{s['serial_trials_per_min']:.1f} | {s['parallel_slots']} slots: "
+        f"{s['parallel_trials_per_min']:.1f} | {s['ratio']:.2f}x |"
+    )
+
+
+def actor_learner_row(args: argparse.Namespace, result: dict) -> str:
+    single, distributed = actor_learner(args.al_steps, args.actors)
+    a = result["actor_learner"] = {
+        "env_steps": args.al_steps,
+        "actors": args.actors,
+        "single_samples_per_s": single["samples_per_s"],
+        "distributed_samples_per_s": distributed["samples_per_s"],
+        "ratio": distributed["samples_per_s"] / single["samples_per_s"],
+        "dropped_stale": distributed["dropped_stale"],
+    }
+    return (
+        f"| actor/learner CartPole, {a['env_steps']} steps (samples/s) | one process: "
+        f"{a['single_samples_per_s']:.0f} | {a['actors']} actors + learner: "
+        f"{a['distributed_samples_per_s']:.0f} | {a['ratio']:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

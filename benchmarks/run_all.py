@@ -125,7 +125,20 @@ BENCHMARKS: dict[str, Benchmark] = {
     "patterns": Benchmark(
         "patterns",
         ("--trials", "8", "--slots", "2", "--steps", "400", "--al-steps", "30000"),
-        ("--trials", "2", "--slots", "2", "--steps", "50", "--al-steps", "2000"),
+        (
+            "--trials",
+            "2",
+            "--slots",
+            "2",
+            "--steps",
+            "50",
+            "--al-steps",
+            "2000",
+            "--search-trials",
+            "3",
+            "--search-steps",
+            "30",
+        ),
         "patterns",
     ),
     # The quick chaos run checks the machinery (a kill, the recovery, the checkpoints, no
@@ -446,7 +459,20 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
             ("sweep", "sweep, slots vs 1 slot"),
             ("actor_learner", "actor/learner vs one process"),
         ):
-            rows.append(("patterns", label, f"{patterns[part]['ratio']:.2f}x", ""))
+            if part in patterns:
+                rows.append(("patterns", label, f"{patterns[part]['ratio']:.2f}x", ""))
+        search = patterns.get("search")
+        if search:
+            for run, label in (("one_slot", "1 slot"), ("two_slots", "2 slots")):
+                got = search[run]
+                rows.append(
+                    (
+                        "patterns",
+                        f"search of ~1 s trials, tensorfleet sweep {label} vs an Optuna loop by hand",
+                        f"{got['ratio_to_hand_loop']:.2f}x (wall {got['wall_to_ideal']:.2f}x ideal)",
+                        "",
+                    )
+                )
     rows += _big_model_headlines(results.get("big_model"))
     chaos = results.get("chaos")
     if chaos:

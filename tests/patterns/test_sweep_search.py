@@ -164,3 +164,35 @@ def test_a_sampler_whose_package_is_missing_is_refused_up_front():
         SweepConfigError, match=r"sampler: cmaes needs the package\(s\) \['cmaes'\].*pip install"
     ):
         SweepConfig(**{**_settings(), "sampler": "cmaes"})
+
+
+def test_results_csv_says_why_an_interrupted_trials_number_has_no_result(tmp_path):
+    import csv
+    import json
+
+    from tensorfleet.patterns.sweep_report import write_results
+
+    # An Optuna sweep killed while trial 2 ran: the resumed study ran its configuration
+    # again as trial 4, and trial 2's files were moved aside.
+    left = tmp_path / "interrupted" / "0002-1"
+    left.mkdir(parents=True)
+    (left / "params.json").write_text(json.dumps({"number": 2, "params": {"x": 0.5}}))
+    records = [
+        TrialRecord(n, {"x": x}, state=COMPLETE, value=x, seconds=1.0)
+        for n, x in ((0, 1.0), (1, 2.0), (3, 3.0), (4, 0.5))
+    ]
+    document = write_results(tmp_path, records, "loss", "minimize")
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["trial"], r["state"]) for r in rows] == [
+        ("0", "complete"),
+        ("1", "complete"),
+        ("2", "interrupted"),
+        ("3", "complete"),
+        ("4", "complete"),
+    ]
+    assert rows[2]["x"] == "0.5" and rows[2]["loss"] == "" and rows[2]["seconds"] == ""
+    assert "ran its configuration again as a new trial" in rows[2]["error"], rows[2]
+    assert "interrupted/0002-1" in rows[2]["error"], rows[2]
+    assert document["counts"] == {"complete": 4, "pruned": 0, "failed": 0}
+    assert document["interrupted"][0]["trial"] == 2 and document["best"]["trial"] == 4

@@ -124,7 +124,9 @@ def test_torch_device(text, device):
     ("text", "fragment"),
     [
         ("/job:worker/foo:1", "unknown part 'foo:1'"),
-        ("/tpu:0", "unknown part 'tpu:0'"),
+        ("/tpu:0", "unknown device type 'tpu'"),
+        ("/TPU:1", "unknown device type 'TPU'; use 'CPU' or 'GPU'"),
+        ("/job:worker/mps", "unknown device type 'mps'"),
         ("/device:tpu:0", "unknown device type 'tpu'"),
         ("/device", "unknown part 'device'"),
         ("/device:gpu:0:1", "unknown part 'device:gpu:0:1'"),
@@ -282,3 +284,13 @@ def test_device_only_and_names_task():
     spec = DeviceSpec.parse("/job:worker/replica:0/task:1/device:GPU:0")
     assert spec.names_task and not spec.device_only().names_task
     assert spec.device_only().to_string() == "/device:GPU:0"
+
+
+def test_a_device_type_it_does_not_place_on_gets_one_message_in_both_forms():
+    messages = []
+    for text in ("/tpu:1", "/device:tpu:1"):
+        with pytest.raises(ClusterConfigError) as info:
+            DeviceSpec.parse(text)
+        messages.append(str(info.value).replace(repr(text), "STRING"))
+    assert messages[0] == messages[1], messages
+    assert "unknown device type 'tpu'; use 'CPU' or 'GPU'" in messages[0]

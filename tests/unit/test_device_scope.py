@@ -78,7 +78,7 @@ def test_place_moves_and_tags_a_built_module():
         place(model[2], "/cpu:0")
     assert requested_device(model[2]).to_string() == "/job:worker/device:CPU:0"
     assert requested_device(model[0]) is None
-    with pytest.raises(ClusterConfigError, match="unknown part 'tpu:0'"):
+    with pytest.raises(ClusterConfigError, match="unknown device type 'tpu'"):
         place(model, "/tpu:0")
 
 
@@ -116,3 +116,16 @@ def test_gpu_scope_builds_on_the_gpu():  # pragma: no cover - GPU machines only
         layer = nn.Linear(2, 2)
     assert layer.weight.device.type == "cuda"
     assert placement_rows(nn.Sequential(layer))[-1].device == "/device:GPU:0"
+
+
+def test_a_module_built_under_another_cpu_index_shows_what_it_asked_for():
+    with device("/device:CPU:1"):
+        layer = nn.Linear(2, 2)
+    rows = placement_rows(nn.Sequential(layer))
+    assert rows[-1].device == "/device:CPU:0" and rows[-1].asked == "/device:CPU:1", rows
+    report = placement_report(nn.Sequential(layer))
+    assert "/device:CPU:1" in report and "runs on /device:CPU:0" in report, report
+    with device("/device:CPU:0"):
+        plain = nn.Linear(2, 2)
+    assert placement_rows(nn.Sequential(plain))[-1].asked == ""
+    assert "runs on /device:CPU:0" not in placement_report(nn.Sequential(plain))

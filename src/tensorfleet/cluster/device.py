@@ -34,6 +34,11 @@ from tensorfleet.errors import ClusterConfigError
 
 #: Accepted spellings of device types (compared lowercased) and the canonical type each names.
 DEVICE_TYPES = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU"}
+#: Device types of TensorFlow and torch that tensorfleet does not place on: ``/tpu:1`` is
+#: refused as an unknown device type, as ``/device:TPU:1`` is, not as an unknown part.
+OTHER_DEVICE_TYPES = frozenset(
+    {"tpu", "xpu", "mps", "ipu", "hpu", "npu", "mlu", "mtia", "xla", "xla_cpu", "xla_gpu", "meta"}
+)
 
 _DIGITS_RE = re.compile(r"[0-9]+")
 _FORMS = (
@@ -105,7 +110,7 @@ class DeviceSpec:
                 fields: dict[str, object] = {key: _field_value(key, pieces[1], text)}
                 name = key
             elif (key == "device" and len(pieces) in (2, 3)) or (
-                key.lower() in DEVICE_TYPES and len(pieces) in (1, 2)
+                key.lower() in DEVICE_TYPES.keys() | OTHER_DEVICE_TYPES and len(pieces) in (1, 2)
             ):
                 name = "device"
                 if key == "device":

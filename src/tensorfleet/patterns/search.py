@@ -106,7 +106,7 @@ class OptunaSearch:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
         self._config = config
-        storage = optuna.storages.RDBStorage(f"sqlite:///{directory / 'study.db'}")
+        storage = study_storage(optuna, directory / "study.db")
         try:
             held = len(
                 storage.get_all_trials(storage.get_study_id_from_name(config.name), deepcopy=False)
@@ -164,6 +164,10 @@ class OptunaSearch:
         return PlannedTrial(trial.number, params, trial)
 
     def report(self, trial: PlannedTrial, step: int, value: float) -> bool:
+        if self._config.pruner == "none":
+            # Nothing judges it: not stored in the study (it is in the trial's metrics.jsonl),
+            # which saves two storage round trips per reported value.
+            return False
         trial.handle.report(value, step)
         return bool(trial.handle.should_prune())
 
@@ -175,6 +179,28 @@ class OptunaSearch:
             self._study.tell(trial.handle, state=states.PRUNED)
         else:
             self._study.tell(trial.handle, state=states.FAIL)
+
+
+def study_storage(optuna: Any, path: Path) -> Any:
+    """Optuna's SQLite storage at ``path``, in write-ahead-log mode with ``synchronous=NORMAL``.
+
+    Why: the study commits a dozen times per trial (ask, parameters, intermediate values,
+    tell), and SQLite's default (a rollback journal synced at every commit) took about 7 ms a
+    commit on this project's loaded 2-core machine: about 0.1 s per trial, a third of a short
+    trial's time. In WAL mode with NORMAL a commit is an append to the log, synced at
+    checkpoints: a killed sweep (SIGKILL, the case resuming is for) loses nothing committed;
+    only a power loss or an OS crash may lose the last commits, which a resume then treats
+    as trials that did not finish (they run again).
+    """
+    import sqlite3
+
+    def connect() -> sqlite3.Connection:
+        connection = sqlite3.connect(str(path), check_same_thread=False)
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute("PRAGMA synchronous=NORMAL")
+        return connection
+
+    return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"creator": connect})
 
 
 def resumed_sampler_seed(seed: int, trials_held: int) -> int:

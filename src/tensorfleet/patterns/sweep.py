@@ -1,20 +1,25 @@
 """Hyperparameter sweeps: many trials, as many at once as there are slots.
 
 :func:`run_sweep` (and ``tensorfleet sweep CONFIG``) runs each trial in its own process
-group: a Python entry point through :mod:`tensorfleet.patterns.trial_main`, or a command; with
-``workers_per_trial > 1`` the trial is a whole local cluster started by ``tensorfleet launch``
-(a slot is then that group of workers). Trials report metrics through files in their
+group: a Python entry point in a process forked from its slot's preloaded executor (which
+imported torch, tensorfleet and the entry's module once: :mod:`tensorfleet.patterns.warm_executor`
+says why and how), or a command in a fresh process; with ``workers_per_trial > 1`` the trial
+is a whole local cluster started by ``tensorfleet launch`` (a slot is then that group of
+workers). Trials report metrics through files in their
 directory (:mod:`tensorfleet.patterns.trial`), which the sweep reads as they come: they drive
 the live progress, the Optuna pruner and the results.
 
 The sweep directory holds everything, so that a killed sweep resumes where it stopped::
 
     DIR/sweep.json            the configuration (a resume with another one is refused)
-    DIR/lock                  held while a sweep runs here (a second one is refused)
+    DIR/lock                  exists while a sweep runs here (a second one is refused)
     DIR/study.db              the Optuna study (search: optuna)
     DIR/trials/0003/          params.json, metrics.jsonl, output.log, result.json, error.json
     DIR/interrupted/0003-1/   what a trial interrupted by a killed sweep had left
     DIR/results.csv, results.json, metric_vs_params.png
+
+``DIR/lock`` is removed when the sweep ends; a sweep killed with SIGKILL leaves it, which is
+harmless: the lock is the ``flock`` on it, which dies with the process, not the file.
 
 A trial's ``result.json`` is written (atomically) when it ends; a trial without one was
 interrupted and is run again; a trial with one is never run again. A trial that raises, exits
@@ -23,7 +28,8 @@ pruned when the sweep stopped it as pruned, or when an entry-point trial raised
 ``TrialPruned`` (:data:`~tensorfleet.patterns.trial_main.PRUNED_EXIT`; a command exiting with
 that status on its own is failed). Trial processes die with the sweep (``PR_SET_PDEATHSIG``),
 so a killed sweep leaves nothing running. An entry point is looked up once before the first
-trial (:func:`~tensorfleet.patterns.trial_main.check_entry`).
+trial (by slot 0's executor, or :func:`~tensorfleet.patterns.trial_main.check_entry` when the
+trials run in fresh processes).
 
 Why processes and the launcher, not threads: a trial is a training run that may crash, hang,
 leak or need its own cluster; a process group is the unit that can be stopped for sure.
@@ -31,18 +37,16 @@ leak or need its own cluster; a process group is the unit that can be stopped fo
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
+import select
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from tensorfleet.errors import TensorfleetError
 from tensorfleet.patterns.search import (
@@ -61,12 +65,14 @@ from tensorfleet.patterns.sweep_report import (
     TrialRecord,
     choose_progress,
     plot_results,
+    prepare_plot,
     why_no_plot,
     write_results,
 )
 from tensorfleet.patterns.trial import (
     ERROR_FILE,
     METRICS_FILE,
+    OUTPUT_FILE,
     PARAMS_FILE,
     STOP_FILE,
     TRIAL_DIR_VAR,
@@ -74,15 +80,23 @@ from tensorfleet.patterns.trial import (
     TRIAL_SLOT_VAR,
     MetricsReader,
 )
-from tensorfleet.patterns.trial_main import PRUNED_EXIT, check_entry
+from tensorfleet.patterns.trial_main import (
+    ENTRY_CHECK_TIMEOUT_S,
+    PRUNED_EXIT,
+    check_entry,
+    entry_check_verdict,
+)
+from tensorfleet.patterns.warm_executor import (
+    TrialProcess,
+    WarmExecutor,
+    start_process_trial,
+)
 
 RESULT_FILE = "result.json"
-OUTPUT_FILE = "output.log"
 #: How often the sweep looks at its trials (process exits, new metric lines).
 POLL_S = 0.05
 #: After SIGTERM (pruned, timed out, sweep interrupted), SIGKILL follows after this long.
 KILL_AFTER_S = 5.0
-_PR_SET_PDEATHSIG = 1
 
 
 class SweepBusy(TensorfleetError, RuntimeError):
@@ -95,8 +109,7 @@ class _Running:
 
     planned: PlannedTrial
     record: TrialRecord
-    process: subprocess.Popen[bytes]
-    log: IO[bytes]
+    process: TrialProcess
     reader: MetricsReader
     directory: Path
     stopping: str | None = None
@@ -146,6 +159,10 @@ class Sweep:
         self._records: dict[int, TrialRecord] = {}
         self._running: dict[int, _Running] = {}  # by slot
         self._started_now: list[int] = []
+        self._executors: dict[int, WarmExecutor] = {}  # by slot
+        self._warm = (
+            config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
+        )
 
     # --- the directory -----------------------------------------------------------------
 
@@ -200,26 +217,19 @@ class Sweep:
     # --- running ------------------------------------------------------------------------
 
     def run(self) -> SweepResult:
-        entry_note = None
-        if self.config.entry is not None:  # a missing entry is refused before anything starts
-            entry_note = check_entry(self.config.entry, self._env(), self.config.pythonpath)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        lock = open(self.directory / "lock", "w")  # noqa: SIM115 (held for the whole run)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            raise SweepBusy(
-                f"another sweep is running in {self.directory} (it holds {self.directory / 'lock'}); "
-                "wait for it, or use another directory"
-            ) from None
+            notes = self._check_entry()  # a missing entry is refused before anything starts
+            lock = self._lock()
+        except BaseException:
+            self._close_executors()
+            raise
         try:
             self._prepare()
             self._records = self._finished_trials()
             search = self._search()
             with self.progress:
-                if entry_note:
-                    self.progress.message(entry_note)
+                for note in notes:
+                    self.progress.message(note)
                 if self.config.search == "grid":
                     self.progress.message(grid_summary(self.config.parameters))
                 resumed = len(self._records)
@@ -231,7 +241,70 @@ class Sweep:
             return self._results()
         finally:
             self._stop_all("the sweep ended")
+            self._close_executors()
+            (self.directory / "lock").unlink(missing_ok=True)  # still ours: we hold the flock
             lock.close()
+
+    def _lock(self) -> Any:
+        """Take ``DIR/lock`` (an exclusive ``flock``), or raise :class:`SweepBusy`."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / "lock"
+        while True:
+            lock = open(path, "w")  # noqa: SIM115 (held for the whole run)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                raise SweepBusy(
+                    f"another sweep is running in {self.directory} (it holds {path}); wait for "
+                    "it, or use another directory"
+                ) from None
+            try:
+                if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                    return lock
+            except FileNotFoundError:
+                pass
+            lock.close()  # the sweep before us removed the file as we opened it: again
+
+    def _check_entry(self) -> list[str]:
+        """Check the entry before anything starts (raises when its module or function is
+        missing); start the slots' executors. Returns notes for the progress."""
+        if self.config.entry is None:
+            return []
+        if not self._warm:
+            note = check_entry(self.config.entry, self._env(), self.config.pythonpath)
+            return [note] if note else []
+        for slot in range(self.config.slots):
+            self._executors[slot] = self._new_executor(slot)
+        first = self._executors[0]
+        ready = first.wait_ready(time.monotonic() + ENTRY_CHECK_TIMEOUT_S)
+        if ready is None:
+            if first.dead:
+                death = first.describe_death()
+                self._close_executors()
+                self._warm = False
+                note = check_entry(self.config.entry, self._env(), self.config.pythonpath)
+                return [f"{death}; the trials run in fresh processes", *([note] if note else [])]
+            return [
+                f"entry {self.config.entry!r} not checked: importing it took more than "
+                f"{ENTRY_CHECK_TIMEOUT_S:g} s; the trials start anyway and show any error"
+            ]
+        note = entry_check_verdict(self.config.entry, ready.get("problem"), self.config.pythonpath)
+        notes = [note] if note else []
+        if not ready.get("forkable"):
+            notes.append(f"trials run in fresh processes: {ready.get('why')}")
+            self._close_executors()
+            self._warm = False
+        return notes
+
+    def _new_executor(self, slot: int) -> WarmExecutor:
+        assert self.config.entry is not None
+        return WarmExecutor(self.config.entry, self.config.metric, self._env(), slot)
+
+    def _close_executors(self) -> None:
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
 
     def _search(self) -> Search:
         if self.config.search == "optuna":
@@ -246,7 +319,7 @@ class Sweep:
         return IndexedSearch(self.config, self._records)
 
     def _loop(self, search: Search) -> None:
-        exhausted = False
+        exhausted = plot_ready = False
         while True:
             for slot in range(self.config.slots):
                 if exhausted or slot in self._running:
@@ -258,10 +331,29 @@ class Sweep:
                 self._running[slot] = self._start(planned, slot)
             if exhausted and not self._running:
                 return
+            ended = False
             for slot, trial in list(self._running.items()):
                 if self._poll(trial, search):
                     del self._running[slot]
-            time.sleep(POLL_S)
+                    ended = True
+            last_started = len(self._records) >= self.config.total_trials
+            if (exhausted or last_started) and not plot_ready:
+                # The last trials run in their own processes: import the plotting library
+                # meanwhile rather than after them.
+                prepare_plot()
+                plot_ready = True
+            if not ended:  # a slot just freed starts its next trial at once
+                self._wait(POLL_S)
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when an executor has news (a trial ended)."""
+        channels = [e.fileno() for e in self._executors.values() if not e.dead]
+        if channels:
+            select.select(channels, [], [], seconds)
+            for executor in self._executors.values():
+                executor.pump()  # an idle one that died is marked so (else select spins)
+        else:
+            time.sleep(seconds)
 
     def _start(self, planned: PlannedTrial, slot: int) -> _Running:
         trial_dir = self.directory / "trials" / f"{planned.number:04d}"
@@ -272,34 +364,50 @@ class Sweep:
             trial_dir / PARAMS_FILE,
             json.dumps({"number": planned.number, "params": planned.params}),
         )
-        env = self._env()
-        env[TRIAL_DIR_VAR] = str(trial_dir.resolve())
-        env[TRIAL_PARAMS_VAR] = json.dumps(planned.params)
-        env[TRIAL_SLOT_VAR] = str(slot)
-        argv = self._argv(planned.params)
-        log = open(trial_dir / OUTPUT_FILE, "wb")  # noqa: SIM115 (closed when the trial ends)
-        launcher = self.config.workers_per_trial > 1
-        try:
-            process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                # The launcher gets SIGTERM (it stops its tasks); a plain trial SIGKILL.
-                preexec_fn=_die_with_parent(signal.SIGTERM if launcher else signal.SIGKILL),
-            )
-        except OSError as exc:
-            log.close()
-            raise SweepConfigError(f"cannot start the trial program {argv[0]!r}: {exc}") from exc
+        process = self._start_warm(planned, slot, trial_dir) if self._warm else None
+        if process is None:
+            process = self._start_fresh(planned, slot, trial_dir)
         record = TrialRecord(planned.number, planned.params, slot=slot)
         self._records[planned.number] = record
         self._started_now.append(planned.number)
         self.progress.started(record)
         return _Running(
-            planned, record, process, log, MetricsReader(trial_dir / METRICS_FILE), trial_dir
+            planned, record, process, MetricsReader(trial_dir / METRICS_FILE), trial_dir
         )
+
+    def _start_warm(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess | None:
+        """Hand the trial to the slot's executor (a new one when it died)."""
+        for _ in range(2):
+            executor = self._executors.get(slot)
+            if executor is None or executor.dead:
+                if executor is not None:
+                    self.progress.message(
+                        f"slot {slot}: {executor.describe_death()}; starting a new executor"
+                    )
+                    executor.close()
+                executor = self._executors[slot] = self._new_executor(slot)
+            process = executor.run(planned.number, trial_dir, planned.params)
+            if process is not None:
+                return process
+        return None
+
+    def _start_fresh(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess:
+        env = self._env()
+        env[TRIAL_DIR_VAR] = str(trial_dir.resolve())
+        env[TRIAL_PARAMS_VAR] = json.dumps(planned.params)
+        env[TRIAL_SLOT_VAR] = str(slot)
+        argv = self._argv(planned.params)
+        # The launcher gets SIGTERM (it stops its tasks); a plain trial SIGKILL.
+        launcher = self.config.workers_per_trial > 1
+        try:
+            return start_process_trial(
+                argv,
+                env,
+                trial_dir / OUTPUT_FILE,
+                signal.SIGTERM if launcher else signal.SIGKILL,
+            )
+        except OSError as exc:
+            raise SweepConfigError(f"cannot start the trial program {argv[0]!r}: {exc}") from exc
 
     def _env(self) -> dict[str, str]:
         """The environment every trial gets (and the entry check): the sweep's, the config's
@@ -363,17 +471,27 @@ class Sweep:
             and not trial.killed
             and time.monotonic() - trial.stop_sent_at > KILL_AFTER_S
         ):
-            _signal_group(trial.process, signal.SIGKILL)
+            trial.process.signal(signal.SIGKILL)
             trial.killed = True
         returncode = trial.process.poll()
         if returncode is None:
             return False
-        trial.log.close()
+        declined = trial.process.declined()
+        if declined is not None:  # the executor cannot fork safely: fresh processes from now
+            self.progress.message(f"trials run in fresh processes from now: {declined}")
+            self._warm = False  # the other slots' executors finish their trials first
+            slot = record.slot or 0
+            executor = self._executors.pop(slot, None)
+            if executor is not None:
+                executor.close()
+            trial.process = self._start_fresh(trial.planned, slot, trial.directory)
+            return False
+        trial.process.close()
         for point in trial.reader.read_new():  # lines written just before the end
             if self.config.metric in point.metrics:
                 record.value = point.metrics[self.config.metric]
                 record.step = point.step if point.step is not None else record.step
-        _signal_group(trial.process, signal.SIGKILL)  # anything the trial left in its group
+        trial.process.signal(signal.SIGKILL)  # anything the trial left in its group
         record.seconds = time.monotonic() - record.started
         record.state, record.error = self._outcome(trial, returncode)
         if trial.reader.malformed:
@@ -389,6 +507,9 @@ class Sweep:
             return PRUNED, None
         if trial.stopping:
             return FAILED, trial.stopping
+        lost = trial.process.lost()
+        if lost:
+            return FAILED, lost
         if returncode == PRUNED_EXIT and self.config.entry is not None:
             # trial_main exits with it only when the entry point raised TrialPruned; from a
             # command, status 3 is the program's own failure like any other.
@@ -416,21 +537,18 @@ class Sweep:
         trial.stopping = why
         trial.stop_sent_at = time.monotonic()
         (trial.directory / STOP_FILE).touch()
-        _signal_group(trial.process, signal.SIGTERM)
+        trial.process.signal(signal.SIGTERM)
 
     def _stop_all(self, why: str) -> None:
         """Stop every trial still running (an exception or Ctrl-C in the sweep)."""
         for trial in self._running.values():
-            _signal_group(trial.process, signal.SIGTERM)
-        deadline = time.monotonic() + KILL_AFTER_S
+            trial.process.signal(signal.SIGTERM)
         for trial in self._running.values():
-            try:
-                trial.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(trial.process, signal.SIGKILL)
-                trial.process.wait(timeout=KILL_AFTER_S)
-            _signal_group(trial.process, signal.SIGKILL)
-            trial.log.close()
+            if not _ended_by(trial.process, time.monotonic() + KILL_AFTER_S):
+                trial.process.signal(signal.SIGKILL)
+                _ended_by(trial.process, time.monotonic() + KILL_AFTER_S)
+            trial.process.signal(signal.SIGKILL)
+            trial.process.close()
         self._running.clear()
 
     def _results(self) -> SweepResult:
@@ -471,21 +589,13 @@ class Sweep:
         )
 
 
-def _die_with_parent(sig: int) -> Callable[[], None]:
-    """A ``preexec_fn`` asking Linux to send ``sig`` to the child when the sweep dies."""
-
-    def set_parent_death_signal() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-    return set_parent_death_signal
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _ended_by(process: TrialProcess, deadline: float) -> bool:
+    """Wait (polling) until ``process`` ended or ``deadline``; whether it ended."""
+    while process.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 def _tail(path: Path, lines: int = 3) -> str:

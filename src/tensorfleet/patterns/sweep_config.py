@@ -33,6 +33,7 @@ SEARCHES = ("grid", "random", "optuna", "list")
 DIRECTIONS = ("minimize", "maximize")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc", "gp")
 PRUNERS = ("none", "median", "successive_halving", "hyperband")
+EXECUTORS = ("warm", "fresh")
 #: Packages a sampler needs beyond Optuna.
 _SAMPLER_NEEDS = {"cmaes": ("cmaes",), "qmc": ("scipy",), "gp": ("scipy", "torch")}
 #: The Optuna class of each pruner; ``pruner_options`` are its keyword arguments.
@@ -84,6 +85,13 @@ class SweepConfig:
     is added when the config comes from a file)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables set for every trial (on top of the sweep's own)."""
+    executor: str = "warm"
+    """Where an ``entry`` trial of one worker runs: ``warm`` (default), a process forked from
+    its slot's executor, which imported torch, tensorfleet and the entry's module once
+    (:mod:`tensorfleet.patterns.warm_executor`); ``fresh``, a new interpreter per trial (for an
+    entry whose module must be imported anew by every trial). Commands and trials of several
+    workers always run in fresh processes. Not part of the stored configuration: a sweep may
+    be resumed with the other one."""
     parameters: dict[str, Parameter] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -132,6 +140,7 @@ class SweepConfig:
         _one_of("search", self.search, SEARCHES)
         _one_of("sampler", self.sampler, SAMPLERS)
         _one_of("pruner", self.pruner, PRUNERS)
+        _one_of("executor", self.executor, EXECUTORS)
         for label, value, low in (
             ("slots", self.slots, 1),
             ("workers_per_trial", self.workers_per_trial, 1),

@@ -177,21 +177,41 @@ def write_results(
 ) -> dict[str, Any]:
     """Write ``results.csv`` and ``results.json`` in ``directory``; return the JSON document."""
     records = sorted(records, key=lambda r: r.number)
+    interrupted = interrupted_trials(directory, {r.number for r in records})
     names = sorted({k for r in records for k in r.params})
+    rows = [
+        (
+            r.number,
+            [
+                r.number,
+                r.state,
+                "" if r.value is None else repr(r.value),
+                *[r.params.get(n, "") for n in names],
+                f"{r.seconds:.2f}",
+                r.error or "",
+            ],
+        )
+        for r in records
+    ]
+    rows += [
+        (
+            t["trial"],
+            [
+                t["trial"],
+                INTERRUPTED,
+                "",
+                *[t["params"].get(n, "") for n in names],
+                "",
+                t["why"],
+            ],
+        )
+        for t in interrupted
+    ]
     with open(directory / "results.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["trial", "state", metric, *names, "seconds", "error"])
-        for r in records:
-            writer.writerow(
-                [
-                    r.number,
-                    r.state,
-                    "" if r.value is None else repr(r.value),
-                    *[r.params.get(n, "") for n in names],
-                    f"{r.seconds:.2f}",
-                    r.error or "",
-                ]
-            )
+        for _, row in sorted(rows, key=lambda row: row[0]):
+            writer.writerow(row)
     best = best_trial(records, direction)
     document = {
         "metric": metric,
@@ -201,6 +221,7 @@ def write_results(
         else {"trial": best.number, "value": best.value, "params": best.params},
         "counts": {s: sum(r.state == s for r in records) for s in ("complete", "pruned", "failed")},
         "trials": [r.as_dict() for r in records],
+        "interrupted": interrupted,
     }
     (directory / "results.json").write_text(json.dumps(document, indent=2) + "\n")
     return document
@@ -220,6 +241,53 @@ def why_no_plot(records: list[TrialRecord], metric: str) -> str:
     if not _plotted(records):
         return f"no trial reported a value of {metric!r}"
     return "no parameters to plot against"
+
+
+#: The state of a results.csv row for a trial a killed sweep interrupted and that was not run
+#: again under its number (an Optuna study runs its configuration again as a new trial).
+INTERRUPTED = "interrupted"
+
+
+def interrupted_trials(directory: Path, recorded: set[int]) -> list[dict[str, Any]]:
+    """Trials whose numbers have no result because a killed sweep interrupted them and their
+    configuration ran again under another number (Optuna: the study marks the interrupted
+    trial failed and enqueues its parameters as a new trial). Grid, random and list searches
+    run an interrupted trial again under its own number, so it never shows here."""
+    found: dict[int, dict[str, Any]] = {}
+    aside = directory / "interrupted"
+    if not aside.is_dir():
+        return []
+    for left in sorted(aside.iterdir()):
+        number_text, _, _ = left.name.partition("-")
+        if not number_text.isdigit() or int(number_text) in recorded:
+            continue
+        number = int(number_text)
+        try:
+            params = json.loads((left / "params.json").read_text())["params"]
+        except (OSError, ValueError, KeyError, TypeError):
+            params = {}
+        found[number] = {
+            "trial": number,
+            "params": params,
+            "left": f"interrupted/{left.name}",
+            "why": (
+                "interrupted when the sweep was killed; the study counts it as failed and ran "
+                f"its configuration again as a new trial (what it left: interrupted/{left.name})"
+            ),
+        }
+    return [found[n] for n in sorted(found)]
+
+
+def prepare_plot() -> None:
+    """Import matplotlib (about 1-2 s) ahead of :func:`plot_results`, e.g. while the last
+    trials run; nothing when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
 
 
 def plot_results(

@@ -37,6 +37,8 @@ TRIAL_PARAMS_VAR = "TENSORFLEET_TRIAL_PARAMS"
 TRIAL_SLOT_VAR = "TENSORFLEET_TRIAL_SLOT"
 PARAMS_FILE = "params.json"
 METRICS_FILE = "metrics.jsonl"
+#: What the trial process printed (stdout and stderr).
+OUTPUT_FILE = "output.log"
 STOP_FILE = "stop"
 #: Written by the entry-point runner when the objective raised: the error, for the table.
 ERROR_FILE = "error.json"

@@ -126,7 +126,17 @@ def check_entry(entry: str, env: Mapping[str, str], pythonpath: list[str]) -> st
             f"entry {entry!r} not checked: the check process exited with status "
             f"{done.returncode} ({tail}); the trials start anyway and show any error"
         )
-    problem = json.loads(marks[-1][len(CHECK_MARK) :])
+    return entry_check_verdict(entry, json.loads(marks[-1][len(CHECK_MARK) :]), pythonpath)
+
+
+def entry_check_verdict(
+    entry: str, problem: Mapping[str, str] | None, pythonpath: list[str]
+) -> str | None:
+    """What :func:`find_entry_problem`'s ``problem`` means for the sweep: raise
+    :class:`SweepConfigError` when the module or function is missing, a note when the check
+    could not decide, None when the entry is there. Shared by :func:`check_entry` and the
+    preloaded executors (:mod:`tensorfleet.patterns.warm_executor`), which import the entry
+    themselves."""
     if problem is None:
         return None
     if problem["missing"] == "module":
@@ -162,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     trial = current_trial()
     try:
         function = load_entry_point(entry)
+    except BaseException as exc:  # recorded for the sweep's table, then the process fails
+        return record_error(trial, exc)
+    return run_entry(function, trial, metric)
+
+
+def run_entry(function: Callable[[Trial], Any], trial: Trial, metric: str) -> int:
+    """Call the entry point with ``trial``, report what it returns; the exit status of the
+    trial: 0, :data:`PRUNED_EXIT`, or 1 after writing the exception to ``error.json``."""
+    try:
         result = function(trial)
         if not is_chief_process():
             pass  # in a trial of several workers, the chief's result is the trial's
@@ -172,15 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     except TrialPruned:
         return PRUNED_EXIT
     except BaseException as exc:  # recorded for the sweep's table, then the process fails
-        record = {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-        }
-        (trial.directory / ERROR_FILE).write_text(json.dumps(record))
-        traceback.print_exc()
-        return 1
+        return record_error(trial, exc)
     return 0
+
+
+def record_error(trial: Trial, exc: BaseException) -> int:
+    """Write ``exc`` (type, message, traceback) to the trial's ``error.json`` for the sweep's
+    table, print the traceback to the trial's output; the exit status 1."""
+    record = {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    (trial.directory / ERROR_FILE).write_text(json.dumps(record))
+    traceback.print_exception(exc)
+    return 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ module computes.
 - ``module``: each module that holds parameters directly (the leaves that compute), the task
   it computes on and its device: the device of its parameters (what torch will really use),
   and, when a ``tfl.device`` scope or ``tfl.place`` asked for something else (soft
-  placement), the asked spec too.
+  placement; or ``/device:CPU:1``, which runs on the process's one CPU device, with a note
+  under the table saying so), the asked spec too.
 
 For a pipeline, ``stage_tasks`` maps each module name prefix (``"0"``, ``"stage1.3"``) to the
 task running it, so the report of one pipeline lists every stage's task.
@@ -157,9 +158,18 @@ def placement_report(
         cells = [row.kind, row.name, row.detail, row.stored_on, row.task, row.device]
         text = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
         lines.append(("  " + text + ("  " + row.asked if row.asked else "")).rstrip())
+    if any(_asks_other_cpu(r.asked) for r in rows):
+        lines.append(CPU_INDEX_NOTE)
     if plan is not None:
         lines.extend(table_sections(model))
     return "\n".join(lines)
+
+
+def _asks_other_cpu(asked: str) -> bool:
+    if not asked:
+        return False
+    spec = DeviceSpec.parse(asked)
+    return spec.device_type == "CPU" and spec.device_index not in (None, 0)
 
 
 def table_sections(model: nn.Module) -> list[str]:
@@ -214,5 +224,21 @@ def _spec_of(device: object) -> str:
 
 
 def _differs(asked: DeviceSpec, actual: str) -> bool:
-    """Whether soft placement moved the module: a GPU asked for, the CPU used."""
-    return asked.device_type is not None and asked.device_type != actual.split(":")[1]
+    """Whether the module computes elsewhere than asked: soft placement (a GPU asked for,
+    the CPU used), or a CPU index other than 0 (torch has one CPU device per process)."""
+    if asked.device_type is None:
+        return False
+    parts = actual.split(",")[0].split(":")
+    if len(parts) != 3:
+        return False
+    _, kind, index = parts
+    if asked.device_type != kind:
+        return True
+    return asked.device_index is not None and str(asked.device_index) != index
+
+
+#: Under the table when a module asked for ``/device:CPU:N`` with N > 0.
+CPU_INDEX_NOTE = (
+    "  (asked /device:CPU:N with N > 0: it runs on /device:CPU:0, the process's one CPU "
+    "device in torch; the index only names it)"
+)
