@@ -34,6 +34,7 @@ RUNNABLE = {
     "cnn_training.py",
     "compute_rates.py",
     "ddp_baseline.py",
+    "delta_checkpoints.py",
     "devices.py",
     "gpu.py",
     "modes.py",

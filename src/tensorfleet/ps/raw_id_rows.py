@@ -48,6 +48,9 @@ each), forgotten by expiry like rows.
 them (``ids`` ascending, ``values``, ``slot/<name>``) plus ``keys``, ``count`` and
 ``last_seen`` (every known id, ascending) and the counters in the metadata; :meth:`decode`
 rebuilds exactly that state (the storage order is the ids' order, which nothing reads).
+Each id of the map is also marked with the store's ``save_clock`` when it changes, so that
+a delta checkpoint holds only the ids changed since an earlier one
+(:mod:`tensorfleet.ps.table_deltas`).
 """
 
 from __future__ import annotations
@@ -259,10 +262,27 @@ class RawIdRowStore:
         self.note_saved()
         return document
 
-    def changed_keys(self, since: int) -> torch.Tensor:
-        """Whether each id of the map (ascending) changed after the document of clock
-        ``since`` (looked up, updated, counted, admitted): what a delta holds."""
-        return self._marks > since
+    def changed_state(self, since: int) -> dict[str, torch.Tensor]:
+        """What a delta since the document of clock ``since`` holds: the map entries
+        changed after it (looked up, updated, counted, admitted; ``keys``, ``count``,
+        ``last_seen``, ascending), the rows of those that have one (``ids``, ``values``,
+        ``slot/<name>``), and ``live_keys``, every id in the map now."""
+        changed = self._marks > since
+        keys = self._keys[changed]
+        positions = self._pos[changed]
+        has_row = positions >= 0
+        rows = positions[has_row]
+        state = {
+            "keys": keys,
+            "count": self._count[changed],
+            "last_seen": self._seen[changed],
+            "live_keys": self._keys.clone(),
+            "ids": keys[has_row],
+            "values": self._values.index_select(0, rows),
+        }
+        for name, slot in self._slots.items():
+            state[f"slot/{name}"] = slot.index_select(0, rows)
+        return state
 
     def metadata(self) -> dict:
         """The metadata of this store's documents: format, table, partition, shard, rule,

@@ -26,7 +26,10 @@ A checkpoint of the store is one safetensors document (:meth:`RowStore.encode`):
 ``ids`` (the created rows' global ids, ascending), ``values`` and ``slot/<name>`` (the rows in
 that order), and the metadata ``tensorfleet_table`` (JSON: format, table spec, partition,
 shard, update rule, step count). :meth:`RowStore.decode` checks all of it before building a
-store: shapes, dtypes, ids unique, on this shard and in range.
+store: shapes, dtypes, ids unique, on this shard and in range. The metadata's ``tag``
+(``[incarnation, save_clock]``) and each row's mark (:meth:`RowStore.changed_state`) let a
+checkpoint hold only the rows changed since an earlier one
+(:mod:`tensorfleet.ps.table_deltas`).
 """
 
 from __future__ import annotations
@@ -103,12 +106,19 @@ class RowStore:
         order = torch.argsort(self._ids[: self.size])
         return self._ids[: self.size][order], self._values[: self.size][order]
 
-    @property
-    def touched_at(self) -> torch.Tensor:
-        """Per storage position, the :attr:`save_clock` when the row last changed (created,
-        updated or filled): what a delta checkpoint (:mod:`tensorfleet.ps.table_deltas`)
-        selects rows by."""
-        return self._touched_at
+    def changed_state(self, since: int) -> dict[str, torch.Tensor]:
+        """What a delta since the document of clock ``since`` holds
+        (:mod:`tensorfleet.ps.table_deltas`): the rows created, updated or filled after it
+        (each row is marked with the :attr:`save_clock` of its last change), as
+        :meth:`encode` holds rows: ``ids`` ascending, ``values``, ``slot/<name>``."""
+        positions = torch.nonzero(self._touched_at[: self.size] > since).flatten()
+        ids = self._ids.index_select(0, positions)
+        order = torch.argsort(ids)
+        positions = positions[order]
+        state = {"ids": ids[order], "values": self._values.index_select(0, positions)}
+        for name, slot in self._slots.items():
+            state[f"slot/{name}"] = slot.index_select(0, positions)
+        return state
 
     @property
     def nbytes(self) -> int:

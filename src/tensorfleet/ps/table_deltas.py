@@ -108,26 +108,7 @@ def table_document(store: RowStore | RawIdRowStore, since: list[int] | None) -> 
 def encode_delta(store: RowStore | RawIdRowStore, since: int) -> bytes:
     """What changed in ``store`` after its document tagged ``since`` (module docstring)."""
     metadata = store.metadata()
-    if isinstance(store, RawIdRowStore):
-        state = store.state()  # ids in the map's order: keys ascending
-        changed = store.changed_keys(since)
-        keys = state["keys"][changed]
-        tensors = {name: state[name][changed].contiguous() for name in _MAP}
-        tensors["live_keys"] = state["keys"].contiguous()
-        rows = torch.isin(state["ids"], keys)
-        row_names = ["ids", "values", *(n for n in state if n.startswith("slot/"))]
-        tensors.update({name: state[name][rows].contiguous() for name in row_names})
-    else:
-        positions = torch.nonzero(store.touched_at[: store.size] > since).flatten()
-        ids = store._ids.index_select(0, positions)
-        order = torch.argsort(ids)
-        positions = positions[order]
-        tensors = {
-            "ids": ids[order].contiguous(),
-            "values": store._values.index_select(0, positions),
-        }
-        for name, slot in store._slots.items():
-            tensors[f"slot/{name}"] = slot.index_select(0, positions)
+    tensors = {name: t.contiguous() for name, t in store.changed_state(since).items()}
     store.note_saved()
     metadata["since"] = [metadata["tag"][0], since]
     return safetensors_save(tensors, {DELTA_KEY: json.dumps(metadata)})
@@ -167,6 +148,10 @@ def merge(base: bytes, delta: bytes, where: str) -> bytes:
         raise CheckpointError(
             f"{where}: the delta holds {sorted(new)}, its base {sorted(old)}: they do not fit"
         )
+    for name in ("ids", "keys", "live_keys") if raw else ("ids",):
+        ids = new[name]
+        if ids.dim() != 1 or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
+            raise CheckpointError(f"{where}: the delta's {name} are not ascending and unique")
     try:
         replaced = new["keys"] if raw else new["ids"]
         drop = torch.isin(old["ids"], replaced)
@@ -186,7 +171,18 @@ def _union(
     old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], names: list[str], keep: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """``old``'s entries where ``keep`` and all of ``new``'s, ordered by the first name's
-    values (the ids or keys, unique)."""
-    joined = {name: torch.cat([old[name][keep], new[name]]) for name in names}
-    order = torch.argsort(joined[names[0]])
-    return {name: tensor[order].contiguous() for name, tensor in joined.items()}
+    values (the ids or keys: ascending and unique in both, none in both once ``keep`` is
+    applied): each entry's place is its place in its own side plus the number of entries
+    of the other side below it, so every tensor is written once, not sorted."""
+    kept = torch.nonzero(keep).flatten()
+    old_keys, new_keys = old[names[0]].index_select(0, kept), new[names[0]]
+    at_old = torch.arange(old_keys.numel()) + torch.searchsorted(new_keys, old_keys)
+    at_new = torch.arange(new_keys.numel()) + torch.searchsorted(old_keys, new_keys)
+    merged = {}
+    for name in names:
+        source = old[name]
+        out = source.new_empty((kept.numel() + new[name].shape[0], *source.shape[1:]))
+        out.index_copy_(0, at_old, source.index_select(0, kept))
+        out.index_copy_(0, at_new, new[name])
+        merged[name] = out
+    return merged

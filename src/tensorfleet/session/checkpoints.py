@@ -19,6 +19,14 @@ SHA-256 are checked against the manifest; a checkpoint that fails (truncated, co
 missing file, unreadable manifest) is skipped with a warning naming what is wrong, and the
 previous one is tried.
 
+Delta checkpoints (``full_checkpoint_every=K``, :mod:`tensorfleet.session.delta_checkpoints`):
+a manifest may say ``"kind": "delta"`` and name its ``"base"`` directory; its embedding
+tables then hold only what changed since that base. :func:`read_chain` reads and verifies
+every checkpoint back to a full one and folds the tables whole, so every reader here
+(restore, :func:`load_checkpoint`, :func:`load_table_rows`) sees complete documents; a
+delta whose base is missing or corrupt is refused, and :meth:`CheckpointDirectory.newest_valid`
+falls back to an older complete chain. Pruning keeps the bases a kept delta needs.
+
 Why the chief writes the files, not the ps tasks: the ps sends its shard's document in the
 reply to ``save``, so checkpoints need no filesystem shared between machines (a Kubernetes
 pod or a Slurm node can keep ``checkpoint_dir`` on its own disk), a ps never writes to a path
