@@ -130,6 +130,25 @@ def _assert_same_document(got: bytes, want: bytes, context: object) -> None:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (context, key)
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["hashed", "raw_ids"])
+def test_a_delta_the_chief_failed_to_write_costs_nothing(raw: bool) -> None:
+    """A delta taken but never written (the chief's disk failed): the next one, asked since
+    the last checkpoint written, still holds every change since it, the lost delta's too."""
+    model = TwoTables()
+    name = "users" if raw else "items"
+    source = LocalRowSource([model.users, model.items], num_shards=1)
+    full = source.save()[0][name]
+    for step in range(8):
+        _loss(model, _batch(step, 0)).backward()
+        model.users.push_gradient()
+        model.items.push_gradient()
+        if step == 3:
+            source.save([{name: _tag(full)}])  # taken, then lost
+    delta = source.save([{name: _tag(full)}])[0][name]
+    live = source.shards[0].store(name).encode()
+    _assert_same_document(merge(full, delta, "the chain"), live, "since the last written")
+
+
 def test_a_delta_of_another_incarnation_or_base_is_refused_and_a_stale_tag_saves_in_full() -> None:
     model, other_model = TwoTables(), TwoTables()
     source = LocalRowSource([model.items], num_shards=1)
