@@ -118,6 +118,12 @@ BENCHMARKS: dict[str, Benchmark] = {
     # The BERT-base-sized model: the full run takes minutes of a quiet 2-core machine; --quick
     # a tiny model (a smoke test).
     "big_model": Benchmark("big_model", (), ("--quick",), "big_model"),
+    "delta_checkpoints": Benchmark(
+        "delta_checkpoints",
+        (),
+        ("--rows", "50000", "--repeats", "1"),
+        "delta_checkpoints",
+    ),
     "cnn_compute": Benchmark("cnn_compute", (), ("--steps", "5", "--rounds", "1"), "cnn_compute"),
     "devices": Benchmark("devices", (), ("--steps", "60", "--pairs", "1"), "devices"),
     "gpu": Benchmark("gpu", (), ("--steps", "200", "--tests-limit", "120"), "gpu"),
@@ -334,6 +340,13 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
     if raw:
         for key in ("raw_vs_hashed_step_time", "raw_new_ids_vs_hashed_step_time"):
             rows.append(("raw_id_tables", key, f"{raw[key]:.2f}x", ""))
+    deltas = results.get("delta_checkpoints")
+    if deltas:
+        for table in ("hashed", "raw"):
+            for key in ("delta_vs_full_bytes", "delta_vs_full_seconds"):
+                rows.append(
+                    ("delta_checkpoints", f"{table} {key}", f"{deltas[table][key]:.3f}x", "")
+                )
     tables = results.get("sparse_tables")
     if tables:
         for name, value in tables["ratios"].items():

@@ -35,6 +35,7 @@ RUNNABLE = {
     "cnn_training.py",
     "compute_rates.py",
     "ddp_baseline.py",
+    "delta_checkpoints.py",
     "devices.py",
     "gpu.py",
     "modes.py",

@@ -48,6 +48,9 @@ each), forgotten by expiry like rows.
 them (``ids`` ascending, ``values``, ``slot/<name>``) plus ``keys``, ``count`` and
 ``last_seen`` (every known id, ascending) and the counters in the metadata; :meth:`decode`
 rebuilds exactly that state (the storage order is the ids' order, which nothing reads).
+Each id of the map is also marked with the store's ``save_clock`` when it changes, so that
+a delta checkpoint holds only the ids changed since an earlier one
+(:mod:`tensorfleet.ps.table_deltas`).
 """
 
 from __future__ import annotations
@@ -101,6 +104,10 @@ class RawIdRowStore:
         self.incarnation = secrets.randbits(62)
         empty = torch.empty(0, dtype=torch.int64)
         self._keys, self._count, self._seen, self._pos = empty, empty, empty, empty
+        self._marks = empty  # per key: the save_clock when its entry or row last changed
+        self.save_clock = 0
+        self._saved = False
+        """Documents written so far (a delta since one holds the ids marked after it)."""
         self._ids = empty  # storage position -> id
         self._values = torch.empty((0, table.dim), dtype=table.torch_dtype)
         self._slots = {name: self._values.clone() for name in rule.slot_names}
@@ -128,6 +135,7 @@ class RawIdRowStore:
                 index, found = self._find(ids)
         if bool(found.all()):  # the common case: every id known
             self._seen[index] = self.step
+            self._marks[index] = self._change_clock()
             positions = self._pos[index]
             if bool((positions >= 0).all()):
                 return self._values.index_select(0, positions)
@@ -135,6 +143,7 @@ class RawIdRowStore:
         if bool(found.any()):
             where = index[found]
             self._seen[where] = self.step
+            self._marks[where] = self._change_clock()
             positions = self._pos[where]
             has_row = positions >= 0
             rows = torch.nonzero(found).flatten()[has_row]
@@ -228,6 +237,7 @@ class RawIdRowStore:
             index, _ = self._find(ids)  # the map changed
         if ids.numel():
             self._seen[index] = self.step
+            self._marks[index] = self._change_clock()
         self._expire()
 
     def check(self, gradient: SparseRows) -> None:
@@ -248,7 +258,37 @@ class RawIdRowStore:
     def encode(self) -> bytes:
         """This shard's part as a safetensors document (module docstring)."""
         tensors = {k: v.contiguous() for k, v in self.state().items() if k != "step"}
-        metadata = {
+        document = safetensors_save(tensors, {METADATA_KEY: json.dumps(self.metadata())})
+        self.note_saved()
+        return document
+
+    def changed_state(self, since: int) -> dict[str, torch.Tensor]:
+        """What a delta since the document of clock ``since`` holds: the map entries
+        changed after it (looked up, updated, counted, admitted; ``keys``, ``count``,
+        ``last_seen``, ascending), the rows of those that have one (``ids``, ``values``,
+        ``slot/<name>``), and ``live_keys``, every id in the map now."""
+        changed = self._marks > since
+        keys = self._keys[changed]
+        positions = self._pos[changed]
+        has_row = positions >= 0
+        rows = positions[has_row]
+        state = {
+            "keys": keys,
+            "count": self._count[changed],
+            "last_seen": self._seen[changed],
+            "live_keys": self._keys.clone(),
+            "ids": keys[has_row],
+            "values": self._values.index_select(0, rows),
+        }
+        for name, slot in self._slots.items():
+            state[f"slot/{name}"] = slot.index_select(0, rows)
+        return state
+
+    def metadata(self) -> dict:
+        """The metadata of this store's documents: format, table, partition, shard, rule,
+        step, counters, and ``tag`` (``[incarnation, save_clock]``: what a delta is made
+        since)."""
+        return {
             "format": TABLE_FORMAT,
             "table": self.table.to_wire(),
             "partition": {
@@ -259,9 +299,9 @@ class RawIdRowStore:
             "shard": self.shard,
             "rule": self.rule.to_wire(),
             "step": self.step,
-            "counters": self.counters,
+            "counters": dict(self.counters),
+            "tag": [self.incarnation, self.save_clock],
         }
-        return safetensors_save(tensors, {METADATA_KEY: json.dumps(metadata)})
 
     @classmethod
     def decode_checked(
@@ -323,6 +363,7 @@ class RawIdRowStore:
             )
         store._keys, store._count = keys.clone(), tensors["count"].clone()
         store._seen, store._pos = tensors["last_seen"].clone(), torch.full_like(keys, -1)
+        store._marks = torch.zeros_like(keys)
         index, found = store._find(ids)
         if not bool(found.all()):
             raise CheckpointError(f"table {name!r} shard {shard}: a row's id is not in keys")
@@ -335,6 +376,18 @@ class RawIdRowStore:
         store.size, store.step = rows, step
         store.counters = {k: int(counters[k]) for k in _COUNTERS}
         return store
+
+    def note_saved(self) -> None:
+        """A document of the store as it is now was written: the next change moves
+        :attr:`save_clock` on, so that it is marked after that document."""
+        self._saved = True
+
+    def _change_clock(self) -> int:
+        """The clock to mark a change with (module :mod:`tensorfleet.ps.table_deltas`)."""
+        if self._saved:
+            self.save_clock += 1
+            self._saved = False
+        return self.save_clock
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -375,12 +428,12 @@ class RawIdRowStore:
         at_old = torch.arange(old) + torch.bincount(below, minlength=old + 1).cumsum(0)[:old]
         merged = []
         for tensor, fill in ((self._keys, None), (self._count, 0), (self._seen, self.step),
-                             (self._pos, -1)):  # fmt: skip
+                             (self._pos, -1), (self._marks, self._change_clock())):  # fmt: skip
             out = torch.empty(total, dtype=torch.int64)
             out[at_old] = tensor
             out[at_new] = new if fill is None else fill
             merged.append(out)
-        self._keys, self._count, self._seen, self._pos = merged
+        self._keys, self._count, self._seen, self._pos, self._marks = merged
 
     def _admit(self, due: torch.Tensor) -> None:
         """Give rows to ``due`` (ids in the map without a row), ascending, while there is
@@ -421,6 +474,7 @@ class RawIdRowStore:
         keep = ~old
         self._keys, self._count = self._keys[keep], self._count[keep]
         self._seen, self._pos = self._seen[keep], self._pos[keep]
+        self._marks = self._marks[keep]
         if gone.numel() == 0:
             return
         live = torch.ones(self.size, dtype=torch.bool)

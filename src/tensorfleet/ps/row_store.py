@@ -26,7 +26,10 @@ A checkpoint of the store is one safetensors document (:meth:`RowStore.encode`):
 ``ids`` (the created rows' global ids, ascending), ``values`` and ``slot/<name>`` (the rows in
 that order), and the metadata ``tensorfleet_table`` (JSON: format, table spec, partition,
 shard, update rule, step count). :meth:`RowStore.decode` checks all of it before building a
-store: shapes, dtypes, ids unique, on this shard and in range.
+store: shapes, dtypes, ids unique, on this shard and in range. The metadata's ``tag``
+(``[incarnation, save_clock]``) and each row's mark (:meth:`RowStore.changed_state`) let a
+checkpoint hold only the rows changed since an earlier one
+(:mod:`tensorfleet.ps.table_deltas`).
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ class RowStore:
         self.incarnation = secrets.randbits(62)
         """Which store the versions belong to: a new one after a restart or a restore."""
         self._changed_at = torch.empty(0, dtype=torch.int64)
+        self._touched_at = torch.empty(0, dtype=torch.int64)
+        self.save_clock = 0
+        self._saved = False
+        """Documents written so far: each row's :attr:`touched_at` is the clock when it
+        last changed, so a delta since a document of clock ``c`` holds the rows marked
+        ``> c``, exactly the ones changed after it."""
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -96,6 +105,20 @@ class RowStore:
         """``(ids, values)`` of the rows created so far, ids ascending."""
         order = torch.argsort(self._ids[: self.size])
         return self._ids[: self.size][order], self._values[: self.size][order]
+
+    def changed_state(self, since: int) -> dict[str, torch.Tensor]:
+        """What a delta since the document of clock ``since`` holds
+        (:mod:`tensorfleet.ps.table_deltas`): the rows created, updated or filled after it
+        (each row is marked with the :attr:`save_clock` of its last change), as
+        :meth:`encode` holds rows: ``ids`` ascending, ``values``, ``slot/<name>``."""
+        positions = torch.nonzero(self._touched_at[: self.size] > since).flatten()
+        ids = self._ids.index_select(0, positions)
+        order = torch.argsort(ids)
+        positions = positions[order]
+        state = {"ids": ids[order], "values": self._values.index_select(0, positions)}
+        for name, slot in self._slots.items():
+            state[f"slot/{name}"] = slot.index_select(0, positions)
+        return state
 
     @property
     def nbytes(self) -> int:
@@ -157,6 +180,7 @@ class RowStore:
         positions = self._positions(gradient.indices, create=True)
         self.step += 1
         self.rule.apply(self._values, self._slots, positions, gradient.values, self.step)
+        self._touched_at[positions] = self._change_clock()
         if self.given and gradient.num_rows:
             self.version += 1
             self._changed_at[positions] = self.version
@@ -210,6 +234,7 @@ class RowStore:
             slot[positions] = self.rule.slot_initial_value(slot_name)
         self.version += 1
         self._changed_at[positions] = self.version
+        self._touched_at[positions] = self._change_clock()
 
     def check(self, gradient: SparseRows) -> None:
         """Refuse (SparseGradientError) a gradient that does not fit this shard's part of
@@ -235,6 +260,19 @@ class RowStore:
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    def metadata(self) -> dict[str, Any]:
+        """The metadata of this store's documents: format, table, partition, shard, rule,
+        step, and ``tag`` (``[incarnation, save_clock]``: what a delta is made since)."""
+        return {
+            "format": TABLE_FORMAT,
+            "table": self.table.to_wire(),
+            "partition": self.partition.to_manifest(),
+            "shard": self.shard,
+            "rule": self.rule.to_wire(),
+            "step": self.step,
+            "tag": [self.incarnation, self.save_clock],
+        }
+
     def encode(self) -> bytes:
         """This shard's part of the table as a safetensors document (module docstring)."""
         order = torch.argsort(self._ids[: self.size])
@@ -244,15 +282,9 @@ class RowStore:
         }
         for name, slot in self._slots.items():
             tensors[f"slot/{name}"] = slot[: self.size][order].contiguous()
-        metadata = {
-            "format": TABLE_FORMAT,
-            "table": self.table.to_wire(),
-            "partition": self.partition.to_manifest(),
-            "shard": self.shard,
-            "rule": self.rule.to_wire(),
-            "step": self.step,
-        }
-        return safetensors_save(tensors, {METADATA_KEY: json.dumps(metadata)})
+        document = safetensors_save(tensors, {METADATA_KEY: json.dumps(self.metadata())})
+        self.note_saved()
+        return document
 
     @classmethod
     def decode(cls, document: bytes, *, expect: TableSpec | None = None) -> RowStore:
@@ -319,6 +351,18 @@ class RowStore:
         store.size, store.step = rows, step
         return store
 
+    def note_saved(self) -> None:
+        """A document of the store as it is now was written: the next change moves
+        :attr:`save_clock` on, so that it is marked after that document."""
+        self._saved = True
+
+    def _change_clock(self) -> int:
+        """The clock to mark a change with (module :mod:`tensorfleet.ps.table_deltas`)."""
+        if self._saved:
+            self.save_clock += 1
+            self._saved = False
+        return self.save_clock
+
     # -- internals ---------------------------------------------------------------------------
 
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -364,6 +408,7 @@ class RowStore:
             )
             for name, slot in self._slots.items():
                 slot[start:stop] = self.rule.slot_initial_value(name)
+            self._touched_at[start:stop] = self._change_clock()
             self._slot_of[self.partition.local_of(new_ids)] = torch.arange(
                 start, stop, dtype=torch.int64
             )
@@ -379,6 +424,7 @@ class RowStore:
         self._ids = _resized(self._ids, new)
         self._values = _resized(self._values, new)
         self._slots = {name: _resized(slot, new) for name, slot in self._slots.items()}
+        self._touched_at = _resized(self._touched_at, new)
         if self.given:
             self._changed_at = _resized(self._changed_at, new)
 

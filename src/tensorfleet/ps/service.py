@@ -391,7 +391,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
             self.global_step,
             self.worker_data,
             self.buffer_bank.values,
-            self.tables.documents(),
+            self.tables.documents(request.body.get("tables_since")),
         )
         self.socket.reply(
             request,

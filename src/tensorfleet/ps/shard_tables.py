@@ -19,6 +19,7 @@ from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.sparse_rows import SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tensorfleet.ps.table_deltas import check_since, table_document
 
 
 class UnknownTable(TensorfleetError, ValueError):
@@ -124,9 +125,15 @@ class ShardTables:
         (and, for a table of raw ids, admitted and evicted rows, dropped gradients)."""
         return {name: store.stats() for name, store in self._stores.items()}
 
-    def save(self) -> dict[str, bytes]:
-        """Each table's document (:meth:`RowStore.encode`), by table name."""
-        return {name: store.encode() for name, store in self._stores.items()}
+    def save(self, since: dict[str, object] | None = None) -> dict[str, bytes]:
+        """Each table's document, by table name: full (:meth:`RowStore.encode`), or for a
+        table ``since`` names with a tag of its store, a delta since that tag
+        (:mod:`tensorfleet.ps.table_deltas`)."""
+        since = since or {}
+        return {
+            name: table_document(store, check_since(name, since.get(name)))
+            for name, store in self._stores.items()
+        }
 
     def restore(self, documents: dict[str, bytes]) -> None:
         """Replace the tables with a checkpoint's, all or nothing (CheckpointError)."""

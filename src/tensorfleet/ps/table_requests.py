@@ -131,14 +131,19 @@ class TableRequests:
             )
         return lines
 
-    def documents(self) -> dict[str, bytes]:
+    def documents(self, since: object = None) -> dict[str, bytes]:
         """Each table's document for the shard's checkpoint (none: no tables); logs each
-        table's numbers (:meth:`stat_lines`)."""
+        table's numbers (:meth:`stat_lines`). ``since``: the ``tables_since`` of the
+        ``save`` request, ``{table: [incarnation, step]}`` of the checkpoint the chief
+        wrote last, for a delta of each table since it (:mod:`tensorfleet.ps.table_deltas`;
+        None: every table in full)."""
+        if since is not None and not isinstance(since, dict):
+            raise ProtocolError(f"save: tables_since is a map of table -> tag, got {since!r:.80}")
         if self.tables is None:
             return {}
         for line in self.stat_lines():
             log.info("ps:%d: saving %s", self.shard, line)
-        return self.tables.save()
+        return self.tables.save(since)
 
     def restore(self, documents: dict[str, bytes]) -> None:
         """Take a checkpoint's tables (ConfigError, nothing changed, when one is bad)."""

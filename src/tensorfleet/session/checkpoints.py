@@ -19,6 +19,14 @@ SHA-256 are checked against the manifest; a checkpoint that fails (truncated, co
 missing file, unreadable manifest) is skipped with a warning naming what is wrong, and the
 previous one is tried.
 
+Delta checkpoints (``full_checkpoint_every=K``, :mod:`tensorfleet.session.delta_checkpoints`):
+a manifest may say ``"kind": "delta"`` and name its ``"base"`` directory; its embedding
+tables then hold only what changed since that base. :func:`read_chain` reads and verifies
+every checkpoint back to a full one and folds the tables whole, so every reader here
+(restore, :func:`load_checkpoint`, :func:`load_table_rows`) sees complete documents; a
+delta whose base is missing or corrupt is refused, and :meth:`CheckpointDirectory.newest_valid`
+falls back to an older complete chain. Pruning keeps the bases a kept delta needs.
+
 Why the chief writes the files, not the ps tasks: the ps sends its shard's document in the
 reply to ``save``, so checkpoints need no filesystem shared between machines (a Kubernetes
 pod or a Slurm node can keep ``checkpoint_dir`` on its own disk), a ps never writes to a path
@@ -47,6 +55,7 @@ from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps.raw_id_rows import decode_store
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_checkpoint import decode_shard
+from tensorfleet.session.delta_checkpoints import merge_chain
 from tensorfleet.version import __version__
 
 log = logging.getLogger("tensorfleet.checkpoints")
@@ -147,20 +156,28 @@ class CheckpointDirectory:
         return sorted(found, reverse=True)
 
     def newest_valid(self) -> Checkpoint | None:
-        """The newest checkpoint whose files all match its manifest; corrupt ones are skipped
-        with a warning. None when there is none."""
+        """The newest checkpoint whose files (and, for a delta, every base's back to a full
+        checkpoint: :func:`read_chain`) all match their manifests; corrupt ones and deltas of
+        a missing or corrupt base are skipped with a warning. None when there is none."""
         for _, path in self.step_directories():
             try:
-                return read_checkpoint(path)
+                return read_chain(path)
             except CheckpointError as exc:
                 log.warning("%s; skipping it and trying the previous checkpoint", exc)
         return None
 
     def _prune(self, keep_also: Path) -> None:
-        """Remove all but the newest ``keep`` checkpoints, and temporary directories left by
+        """Remove all but the newest ``keep`` checkpoints and the bases the kept deltas are
+        made against (back to their full checkpoints), and temporary directories left by
         writers that died (never the one just written)."""
-        for _, path in self.step_directories()[self.keep :]:
-            if path != keep_also:
+        found = self.step_directories()
+        kept = {path for _, path in found[: self.keep]} | {keep_also}
+        for path in list(kept):
+            while (base := _base_of(path)) is not None and base not in kept:
+                kept.add(base)
+                path = base
+        for _, path in found:
+            if path not in kept:
                 shutil.rmtree(path, ignore_errors=True)
         for entry in self.root.iterdir():
             if entry.name.startswith(_TMP_PREFIX) and f"-{os.getpid()}-" not in entry.name:
@@ -203,11 +220,61 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(path, step, manifest, documents)
 
 
+def _base_of(path: Path) -> Path | None:
+    """The directory a delta checkpoint was made against (None: a full one, or no readable
+    manifest)."""
+    try:
+        base = json.loads((path / MANIFEST).read_text()).get("base")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path.parent / base if isinstance(base, str) and _STEP_DIR.match(base) else None
+
+
+def read_chain(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read and verify one checkpoint directory; for a delta checkpoint (its manifest names
+    a ``base``), also every base back to a full checkpoint, and return the newest's
+    documents with every embedding table whole
+    (:func:`~tensorfleet.session.delta_checkpoints.merge_chain`). CheckpointError naming
+    the missing or corrupt file and the fix."""
+    newest = read_checkpoint(path)
+    chain = [newest]
+    while (base := chain[-1].manifest.get("base")) is not None:
+        current = chain[-1]
+        if not isinstance(base, str) or not _STEP_DIR.match(base):
+            raise CheckpointError(f"checkpoint {current.path}: the manifest's base {base!r:.80}")
+        base_path = current.path.parent / base
+        if not (base_path / MANIFEST).is_file():
+            raise CheckpointError(
+                f"checkpoint {newest.path} is a delta of the embedding tables whose chain "
+                f"needs {base_path / MANIFEST}, which is missing (deleted by hand, or never "
+                f"completed); fix: restore an earlier checkpoint (the newest complete chain is "
+                f"used when restoring from the checkpoint_dir), or start fresh"
+            )
+        try:
+            older = read_checkpoint(base_path)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"checkpoint {newest.path} is a delta of the embedding tables whose chain "
+                f"needs {base_path}, which is unusable ({exc}); fix: restore an earlier "
+                f"checkpoint, or start fresh"
+            ) from None
+        if older.global_step >= current.global_step:
+            raise CheckpointError(
+                f"checkpoint {current.path} names base {base_path}, which is not older"
+            )
+        chain.append(older)
+    if len(chain) == 1:
+        return newest
+    documents = merge_chain([(c.path, c.documents) for c in chain])
+    return Checkpoint(newest.path, newest.global_step, newest.manifest, documents)
+
+
 def _find(path: str | os.PathLike[str]) -> Checkpoint:
-    """A checkpoint directory, or the newest valid one under a ``checkpoint_dir``."""
+    """A checkpoint directory (a delta's chain read whole), or the newest valid one under a
+    ``checkpoint_dir``."""
     path = Path(path)
     if (path / MANIFEST).exists():
-        return read_checkpoint(path)
+        return read_chain(path)
     checkpoint = CheckpointDirectory(path).newest_valid()
     if checkpoint is None:
         raise CheckpointError(

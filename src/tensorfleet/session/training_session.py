@@ -53,6 +53,7 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_rules import UpdateRule, rule_label
 from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
 from tensorfleet.session.data_position import DataPosition, checked_data_position
+from tensorfleet.session.delta_checkpoints import DeltaPlan
 from tensorfleet.session.device_engines import placement_table, wanted_engines
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
 from tensorfleet.session.open_session import require_open
@@ -162,6 +163,7 @@ class TrainingSession:
         save_checkpoint_steps: int | None = None,
         save_checkpoint_secs: float | None = None,
         keep_checkpoints: int = 5,
+        full_checkpoint_every: int = 1,
         restore: bool = True,
         data: DataPosition | None = None,
         lost_worker: str | None = None,
@@ -232,6 +234,8 @@ class TrainingSession:
             if checkpoint_dir is not None
             else None
         )
+        self._deltas = DeltaPlan(full_checkpoint_every)
+        """Which checkpoints hold the embedding tables as deltas (see delta_checkpoints)."""
         self._restore = restore
         self._log_placement = log_placement
         self._data = checked_data_position(data)
@@ -481,15 +485,26 @@ class TrainingSession:
         calls this at the same step; the others write nothing and get None."""
         self._checkpoint_requested = False
         data = self._data.state_dict() if self._data is not None else None
-        saved = self._updater.save(data)
+        saved = self._updater.save(data, tables_since=self._deltas.since(self._global_step))
         if saved is None or self.checkpoints is None:
             return None  # not the chief, or (a collective save asked by another) no directory
+        kind = self._deltas.manifest_fields(saved.documents, saved.global_step)
+        if kind is None:  # the step of the delta's base: it replaces it, so it needs another
+            since = self._deltas.since(saved.global_step)
+            saved = self._updater.save(data, tables_since=since)
+            kind = self._deltas.manifest_fields(saved.documents, saved.global_step)
+            if kind is None:
+                raise CheckpointError(
+                    f"{self.task_name}: the checkpoint of global step {saved.global_step} "
+                    f"cannot be made a delta of an earlier one; fix: full_checkpoint_every=1"
+                )
         path = self.checkpoints.write(
             saved.global_step,
             list(saved.documents),
             saved.placement,
-            {"mode": self.mode, "task": self.task_name, "model": self.model_name},
+            {"mode": self.mode, "task": self.task_name, "model": self.model_name, **kind},
         )
+        self._deltas.written(path, saved.documents, saved.global_step)
         self.last_checkpoint = path
         log.info(
             "%s: checkpoint of global step %d saved in %s", self.task_name, saved.global_step, path
@@ -561,3 +576,4 @@ class _SessionCheckpoints:
             flush=True,
         )
         session.last_checkpoint = checkpoint.path
+        session._deltas.reset()  # restored tables are new incarnations: the next one is full

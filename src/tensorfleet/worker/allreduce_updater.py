@@ -303,7 +303,9 @@ class AllReduceUpdater:
                 positions[task_names[rank]] = json.loads(raw[8 : 8 + length])
         return positions
 
-    def save(self, data: DataPosition | None = None) -> SavedState | None:
+    def save(
+        self, data: DataPosition | None = None, tables_since: Sequence[dict] | None = None
+    ) -> SavedState | None:
         """*Collective*: every worker sends its data position to the chief, which returns its
         replica (all replicas are the same) as the checkpoint; the others get None."""
         positions = self.gather_data(data, self.task_names)

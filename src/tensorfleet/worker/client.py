@@ -291,11 +291,14 @@ class ParameterClient:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save(self) -> tuple[int, list[memoryview]]:
-        """Every shard's state as a safetensors document, and the global step (shard 0's)."""
-        replies = self._recovering(
-            lambda: self._shards.call("save", self._task, self.timeouts.step_s)
-        )
+    def save(self, tables_since: Sequence[dict] | None = None) -> tuple[int, list[memoryview]]:
+        """Every shard's state as a safetensors document, and the global step (shard 0's).
+        ``tables_since``: per shard, ``{table: [incarnation, step]}`` to save each table as
+        a delta since (:mod:`tensorfleet.ps.table_deltas`); None: in full."""
+        body = self._task
+        if tables_since is not None:
+            body = [{**self._task, "tables_since": since} for since in tables_since]
+        replies = self._recovering(lambda: self._shards.call("save", body, self.timeouts.step_s))
         documents = []
         for shard, reply in enumerate(replies):
             if len(reply.buffers) != 1:

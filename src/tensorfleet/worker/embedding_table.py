@@ -387,9 +387,13 @@ class LocalRowSource:
         for shard, part in zip(self.shards, parts, strict=True):
             shard.apply(table, part)
 
-    def save(self) -> list[dict[str, bytes]]:
-        """Each shard's tables as row store documents (:meth:`ShardTables.save`), by shard."""
-        return [shard.save() for shard in self.shards]
+    def save(self, tables_since: Sequence[dict] | None = None) -> list[dict[str, bytes]]:
+        """Each shard's tables as row store documents (:meth:`ShardTables.save`), by shard;
+        ``tables_since``: per shard, the tags to save deltas since (None: in full)."""
+        return [
+            shard.save(None if tables_since is None else tables_since[k])
+            for k, shard in enumerate(self.shards)
+        ]
 
     def restore(self, documents: Sequence[dict[str, bytes]]) -> None:
         """Replace each shard's tables with ``documents[shard]`` (CheckpointError naming the

@@ -211,7 +211,9 @@ class LocalUpdater:
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return stop, checkpoint
 
-    def save(self, data: DataPosition | None = None) -> SavedState:
+    def save(
+        self, data: DataPosition | None = None, tables_since: Sequence[dict] | None = None
+    ) -> SavedState:
         """The model, optimizer state, moving average, global step and data position (as of
         the last exchange) as one document (the format of a ps shard's checkpoint)."""
         if self._optimizer is None or self._rule is None:
@@ -221,7 +223,7 @@ class LocalUpdater:
         tables = None
         if self.tables is not None and self.row_source is not None:
             placement.update(self.tables.placement())
-            tables = self.row_source.save()[0]  # table/<name>: each table's row store
+            tables = self.row_source.save(tables_since)[0]  # table/<name>: each table's rows
         document = encode_replica(
             self._named_params,
             self._optimizer,

@@ -365,11 +365,13 @@ class PsUpdater:
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return stop, checkpoint
 
-    def save(self, data: DataPosition | None = None) -> SavedState:
+    def save(
+        self, data: DataPosition | None = None, tables_since: Sequence[dict] | None = None
+    ) -> SavedState:
         """Every shard's state (the ps recorded each worker's data position with its
         pushes), and where each stored tensor belongs in the model."""
         self._settle()
-        global_step, documents = self.client.save()
+        global_step, documents = self.client.save(tables_since)
         placement = {
             piece.stored_name: {
                 "param": piece.variable.name,

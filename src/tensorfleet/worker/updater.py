@@ -160,11 +160,15 @@ class Updater(Protocol):
         whether any wants a checkpoint now. Elsewhere returns its arguments."""
         ...
 
-    def save(self, data: DataPosition | None = None) -> SavedState | None:
+    def save(
+        self, data: DataPosition | None = None, tables_since: Sequence[dict] | None = None
+    ) -> SavedState | None:
         """The checkpoint's content now (``data``: this worker's current data position;
         modes that record positions with each exchange use those). *Collective* where
         :attr:`collective`: there every worker calls it and the chief gets the content, the
-        others None. Elsewhere only the chief calls it."""
+        others None. Elsewhere only the chief calls it. ``tables_since``: per shard, the
+        tags of the checkpoint written last, for delta documents of the embedding tables
+        (:mod:`tensorfleet.ps.table_deltas`; modes without tables ignore it)."""
         ...
 
     def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
