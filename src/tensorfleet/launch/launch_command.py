@@ -144,6 +144,15 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         f"{DEFAULT_POLICY.window_s:g}; 0: over the whole run)",
     )
     restarts.add_argument(
+        "--crash-loop-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a task that ran at least S seconds before it died is restarted at once; one "
+        "that died sooner waits a back-off doubling with each quick death in a row (default: "
+        f"{DEFAULT_POLICY.crash_loop_s:g}; 0: never back off)",
+    )
+    restarts.add_argument(
         "--max-restarts",
         type=int,
         default=None,
@@ -240,6 +249,8 @@ def restart_policy_from(args: argparse.Namespace) -> RestartPolicy:
                 "(0: count restarts over the whole run)"
             )
         changes["window_s"] = args.restart_window or None
+    if args.crash_loop_seconds is not None:
+        changes["crash_loop_s"] = args.crash_loop_seconds
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
