@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 class TaskRestarts:
     """Restarts failed tasks in place (mixed into ``ClusterSupervisor``, which provides the
-    attributes below and ``_restarts_allowed``, ``_on_failure`` and ``_spawn``)."""
+    attributes below and ``_restarts_allowed``, ``_on_failure``, ``_spawn``, ``_take_spare``
+    and ``task_variables``)."""
 
     _tasks: list[Task]
     _interrupt: int | None
@@ -102,7 +103,8 @@ class TaskRestarts:
 
     def _restart(self, task: Task) -> None:
         """Start ``task`` again with the same command and environment (its identity), telling
-        it that its predecessor is dead."""
+        it that its predecessor is dead: in a warm spare when one can take it
+        (:mod:`tensorfleet.launch.warm_spares`), else in a new process."""
         assert task.process is not None and task.returncode is not None
         old_process, old_recent = task.process, task.recent
         decision, task.pending_restart = task.pending_restart, None
@@ -111,7 +113,9 @@ class TaskRestarts:
         # as if the new one printed them (the log keeps them all).
         task.recent = deque(maxlen=old_recent.maxlen)
         try:
-            self._spawn(task, restarted=True)
+            spare = self._take_spare(task, self.task_variables(task, restarted=True))
+            if spare is None:
+                self._spawn(task, restarted=True)
         except OSError as exc:
             task.recent = old_recent
             self.output.message(
@@ -128,7 +132,14 @@ class TaskRestarts:
             if task.process is None or task.process.host == "local"
             else f" on {task.process.host}"
         )
+        how = (
+            ""
+            if spare is None
+            else f": warm spare {spare.number}, "
+            + ("waiting" if spare.ready else "still starting")
+            + f" since {time.monotonic() - spare.started_at:.1f} s"
+        )
         self.output.message(
             f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
-            f"{task.pid}{where}"
+            f"{task.pid}{where}{how}"
         )
