@@ -301,6 +301,9 @@ class Fault:
     resumed_at_s: float | None = None  # stop: when SIGCONT was sent
     recovered_s: float | None = None  # the fault -> the victim's next step (module docstring)
     spare: bool | None = None  # kill/term of a worker: taken over by a warm spare
+    #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
+    #: first one after (what the restore from the newest checkpoint gave back)
+    steps_lost: int | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -428,6 +431,9 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         back = restarts[0][0]
         fault.spare = restarts[0][3] if fault.task.startswith("worker:") else None
     after = watch.steps_since(back)
+    if fault.task.startswith("ps:") and fault.kind != "stop" and after:
+        before = [step for t, _, step in watch.steps_since(at) if t <= back]
+        fault.steps_lost = max(0, max([fault.global_step, *before]) + 1 - after[0][2])
     if fault.task.startswith("worker:"):
         index = int(fault.task.split(":")[1])
         after = [s for s in after if s[1] == index]
@@ -512,6 +518,11 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         for key, v in summary.items()
     ]
     unrecovered = [f"{f.kind} {f.task} at {f.at_s:.0f} s" for f in faults if f.recovered_s is None]
+    lost = [
+        f"{f.kind} at step {f.global_step}: {f.steps_lost}"
+        for f in faults
+        if f.steps_lost is not None
+    ]
     accuracy = (
         f"test accuracy {watch.accuracy} (undisturbed run: {base_accuracy})"
         if not args.no_baseline
@@ -522,7 +533,8 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         f"{len(faults)} faults; global steps per minute {before:.0f} before the storm, "
         f"{during:.0f} during it (**{during / before if before else 0:.2f}x**); {accuracy}; "
         f"exit {status}; {len(left)} process(es) left"
-        + (f"; not recovered: {', '.join(unrecovered)}" if unrecovered else ""),
+        + (f"; not recovered: {', '.join(unrecovered)}" if unrecovered else "")
+        + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
         "",
     ]
     table += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks.items()]

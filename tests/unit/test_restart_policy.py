@@ -131,6 +131,8 @@ def test_a_task_that_ran_past_the_threshold_is_restarted_at_once() -> None:
     quick = policy.decide(-signal.SIGKILL, history, now=200.0, ran_s=3.1, streak=0)
     assert quick.restart and quick.crash_loop and quick.delay_s == 1.0
     assert quick.describe_wait() == "in 1 s (crash-loop back-off: it ran 3.1 s, under 30 s)"
+    just_under = policy.decide(-9, [], now=0.0, ran_s=29.97, streak=0)
+    assert just_under.describe_wait().endswith("it ran 29.9 s, under 30 s)")
 
 
 def test_the_back_off_doubles_with_quick_deaths_in_a_row_only() -> None:

@@ -44,6 +44,7 @@ timeout.
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,7 +143,8 @@ class RestartDecision:
         ran = (
             ""
             if self.ran_s is None
-            else f": it ran {self.ran_s:.1f} s, under {self.crash_loop_s:g} s"
+            # rounded down: 29.97 s reads 29.9, not a confusing "30.0 s, under 30 s"
+            else f": it ran {math.floor(self.ran_s * 10) / 10:.1f} s, under {self.crash_loop_s:g} s"
         )
         return f"in {self.delay_s:g} s (crash-loop back-off{ran})"
 
