@@ -97,8 +97,8 @@ def test_a_killed_worker_is_taken_over_by_the_warm_spare(log: io.StringIO, tmp_p
     spares = started_spares(text)
     assert spares[1] == spare_pid and 2 in spares, text  # a new spare behind the used one
     assert re.search(
-        rf"restarted worker:1 \(restart 1 of 10\) as pid {spare_pid}: warm spare 1, waiting "
-        r"since [\d.]+ s",
+        rf"restarted worker:1 \(restart 1 of 10\) as pid {spare_pid}: warm spare 1, started "
+        r"[\d.]+ s ago and waiting",
         text,
     ), text
     first, second = runs_of(text)["worker:1"]

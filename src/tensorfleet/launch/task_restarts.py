@@ -135,9 +135,8 @@ class TaskRestarts:
         how = (
             ""
             if spare is None
-            else f": warm spare {spare.number}, "
-            + ("waiting" if spare.ready else "still starting")
-            + f" since {time.monotonic() - spare.started_at:.1f} s"
+            else f": warm spare {spare.number}, started {time.monotonic() - spare.started_at:.1f} "
+            + ("s ago and waiting" if spare.ready else "s ago, still starting")
         )
         self.output.message(
             f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
