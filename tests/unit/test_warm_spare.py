@@ -37,12 +37,19 @@ def pipe(tmp_path: Path) -> Iterator[tuple[Path, int]]:
 
 
 @pytest.fixture
-def spare_env(monkeypatch: pytest.MonkeyPatch, pipe: tuple[Path, int]) -> None:
-    """This process as a spare; whatever it adopts is undone after the test."""
+def spare_env(pipe: tuple[Path, int]) -> Iterator[None]:
+    """This process as a spare; its whole environment is put back after the test (what a
+    spare adopts was not set before, so monkeypatch alone would leave it behind)."""
+    saved = dict(os.environ)
     for name in (environment.TF_CONFIG_VAR, environment.PREDECESSOR_DEAD_VAR, "X_SPARE_TEST"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(environment.SPARE_PIPE_VAR, str(pipe[0]))
-    monkeypatch.setenv(environment.SPARE_WAIT_VAR, "20")
+        os.environ.pop(name, None)
+    os.environ[environment.SPARE_PIPE_VAR] = str(pipe[0])
+    os.environ[environment.SPARE_WAIT_VAR] = "20"
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_a_spare_becomes_the_task_it_is_handed(
