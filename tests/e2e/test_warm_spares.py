@@ -165,3 +165,14 @@ def test_the_launcher_keeps_one_spare_by_default_and_none_with_spares_0(tmp_path
         assert "[worker:0] up None" in text, text  # the task itself is no spare
         spares += started_spares(text).values()
     assert_all_gone(spares, "spares of the runs above")
+
+
+def test_spares_with_the_ray_backend_are_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tensorfleet.launch.cli import main
+
+    status = main(["launch", "--backend", "ray", "--spares", "1", "--", sys.executable, "x.py"])
+    err = capsys.readouterr().err
+    assert status != 0
+    assert "--spares 1: warm spares need the local backend, not --backend ray" in err, err
