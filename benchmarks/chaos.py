@@ -24,6 +24,26 @@ Kills land only while training runs (before the last step and the chief's accura
 a run that ends before the last kill fails the "kills during training" check and says to
 pass more ``--steps``.
 
+**Storm mode** (``--storm``): mixed faults at a fixed interval for a fixed time, under the
+launcher's default settings (one warm spare, the default restart policy). Every ``--interval``
+seconds (10) for ``--duration`` seconds (600) one running task chosen at random, the ps and
+the chief included, gets one of SIGKILL, SIGTERM (a preemption) or SIGSTOP followed by
+SIGCONT ``--stop-seconds`` (15) later (``--faults``). Before the storm the run trains
+``--calm`` seconds (60) undisturbed. The report: each fault's recovery (seconds from the fault
+to the victim's next step line: a worker's own step after its restart or its SIGCONT; for the
+ps, anyone's step after it; for a stop, counted from its SIGCONT, as the stop itself is the
+storm's), p50 / p95 / max by fault and job (a worker's kill or term split by whether a warm
+spare took it over); global steps per minute during
+the storm against before it; the final test accuracy against an undisturbed run of the same
+steps (``--no-baseline`` skips it); and the processes still running after the end (every pid
+any task or spare ever had). It passes when the run exits 0 with its accuracy line, within
+``--tolerance`` of the undisturbed run, every fault recovered and nothing is left running.
+
+    .venv/bin/python benchmarks/chaos.py --storm --steps 40000 [--interval 10] [--duration 600]
+
+A storm that outlasts training fails the "storm during training" check and says to pass
+more ``--steps``. Writes ``chaos_storm`` (``chaos_storm_seed<N>`` for a seed other than 5).
+
 Writes benchmarks/results/chaos.json and .md for the default seed (5: the run whose table
 the docs cite) and ``chaos_seed<N>.json`` and ``.md`` for any other seed, so that a run with
 another seed never replaces that table (``--out-dir`` puts them elsewhere); exits 1 when a
@@ -54,6 +74,7 @@ from results_writer import add_out_dir_option, write_results  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import PlainOutput  # noqa: E402
+from tensorfleet.launch.warm_spares import DEFAULT_SPARES  # noqa: E402
 from tensorfleet.session.checkpoints import CheckpointDirectory, read_checkpoint  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "mnist_cnn.py"
@@ -88,6 +109,9 @@ class Watch(PlainOutput):
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (time, worker, step)
     restarted: dict[str, list[float]] = field(default_factory=dict)
     accuracy: float | None = None
+    spare_pids: list[int] = field(default_factory=list)
+    #: (time, task, pid) of each restart, and whether a warm spare took it over
+    restarts: list[tuple[float, str, int, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._file = self.log_path.open("w")
@@ -107,9 +131,14 @@ class Watch(PlainOutput):
     def message(self, text: str, level: str = "info") -> None:
         super().message(text, level)
         print(f"[launcher] {text.splitlines()[0]}", flush=True)
-        if match := re.match(r"restarted (\S+) ", text):
+        if match := re.match(r"restarted (\S+) .* as pid (\d+)", text):
             with self._watch_lock:
                 self.restarted.setdefault(match.group(1), []).append(time.monotonic())
+                self.restarts.append(
+                    (time.monotonic(), match.group(1), int(match.group(2)), "warm spare" in text)
+                )
+        if match := re.match(r"started warm spare \d+ for the workers as pid (\d+)", text):
+            self.spare_pids.append(int(match.group(1)))
 
     def current_step(self) -> int:
         """The global step now: the highest seen since the latest ps restart (the global
@@ -145,7 +174,8 @@ def run(
     """Run the cluster, killing ``kills`` random tasks; (status, watch, kills, pids, seconds)."""
     logdir = workdir / name
     watch = Watch(workdir / f"{name}.log", echo=args.echo)
-    cluster = LocalCluster(1, 3, example_command(args, logdir), output=watch)
+    spares = args.spares if kills else 0  # the launcher's default for the disturbed run
+    cluster = LocalCluster(1, 3, example_command(args, logdir), output=watch, spares=spares)
     rng = random.Random(args.seed)
     done: list[Kill] = []
     status: list[int] = []
@@ -254,6 +284,271 @@ def results_name(seed: int) -> str:
     return "chaos" if seed == DEFAULT_SEED else f"chaos_seed{seed}"
 
 
+# ---------------------------------------------------------------------- storm mode
+
+#: The faults of a storm, by the name ``--faults`` takes.
+FAULTS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+
+
+@dataclass
+class Fault:
+    """One fault of a storm and what followed."""
+
+    task: str
+    kind: str  # kill, term, stop
+    at_s: float  # seconds since the start of the run
+    global_step: int
+    resumed_at_s: float | None = None  # stop: when SIGCONT was sent
+    recovered_s: float | None = None  # the fault -> the victim's next step (module docstring)
+    spare: bool | None = None  # kill/term of a worker: taken over by a warm spare
+    #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
+    #: first one after (what the restore from the newest checkpoint gave back)
+    steps_lost: int | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, interpolated between the nearest ranks."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = q * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def step_lines_between(watch: Watch, start: float, end: float) -> int:
+    """Global steps made between ``start`` and ``end`` (one step line per step made)."""
+    with watch._watch_lock:
+        return sum(1 for t, _, _ in watch.steps if start <= t < end)
+
+
+def storm_run(
+    args: argparse.Namespace, workdir: Path
+) -> tuple[int, Watch, list[Fault], list[int], dict[str, float]]:
+    """The disturbed run: calm, then the storm, then training to its end."""
+    logdir = workdir / "storm"
+    watch = Watch(workdir / "storm.log", echo=args.echo)
+    cluster = LocalCluster(
+        1, 3, example_command(args, logdir), output=watch, spares=args.spares
+    )  # the launcher's defaults otherwise: restart policy, grace periods
+    rng = random.Random(args.seed)
+    faults: list[Fault] = []
+    status: list[int] = []
+    stopped: dict[str, tuple[threading.Timer, Fault]] = {}  # SIGSTOPped, awaiting SIGCONT
+    times: dict[str, float] = {}
+
+    def supervise() -> None:
+        status.append(cluster.wait())
+
+    def resume(name: str, fault: Fault) -> None:
+        task = cluster.task(name)
+        if task.process is not None:
+            task.process.signal_group(signal.SIGCONT)
+        fault.resumed_at_s = time.monotonic() - started
+        stopped.pop(name, None)
+
+    started = time.monotonic()
+    cluster.start()
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        deadline = started + args.timeout
+        while not watch.steps and supervisor.is_alive() and time.monotonic() < deadline:
+            supervisor.join(0.5)
+        times["calm_start"] = time.monotonic()
+        supervisor.join(args.calm)
+        times["storm_start"] = time.monotonic()
+        storm_end = times["storm_start"] + args.duration
+        print(
+            f"chaos: storm for {args.duration:g} s, a fault every {args.interval:g} s", flush=True
+        )
+        next_fault = times["storm_start"] + args.interval
+        while supervisor.is_alive() and next_fault <= storm_end:
+            supervisor.join(max(0.0, next_fault - time.monotonic()))
+            next_fault += args.interval
+            if not supervisor.is_alive():
+                break
+            if watch.training_over(args.steps):
+                print("chaos: training is over before the storm; pass more --steps", flush=True)
+                break
+            running = [
+                t.name
+                for t in cluster.tasks
+                if t.running and not t.restart_pending and t.name not in stopped
+            ]
+            candidates = [name for name in running if name in args.targets]
+            if not candidates:
+                continue
+            victim, kind = rng.choice(candidates), rng.choice(args.faults)
+            fault = Fault(victim, kind, time.monotonic() - started, watch.current_step())
+            try:
+                cluster.kill_task(victim, FAULTS[kind])
+            except LaunchError as exc:  # it ended by itself meanwhile
+                print(f"chaos: not signalling {victim}: {exc}", flush=True)
+                continue
+            if kind == "stop":
+                timer = threading.Timer(args.stop_seconds, resume, (victim, fault))
+                stopped[victim] = (timer, fault)
+                timer.start()
+            faults.append(fault)
+            print(f"chaos: {kind} {victim} at global step {fault.global_step}", flush=True)
+        times["storm_end"] = time.monotonic()
+        for name, (timer, fault) in list(stopped.items()):  # resume what is still stopped
+            timer.cancel()
+            resume(name, fault)
+        supervisor.join(args.timeout)
+        if supervisor.is_alive():
+            cluster.interrupt(signal.SIGTERM)
+            supervisor.join(60)
+    finally:
+        for name, (timer, fault) in list(stopped.items()):
+            timer.cancel()
+            resume(name, fault)
+        cluster.stop()
+        watch.close_log()
+    times["end"] = time.monotonic()
+    for fault in faults:
+        measure_storm_recovery(fault, started, watch)
+    pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]
+    pids += watch.spare_pids
+    return (status[0] if status else -1), watch, faults, pids, times
+
+
+def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
+    """Seconds from ``fault`` (a stop: from its SIGCONT) to the victim's next step: a
+    worker's own step after its restart (kill, term) or its SIGCONT; for the ps, anyone's
+    step after those."""
+    at = started + fault.at_s
+    if fault.kind == "stop":
+        if fault.resumed_at_s is None:
+            return
+        back = started + fault.resumed_at_s
+    else:
+        restarts = [r for r in watch.restarts if r[1] == fault.task and r[0] > at]
+        if not restarts:
+            return
+        back = restarts[0][0]
+        fault.spare = restarts[0][3] if fault.task.startswith("worker:") else None
+    after = watch.steps_since(back)
+    if fault.task.startswith("ps:") and fault.kind != "stop" and after:
+        before = [step for t, _, step in watch.steps_since(at) if t <= back]
+        fault.steps_lost = max(0, max([fault.global_step, *before]) + 1 - after[0][2])
+    if fault.task.startswith("worker:"):
+        index = int(fault.task.split(":")[1])
+        after = [s for s in after if s[1] == index]
+    if after:
+        # a stop's own seconds are the storm's, not the recovery's: counted from SIGCONT
+        fault.recovered_s = after[0][0] - (back if fault.kind == "stop" else at)
+
+
+def storm_main(args: argparse.Namespace, workdir: Path) -> int:
+    """The storm, the undisturbed run, the checks and the report."""
+    status, watch, faults, pids, times = storm_run(args, workdir)
+    base_accuracy = None
+    base_status: int | None = None
+    if not args.no_baseline:
+        base_status, base_watch, _, base_pids, _ = run(args, workdir, "baseline", 0)
+        base_accuracy = base_watch.accuracy
+        pids += base_pids + base_watch.spare_pids
+    time.sleep(1.0)  # SIGKILL is delivered asynchronously; give the kernel a moment
+    left = sorted({pid for pid in pids if alive(pid)})
+    calm_min = (times["storm_start"] - times["calm_start"]) / 60
+    storm_min = (times["storm_end"] - times["storm_start"]) / 60
+    before = step_lines_between(watch, times["calm_start"], times["storm_start"]) / calm_min
+    during = step_lines_between(watch, times["storm_start"], times["storm_end"]) / storm_min
+    groups: dict[str, list[float]] = {}
+    for fault in faults:
+        job = fault.task.split(":")[0]
+        key = f"{fault.kind} {job}"
+        if fault.kind != "stop" and job == "worker":
+            key += " (spare)" if fault.spare else " (fresh process)"
+        if fault.recovered_s is not None:
+            groups.setdefault(key, []).append(fault.recovered_s)
+    summary = {
+        key: {
+            "n": len(v),
+            "p50_s": percentile(v, 0.5),
+            "p95_s": percentile(v, 0.95),
+            "max_s": max(v),
+        }
+        for key, v in sorted(groups.items())
+    }
+    storm_ok = times["storm_end"] - times["storm_start"] >= args.duration - args.interval
+    checks = {
+        "exit status 0": status == 0,
+        "test accuracy line": watch.accuracy is not None,
+        "the storm ran its whole duration during training": storm_ok,
+        "every fault recovered": all(f.recovered_s is not None for f in faults),
+        "no process left": not left,
+    }
+    if not args.no_baseline:
+        checks[f"accuracy within {args.tolerance} of the undisturbed run"] = (
+            watch.accuracy is not None
+            and base_accuracy is not None
+            and abs(watch.accuracy - base_accuracy) <= args.tolerance
+        )
+    result = {
+        "mode": "storm",
+        "steps": args.steps,
+        "seed": args.seed,
+        "interval_s": args.interval,
+        "duration_s": args.duration,
+        "stop_seconds": args.stop_seconds,
+        "faults_allowed": args.faults,
+        "spares": args.spares,
+        "exit_status": status,
+        "test_accuracy": watch.accuracy,
+        "baseline_exit_status": base_status,
+        "baseline_test_accuracy": base_accuracy,
+        "steps_per_min_before": before,
+        "steps_per_min_during": during,
+        "during_vs_before": during / before if before else None,
+        "recovery": summary,
+        "faults": [asdict(f) for f in faults],
+        "processes_left": left,
+        "checks": checks,
+    }
+    table = [
+        "| fault | n | p50 (s) | p95 (s) | max (s) |",
+        "|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {key} | {v['n']} | {v['p50_s']:.1f} | {v['p95_s']:.1f} | {v['max_s']:.1f} |"
+        for key, v in summary.items()
+    ]
+    unrecovered = [f"{f.kind} {f.task} at {f.at_s:.0f} s" for f in faults if f.recovered_s is None]
+    lost = [
+        f"{f.kind} at step {f.global_step}: {f.steps_lost}"
+        for f in faults
+        if f.steps_lost is not None
+    ]
+    accuracy = (
+        f"test accuracy {watch.accuracy} (undisturbed run: {base_accuracy})"
+        if not args.no_baseline
+        else f"test accuracy {watch.accuracy} (no undisturbed run: --no-baseline)"
+    )
+    table += [
+        "",
+        f"{len(faults)} faults; global steps per minute {before:.0f} before the storm, "
+        f"{during:.0f} during it (**{during / before if before else 0:.2f}x**); {accuracy}; "
+        f"exit {status}; {len(left)} process(es) left"
+        + (f"; not recovered: {', '.join(unrecovered)}" if unrecovered else "")
+        + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
+        "",
+    ]
+    table += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks.items()]
+    heading = (
+        f"Storm: 1 ps + 3 workers, {args.steps} steps, {'/'.join(args.faults)} on a random task "
+        f"every {args.interval:g} s for {args.duration:g} s (SIGSTOP for {args.stop_seconds:g} s; "
+        f"seed {args.seed}; {args.spares} warm spare(s)), default launcher settings otherwise; "
+        "measured under whatever else the machine ran"
+    )
+    name = "chaos_storm" if args.seed == DEFAULT_SEED else f"chaos_storm_seed{args.seed}"
+    write_results(name, result, heading, table)
+    return 0 if all(checks.values()) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -279,12 +574,41 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--echo", action="store_true", help="print every task line")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary one")
+    storm = parser.add_argument_group("storm mode")
+    storm.add_argument(
+        "--storm", action="store_true", help="mixed faults at a fixed interval (see above)"
+    )
+    storm.add_argument("--interval", type=float, default=10.0, help="seconds between faults")
+    storm.add_argument("--duration", type=float, default=600.0, help="seconds of the storm")
+    storm.add_argument("--calm", type=float, default=60.0, help="seconds measured before the storm")
+    storm.add_argument(
+        "--faults",
+        nargs="+",
+        choices=sorted(FAULTS),
+        default=["kill", "term", "stop"],
+        help="the faults drawn from (default: all three)",
+    )
+    storm.add_argument(
+        "--stop-seconds", type=float, default=15.0, help="SIGSTOP lasts this long, then SIGCONT"
+    )
+    storm.add_argument(
+        "--spares",
+        type=int,
+        default=DEFAULT_SPARES,
+        help=f"warm spare workers of the disturbed run, in both modes (default "
+        f"{DEFAULT_SPARES}: tensorfleet launch's default)",
+    )
+    storm.add_argument(
+        "--no-baseline", action="store_true", help="skip the undisturbed run (no accuracy check)"
+    )
     add_out_dir_option(parser)
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tensorfleet-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"chaos: logs and checkpoints in {workdir}", flush=True)
+    if args.storm:
+        return storm_main(args, workdir)
     status, watch, kills, pids, seconds = run(args, workdir, "chaos", args.kills)
     if len(kills) < args.kills:
         print(

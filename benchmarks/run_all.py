@@ -166,6 +166,14 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         "chaos",
     ),  # fmt: skip
+    # The storm: mixed SIGKILL / SIGTERM / SIGSTOP every 10 s for 10 minutes; the quick run
+    # checks the machinery with a 30 s storm and no undisturbed run.
+    "chaos_storm": Benchmark(
+        "chaos",
+        ("--storm", "--steps", "40000"),
+        ("--storm", "--steps", "1500", "--calm", "10", "--duration", "30", "--no-baseline"),
+        "chaos_storm",
+    ),
 }
 
 
@@ -487,6 +495,22 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
                     )
                 )
     rows += _big_model_headlines(results.get("big_model"))
+    storm = results.get("chaos_storm")
+    if storm:
+        kills = storm["recovery"].get("kill worker (spare)") or storm["recovery"].get(
+            "kill worker (fresh process)"
+        )
+        rows.append(
+            (
+                "chaos_storm",
+                f"{len(storm['faults'])} faults in {storm['duration_s']:g} s: global steps/min "
+                "during vs before",
+                f"{storm['during_vs_before']:.2f}x"
+                + (f"; worker SIGKILL back in {kills['p50_s']:.1f} s (p50)" if kills else "")
+                + f"; {sum(storm['checks'].values())} of {len(storm['checks'])} checks passed",
+                "every check",
+            )
+        )
     chaos = results.get("chaos")
     if chaos:
         failed = [name for name, ok in chaos["checks"].items() if not ok]

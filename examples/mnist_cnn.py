@@ -147,6 +147,18 @@ class Result:
 
 def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Result | None:
     """Run this task (a ps serves; a worker trains); the chief's result, None elsewhere."""
+    # What does not depend on which task this is comes before resolve_task: the data and the
+    # layers of tensorfleet a worker uses (imported on first use). A warm spare of
+    # `tensorfleet launch` (--spares) has done it all when it takes over a worker that died.
+    images, labels = load_mnist(args.dataset, args.data_dir, "train")
+    images, labels = images[: args.train_limit], labels[: args.train_limit]
+    # Standardized inputs (statistics of the training set) converge faster than [0, 1] ones.
+    train_images = normalize(images)
+    mean, std = train_images.mean(), train_images.std()
+    train_images = (train_images - mean) / std
+    for name in ("Server", "TrainingSession", "StopAtStep", "LoggingHook", "ProgressHook"):
+        getattr(tfl, name)
+
     classic = [f"--{k}={v}" for k in CLASSIC_FLAGS if (v := getattr(args, k))]
     task = tfl.resolve_task(argv=classic, allow_none=True)
     torch.set_num_threads(args.threads or (2 if task is None else 1))
@@ -167,13 +179,8 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
     num_workers = task.num_workers if task is not None else 1
     is_chief = server is None or server.is_chief
 
-    images, labels = load_mnist(args.dataset, args.data_dir, "train")
-    images, labels = images[: args.train_limit], labels[: args.train_limit]
-    # Standardized inputs (statistics of the training set) converge faster than [0, 1] ones.
-    train_images = normalize(images)
-    mean, std = train_images.mean(), train_images.std()
     batches = BatchStream(
-        (train_images - mean) / std, labels, args.batch,
+        train_images, labels, args.batch,
         shard_index=worker_index, num_shards=num_workers, seed=args.seed,
     )  # fmt: skip
 

@@ -32,6 +32,13 @@ DATA_DIR_VAR = "TENSORFLEET_DATA_DIR"
 TASK_MARKERS_VAR = "TENSORFLEET_TASK_MARKERS"
 #: The user's home directory, under which the default dataset cache lives.
 HOME_VAR = "HOME"
+#: Set by the launcher in a warm spare worker's environment: the named pipe from which
+#: ``resolve_task()`` reads the identity the spare takes over (tensorfleet.cluster.warm_spare).
+SPARE_PIPE_VAR = "TENSORFLEET_SPARE_PIPE"
+#: Seconds a warm spare waits for an identity before it exits (set by the launcher).
+SPARE_WAIT_VAR = "TENSORFLEET_SPARE_WAIT_S"
+#: The launcher's process id, in a warm spare's environment: the spare exits once it is gone.
+SPARE_LAUNCHER_VAR = "TENSORFLEET_SPARE_LAUNCHER_PID"
 
 
 #: "0" to send every payload through ZeroMQ, also between tasks on one host (the default
@@ -64,6 +71,15 @@ def predecessor_dead(environ_: Mapping[str, str] | None = None) -> bool:
 def environ() -> Mapping[str, str]:
     """The current process environment, read-only by convention."""
     return os.environ
+
+
+def adopt(variables: Mapping[str, str], drop: tuple[str, ...] = ()) -> None:
+    """Set ``variables`` in this process's environment and remove ``drop``: the one place a
+    process changes its own environment (a warm spare taking over a task's identity takes the
+    variables that task was started with, so that everything read later sees them)."""
+    for name in drop:
+        os.environ.pop(name, None)
+    os.environ.update(variables)
 
 
 #: Per-task resources the launcher sets (read back by ``TaskResources.from_env``).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -55,9 +56,49 @@ def test_a_killed_worker_is_restarted_by_default_and_told_its_predecessor_is_dea
     assert status == 0, text
     assert lc.restarts == {"worker:0": 0, "worker:1": 1}, text
     assert "worker:1 failed with signal SIGKILL" not in text  # the wrapper reports 137
-    assert "worker:1 failed with exit code 137; restarting it (restart 1 of 10) in 1 s" in text
+    assert (
+        "worker:1 failed with exit code 137; restarting it (restart 1 of 10) in 1 s (crash-loop back-off: it ran"
+        in text
+    )
     envs = [line for line in text.splitlines() if line.startswith("[worker:1] ENV ")]
     assert [json.loads(line.split("ENV ", 1)[1]) for line in envs] == [None, "1"], text
+    assert [r["run"] for r in runs_of(text)["worker:1"]] == [1, 2], text
+    assert_all_gone(all_pids(text), text)
+
+
+def test_a_worker_killed_after_the_crash_loop_threshold_is_restarted_at_once(
+    log: io.StringIO, tmp_path: Path
+) -> None:
+    from tensorfleet.launch.restart_policy import RestartPolicy
+
+    ready = threading.Event()
+    # The task sleeps 1 s before it says READY: it has run longer than the 0.5 s threshold
+    # when the test kills it (the launcher counts from the spawn, before the sleep).
+    late = [sys.executable, "-c", "import subprocess, sys, time; time.sleep(1.0); "
+            "sys.exit(subprocess.call(sys.argv[1:]))", *program(tmp_path, "worker:1", "hang-once")]  # fmt: skip
+    lc = LocalCluster(
+        0,
+        2,
+        late,
+        output=HookedOutput(
+            log, on_line=lambda task, text: text == "READY worker:1" and ready.set()
+        ),
+        restart_policy=RestartPolicy(crash_loop_s=0.5),
+        **SHORT,
+    )
+    with lc:
+        assert ready.wait(20), log.getvalue()
+        lc.kill_task("worker:1")
+        status = lc.wait(timeout=40)
+    text = log.getvalue()
+    assert status == 0, text
+    assert lc.restarts["worker:1"] == 1, text
+    assert re.search(
+        r"worker:1 failed with signal SIGKILL; restarting it \(restart 1 of 10\) at once "
+        r"\(it ran \d+\.\d s, at least the crash-loop threshold of 0\.5 s\)",
+        text,
+    ), text
+    assert "crash-loop back-off" not in text, text
     assert [r["run"] for r in runs_of(text)["worker:1"]] == [1, 2], text
     assert_all_gone(all_pids(text), text)
 

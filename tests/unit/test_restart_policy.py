@@ -116,3 +116,45 @@ def test_flags_make_the_policy() -> None:
         restart_policy_from(_parse("--signal-restarts", "-1"))
     with pytest.raises(LaunchConfigError, match="--restart-window must be >= 0"):
         restart_policy_from(_parse("--restart-window", "-5"))
+
+
+def test_a_task_that_ran_past_the_threshold_is_restarted_at_once() -> None:
+    policy = DEFAULT_POLICY
+    assert policy.crash_loop_s == 30.0
+    history = [(100.0 + i, SIGNAL) for i in range(4)]  # four earlier restarts in the window
+    long_run = policy.decide(-signal.SIGKILL, history, now=200.0, ran_s=84.2, streak=0)
+    assert long_run.restart and long_run.delay_s == 0.0 and not long_run.crash_loop
+    assert (long_run.used, long_run.limit) == (4, 10)  # it still counts toward the limit
+    assert long_run.describe_wait() == (
+        "at once (it ran 84.2 s, at least the crash-loop threshold of 30 s)"
+    )
+    quick = policy.decide(-signal.SIGKILL, history, now=200.0, ran_s=3.1, streak=0)
+    assert quick.restart and quick.crash_loop and quick.delay_s == 1.0
+    assert quick.describe_wait() == "in 1 s (crash-loop back-off: it ran 3.1 s, under 30 s)"
+    just_under = policy.decide(-9, [], now=0.0, ran_s=29.97, streak=0)
+    assert just_under.describe_wait().endswith("it ran 29.9 s, under 30 s)")
+
+
+def test_the_back_off_doubles_with_quick_deaths_in_a_row_only() -> None:
+    policy = RestartPolicy(backoff_s=1.0, max_backoff_s=10.0, crash_loop_s=30.0)
+    delays = [policy.decide(-9, [], now=0.0, ran_s=2.0, streak=n).delay_s for n in range(6)]
+    assert delays == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    # exactly the threshold is no crash loop; 0 never backs off
+    assert policy.decide(-9, [], now=0.0, ran_s=30.0, streak=3).delay_s == 0.0
+    never = RestartPolicy(crash_loop_s=0.0)
+    assert never.decide(-9, [], now=0.0, ran_s=0.0, streak=5).delay_s == 0.0
+
+
+def test_a_flapping_task_still_uses_up_its_limit_however_long_it_ran() -> None:
+    policy = RestartPolicy(signal_restarts=2, crash_loop_s=30.0)
+    history = [(0.0, SIGNAL), (100.0, SIGNAL)]
+    decision = policy.decide(-9, history, now=200.0, ran_s=99.0, streak=0)
+    assert not decision.restart and decision.used == 2
+    assert "all that --signal-restarts / --max-restarts allow" in decision.describe_used()
+
+
+def test_the_crash_loop_threshold_flag() -> None:
+    assert restart_policy_from(_parse("--crash-loop-seconds", "5")).crash_loop_s == 5.0
+    assert restart_policy_from(_parse("--crash-loop-seconds", "0")).crash_loop_s == 0.0
+    with pytest.raises(LaunchConfigError, match="--crash-loop-seconds"):
+        restart_policy_from(_parse("--crash-loop-seconds", "-1"))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, overload
 
 from tensorfleet import environment
-from tensorfleet.cluster import slurm
+from tensorfleet.cluster import slurm, warm_spare
 from tensorfleet.cluster.spec import (
     ClusterSpec,
     TaskId,
@@ -559,6 +559,12 @@ def resolve_task(
     checked: its job must be in the cluster and its index in the job. Flags and ``TF_CONFIG``
     that are both present must name the same cluster and task, or an error names both.
 
+    In a warm spare the launcher started ahead of time (:mod:`tensorfleet.cluster.warm_spare`:
+    :data:`~tensorfleet.environment.SPARE_PIPE_VAR` is set and ``environ`` is not given),
+    this first blocks until the launcher hands the spare the identity of a worker that died,
+    and sets that worker's variables in the environment. Work done before this call (imports,
+    loading data, building the model) is then already done when the spare takes over.
+
     When no source says anything, returns ``None`` if ``allow_none`` (the caller then runs as
     a single process without a cluster), else raises :class:`ClusterConfigError` listing
     every source tried and how to use it. A source that is present but malformed raises at
@@ -566,6 +572,10 @@ def resolve_task(
     """
     if isinstance(argv, str):
         raise ClusterConfigError(f"argv must be a list of arguments, got the string {argv!r}")
+    if environ is None and warm_spare.is_spare(environment.environ()):
+        # A warm spare of the launcher: wait here for the identity of a worker that died,
+        # then resolve from the variables it was given (TF_CONFIG) as that worker would.
+        warm_spare.wait_for_identity()
     request = ResolveRequest(
         cluster=cluster,
         job_name=job_name,

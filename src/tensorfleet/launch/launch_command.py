@@ -42,6 +42,7 @@ from tensorfleet.launch.supervisor import (
     DEFAULT_KILL_TIMEOUT,
     ClusterSupervisor,
 )
+from tensorfleet.launch.warm_spares import DEFAULT_SPARES
 
 #: Signals to the launcher that are forwarded to the tasks as SIGTERM. SIGHUP too: with the
 #: tasks in their own sessions, a closed terminal would otherwise orphan them.
@@ -144,12 +145,30 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         f"{DEFAULT_POLICY.window_s:g}; 0: over the whole run)",
     )
     restarts.add_argument(
+        "--crash-loop-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a task that ran at least S seconds before it died is restarted at once; one "
+        "that died sooner waits a back-off doubling with each quick death in a row (default: "
+        f"{DEFAULT_POLICY.crash_loop_s:g}; 0: never back off)",
+    )
+    restarts.add_argument(
         "--max-restarts",
         type=int,
         default=None,
         metavar="N",
         help="restart every failure, signal or error, up to N times per task over the whole "
         "run (the options above, given as well, override it for their kind)",
+    )
+    restarts.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        metavar="N",
+        help="warm spare workers: the worker command started ahead of time, waiting in "
+        "tensorfleet.resolve_task() to take over a worker that dies (default: "
+        f"{DEFAULT_SPARES} with the local backend, 0 with Ray; 0: none)",
     )
     backends = launch.add_argument_group("backend")
     backends.add_argument(
@@ -240,6 +259,8 @@ def restart_policy_from(args: argparse.Namespace) -> RestartPolicy:
                 "(0: count restarts over the whole run)"
             )
         changes["window_s"] = args.restart_window or None
+    if args.crash_loop_seconds is not None:
+        changes["crash_loop_s"] = args.crash_loop_seconds
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
@@ -282,6 +303,11 @@ def run_launch(args: argparse.Namespace) -> int:
         if not ps_command:
             raise LaunchError("--ps-command is empty; give the ps program and its arguments")
     policy = restart_policy_from(args)  # bad limits are refused before anything starts
+    if args.spares and args.backend != "local":
+        raise LaunchConfigError(
+            f"--spares {args.spares}: warm spares need the local backend, not --backend "
+            f"{args.backend}; pass --spares 0"
+        )
     # resources the host cannot give, or workers that do not form whole pipelines: refused
     # before anything starts
     resources = launch_resources(args, args.ps, args.workers, local=args.backend == "local")
@@ -307,6 +333,9 @@ def run_launch(args: argparse.Namespace) -> int:
             kill_timeout=args.kill_timeout,
             output=output,
             restart_policy=policy,
+            spares=(DEFAULT_SPARES if args.backend == "local" else 0)
+            if args.spares is None
+            else args.spares,
         )
     except BaseException:
         backend.close()

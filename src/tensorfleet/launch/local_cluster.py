@@ -30,6 +30,7 @@ from tensorfleet.launch.supervisor import (
     default_ps_command,
 )
 from tensorfleet.launch.task import Task
+from tensorfleet.launch.warm_spares import DEFAULT_SPARE_WAIT_S
 
 __all__ = [
     "DEFAULT_GRACE_PERIOD",
@@ -68,6 +69,8 @@ class LocalCluster(ClusterSupervisor):
         history: int = DEFAULT_HISTORY,
         restart_policy: RestartPolicy | None = None,
         max_restarts: int | None = None,
+        spares: int = 0,
+        spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
     ):
         super().__init__(
             num_ps,
@@ -85,6 +88,8 @@ class LocalCluster(ClusterSupervisor):
             history=history,
             restart_policy=restart_policy,
             max_restarts=max_restarts,
+            spares=spares,
+            spare_wait_s=spare_wait_s,
         )
 
     def __enter__(self) -> LocalCluster:

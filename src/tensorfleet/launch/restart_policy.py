@@ -15,10 +15,16 @@ So the default policy (:data:`DEFAULT_POLICY`) is:
   killed more often than that (a crash loop: the OOM killer at every start) stops the run;
 - a task that exits with an error (1 to 127) is not restarted: the cluster stops and the
   report shows its last lines;
-- before each restart the launcher waits a back-off: :data:`DEFAULT_BACKOFF_S` seconds,
-  doubling with each restart of the same task within the window, up to
-  :data:`DEFAULT_MAX_BACKOFF_S`. A task that failed at once (its port still held, a
-  dependency not up) is not restarted in a tight loop.
+- a task that ran at least :data:`DEFAULT_CRASH_LOOP_S` seconds (``--crash-loop-seconds``)
+  before it died is restarted at once: a preemption or a ``kill -9`` of a task that was
+  training is no crash loop, and every second of back-off is a second the cluster trains
+  without it;
+- a task that died sooner after it started waits a back-off first: :data:`DEFAULT_BACKOFF_S`
+  seconds, doubling with each quick death of the same task in a row (its *crash streak*; a
+  run longer than the threshold ends it), up to :data:`DEFAULT_MAX_BACKOFF_S`. A task that
+  fails at once (its port still held, a dependency not up) is not restarted in a tight loop.
+  The restart limit counts every restart alike, so a task that flaps forever, quickly or
+  not, still stops the cluster with its last lines.
 
 Why 10 per hour rather than a lifetime count: preemptions arrive at a rate, not a total; a
 run of several days may be preempted more than 10 times, while a task killed 10 times in one
@@ -38,6 +44,7 @@ timeout.
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +65,9 @@ DEFAULT_WINDOW_S = 3600.0
 DEFAULT_BACKOFF_S = 1.0
 #: The longest back-off before a restart, in seconds.
 DEFAULT_MAX_BACKOFF_S = 10.0
+#: A task that ran at least this many seconds before it died is restarted without back-off;
+#: one that died sooner is treated as a crash loop (back-off doubling per quick death).
+DEFAULT_CRASH_LOOP_S = 30.0
 
 #: The two kinds of failure the policy tells apart.
 SIGNAL = "signal"
@@ -111,8 +121,32 @@ class RestartDecision:
     used: int
     #: The limit for this kind.
     limit: int
-    #: Back-off before the restart, in seconds (0 when not restarting).
+    #: Back-off before the restart, in seconds (0 when not restarting, or restarting at once).
     delay_s: float = 0.0
+    #: How long the process that died ran, in seconds (None: not known to the policy).
+    ran_s: float | None = None
+    #: Whether the death counts as a crash loop's: it came less than the policy's
+    #: ``crash_loop_s`` after the process started (or its run time is not known).
+    crash_loop: bool = True
+    #: The crash-loop threshold of the policy that decided, in seconds.
+    crash_loop_s: float = DEFAULT_CRASH_LOOP_S
+
+    def describe_wait(self) -> str:
+        """Why the restart waits as long as it does, for the launcher's restart line:
+        ``"at once (it ran 84.2 s, at least the crash-loop threshold of 30 s)"`` or
+        ``"in 2 s (crash-loop back-off: it ran 3.1 s, under 30 s)"``."""
+        if not self.crash_loop:
+            return (
+                f"at once (it ran {self.ran_s:.1f} s, at least the crash-loop threshold of "
+                f"{self.crash_loop_s:g} s)"
+            )
+        ran = (
+            ""
+            if self.ran_s is None
+            # rounded down: 29.97 s reads 29.9, not a confusing "30.0 s, under 30 s"
+            else f": it ran {math.floor(self.ran_s * 10) / 10:.1f} s, under {self.crash_loop_s:g} s"
+        )
+        return f"in {self.delay_s:g} s (crash-loop back-off{ran})"
 
     def describe_used(self) -> str:
         """``"restarts used: 1 of 1"``, and, once the limit is reached, the option that sets
@@ -134,9 +168,12 @@ class RestartPolicy:
             counted within ``window_s``; 0 stops the run at the first one.
         window_s: the sliding window in which restarts are counted, in seconds; None counts
             them over the whole run.
-        backoff_s: seconds before the first restart of a task; doubled for each restart of
-            it already in the window.
+        backoff_s: seconds before the first restart of a task that died quickly (a crash
+            loop); doubled for each quick death of it in a row.
         max_backoff_s: the longest back-off.
+        crash_loop_s: a task whose process ran at least this many seconds before it died is
+            restarted at once, without back-off (``--crash-loop-seconds``; 0 never backs
+            off); one that died sooner waits the back-off.
 
     Raises :class:`~tensorfleet.errors.LaunchConfigError` (a ``ValueError``) for a negative limit or a window or
     back-off that is not positive, naming the value and the flag that sets it.
@@ -147,6 +184,7 @@ class RestartPolicy:
     window_s: float | None = DEFAULT_WINDOW_S
     backoff_s: float = DEFAULT_BACKOFF_S
     max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
+    crash_loop_s: float = DEFAULT_CRASH_LOOP_S
 
     def __post_init__(self) -> None:
         for name, flag in (
@@ -168,6 +206,12 @@ class RestartPolicy:
             raise LaunchConfigError(
                 f"the restart back-off must satisfy 0 < backoff_s <= max_backoff_s, got "
                 f"backoff_s={self.backoff_s}, max_backoff_s={self.max_backoff_s}"
+            )
+        if not self.crash_loop_s >= 0:
+            raise LaunchConfigError(
+                f"the crash-loop threshold must be >= 0 seconds, got {self.crash_loop_s} "
+                "(--crash-loop-seconds: a task that ran at least this long before it died is "
+                "restarted at once; 0 never backs off)"
             )
 
     @classmethod
@@ -191,12 +235,21 @@ class RestartPolicy:
         return self.signal_restarts if kind == SIGNAL else self.error_restarts
 
     def decide(
-        self, returncode: int, history: Sequence[tuple[float, str]], now: float
+        self,
+        returncode: int,
+        history: Sequence[tuple[float, str]],
+        now: float,
+        ran_s: float | None = None,
+        streak: int | None = None,
     ) -> RestartDecision:
-        """Whether a task that just ended with ``returncode`` (not 0) is restarted.
+        """Whether a task that just ended with ``returncode`` (not 0) is restarted, and after
+        how long.
 
         ``history`` holds ``(time, kind)`` of the task's earlier restarts (``time.monotonic``
-        seconds); those older than the window do not count.
+        seconds); those older than the window do not count toward the limit. ``ran_s``: how
+        long the process that died ran; at least ``crash_loop_s`` restarts it at once, less
+        (or None: unknown) waits the back-off, doubled ``streak`` times (the quick deaths of
+        the task in a row before this one; None: every restart in the window).
         """
         kind = failure_kind(returncode)
         if kind is None:
@@ -204,17 +257,25 @@ class RestartPolicy:
         recent = [k for t, k in history if self.window_s is None or now - t < self.window_s]
         used = sum(1 for k in recent if k == kind)
         limit = self.limit(kind)
+        crash_loop = ran_s is None or ran_s < self.crash_loop_s
+        facts = {"ran_s": ran_s, "crash_loop": crash_loop, "crash_loop_s": self.crash_loop_s}
         if used >= limit:
-            return RestartDecision(False, kind, used, limit)
-        delay = min(self.backoff_s * 2 ** len(recent), self.max_backoff_s)
-        return RestartDecision(True, kind, used, limit, delay)
+            return RestartDecision(False, kind, used, limit, **facts)
+        if not crash_loop:
+            return RestartDecision(True, kind, used, limit, 0.0, **facts)
+        doublings = len(recent) if streak is None else streak
+        delay = min(self.backoff_s * 2 ** min(doublings, 32), self.max_backoff_s)
+        return RestartDecision(True, kind, used, limit, delay, **facts)
 
     def describe(self) -> str:
         """One sentence for the launcher's first message."""
         window = (
             "over the whole run" if self.window_s is None else f"per {_duration(self.window_s)}"
         )
-        back_off = f"back-off {self.backoff_s:g} s doubling to {self.max_backoff_s:g} s"
+        back_off = (
+            f"at once after a run of {self.crash_loop_s:g} s or more, else back-off "
+            f"{self.backoff_s:g} s doubling to {self.max_backoff_s:g} s"
+        )
         if self.signal_restarts == self.error_restarts:
             if self.signal_restarts == 0:
                 return "a task that fails stops the cluster"

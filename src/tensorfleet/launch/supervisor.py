@@ -31,6 +31,9 @@ Supervision, in the spirit of Horovod's runner:
   once no worker is left, the ps tasks get SIGTERM at once
   (:mod:`tensorfleet.launch.failure_grace`).
   The run's status is that task's exit code (128 + signal number for a signal);
+- with ``spares`` (``tensorfleet launch`` keeps 1 on the local backend), warm spare workers
+  wait in ``resolve_task``; a worker's restart hands its identity to one
+  (:mod:`tensorfleet.launch.warm_spares`), which is killed with the run if unused;
 - :meth:`ClusterSupervisor.interrupt` (the CLI's SIGINT/SIGTERM handler) sends SIGTERM to
   every task at once, then SIGKILL; a second interrupt sends SIGKILL at once;
 - :meth:`ClusterSupervisor.stop` (also run on leaving the ``with`` block) stops whatever
@@ -42,7 +45,8 @@ supervising thread sleeps until something happens or a deadline passes.
 
 This module holds the phases and the decisions; starting and signalling the tasks' processes
 is :mod:`tensorfleet.launch.process_groups`'s, restarting a failed task in place
-:mod:`tensorfleet.launch.task_restarts`'s (both mixed into :class:`ClusterSupervisor`).
+:mod:`tensorfleet.launch.task_restarts`'s, keeping warm spare workers
+:mod:`tensorfleet.launch.warm_spares`' (all mixed into :class:`ClusterSupervisor`).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from tensorfleet.launch.restart_policy import (
 from tensorfleet.launch.task import Task
 from tensorfleet.launch.task_restarts import TaskRestarts
 from tensorfleet.launch.training_completion import TrainingCompletion, retired_after_completion
+from tensorfleet.launch.warm_spares import DEFAULT_SPARE_WAIT_S, Spare, WarmSpares
 from tensorfleet.task_markers import TaskMarkers
 from tensorfleet.wire.secret import generate_secret
 
@@ -103,7 +108,7 @@ def default_ps_command() -> list[str]:
     return [sys.executable, "-m", "tensorfleet", "server"]
 
 
-class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, FailureGrace):
+class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, FailureGrace, WarmSpares):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
     supervise them.
 
@@ -135,6 +140,10 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         max_restarts: kept from before the restart policy: when given, every failure,
             signal or error, is restarted up to N times per task over the whole run
             (``RestartPolicy.uniform(N)``); cannot be combined with ``restart_policy``.
+        spares: warm spare workers kept waiting to take over a worker that dies
+            (:mod:`tensorfleet.launch.warm_spares`; local backend only). 0 here by default;
+            ``tensorfleet launch`` keeps 1 (``--spares``).
+        spare_wait_s: seconds a spare waits unused before a fresh one replaces it.
 
     The addresses, the cluster spec (:attr:`cluster`) and the secret (:attr:`secret`) are
     chosen here, so they can be read before :meth:`start`. Raises :class:`LaunchError` for
@@ -159,6 +168,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         history: int = DEFAULT_HISTORY,
         restart_policy: RestartPolicy | None = None,
         max_restarts: int | None = None,
+        spares: int = 0,
+        spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
     ):
         if num_ps < 0:
             raise LaunchError(f"the number of ps tasks must be >= 0, got {num_ps}")
@@ -197,6 +208,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         self.output = PlainOutput() if output is None else output
         self.secret = generate_secret() if secret is None else secret
         self.backend = backend
+        self._init_spares(spares, spare_wait_s, history)
         self._env = dict(env or {})
         self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
         self._cwd = None if cwd is None else os.fspath(cwd)
@@ -325,6 +337,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
                     f"cannot start {task.name} with command {task.command!r}: {exc}. Check "
                     "that the program exists and is executable (with --ps-command for ps tasks)"
                 ) from exc
+        self._fill_spares()  # after the tasks: they come first
 
     def wait(self, timeout: float | None = None) -> int:
         """Supervise the tasks until every one has exited; return the run's exit status.
@@ -342,6 +355,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
             now = time.monotonic()
             # restarts first: a cancelled one lets the deadline see no worker is left, at once
             self._on_restarts_due(now)
+            self._on_spare_deadlines(now)
             self._on_deadline(now)
             if self._abandoned or all(not (t.running or t.restart_pending) for t in self._tasks):
                 return self._finish()
@@ -356,7 +370,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
                     "call wait() again to keep supervising, or stop() to stop them"
                 )
             deadlines = [self._phase_deadline, deadline]
-            deadlines += [t.restart_at for t in self._tasks]
+            deadlines += [t.restart_at for t in self._tasks] + self._spare_deadlines()
             wake = min((d for d in deadlines if d is not None), default=None)
             try:
                 event = self._events.get(timeout=None if wake is None else max(0.0, wake - now))
@@ -391,6 +405,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
             finally:
                 self._kill_process_groups(quiet=True)
         self._kill_process_groups(quiet=True)
+        self._sweep_spares()
         self.backend.close()
         return self._result
 
@@ -411,6 +426,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
     # ------------------------------------------------------------------ supervision
 
     def _enter(self, phase: str, seconds: float | None) -> None:
+        if phase != _RUNNING:
+            self._close_spares()  # the run is ending: no worker will be restarted
         self._phase = phase
         self._phase_deadline = None if seconds is None else time.monotonic() + seconds
 
@@ -422,6 +439,9 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         elif kind == "signal":
             assert isinstance(payload, int)
             self._on_interrupt(payload)
+        elif kind == "spare-exit":
+            assert isinstance(payload, Spare)
+            self._on_spare_exit(payload)
 
     def _on_exit(self, task: Task) -> None:
         assert task.process is not None
@@ -560,6 +580,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         """Compute the run's status once every task has exited (or been given up on)."""
         # Kill leftovers first: a leftover that inherited a task's pipe keeps its reader from
         # reaching the end; what it already wrote stays in the pipe and is still read.
+        self._sweep_spares()
         self._kill_process_groups(quiet=False)
         for task in self._tasks:
             if task.process is not None:

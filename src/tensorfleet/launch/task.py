@@ -36,6 +36,10 @@ class Task:
     restart_at: float | None = None
     #: The policy's decision for the pending restart (its kind and count), if any.
     pending_restart: RestartDecision | None = None
+    #: Deaths in a row that came soon after the process started (a crash loop's): each
+    #: doubles the back-off before the next restart; a run past the policy's threshold
+    #: resets it (:mod:`tensorfleet.launch.restart_policy`).
+    quick_deaths: int = 0
     #: ``(time.monotonic(), kind)`` of each restart, for the restart policy's window.
     restart_history: list[tuple[float, str]] = field(default_factory=list, repr=False)
     #: The processes this task ran before its latest restart, so that whatever their process

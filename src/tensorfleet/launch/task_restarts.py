@@ -5,8 +5,10 @@ the :class:`~tensorfleet.launch.restart_policy.RestartPolicy`'s.
 
 Rule. A task that ends on its own with a failure while the run is running is restarted
 when the policy allows it: what its old process group left behind is killed at once, and
-after the policy's back-off (a deadline the supervising loop wakes up for, never a sleep)
-the same command runs with the same environment plus ``TENSORFLEET_PREDECESSOR_DEAD=1``.
+after the policy's back-off (none for a task that ran longer than the crash-loop threshold;
+otherwise a deadline the supervising loop wakes up for, never a sleep) the same command runs
+with the same environment plus ``TENSORFLEET_PREDECESSOR_DEAD=1`` (for a worker, in the warm
+spare when one is ready: :mod:`tensorfleet.launch.warm_spares`).
 Once the run drains, fails, or is stopped or interrupted, a restart still waiting is
 cancelled and the task counts as failed.
 
@@ -21,7 +23,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from tensorfleet.launch.restart_policy import describe_returncode
+from tensorfleet.launch.restart_policy import RestartDecision, describe_returncode
 from tensorfleet.launch.task import Task
 
 if TYPE_CHECKING:
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
 
 class TaskRestarts:
     """Restarts failed tasks in place (mixed into ``ClusterSupervisor``, which provides the
-    attributes below and ``_restarts_allowed``, ``_on_failure`` and ``_spawn``)."""
+    attributes below and ``_restarts_allowed``, ``_on_failure``, ``_spawn``, ``_take_spare``
+    and ``task_variables``)."""
 
     _tasks: list[Task]
     _interrupt: int | None
@@ -39,15 +42,21 @@ class TaskRestarts:
     output: Output
     restart_policy: RestartPolicy
 
+    def _decide_restart(self, task: Task) -> RestartDecision:
+        """The policy's decision for ``task``, which just ended with a failure: its run time
+        (from its start to its exit) and its crash streak decide the back-off."""
+        assert task.returncode is not None
+        ran = (task.ended_at or task.started_at) - task.started_at
+        return self.restart_policy.decide(
+            task.returncode, task.restart_history, time.monotonic(), ran, task.quick_deaths
+        )
+
     def _restart_delay(self, task: Task) -> float | None:
         """The back-off before ``task``, which just failed on its own, is restarted; None when
         it is reported instead (restarts not allowed now, or the policy says no)."""
         if not self._restarts_allowed():
             return None
-        assert task.returncode is not None
-        decision = self.restart_policy.decide(
-            task.returncode, task.restart_history, time.monotonic()
-        )
+        decision = self._decide_restart(task)
         return decision.delay_s if decision.restart else None
 
     def _schedule_restart(self, task: Task, delay: float) -> None:
@@ -62,17 +71,16 @@ class TaskRestarts:
                 "warning",
             )
         task.process.signal_group(signal.SIGKILL)
-        decision = self.restart_policy.decide(
-            task.returncode, task.restart_history, time.monotonic()
-        )
+        decision = self._decide_restart(task)
+        # the crash streak: quick deaths in a row double the back-off; a long run ends it
+        task.quick_deaths = task.quick_deaths + 1 if decision.crash_loop else 0
         task.restart_at, task.pending_restart = time.monotonic() + delay, decision
-        ran = (task.ended_at or task.started_at) - task.started_at
         lines = list(task.recent)
         last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
         self.output.message(
             f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
-            f"(restart {decision.used + 1} of {decision.limit}) in {delay:g} s "
-            f"(pid {task.pid} ran {ran:.1f} s).{last}",
+            f"(restart {decision.used + 1} of {decision.limit}) {decision.describe_wait()} "
+            f"(pid {task.pid}).{last}",
             "warning",
         )
 
@@ -95,7 +103,8 @@ class TaskRestarts:
 
     def _restart(self, task: Task) -> None:
         """Start ``task`` again with the same command and environment (its identity), telling
-        it that its predecessor is dead."""
+        it that its predecessor is dead: in a warm spare when one can take it
+        (:mod:`tensorfleet.launch.warm_spares`), else in a new process."""
         assert task.process is not None and task.returncode is not None
         old_process, old_recent = task.process, task.recent
         decision, task.pending_restart = task.pending_restart, None
@@ -104,7 +113,9 @@ class TaskRestarts:
         # as if the new one printed them (the log keeps them all).
         task.recent = deque(maxlen=old_recent.maxlen)
         try:
-            self._spawn(task, restarted=True)
+            spare = self._take_spare(task, self.task_variables(task, restarted=True))
+            if spare is None:
+                self._spawn(task, restarted=True)
         except OSError as exc:
             task.recent = old_recent
             self.output.message(
@@ -121,7 +132,13 @@ class TaskRestarts:
             if task.process is None or task.process.host == "local"
             else f" on {task.process.host}"
         )
+        how = (
+            ""
+            if spare is None
+            else f": warm spare {spare.number}, started {time.monotonic() - spare.started_at:.1f} "
+            + ("s ago and waiting" if spare.ready else "s ago, still starting")
+        )
         self.output.message(
             f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
-            f"{task.pid}{where}"
+            f"{task.pid}{where}{how}"
         )
