@@ -6,12 +6,17 @@ real service stopped and started again on the same address, in a thread."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from tensorfleet.launch.ports import free_port
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.update_rules import SGD
@@ -147,3 +152,62 @@ def test_a_shard_recreated_without_a_checkpoint_keeps_the_global_step(
         client.finish(declare_end=True)
     finally:
         client.close()
+
+
+HELLO_HOLDER = r"""
+import sys
+from tensorfleet.wire.service_socket import ServiceSocket
+service = ServiceSocket(sys.argv[1], sys.argv[2].encode())
+while True:
+    if service.poll(1.0) and (request := service.receive()) is not None:
+        print("holding", request.op, flush=True)  # never answers: killed while it holds it
+"""
+
+
+def test_a_ps_killed_while_a_hello_is_in_flight_is_asked_again_until_it_is_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker starting while its ps is killed or restarting (a fault storm, a cluster
+    recovering): the connection drops with the hello in flight. The worker says so and asks
+    again until connect_s has passed, instead of failing (exit 2 stopped the cluster)."""
+    address, secret = f"127.0.0.1:{free_port()}", "a-secret-for-the-hello-retry-test!"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HELLO_HOLDER, address, secret],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    client = ParameterClient([address], secret.encode(), "worker:0", ClientTimeouts(connect_s=60))
+    services: list[RunningService] = []
+    connected: list[object] = []
+    try:
+        worker = threading.Thread(target=lambda: connected.append(_connect(client)), daemon=True)
+        with caplog.at_level(logging.WARNING, logger="tensorfleet"):
+            worker.start()
+            line = holder.stdout.readline()
+            assert line.split() == ["holding", "hello"], f"{line!r}; {holder.stderr.read()}"
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+            services.append(serve_in_thread(CONFIG, secret.encode(), address))
+            worker.join(60)
+        assert connected and not isinstance(connected[0], BaseException), connected
+        assert any(
+            "dropped while 'hello' was in flight" in r.getMessage()
+            and "asking again" in r.getMessage()
+            for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
+    finally:
+        client.close()
+        stop_services(services)
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+
+
+def _connect(client: ParameterClient) -> object:
+    try:
+        return client.connect()
+    except BaseException as exc:  # handed to the test's thread
+        return exc

@@ -173,14 +173,16 @@ class ParameterClient:
         Returns which shards have their variables already. A shard that refuses because
         another live process holds this task's identity (:class:`IdentityInUse`) is asked
         again until ``connect_s`` has passed (the predecessor of a restarted task falls
-        silent)."""
+        silent); so is a shard whose connection dropped while the hello was in flight
+        (:class:`ConnectionLost`: a ps killed or restarting as this task starts, which is
+        common when a cluster recovers from a fault)."""
         deadline = time.monotonic() + self.timeouts.connect_s
         delay = 0.5
         while True:
             try:
                 replies = self._hello(max(1.0, deadline - time.monotonic()))
                 break
-            except IdentityInUse as exc:
+            except (IdentityInUse, ConnectionLost) as exc:
                 if time.monotonic() + delay > deadline:
                     raise
                 log.warning("%s: %s; asking again in %.1f s", self.task_name, exc, delay)
