@@ -167,8 +167,8 @@ class PipelineLeaderUpdater:
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return self.inner.agree(stop, checkpoint)
 
-    def save(self, data: Any = None) -> Any:
-        return self.inner.save(data)
+    def save(self, data: Any = None, tables_since: Any = None) -> Any:
+        return self.inner.save(data, tables_since)
 
     def finish(self, before_done: Callable[[], object] | None, failed: bool = False) -> None:
         try:

@@ -58,10 +58,12 @@ def header_metadata(document: bytes | memoryview) -> tuple[dict[str, Any], bool]
     """A table document's metadata and whether it is a delta (CheckpointError when it is
     neither kind), read from its header alone."""
     view = memoryview(document)
+    length = int.from_bytes(bytes(view[:8]), "little")
+    if length > view.nbytes - 8:
+        raise CheckpointError(
+            f"a table document cannot be read: a {length}-byte header in {view.nbytes} bytes"
+        )
     try:
-        length = int.from_bytes(bytes(view[:8]), "little")
-        if length > view.nbytes - 8:
-            raise ValueError(f"a {length}-byte header in {view.nbytes} bytes")
         metadata = json.loads(bytes(view[8 : 8 + length])).get("__metadata__") or {}
         if DELTA_KEY in metadata:
             return json.loads(metadata[DELTA_KEY]), True
