@@ -65,6 +65,7 @@ from safetensors.torch import save as safetensors_save
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT, RowStore, _read_metadata
+from tensorfleet.ps.save_clock import SaveClock
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
@@ -74,7 +75,7 @@ _INITIAL_CAPACITY = 1024
 _COUNTERS = ("admitted", "evicted", "forgotten", "dropped_rows", "deferred")
 
 
-class RawIdRowStore:
+class RawIdRowStore(SaveClock):
     """Shard ``shard`` of a table of raw ids ``table`` (``table.raw_ids``), updated by
     ``rule``; the same methods as :class:`~tensorfleet.ps.row_store.RowStore`."""
 
@@ -376,18 +377,6 @@ class RawIdRowStore:
         store.size, store.step = rows, step
         store.counters = {k: int(counters[k]) for k in _COUNTERS}
         return store
-
-    def note_saved(self) -> None:
-        """A document of the store as it is now was written: the next change moves
-        :attr:`save_clock` on, so that it is marked after that document."""
-        self._saved = True
-
-    def _change_clock(self) -> int:
-        """The clock to mark a change with (module :mod:`tensorfleet.ps.table_deltas`)."""
-        if self._saved:
-            self.save_clock += 1
-            self._saved = False
-        return self.save_clock
 
     # -- internals ---------------------------------------------------------------------------
 

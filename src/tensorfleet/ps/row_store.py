@@ -44,6 +44,7 @@ from safetensors.torch import save as safetensors_save
 
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
+from tensorfleet.ps.save_clock import SaveClock
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
@@ -52,7 +53,7 @@ METADATA_KEY = "tensorfleet_table"
 _INITIAL_CAPACITY = 1024
 
 
-class RowStore:
+class RowStore(SaveClock):
     """Shard ``shard`` of table ``table`` cut by ``partition``, updated by ``rule``."""
 
     def __init__(
@@ -350,18 +351,6 @@ class RowStore:
         store._slot_of[partition.local_of(ids)] = torch.arange(rows, dtype=torch.int64)
         store.size, store.step = rows, step
         return store
-
-    def note_saved(self) -> None:
-        """A document of the store as it is now was written: the next change moves
-        :attr:`save_clock` on, so that it is marked after that document."""
-        self._saved = True
-
-    def _change_clock(self) -> int:
-        """The clock to mark a change with (module :mod:`tensorfleet.ps.table_deltas`)."""
-        if self._saved:
-            self.save_clock += 1
-            self._saved = False
-        return self.save_clock
 
     # -- internals ---------------------------------------------------------------------------
 
