@@ -1,0 +1,125 @@
+"""How a :class:`~tensorfleet.worker.client.ParameterClient` recovers when a ps fails,
+restarts or is cut off in the middle of an operation: say hello again with back-off until
+every shard answers, have restarted shards restored (the chief, from the newest checkpoint or
+its own values) or wait until they are (the others), then try the operation again.
+
+A role of its own, mixed into the client: the client's operations wrap themselves in
+:meth:`ClientRecovery._recovering`; the decisions are made on the error's type
+(:data:`RECOVERABLE`), never on its text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from tensorfleet.errors import (
+    DeadlineExceeded,
+    NotInitialized,
+    Preempted,
+    RemoteError,
+    ServiceRestarted,
+)
+from tensorfleet.preemption_event import wait_unless_preempted
+from tensorfleet.worker.timeouts import ClientTimeouts
+
+log = logging.getLogger("tensorfleet.worker")
+
+T = TypeVar("T")
+
+#: Failures after which the client recovers and tries again: the ps restarted, fell silent,
+#: did not answer in time, or answered from a new process that has no variables yet.
+RECOVERABLE = (ServiceRestarted, DeadlineExceeded, NotInitialized)
+
+
+class ClientRecovery:
+    """The recovery of a ParameterClient (which provides the attributes and the hello,
+    create, restore and wait-ready requests named below)."""
+
+    task_name: str
+    timeouts: ClientTimeouts
+    is_chief: bool
+    restore_shards: Callable[[], tuple[int, Sequence[bytes]] | None] | None
+    recreate_tables: Callable[[Sequence[int]], None] | None
+    _fused: Any
+    _last_global_step: int
+    _hello: Callable[..., Any]
+    _wait_ready: Callable[..., Any]
+    _restore_now: Callable[..., Any]
+    _create: Callable[..., Any]
+
+    def recover(self, failure: Exception, reinitialize: bool = True) -> None:
+        """After an exchange failed (a ps died, restarted, or was cut off): say hello again,
+        with back-off, until every shard answers; have restarted shards restored (the chief)
+        or wait until they are (the others; not when ``reinitialize`` is False, e.g. for a
+        worker that only says it is done). DeadlineExceeded after ``recover_s``."""
+        log.warning("%s: %s; recovering", self.task_name, failure)
+        deadline = time.monotonic() + self.timeouts.recover_s
+        delay, last = 0.5, failure
+        while time.monotonic() < deadline:
+            try:
+                replies = self._hello(min(10.0, max(1.0, deadline - time.monotonic())))
+                fresh = [i for i, r in enumerate(replies) if r.body.get("initialized") is not True]
+                if fresh and reinitialize and self._fused is not None:
+                    self._reinitialize(fresh, deadline)
+                log.warning(
+                    "%s: recovered%s", self.task_name, f" (ps {fresh} restored)" if fresh else ""
+                )
+                return
+            except (DeadlineExceeded, RemoteError) as exc:
+                last = exc
+                log.warning(
+                    "%s: not recovered yet (%s); trying again in %.1f s", self.task_name, exc, delay
+                )
+            # The back-off, cut short by a preemption (set before it, it returns at once).
+            if wait_unless_preempted(min(delay, deadline - time.monotonic())):
+                message = (
+                    f"{self.task_name}: preempted (SIGTERM) while the parameter servers were "
+                    f"unreachable ({last}): nothing could be saved since the last checkpoint; "
+                    "exiting with status 143 (a preemption: restarted where tasks are)"
+                )
+                log.warning("%s", message)
+                raise Preempted(message)
+            delay = min(delay * 2, 5.0)
+        raise DeadlineExceeded(
+            f"{self.task_name}: the parameter servers did not come back within "
+            f"{self.timeouts.recover_s:.0f} s (last error: {last}). Restart the failed ps task "
+            "(tensorfleet launch --max-restarts N restarts it in place)"
+        )
+
+    def _reinitialize(self, fresh: list[int], deadline: float) -> None:
+        if not self.is_chief:
+            self._wait_ready(fresh, min(30.0, max(1.0, deadline - time.monotonic())))
+            return
+        checkpoint = self.restore_shards() if self.restore_shards is not None else None
+        if checkpoint is not None:
+            self._restore_now(checkpoint[1], checkpoint[0], fresh)
+            return
+        log.warning(
+            "%s: ps %s restarted without variables and there is no checkpoint to restore; "
+            "re-creating them from the chief's current values at global step %d (their "
+            "optimizer state is lost)",
+            self.task_name,
+            fresh,
+            self._last_global_step,
+        )
+        if self.recreate_tables is not None:  # before the variables: the others wait for those
+            self.recreate_tables(fresh)
+        self._create(fresh, self.timeouts.step_s, global_step=self._last_global_step)
+
+    def _recovering(self, attempt: Callable[[], T], reinitialize: bool = True) -> T:
+        """``attempt()``, recovering and trying again while it fails with a RECOVERABLE
+        error, up to ``recover_s`` after the first failure (then the last error is raised;
+        a recovery that cannot reach the ps raises DeadlineExceeded itself)."""
+        deadline: float | None = None
+        while True:
+            try:
+                return attempt()
+            except RECOVERABLE as exc:
+                now = time.monotonic()
+                deadline = now + self.timeouts.recover_s if deadline is None else deadline
+                if now >= deadline:
+                    raise
+                self.recover(exc, reinitialize)
