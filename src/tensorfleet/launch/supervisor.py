@@ -75,10 +75,10 @@ from tensorfleet.launch.restart_policy import (
     PREDECESSOR_DEAD_VAR,
     RestartPolicy,
     describe_returncode,
-    exit_status,
     signal_name,
 )
-from tensorfleet.launch.task import Task
+from tensorfleet.launch.run_outcome import ending_line, run_status
+from tensorfleet.launch.task import Task, as_argv
 from tensorfleet.launch.task_restarts import TaskRestarts
 from tensorfleet.launch.training_completion import TrainingCompletion, retired_after_completion
 from tensorfleet.launch.warm_spares import DEFAULT_SPARE_WAIT_S, Spare, WarmSpares
@@ -178,8 +178,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
                 f"the number of workers must be >= 1, got {num_workers}: worker 0 is the chief "
                 "that runs the training"
             )
-        worker_argv = _as_argv(worker_command, "worker command")
-        ps_argv = default_ps_command() if ps_command is None else _as_argv(ps_command, "ps command")
+        worker_argv = as_argv(worker_command, "worker command")
+        ps_argv = default_ps_command() if ps_command is None else as_argv(ps_command, "ps command")
         if grace_period < 0:
             raise LaunchError(
                 f"--grace-period (grace_period) must be >= 0 seconds, got {grace_period:g}: "
@@ -586,39 +586,12 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
             if task.process is not None:
                 task.process.finish_output(READER_DRAIN_TIMEOUT)
         workers = [t for t in self._tasks if t.job == "worker"]
-        if self._failure is not None and self._failure.returncode is not None:
-            result = exit_status(self._failure.returncode)
-        elif self._interrupt is not None:
-            result = 128 + self._interrupt
-        elif all(t.returncode == 0 or t.retired for t in workers):
-            result = 0
-        else:
-            # Stopped by stop() before the workers finished: the first worker's signal status
-            # (143 for SIGTERM), or 1 for a worker that could not even be reaped.
-            codes = [t.returncode for t in workers if t.returncode != 0 and not t.retired]
-            result = exit_status(codes[0]) if codes[0] is not None else 1
-        elapsed = time.monotonic() - self._start_time
-        if result == 0:
-            retired = [t.name for t in workers if t.retired]
-            late = f" ({', '.join(retired)} ended after training was complete)" if retired else ""
-            self.output.message(f"all {len(workers)} worker(s) finished in {elapsed:.1f} s{late}")
-        else:
-            self.output.message(f"exit status {result} after {elapsed:.1f} s")
+        failed = self._failure.returncode if self._failure is not None else None
+        result = run_status(workers, failed, self._interrupt)
+        self.output.message(ending_line(result, workers, time.monotonic() - self._start_time))
         self._phase, self._phase_deadline, self._result = _DONE, None, result
         memory = peak_memory_line([t.name for t in self._tasks], self._markers)
         if memory is not None:
             self.output.message(memory)
         self._markers.remove()
         return result
-
-
-def _as_argv(command: Sequence[str], what: str) -> list[str]:
-    if isinstance(command, (str, bytes)):
-        raise LaunchError(
-            f"the {what} must be a list of arguments, got the string {command!r}; "
-            "split it with shlex.split()"
-        )
-    argv = [os.fspath(arg) for arg in command]
-    if not argv:
-        raise LaunchError(f"the {what} is empty; give the program to run and its arguments")
-    return argv

@@ -6,9 +6,12 @@ a child of this launcher or a process on a Ray node.
 
 from __future__ import annotations
 
+import os
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tensorfleet.errors import LaunchError
 from tensorfleet.launch.backends.base import TaskProcess
 from tensorfleet.launch.restart_policy import SIGNAL, RestartDecision
 
@@ -78,3 +81,17 @@ class Task:
     def restart_pending(self) -> bool:
         """Failed, and waiting for its back-off to pass before the launcher restarts it."""
         return self.restart_at is not None
+
+
+def as_argv(command: Sequence[str], what: str) -> list[str]:
+    """``command`` as the argument list a task runs, or LaunchError naming ``what`` and
+    the fix (a string instead of a list, an empty list)."""
+    if isinstance(command, (str, bytes)):
+        raise LaunchError(
+            f"the {what} must be a list of arguments, got the string {command!r}; "
+            "split it with shlex.split()"
+        )
+    argv = [os.fspath(arg) for arg in command]
+    if not argv:
+        raise LaunchError(f"the {what} is empty; give the program to run and its arguments")
+    return argv

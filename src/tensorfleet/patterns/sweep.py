@@ -40,9 +40,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import select
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,21 +73,14 @@ from tensorfleet.patterns.trial import (
     OUTPUT_FILE,
     PARAMS_FILE,
     STOP_FILE,
-    TRIAL_DIR_VAR,
-    TRIAL_PARAMS_VAR,
-    TRIAL_SLOT_VAR,
     MetricsReader,
 )
 from tensorfleet.patterns.trial_main import (
-    ENTRY_CHECK_TIMEOUT_S,
     PRUNED_EXIT,
-    check_entry,
-    entry_check_verdict,
 )
+from tensorfleet.patterns.trial_processes import TrialProcesses
 from tensorfleet.patterns.warm_executor import (
     TrialProcess,
-    WarmExecutor,
-    start_process_trial,
 )
 
 RESULT_FILE = "result.json"
@@ -159,10 +150,7 @@ class Sweep:
         self._records: dict[int, TrialRecord] = {}
         self._running: dict[int, _Running] = {}  # by slot
         self._started_now: list[int] = []
-        self._executors: dict[int, WarmExecutor] = {}  # by slot
-        self._warm = (
-            config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
-        )
+        self._processes = TrialProcesses(config, progress)
 
     # --- the directory -----------------------------------------------------------------
 
@@ -218,10 +206,12 @@ class Sweep:
 
     def run(self) -> SweepResult:
         try:
-            notes = self._check_entry()  # a missing entry is refused before anything starts
+            notes = (
+                self._processes.check_entry()
+            )  # a missing entry is refused before anything starts
             lock = self._lock()
         except BaseException:
-            self._close_executors()
+            self._processes.close()
             raise
         try:
             self._prepare()
@@ -241,7 +231,7 @@ class Sweep:
             return self._results()
         finally:
             self._stop_all("the sweep ended")
-            self._close_executors()
+            self._processes.close()
             (self.directory / "lock").unlink(missing_ok=True)  # still ours: we hold the flock
             lock.close()
 
@@ -265,46 +255,6 @@ class Sweep:
             except FileNotFoundError:
                 pass
             lock.close()  # the sweep before us removed the file as we opened it: again
-
-    def _check_entry(self) -> list[str]:
-        """Check the entry before anything starts (raises when its module or function is
-        missing); start the slots' executors. Returns notes for the progress."""
-        if self.config.entry is None:
-            return []
-        if not self._warm:
-            note = check_entry(self.config.entry, self._env(), self.config.pythonpath)
-            return [note] if note else []
-        for slot in range(self.config.slots):
-            self._executors[slot] = self._new_executor(slot)
-        first = self._executors[0]
-        ready = first.wait_ready(time.monotonic() + ENTRY_CHECK_TIMEOUT_S)
-        if ready is None:
-            if first.dead:
-                death = first.describe_death()
-                self._close_executors()
-                self._warm = False
-                note = check_entry(self.config.entry, self._env(), self.config.pythonpath)
-                return [f"{death}; the trials run in fresh processes", *([note] if note else [])]
-            return [
-                f"entry {self.config.entry!r} not checked: importing it took more than "
-                f"{ENTRY_CHECK_TIMEOUT_S:g} s; the trials start anyway and show any error"
-            ]
-        note = entry_check_verdict(self.config.entry, ready.get("problem"), self.config.pythonpath)
-        notes = [note] if note else []
-        if not ready.get("forkable"):
-            notes.append(f"trials run in fresh processes: {ready.get('why')}")
-            self._close_executors()
-            self._warm = False
-        return notes
-
-    def _new_executor(self, slot: int) -> WarmExecutor:
-        assert self.config.entry is not None
-        return WarmExecutor(self.config.entry, self.config.metric, self._env(), slot)
-
-    def _close_executors(self) -> None:
-        for executor in self._executors.values():
-            executor.close()
-        self._executors.clear()
 
     def _search(self) -> Search:
         if self.config.search == "optuna":
@@ -343,17 +293,7 @@ class Sweep:
                 prepare_plot()
                 plot_ready = True
             if not ended:  # a slot just freed starts its next trial at once
-                self._wait(POLL_S)
-
-    def _wait(self, seconds: float) -> None:
-        """Sleep ``seconds``, or less when an executor has news (a trial ended)."""
-        channels = [e.fileno() for e in self._executors.values() if not e.dead]
-        if channels:
-            select.select(channels, [], [], seconds)
-            for executor in self._executors.values():
-                executor.pump()  # an idle one that died is marked so (else select spins)
-        else:
-            time.sleep(seconds)
+                self._processes.wait(POLL_S)
 
     def _start(self, planned: PlannedTrial, slot: int) -> _Running:
         trial_dir = self.directory / "trials" / f"{planned.number:04d}"
@@ -364,9 +304,7 @@ class Sweep:
             trial_dir / PARAMS_FILE,
             json.dumps({"number": planned.number, "params": planned.params}),
         )
-        process = self._start_warm(planned, slot, trial_dir) if self._warm else None
-        if process is None:
-            process = self._start_fresh(planned, slot, trial_dir)
+        process = self._processes.start(planned, slot, trial_dir)
         record = TrialRecord(planned.number, planned.params, slot=slot)
         self._records[planned.number] = record
         self._started_now.append(planned.number)
@@ -374,81 +312,6 @@ class Sweep:
         return _Running(
             planned, record, process, MetricsReader(trial_dir / METRICS_FILE), trial_dir
         )
-
-    def _start_warm(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess | None:
-        """Hand the trial to the slot's executor (a new one when it died)."""
-        for _ in range(2):
-            executor = self._executors.get(slot)
-            if executor is None or executor.dead:
-                if executor is not None:
-                    self.progress.message(
-                        f"slot {slot}: {executor.describe_death()}; starting a new executor"
-                    )
-                    executor.close()
-                executor = self._executors[slot] = self._new_executor(slot)
-            process = executor.run(planned.number, trial_dir, planned.params)
-            if process is not None:
-                return process
-        return None
-
-    def _start_fresh(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess:
-        env = self._env()
-        env[TRIAL_DIR_VAR] = str(trial_dir.resolve())
-        env[TRIAL_PARAMS_VAR] = json.dumps(planned.params)
-        env[TRIAL_SLOT_VAR] = str(slot)
-        argv = self._argv(planned.params)
-        # The launcher gets SIGTERM (it stops its tasks); a plain trial SIGKILL.
-        launcher = self.config.workers_per_trial > 1
-        try:
-            return start_process_trial(
-                argv,
-                env,
-                trial_dir / OUTPUT_FILE,
-                signal.SIGTERM if launcher else signal.SIGKILL,
-            )
-        except OSError as exc:
-            raise SweepConfigError(f"cannot start the trial program {argv[0]!r}: {exc}") from exc
-
-    def _env(self) -> dict[str, str]:
-        """The environment every trial gets (and the entry check): the sweep's, the config's
-        ``env``, its ``pythonpath`` in front of ``PYTHONPATH``."""
-        env = dict(os.environ)
-        env.update(self.config.env)
-        env["PYTHONUNBUFFERED"] = "1"
-        path = [*self.config.pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
-        if path:
-            env["PYTHONPATH"] = os.pathsep.join(path)
-        return env
-
-    def _argv(self, params: dict[str, Any]) -> list[str]:
-        if self.config.command is not None:
-            values = {k: str(v) for k, v in params.items()}
-            values["python"] = sys.executable
-            program = [arg.format(**values) for arg in self.config.command]
-        else:
-            assert self.config.entry is not None
-            program = [
-                sys.executable,
-                "-m",
-                "tensorfleet.patterns.trial_main",
-                self.config.entry,
-                self.config.metric,
-            ]
-        if self.config.workers_per_trial > 1:
-            return [
-                sys.executable,
-                "-m",
-                "tensorfleet",
-                "launch",
-                "--ps",
-                str(self.config.ps_per_trial),
-                "--workers",
-                str(self.config.workers_per_trial),
-                "--no-live",
-                "--",
-                *program,
-            ]
-        return program
 
     def _poll(self, trial: _Running, search: Search) -> bool:
         """Read the trial's new metrics, stop it if pruned or late; True once it ended."""
@@ -479,12 +342,9 @@ class Sweep:
         declined = trial.process.declined()
         if declined is not None:  # the executor cannot fork safely: fresh processes from now
             self.progress.message(f"trials run in fresh processes from now: {declined}")
-            self._warm = False  # the other slots' executors finish their trials first
             slot = record.slot or 0
-            executor = self._executors.pop(slot, None)
-            if executor is not None:
-                executor.close()
-            trial.process = self._start_fresh(trial.planned, slot, trial.directory)
+            self._processes.go_fresh(slot)  # the other slots' executors finish their trials first
+            trial.process = self._processes.start(trial.planned, slot, trial.directory)
             return False
         trial.process.close()
         for point in trial.reader.read_new():  # lines written just before the end

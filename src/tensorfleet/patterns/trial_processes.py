@@ -1,0 +1,190 @@
+"""How a sweep's trials become processes: a Python entry point in a child forked from its
+slot's preloaded executor (:mod:`tensorfleet.patterns.warm_executor` says why), or a fresh
+process (a command, a trial with its own cluster through ``tensorfleet launch``, or entry
+trials when the executors cannot be used), with the environment every trial gets.
+
+A role of its own beside :class:`~tensorfleet.patterns.sweep.Sweep`, which decides which
+trial runs when and records what they did; this module owns the executors, the check of the
+entry before anything starts, and the fall back to fresh processes (said once, in the
+sweep's progress).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tensorfleet.patterns.search import PlannedTrial
+from tensorfleet.patterns.search_space import SweepConfigError
+from tensorfleet.patterns.sweep_config import SweepConfig
+from tensorfleet.patterns.sweep_report import PlainProgress
+from tensorfleet.patterns.trial import (
+    OUTPUT_FILE,
+    TRIAL_DIR_VAR,
+    TRIAL_PARAMS_VAR,
+    TRIAL_SLOT_VAR,
+)
+from tensorfleet.patterns.trial_main import (
+    ENTRY_CHECK_TIMEOUT_S,
+    check_entry,
+    entry_check_verdict,
+)
+from tensorfleet.patterns.warm_executor import TrialProcess, WarmExecutor, start_process_trial
+
+
+class TrialProcesses:
+    """The processes of one sweep's trials: the slots' executors while they can be used."""
+
+    def __init__(self, config: SweepConfig, progress: PlainProgress) -> None:
+        self.config = config
+        self.progress = progress
+        self._executors: dict[int, WarmExecutor] = {}  # by slot
+        self._warm = (
+            config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
+        )
+
+    def start(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess:
+        """Start ``planned`` in ``slot``: forked from the slot's executor where one is used
+        and can take it, else in a fresh process."""
+        process = self._start_warm(planned, slot, trial_dir) if self._warm else None
+        return process if process is not None else self._start_fresh(planned, slot, trial_dir)
+
+    def go_fresh(self, slot: int) -> None:
+        """From now on every trial runs in a fresh process (``slot``'s executor declined to
+        fork); the other slots' executors finish the trials they run."""
+        self._warm = False
+        executor = self._executors.pop(slot, None)
+        if executor is not None:
+            executor.close()
+
+    def check_entry(self) -> list[str]:
+        """Check the entry before anything starts (raises when its module or function is
+        missing); start the slots' executors. Returns notes for the progress."""
+        if self.config.entry is None:
+            return []
+        if not self._warm:
+            note = check_entry(self.config.entry, self.env(), self.config.pythonpath)
+            return [note] if note else []
+        for slot in range(self.config.slots):
+            self._executors[slot] = self._new_executor(slot)
+        first = self._executors[0]
+        ready = first.wait_ready(time.monotonic() + ENTRY_CHECK_TIMEOUT_S)
+        if ready is None:
+            if first.dead:
+                death = first.describe_death()
+                self.close()
+                self._warm = False
+                note = check_entry(self.config.entry, self.env(), self.config.pythonpath)
+                return [f"{death}; the trials run in fresh processes", *([note] if note else [])]
+            return [
+                f"entry {self.config.entry!r} not checked: importing it took more than "
+                f"{ENTRY_CHECK_TIMEOUT_S:g} s; the trials start anyway and show any error"
+            ]
+        note = entry_check_verdict(self.config.entry, ready.get("problem"), self.config.pythonpath)
+        notes = [note] if note else []
+        if not ready.get("forkable"):
+            notes.append(f"trials run in fresh processes: {ready.get('why')}")
+            self.close()
+            self._warm = False
+        return notes
+
+    def _new_executor(self, slot: int) -> WarmExecutor:
+        assert self.config.entry is not None
+        return WarmExecutor(self.config.entry, self.config.metric, self.env(), slot)
+
+    def close(self) -> None:
+        """Stop every slot's executor (their running trials end with them)."""
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when an executor has news (a trial ended)."""
+        channels = [e.fileno() for e in self._executors.values() if not e.dead]
+        if channels:
+            select.select(channels, [], [], seconds)
+            for executor in self._executors.values():
+                executor.pump()  # an idle one that died is marked so (else select spins)
+        else:
+            time.sleep(seconds)
+
+    def _start_warm(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess | None:
+        """Hand the trial to the slot's executor (a new one when it died)."""
+        for _ in range(2):
+            executor = self._executors.get(slot)
+            if executor is None or executor.dead:
+                if executor is not None:
+                    self.progress.message(
+                        f"slot {slot}: {executor.describe_death()}; starting a new executor"
+                    )
+                    executor.close()
+                executor = self._executors[slot] = self._new_executor(slot)
+            process = executor.run(planned.number, trial_dir, planned.params)
+            if process is not None:
+                return process
+        return None
+
+    def _start_fresh(self, planned: PlannedTrial, slot: int, trial_dir: Path) -> TrialProcess:
+        env = self.env()
+        env[TRIAL_DIR_VAR] = str(trial_dir.resolve())
+        env[TRIAL_PARAMS_VAR] = json.dumps(planned.params)
+        env[TRIAL_SLOT_VAR] = str(slot)
+        argv = self._argv(planned.params)
+        # The launcher gets SIGTERM (it stops its tasks); a plain trial SIGKILL.
+        launcher = self.config.workers_per_trial > 1
+        try:
+            return start_process_trial(
+                argv,
+                env,
+                trial_dir / OUTPUT_FILE,
+                signal.SIGTERM if launcher else signal.SIGKILL,
+            )
+        except OSError as exc:
+            raise SweepConfigError(f"cannot start the trial program {argv[0]!r}: {exc}") from exc
+
+    def env(self) -> dict[str, str]:
+        """The environment every trial gets (and the entry check): the sweep's, the config's
+        ``env``, its ``pythonpath`` in front of ``PYTHONPATH``."""
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        path = [*self.config.pythonpath, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
+        if path:
+            env["PYTHONPATH"] = os.pathsep.join(path)
+        return env
+
+    def _argv(self, params: dict[str, Any]) -> list[str]:
+        if self.config.command is not None:
+            values = {k: str(v) for k, v in params.items()}
+            values["python"] = sys.executable
+            program = [arg.format(**values) for arg in self.config.command]
+        else:
+            assert self.config.entry is not None
+            program = [
+                sys.executable,
+                "-m",
+                "tensorfleet.patterns.trial_main",
+                self.config.entry,
+                self.config.metric,
+            ]
+        if self.config.workers_per_trial > 1:
+            return [
+                sys.executable,
+                "-m",
+                "tensorfleet",
+                "launch",
+                "--ps",
+                str(self.config.ps_per_trial),
+                "--workers",
+                str(self.config.workers_per_trial),
+                "--no-live",
+                "--",
+                *program,
+            ]
+        return program
