@@ -90,13 +90,7 @@ class RawIdRowStore(SaveClock):
                 f"table {table.name!r}: a store of raw ids needs a table of raw ids split by "
                 f"hash, got raw_ids={table.raw_ids} and partition {partition.scheme!r}"
             )
-        if partition.num_rows != table.num_rows:
-            raise ConfigError(
-                f"table {table.name!r} holds {table.num_rows} rows, its partition "
-                f"{partition.num_rows}"
-            )
-        if not 0 <= shard < partition.num_shards:
-            raise ConfigError(f"shard {shard} is not one of the {partition.num_shards} shards")
+        partition.check_store(table, shard)
         self.table, self.partition, self.shard, self.rule = table, partition, shard, rule
         self.step = 0
         """Updates applied (empty ones included): the clock of admission and expiry."""

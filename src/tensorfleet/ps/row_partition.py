@@ -144,6 +144,16 @@ class RowPartition:
     num_shards: int
     scheme: str = "mod"
 
+    def check_store(self, table: TableSpec, shard: int) -> None:
+        """ConfigError unless a store of ``table``'s shard ``shard`` can use this partition:
+        the same rows as the table, and ``shard`` one of its shards."""
+        if self.num_rows != table.num_rows:
+            raise ConfigError(
+                f"table {table.name!r} has {table.num_rows} rows, its partition {self.num_rows}"
+            )
+        if not 0 <= shard < self.num_shards:
+            raise ConfigError(f"shard {shard} is not one of the {self.num_shards} shards")
+
     def __post_init__(self) -> None:
         if self.scheme not in (*SCHEMES, HASH):
             raise ConfigError(f"row partition scheme must be one of {SCHEMES}, got {self.scheme!r}")

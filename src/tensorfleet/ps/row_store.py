@@ -59,13 +59,7 @@ class RowStore(SaveClock):
     def __init__(
         self, table: TableSpec, partition: RowPartition, shard: int, rule: SparseRowRule
     ) -> None:
-        if partition.num_rows != table.num_rows:
-            raise ConfigError(
-                f"table {table.name!r} has {table.num_rows} rows, its partition "
-                f"{partition.num_rows}"
-            )
-        if not 0 <= shard < partition.num_shards:
-            raise ConfigError(f"shard {shard} is not one of the {partition.num_shards} shards")
+        partition.check_store(table, shard)
         self.table, self.partition, self.shard, self.rule = table, partition, shard, rule
         self.step = 0
         """Updates applied to the table (empty ones included: torch counts every step)."""
