@@ -201,9 +201,8 @@ class ClientSegments:
             extra["shm"] = self._request.describe()
         wanted = self._reply_sizes.get(asked, total)
         if wanted >= MIN_BYTES:
-            region = self._replies.take(wanted)
+            region = self._replies.take(wanted, request_id)
             if region is not None:
-                region.holder = request_id
                 extra["shm_reply"] = region.describe()
         if extra:
             self._busy = request_id
@@ -300,6 +299,7 @@ class ReplyRegions:
         self._segments: list[Segment] = []
         self._fill = 0
         self._by_size: dict[int, list[_ReplyRegion]] = {}
+        self._held: dict[int, _ReplyRegion] = {}  # by the request that holds it
         self._bytes = 0
 
     @property
@@ -310,14 +310,15 @@ class ReplyRegions:
     def segments(self) -> int:
         return len(self._segments)
 
-    def take(self, size: int) -> _ReplyRegion | None:
+    def take(self, size: int, request_id: int) -> _ReplyRegion | None:
         """A region of ``size`` bytes (rounded up to :data:`ALIGN`) that no request holds and
-        nothing references: a free one of that size, else a new one; None past ``max_bytes``."""
+        nothing references, now held by ``request_id``: a free one of that size, else a new
+        one; None past ``max_bytes``."""
         size = -(-size // ALIGN) * ALIGN
         regions = self._by_size.setdefault(size, [])
         for region in regions:
             if region.free():
-                return region
+                return self._hold(region, request_id)
         if self.max_bytes is not None and self._bytes + size > self.max_bytes:
             return None
         if not self._segments or self._fill + size > self._segments[-1].size:
@@ -327,20 +328,21 @@ class ReplyRegions:
         self._fill += size
         self._bytes += size
         regions.append(region)
+        return self._hold(region, request_id)
+
+    def _hold(self, region: _ReplyRegion, request_id: int) -> _ReplyRegion:
+        region.holder = request_id
+        self._held[request_id] = region
         return region
 
     def held_by(self, request_id: object) -> _ReplyRegion | None:
         """The region request ``request_id`` holds, or None."""
-        for regions in self._by_size.values():
-            for region in regions:
-                if region.holder is not None and region.holder == request_id:
-                    return region
-        return None
+        return self._held.get(request_id) if isinstance(request_id, int) else None
 
     def release(self, request_id: object) -> None:
         """Request ``request_id`` was answered: it no longer holds its region (the payload
         handed out of it keeps it taken while referenced)."""
-        region = self.held_by(request_id)
+        region = self._held.pop(request_id, None) if isinstance(request_id, int) else None
         if region is not None:
             region.holder = None
 
@@ -348,6 +350,7 @@ class ReplyRegions:
         """Close every segment; memory the caller still references stays mapped until it
         lets go."""
         self._by_size.clear()
+        self._held.clear()
         for segment in self._segments:
             segment.close()
         self._segments = []
