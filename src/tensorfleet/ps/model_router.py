@@ -32,10 +32,17 @@ import logging
 import threading
 import time
 
-from tensorfleet.errors import NotInitialized, ProtocolError, RemoteProtocolError, RequestRefused
+from tensorfleet.errors import (
+    NotInitialized,
+    ProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    RequestRefused,
+)
+from tensorfleet.ps import namespace_copy
 from tensorfleet.ps.model_namespace import DEFAULT_MODEL, ModelClaim, check_model_name, label
 from tensorfleet.ps.preemption_drain import PreemptionDrain
-from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome
+from tensorfleet.ps.service import ParameterService, ServiceConfig, ServiceOutcome, refusal_code
 from tensorfleet.ps.spans import NO_SPANS, SpanRecorder
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 
@@ -106,6 +113,9 @@ class ModelRouter:
 
     def route(self, request: Request) -> None:
         """Hand ``request`` to its model's service (opening the model on a hello)."""
+        if namespace_copy.answers(request):  # between models: the router's own
+            self._answer_between_models(request)
+            return
         model = request.body.get("model", DEFAULT_MODEL)
         try:
             check_model_name(model)
@@ -117,6 +127,17 @@ class ModelRouter:
             self.socket.fail(request, RemoteProtocolError.code, str(exc))
             return
         service.handle(request)
+
+    def _answer_between_models(self, request: Request) -> None:
+        """``copy_model`` and ``set_hyperparameters`` (:mod:`tensorfleet.ps.namespace_copy`):
+        answered here, between two requests of the loop, so that no push sees half of one."""
+        try:
+            with self.spans.span("apply", task=str(request.body.get("task"))):
+                body = namespace_copy.answer(self.models, request)
+        except (RemoteError, ProtocolError, ValueError) as exc:
+            self.socket.fail(request, refusal_code(exc), str(exc))
+            return
+        self.socket.reply(request, body)
 
     def _service_for(self, model: str, request: Request) -> ParameterService:
         service = self.models.get(model)

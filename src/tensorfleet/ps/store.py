@@ -170,6 +170,22 @@ class VariableStore:
         self._optimizer = fresh
         self.version = version
 
+    def retune(self, rule: UpdateRule) -> None:
+        """Take ``rule``'s hyperparameters (the same rule by name, other numbers: a learning
+        rate, a weight decay) from the next update on, keeping the optimizer's state: each
+        is written into the optimizer's parameter group, which is where torch reads them at
+        every step. The caller checked ``rule`` (:func:`~tensorfleet.ps.namespace_copy.retuned_rule`)."""
+        if self._optimizer is None or self.rule is None:
+            raise UsageError("variables not created yet")
+        if rule.name != self.rule.name:
+            raise ConfigError(
+                f"retune keeps the update rule: this shard's is {self.rule.name!r}, got "
+                f"{rule.name!r}"
+            )
+        for group in self._optimizer.param_groups:
+            group.update(rule.hyperparameters)
+        self.rule = rule
+
     def _params(self) -> list[torch.Tensor]:
         """The per-variable views, in the optimizer's parameter order."""
         return [view for views in self._views for view in views]
