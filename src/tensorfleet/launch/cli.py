@@ -2,7 +2,8 @@
 :mod:`tensorfleet.launch.launch_command`), run a ps ``server`` task, ``plot`` the metrics a
 ``SummaryHook`` wrote, ``export`` a checkpoint's model, or describe a cluster for a cluster
 manager (``slurm``: an sbatch script; ``k8s render``: manifests), or run a hyperparameter
-``sweep`` (registered by :mod:`tensorfleet.patterns.sweep_cli`).
+``sweep`` (registered by :mod:`tensorfleet.patterns.sweep_cli`) or population-based training
+(``pbt``, registered by :mod:`tensorfleet.patterns.pbt_cli`).
 
 ::
 
@@ -11,6 +12,7 @@ manager (``slurm``: an sbatch script; ``k8s render``: manifests), or run a hyper
     tensorfleet plot runs/cnn -o curves.png
     tensorfleet export runs/cnn/checkpoints model.safetensors
     tensorfleet sweep sweep.yaml --dir runs/sweep
+    tensorfleet pbt pbt.yaml --dir runs/pbt
 
 Errors tensorfleet raises on purpose are printed as one line, ``tensorfleet: error: ...``,
 with exit status 2 and no traceback; anything else is a bug and keeps its traceback.
@@ -33,6 +35,7 @@ from tensorfleet.launch.task_flags import (
     resolve_server_task,
     task_security,
 )
+from tensorfleet.patterns.pbt_cli import add_pbt_command
 from tensorfleet.patterns.sweep_cli import add_sweep_command
 from tensorfleet.ps.service_settings import ServiceSettings
 from tensorfleet.version import __version__
@@ -151,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_command(commands)
     kubernetes.add_command(commands)
     add_sweep_command(commands)
+    add_pbt_command(commands)
     return parser
 
 

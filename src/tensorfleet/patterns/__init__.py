@@ -9,7 +9,9 @@
 * :mod:`~tensorfleet.patterns.broadcast`: a trainer publishes versioned weight snapshots,
   any number of subscribers always get the newest one;
 * :mod:`~tensorfleet.patterns.actor_learner`: actors produce samples into a learner's
-  bounded queue and follow its weights.
+  bounded queue and follow its weights;
+* :mod:`~tensorfleet.patterns.pbt`: population-based training, the members in their own
+  namespaces on one ps task, the worst copying the best on the ps (``tensorfleet pbt CONFIG``).
 
 The layer sits above ``session`` (it composes training sessions and the wire) and below
 ``launch`` (whose CLI registers ``tensorfleet sweep``); see docs/patterns.md.
