@@ -147,6 +147,12 @@ BENCHMARKS: dict[str, Benchmark] = {
         ),
         "patterns",
     ),
+    "pbt": Benchmark(
+        "pbt",
+        (),
+        ("--copy-params", "100000", "--copy-repeats", "3", "--seeds", "1", "--rounds", "3"),
+        "pbt",
+    ),
     # The quick chaos run checks the machinery (a kill, the recovery, the checkpoints, no
     # process left), not the accuracy: 2,000 steps are too few for the 0.01 bound.
     "chaos": Benchmark(
@@ -494,6 +500,28 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
                         "",
                     )
                 )
+    pbt = results.get("pbt")
+    if pbt:
+        copy = pbt["copy"]
+        rows.append(
+            (
+                "pbt",
+                f"exploit copy of a {copy['params'] / 1e6:g} M-parameter member with Adam's "
+                "state (copy_model round trip)",
+                f"{copy['copy_round_trip_ms']:.1f} ms ({copy['copy_to_pull']:.2f}x a pull)",
+                "< 50 ms",
+            )
+        )
+        runs = pbt["pbt"]["runs"]
+        rows.append(
+            (
+                "pbt",
+                f"PBT, 4 members, vs the best of 4 fixed learning rates, same budget, "
+                f"{len(runs)} seeds (best-fixed score / PBT score)",
+                ", ".join(f"{run['fixed_to_pbt']:.2f}x" for run in runs),
+                "> 1x on every seed",
+            )
+        )
     rows += _big_model_headlines(results.get("big_model"))
     storm = results.get("chaos_storm")
     if storm:

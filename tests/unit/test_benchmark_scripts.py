@@ -41,6 +41,7 @@ RUNNABLE = {
     "modes.py",
     "overlap.py",
     "patterns.py",
+    "pbt.py",
     "ps_capacity.py",
     "ps_load.py",
     "ps_sharding_links.py",

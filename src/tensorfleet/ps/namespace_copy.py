@@ -102,11 +102,9 @@ def copy_model(source: ParameterService, target: ParameterService) -> dict[str, 
             f"{target.config.name}: {label(source_name)} and {label(target_name)} differ in "
             "keeping a moving average (ema_decay): give every member the same discipline"
         )
-    values, ema, optimizer = source.store.checkpoint_parts(copy=True)
-    version = source.store.version
-    target.store.restore(values, ema, optimizer, target.store.version)
+    target.store.take_state_of(source.store)
     return {
-        "source_version": version,
+        "source_version": source.store.version,
         "source_global_step": source.global_step,
         "version": target.store.version,
         "global_step": target.global_step,

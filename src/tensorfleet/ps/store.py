@@ -170,6 +170,36 @@ class VariableStore:
         self._optimizer = fresh
         self.version = version
 
+    def take_state_of(self, source: VariableStore) -> None:
+        """Make this store's values, moving average and optimizer state a copy of
+        ``source``'s, bit for bit (its hyperparameters and ``version`` stay its own).
+
+        Both stores must hold the same layout under the same rule (the caller checked it:
+        :func:`~tensorfleet.ps.namespace_copy.copy_model`): the flats are copied as they
+        are, and each variable's optimizer state (Adam's moments and step count, momentum
+        buffers) is cloned into this store's optimizer, which is what ``load_state_dict``
+        ends in, without rebuilding or checking a reference optimizer (a copy of a 1 M-
+        parameter Adam model is three memory copies)."""
+        if self._optimizer is None or source._optimizer is None:
+            raise UsageError("variables not created yet")
+        self._copy_on_write.before_write(self._flats, self._views)
+        with torch.no_grad():
+            for mine, theirs in zip(self._flats, source._flats, strict=True):
+                mine.copy_(theirs)
+            if self._ema is not None and source._ema is not None:
+                for mine, theirs in zip(self._ema, source._ema, strict=True):
+                    mine.copy_(theirs)
+        state = self._optimizer.state
+        for mine, theirs in zip(self._params(), source._params(), strict=True):
+            copied = source._optimizer.state.get(theirs)
+            if copied:
+                state[mine] = {
+                    key: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                    for key, value in copied.items()
+                }
+            else:
+                state.pop(mine, None)
+
     def retune(self, rule: UpdateRule) -> None:
         """Take ``rule``'s hyperparameters (the same rule by name, other numbers: a learning
         rate, a weight decay) from the next update on, keeping the optimizer's state: each
