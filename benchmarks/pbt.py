@@ -10,7 +10,8 @@ baseline measured in the same run:
   regression, 4 members of ``--rounds`` x ``--steps-per-round`` SGD steps each, with
   exploit/explore vs the same 4 members keeping their initial learning rates (4 runs of the
   same steps: the same total budget); the best member's final score (lower is better) for
-  each of ``--seeds`` seeds, and the ratio best-fixed / PBT.
+  each of ``--seeds`` seeds, and the ratio best-fixed / PBT; seed 0's PBT lineage is drawn in
+  ``pbt_lineage.png`` beside the results.
 
     .venv/bin/python benchmarks/pbt.py
     .venv/bin/python benchmarks/pbt.py --copy-params 100000 --copy-repeats 3 --seeds 1 --rounds 3
@@ -22,6 +23,7 @@ import argparse
 import importlib.util
 import os
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
-from results_writer import add_out_dir_option, write_results  # noqa: E402
+from results_writer import add_out_dir_option, results_dir, write_results  # noqa: E402
 
 from tensorfleet.optim import Adam  # noqa: E402
 from tensorfleet.patterns.pbt import run_pbt  # noqa: E402
@@ -148,6 +150,9 @@ def pbt_row(seeds: int, rounds: int, steps_per_round: int) -> dict:
                 start = time.perf_counter()
                 result = run_pbt(config, directory, example.make_problem(seed))
                 wall = time.perf_counter() - start
+                if exploit and seed == 0 and (Path(directory) / "lineage.png").exists():
+                    results_dir().mkdir(parents=True, exist_ok=True)
+                    shutil.copy(Path(directory) / "lineage.png", results_dir() / "pbt_lineage.png")
             scores["pbt" if exploit else "fixed"] = {
                 "best_score": result.best_score,
                 "best_hyperparameters": result.best_hyperparameters,

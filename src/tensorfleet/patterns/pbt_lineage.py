@@ -96,8 +96,9 @@ class Lineage:
         return path
 
     def _plot(self, path: Path) -> Path:
-        """Score and each hyperparameter per member against the global step; an arrow for
-        each copy, from the source's point to the target's."""
+        """Score and each hyperparameter (after the round's explore: the next round's)
+        per member against the global step; an arrow for each copy, from the source's point
+        to the target's (score: the target's before the copy; hyperparameter: explored)."""
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
@@ -118,12 +119,12 @@ class Lineage:
             for m in self.exploits():
                 source = next(s for s in self.rounds[m.round] if s.member == m.copied_from)
                 y0 = source.score if key is None else source.hyperparameters.get(key)
-                y1 = m.source_score if key is None else m.hyperparameters.get(key)
+                y1 = m.score if key is None else m.hyperparameters.get(key)
                 ax.annotate("", xy=(m.global_step, y1), xytext=(source.global_step, y0),
                             arrowprops={"arrowstyle": "->", "color": colors[m.member],
                                         "alpha": 0.6})  # fmt: skip
             ax.set_yscale("log")
-            ax.set_ylabel(label)
+            ax.set_ylabel(label if key is None else f"{label} (for the next round)")
             ax.grid(True, alpha=0.3)
         axes[0].legend(fontsize="small", ncols=min(4, len(self.members)))
         axes[-1].set_xlabel("member's global step")

@@ -24,6 +24,9 @@ The rules:
   after the last model ended (a warning names them). A default model nobody said hello to
   does not exist, so it holds nothing. ``idle_timeout_s`` without a valid request ends the
   task as before, and so does ``stop``.
+* **Operations between models** (``copy_model``, ``set_hyperparameters``, and a
+  controller's ``hello`` that opens no model) are the router's own, answered between two
+  requests of the loop (:mod:`tensorfleet.ps.namespace_copy`).
 """
 
 from __future__ import annotations
