@@ -123,8 +123,9 @@ def test_a_killed_pbt_run_resumes_with_the_whole_population_and_ends_as_an_unkil
 
 
 def test_a_run_directory_of_another_configuration_is_refused(tmp_path):
-    first = run_cli(write_config(tmp_path / "a.json", rounds=1), tmp_path / "run")
-    assert first.returncode == 0, first.stdout + first.stderr
+    from tensorfleet.patterns.pbt import run_pbt
+
+    run_pbt(load_config(write_config(tmp_path / "a.json", rounds=1)), tmp_path / "run")
     other = run_cli(write_config(tmp_path / "b.json", rounds=1, seed=4), tmp_path / "run")
     assert other.returncode == 2, other.stdout + other.stderr
     assert "holds a PBT run of another configuration (differs in seed: was seed=3)" in other.stderr
@@ -171,3 +172,48 @@ def test_the_pbt_example_runs(tmp_path):
     summary = json.loads(done.stdout.splitlines()[-1])
     assert summary["exploits"] == 2 and summary["best_hyperparameters"]["lr"] > 0, summary
     assert (tmp_path / "lineage.png").exists() and (tmp_path / "lineage.csv").exists()
+
+
+def _test_problem(**options: int):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pbt_problem_for_tests", PROBLEM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_problem(seed=3, **options)
+
+
+class _FailingProblem:
+    """The test problem, whose member 1 raises at its step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.inner, self.at = _test_problem(), at
+
+    def build_model(self, member):
+        return self.inner.build_model(member)
+
+    def loss(self, model, step, member):
+        if (member, step) == (1, self.at):
+            raise RuntimeError(f"member 1 broke at step {step}")
+        return self.inner.loss(model, step, member)
+
+    def evaluate(self, model):
+        return self.inner.evaluate(model)
+
+
+def test_a_failed_member_step_ends_the_run_and_the_same_run_resumes_in_process(tmp_path, capsys):
+    config = load_config(write_config(tmp_path / "pbt.json"))
+    from tensorfleet.patterns.pbt import run_pbt
+
+    with pytest.raises(RuntimeError, match="member 1 broke at step 9"):
+        run_pbt(config, tmp_path / "run", _FailingProblem(at=STEPS + 3))  # in round 2
+    assert "pbt: round 1: member-1 failed: RuntimeError('member 1 broke at step 9')" in (
+        capsys.readouterr().err
+    )
+    state = json.loads((tmp_path / "run" / "pbt_state.json").read_text())
+    assert state["completed_rounds"] == 1
+    result = run_pbt(config, tmp_path / "run", _test_problem())
+    assert result.resumed_from_round == 1 and sorted(result.scores) == [
+        f"member-{i}" for i in range(MEMBERS)
+    ]
+    check_lineage(tmp_path / "run")

@@ -76,7 +76,13 @@ class Member:
     """The only worker of one model: variables ``w`` and ``b``, initialized from ``seed``."""
 
     def __init__(
-        self, address: str, index: int, rule: UpdateRule, seed: int, size: int = 1000
+        self,
+        address: str,
+        index: int,
+        rule: UpdateRule,
+        seed: int,
+        size: int = 1000,
+        discipline: UpdateDiscipline | None = None,
     ) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.w = torch.nn.Parameter(torch.randn(size, generator=generator))
@@ -95,7 +101,9 @@ class Member:
             1,
         )
         self.client.connect()
-        self.client.register(self.named, plan, rule, is_chief=True, discipline=UpdateDiscipline())
+        self.client.register(
+            self.named, plan, rule, is_chief=True, discipline=discipline or UpdateDiscipline()
+        )
 
     def step(self, scale: float, seed: int = 0):
         generator = torch.Generator().manual_seed(seed)
@@ -246,4 +254,28 @@ def test_copies_between_models_that_differ_or_do_not_exist_are_refused(router):
     finally:
         control.close()
         for member in (adam, sgd, other):
+            member.client.close()
+
+
+def test_a_copy_takes_the_moving_average_too_and_refuses_a_member_without_one(router):
+    ema = UpdateDiscipline(ema_decay=0.9)
+    source = Member(router.address, 0, Adam(lr=0.01), seed=1, discipline=ema)
+    target = Member(router.address, 1, Adam(lr=0.01), seed=2, discipline=ema)
+    plain = Member(router.address, 2, Adam(lr=0.01), seed=3)
+    control = NamespaceControl([router.address], SECRET, timeout_s=10.0)
+    try:
+        for i in range(3):
+            source.step(1.0, seed=i)
+        target.step(2.0, seed=5)
+        control.copy_model(source.model, target.model)
+        averages = [
+            router.router.models[m.model].store.moving_average_snapshot() for m in (source, target)
+        ]
+        assert all(torch.equal(a, b) for a, b in zip(*averages, strict=True))
+        _assert_same_state(router.state(target.model), router.state(source.model))
+        with pytest.raises(RequestRefused, match="differ in keeping a moving average"):
+            control.copy_model(source.model, plain.model)
+    finally:
+        control.close()
+        for member in (source, target, plain):
             member.client.close()

@@ -38,6 +38,7 @@ import random
 import secrets
 import shutil
 import socket as sockets
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -238,7 +239,9 @@ def _train_round(
             member.global_step = progress.global_step
 
     deadline = time.monotonic() + config.round_timeout_s
-    with ThreadPoolExecutor(len(members), thread_name_prefix="pbt-member") as pool:
+    pool = ThreadPoolExecutor(len(members), thread_name_prefix="pbt-member")
+    finished = False
+    try:
         futures = {member.name: pool.submit(train, member) for member in members}
         for name, future in futures.items():
             try:
@@ -250,6 +253,14 @@ def _train_round(
                     f"{config.round_timeout_s:g} s; raise round_timeout_s or lower "
                     "steps_per_round"
                 ) from None
+            except BaseException as exc:  # say which member's step failed, keep the error
+                print(f"pbt: round {round_index}: {name} failed: {exc!r}", file=sys.stderr)
+                raise
+        finished = True
+    finally:
+        # A failed round does not wait for the other members (their pushes have deadlines
+        # of their own; the clients are closed next).
+        pool.shutdown(wait=finished, cancel_futures=True)
     if failure:
         raise failure[0]
 
