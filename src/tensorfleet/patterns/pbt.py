@@ -150,11 +150,11 @@ def run_pbt(
     timeouts = ClientTimeouts(
         connect_s=60.0, initialize_s=60.0, step_s=min(600.0, config.round_timeout_s)
     )
-    members = [
-        _Member(i, problem.build_model(i), address, secret, timeouts) for i in range(config.members)
-    ]
+    members: list[_Member] = []
     control: NamespaceControl | None = None
     try:
+        for i in range(config.members):
+            members.append(_Member(i, problem.build_model(i), address, secret, timeouts))
         lineage, first_round = _start_members(config, directory, state, members)
         control = NamespaceControl([address], secret, timeout_s=60.0)
         for round_index in range(first_round, config.rounds):
