@@ -95,6 +95,9 @@ CUDA_VISIBLE_DEVICES_VAR = "CUDA_VISIBLE_DEVICES"
 #: started before tensorfleet applies its budget do not spawn one thread per core either.
 OMP_NUM_THREADS_VAR = "OMP_NUM_THREADS"
 MKL_NUM_THREADS_VAR = "MKL_NUM_THREADS"
+#: How long an idle OpenMP thread of torch (GNU libgomp, which torch's Linux wheels use)
+#: spins before it sleeps, in spin iterations.
+OPENMP_SPIN_COUNT_VAR = "GOMP_SPINCOUNT"
 
 
 def host_cpu_count() -> int:

@@ -66,6 +66,7 @@ def test_cli_thread_budget_is_seen_inside_every_task() -> None:
         assert info["intra"] == info["applied_intra"] == expected[name], (name, text)
         assert info["inter"] == expected[name], (name, text)
         assert info["omp"] == str(expected[name]), (name, text)
+        assert info["omp_spin"] == os.environ.get("GOMP_SPINCOUNT", "20000"), (name, text)
         assert info["cuda_visible_devices"] == "", (name, text)  # --gpus-per-worker 0
         assert info["cuda_devices"] == 0, (name, text)
     assert text.startswith("[launcher] GPUs: none (--gpus-per-worker 0)"), text

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tensorfleet.cluster.resources import (
+    OPENMP_SPIN_COUNT,
     TaskResources,
     parse_visible_devices,
     plan_resources,
@@ -78,6 +79,14 @@ def test_env_round_trip():
     assert env["OMP_NUM_THREADS"] == "2"
     assert TaskResources.from_env(env) == res
     assert TaskResources.from_env({}) == TaskResources()
+
+
+def test_a_thread_budget_shortens_openmps_idle_spinning_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert TaskResources(intra_op_threads=2).to_env()["GOMP_SPINCOUNT"] == str(OPENMP_SPIN_COUNT)
+    assert "GOMP_SPINCOUNT" not in TaskResources(visible_gpus=(0,)).to_env()  # no budget
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")  # the user's own choice is kept
+    assert "GOMP_SPINCOUNT" not in TaskResources(intra_op_threads=2).to_env()
 
 
 @pytest.mark.parametrize(

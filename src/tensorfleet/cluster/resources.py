@@ -19,6 +19,17 @@ TensorFlow's ``ConfigProto`` lets each server be told (``intra_op_parallelism_th
 - memory: ``gpu_memory_fraction`` F in (0, 1] caps each task's share of each of its GPUs
   (torch's caching allocator otherwise grows on demand, which is TensorFlow's
   ``allow_growth``: the default).
+- idle threads: a task with a thread budget also gets ``GOMP_SPINCOUNT=20000``
+  (:data:`OPENMP_SPIN_COUNT`; unless the launcher's own environment sets it). After every
+  parallel op torch's idle OpenMP threads spin for libgomp's default of 300,000 iterations
+  before they sleep, and during an exchange that spinning takes the cores this task's MAC
+  and ZeroMQ threads, and the co-located tasks, need: an 8 MB push+pull over TCP from a
+  2-thread client cost it 19-20 ms of CPU per round with the default and 12-13 ms with
+  20,000 (wall time 20.6-22.1 -> 17.8-19.4 ms; ``docs/devices.md``), while a model's
+  forward and backward, whose ops follow each other within microseconds, keep their
+  threads spinning from one op to the next and did not slow down. (``OMP_WAIT_POLICY=passive``,
+  no spinning at all, did the same for the exchange but slowed a CNN step by 10 % and a
+  small MLP step by 60 %.)
 
 The plan travels to each task as environment variables (:meth:`TaskResources.to_env`) and is
 read back there (:meth:`TaskResources.from_env`); applying it to torch is
@@ -36,6 +47,10 @@ from tensorfleet import environment
 from tensorfleet.cluster.gpu_assignment import HostGpus, assign_gpus
 from tensorfleet.cluster.spec import show
 from tensorfleet.errors import ClusterConfigError
+
+#: Spin iterations of an idle OpenMP thread before it sleeps, for tasks given a thread
+#: budget (libgomp's default: 300,000); why: the module's docstring, "idle threads".
+OPENMP_SPIN_COUNT = 20_000
 
 
 @dataclass(frozen=True)
@@ -79,12 +94,16 @@ class TaskResources:
             object.__setattr__(self, "gpu_memory_fraction", float(fraction))
 
     def to_env(self) -> dict[str, str]:
-        """The variables that carry this to a task (only the parts that are set)."""
+        """The variables that carry this to a task (only the parts that are set; with the
+        threads, OpenMP's spin count, unless this process's environment sets it: the
+        module's docstring, "idle threads")."""
         env: dict[str, str] = {}
         if self.intra_op_threads is not None:
             env[environment.INTRA_OP_THREADS_VAR] = str(self.intra_op_threads)
             env[environment.OMP_NUM_THREADS_VAR] = str(self.intra_op_threads)
             env[environment.MKL_NUM_THREADS_VAR] = str(self.intra_op_threads)
+            if environment.OPENMP_SPIN_COUNT_VAR not in environment.environ():
+                env[environment.OPENMP_SPIN_COUNT_VAR] = str(OPENMP_SPIN_COUNT)
         if self.inter_op_threads is not None:
             env[environment.INTER_OP_THREADS_VAR] = str(self.inter_op_threads)
         if self.visible_gpus is not None:

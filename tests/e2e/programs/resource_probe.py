@@ -28,6 +28,7 @@ print(
             "applied_intra": applied.intra_op_threads,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "omp": os.environ.get("OMP_NUM_THREADS"),
+            "omp_spin": os.environ.get("GOMP_SPINCOUNT"),
             "cuda_devices": applied.cuda_devices,
         }
     ),
