@@ -5,6 +5,7 @@ given up, with one line, where the service cannot reach the memory), nothing lef
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import signal
 import subprocess
@@ -172,6 +173,44 @@ def test_a_reply_is_handed_out_where_it_lies_and_its_segment_waits_until_release
         assert _region_of(third.buffers[0], channel._segments) == held  # released: reused
         assert bytes(second.buffers[0]) == second_payload
         assert channel._segments.reply_regions == 2
+    finally:
+        channel.close()
+
+
+def test_free_regions_of_a_size_no_longer_asked_for_give_their_pages_back(
+    service: EchoService,
+) -> None:
+    """A worker's first reply is the whole model, later ones its buckets: once the whole-
+    model region is free and a reply of another size needs a new region, its pages go back
+    to the OS (they read as zeros: the memory was dropped, for the service's mapping too),
+    and the region still serves a later reply of its size correctly."""
+    channel = _connected(service.address)
+    try:
+        whole = os.urandom(4 * BIG)
+        first = channel.call("echo", {}, [whole], timeout_s=TIMEOUT_S)
+        replies = channel._segments._replies
+        (whole_region,) = [r for regions in replies._by_size.values() for r in regions]
+        assert bytes(first.buffers[0]) == whole
+        del first  # the parameters moved on to the buckets' regions
+        kept = [channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S) for _ in range(2)]
+        assert replies.reclaimed_bytes == 0  # not yet: taken too recently
+        for _ in range(2 * shm.RECLAIM_AFTER_ROUNDS * 3):  # replies of one size, no new region
+            channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S)
+        assert replies.reclaimed_bytes == 0  # nothing is given back while no region is carved
+        for _ in range(2):  # the free region, then a new one (the others are referenced)
+            kept.append(channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S))
+        assert replies.reclaimed_bytes >= 4 * BIG - 2 * mmap.PAGESIZE
+        assert whole_region.reclaimed
+        assert not any(whole_region.bytes[mmap.PAGESIZE : 4 * BIG - mmap.PAGESIZE].tolist())
+        assert all(not r.reclaimed for r in replies._by_size[-(-BIG // shm.ALIGN) * shm.ALIGN])
+        again = channel.call("echo", {}, [whole], timeout_s=TIMEOUT_S)  # the same region, refilled
+        assert bytes(again.buffers[0]) == whole
+        assert _region_of(again.buffers[0], channel._segments) == (
+            whole_region.segment.token,
+            whole_region.start,
+        )
+        assert not whole_region.reclaimed
+        assert all(len(bytes(r.buffers[0])) == BIG for r in kept)
     finally:
         channel.close()
 

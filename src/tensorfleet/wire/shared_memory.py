@@ -81,6 +81,13 @@ MIN_BYTES = 64 << 10
 #: replace them: hundreds of files and mappings would cost descriptors and the service's map
 #: slots; a few large segments cost neither.
 REPLY_SEGMENT_BYTES = 64 << 20
+#: A free reply region gives its pages back once no reply has taken it for this many times
+#: as many replies as there are regions (:class:`ReplyRegions`). Measured with the BERT-base-
+#: sized model (``benchmarks/big_model.py --steps 8 --warmup 2 --runs torch ps1``, 1 ps + 1
+#: worker, 2026-11-26): with 0 (at every new region) the worker's peak RSS was 0.78x the
+#: one-process loop's and the ps faulted 180k pages a step in again; with 1, 0.93x and 128k;
+#: with 2, 1.17x and 112k; before, nothing given back, 1.12-1.35x and 100-115k.
+RECLAIM_AFTER_ROUNDS = 1
 #: Requests whose reply's size a client remembers to learn (more: those no longer awaited go).
 MAX_ASKED = 256
 #: A service keeps at most this many peers' segments mapped (mapping one again costs its
@@ -292,6 +299,19 @@ class ReplyRegions:
     the regions hold what the caller references (the parameters) plus the replies of one
     step in flight; ``max_bytes`` (None: no limit) bounds them, beyond which a reply comes
     in frames.
+
+    Memory of sizes no longer asked for goes back to the OS: whenever a reply needs a new
+    region, the free regions of *other* sizes that no reply has taken for a while (for
+    :data:`RECLAIM_AFTER_ROUNDS` times as many replies as there are regions) first give up
+    their pages (``madvise(MADV_REMOVE)``, which frees a shared file's pages for every
+    process mapping it, the service's too; the region stays carved, and its next reply fills
+    fresh pages). Why: a worker's first reply is the whole model (the initial pull), after
+    which its parameters live in its buckets' regions; and buckets queued behind a request
+    in flight go as one request, so reply sizes vary from step to step and new regions keep
+    being carved now and then. Kept forever, such regions added up to a model's size and more
+    on top of the worker's peak (a BERT-base-sized model: 2.5-3.0 GiB for the worker, 3.9-4.5
+    GiB for its ps, in runs of 8-10 steps). Why not at once: a region of a size asked for
+    again soon (the next merge of the same buckets) would be faulted in again each time.
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
@@ -301,6 +321,9 @@ class ReplyRegions:
         self._by_size: dict[int, list[_ReplyRegion]] = {}
         self._held: dict[int, _ReplyRegion] = {}  # by the request that holds it
         self._bytes = 0
+        self.reclaimed_bytes = 0
+        self._takes = 0
+        """Bytes of free regions whose pages were given back to the OS, in all."""
 
     @property
     def regions(self) -> int:
@@ -321,6 +344,7 @@ class ReplyRegions:
                 return self._hold(region, request_id)
         if self.max_bytes is not None and self._bytes + size > self.max_bytes:
             return None
+        self._reclaim_other_sizes(size)
         if not self._segments or self._fill + size > self._segments[-1].size:
             self._segments.append(Segment(max(REPLY_SEGMENT_BYTES, size)))
             self._fill = 0
@@ -330,8 +354,21 @@ class ReplyRegions:
         regions.append(region)
         return self._hold(region, request_id)
 
+    def _reclaim_other_sizes(self, size: int) -> None:
+        """Give back the pages of every free region not of ``size`` bytes (see the class
+        docstring): a new region of ``size`` is about to be carved."""
+        stale_before = self._takes - RECLAIM_AFTER_ROUNDS * max(1, self.regions)
+        for other, regions in self._by_size.items():
+            if other != size:
+                for region in regions:
+                    if not region.reclaimed and region.taken_at < stale_before and region.free():
+                        self.reclaimed_bytes += region.reclaim()
+
     def _hold(self, region: _ReplyRegion, request_id: int) -> _ReplyRegion:
         region.holder = request_id
+        region.reclaimed = False  # the service's reply fills its pages again
+        self._takes += 1
+        region.taken_at = self._takes
         self._held[request_id] = region
         return region
 
@@ -367,12 +404,28 @@ class _ReplyRegion:
             memoryview(segment.map)[start : start + size], dtype=torch.uint8
         )
         self.holder: int | None = None
+        self.reclaimed = False
+        """Whether its pages were given back (:meth:`reclaim`) since it was last taken."""
+        self.taken_at = 0
+        """The count of replies its :class:`ReplyRegions` had placed when it was last taken."""
         self._alone = storage_users(self.bytes)
 
     def describe(self) -> dict[str, Any]:
         """What the service needs to write the reply here (goes into an authenticated
         header): the segment, and the range in it."""
         return {**self.segment.describe(), "offset": self.start, "length": self.size}
+
+    def reclaim(self) -> int:
+        """Give the pages wholly inside this region back to the OS (``MADV_REMOVE``: for
+        every process mapping the segment; reading them afterwards gives zeros), keeping the
+        region; the bytes given back. Only for a :meth:`free` region."""
+        page = mmap.PAGESIZE
+        first = -(-self.start // page) * page
+        end = (self.start + self.size) // page * page
+        if end > first:
+            self.segment.map.madvise(mmap.MADV_REMOVE, first, end - first)
+        self.reclaimed = True
+        return max(0, end - first)
 
     def free(self) -> bool:
         """Whether the service may write into it: no request holds it and no reply payload
