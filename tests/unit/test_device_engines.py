@@ -189,3 +189,29 @@ def test_an_engine_says_it_turns_the_overlap_off(caplog):
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert "buckets (bucket_bytes=1048576) and prefetch" in said[0].getMessage()
     assert "'replicas' (replica_devices=)" in said[0].getMessage()
+
+
+def test_a_session_with_a_pipeline_puts_the_stages_and_the_bubble_in_its_timeline(tmp_path):
+    """``stage_devices`` with ``timeline=``: the stages' forwards and backwards on their
+    threads, and a ``pipeline step`` span per step with each stage's idle share."""
+    import json
+
+    model = mlp()
+    with tfl.TrainingSession(
+        None,
+        model,
+        optimizer=tfl.optim.SGD(lr=0.1),
+        stage_devices=["/cpu:0", "/cpu:1"],
+        microbatches=4,
+        timeline=tmp_path / "trace.json",
+    ) as sess:
+        for x, y in batches():
+            sess.step(lambda x=x, y=y: F.cross_entropy(sess.model(x), y))
+        path = sess.timeline_path
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [event["name"] for event in events]
+    assert names.count("stage 0 forward") == names.count("stage 1 backward") == 5 * 4
+    steps = [event for event in events if event["name"] == "pipeline step"]
+    assert len(steps) == 5
+    assert all(len(event["args"]["idle_shares"]) == 2 for event in steps)
+    assert steps[0]["args"]["schedule_bubble"] == 0.2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -229,3 +230,60 @@ def test_pipelined_module_in_a_step_closure_matches_the_unsplit_model(boundaries
         assert (p - q).abs().max() < 1e-5
     with pytest.raises(ParallelConfigError, match="needs loss_fn"):
         pipe.step(torch.randn(4, 32), torch.zeros(4, dtype=torch.long))
+
+
+class _Slow(nn.Module):
+    """A stage that takes at least ``seconds`` per forward (a sleep: a lower bound on its
+    computing time that holds on any machine)."""
+
+    def __init__(self, width: int, seconds: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_each_step_reports_each_stages_idle_share_beside_the_schedules_bubble(schedule):
+    from tensorfleet.worker.timeline import Timeline
+
+    stages = [nn.Linear(8, 8), _Slow(8, 0.02)]
+    timeline = Timeline("worker:0")
+    with LocalPipeline(stages, n_microbatches=4, loss_fn=F.mse_loss, schedule=schedule) as pipe:
+        pipe.timeline = timeline
+        assert pipe.last_bubble is None
+        for _ in range(2):
+            result = pipe.step(torch.randn(8, 8), torch.randn(8, 8))
+        report = result.bubble
+        assert report is pipe.last_bubble
+        assert report.schedule_bubble == bubble_fraction(2, 4)
+        assert len(report.busy_s) == len(report.idle_shares) == 2
+        assert report.busy_s[1] >= 4 * 0.02  # four forwards of at least 20 ms each
+        assert report.step_s >= report.busy_s[1]  # computing happens inside the step
+        assert all(0.0 <= share <= 1.0 for share in report.idle_shares)
+        assert report.describe().startswith("pipeline bubble: stage idle ")
+        assert "(schedule's own 20%)" in report.describe()
+    names = [event["name"] for event in timeline.events]
+    for stage in (0, 1):
+        for kind in ("forward", "backward"):
+            assert names.count(f"stage {stage} {kind}") == 2 * 4  # 2 steps x 4 micro-batches
+    steps = [event for event in timeline.events if event["name"] == "pipeline step"]
+    assert len(steps) == 2
+    assert steps[-1]["args"]["schedule_bubble"] == 0.2
+    assert len(steps[-1]["args"]["idle_shares"]) == 2
+
+
+def test_a_pipelined_module_reports_the_bubble_of_its_forward_and_backward():
+    from tensorfleet.parallel.local_pipeline import PipelinedModule
+
+    model = mlp()
+    pipe = LocalPipeline(split_stages(model, boundaries=[4]), n_microbatches=4, loss_fn=None)
+    wrapper = PipelinedModule(model, pipe)
+    with pipe:
+        F.cross_entropy(wrapper(torch.randn(16, 32)), torch.randint(0, 10, (16,))).backward()
+        report = pipe.last_bubble
+    assert report is not None and len(report.busy_s) == 2
+    assert report.step_s >= max(report.busy_s) > 0

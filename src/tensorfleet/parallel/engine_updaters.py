@@ -29,6 +29,7 @@ from tensorfleet.parallel.errors import ParallelConfigError
 from tensorfleet.parallel.local_pipeline import LocalPipeline, PipelinedModule
 from tensorfleet.parallel.replicas import InGraphReplicas, ReplicatedModule
 from tensorfleet.parallel.stages import split_stages
+from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
 
 
 class _Decorator:
@@ -132,6 +133,17 @@ class LocalPipelineUpdater(_Decorator):
         self.n_microbatches = n_microbatches
         self.soft_placement = soft_placement
         self.pipeline: LocalPipeline | None = None
+        self._timeline: Timeline = NO_TIMELINE
+
+    def trace(self, timeline: Timeline) -> None:
+        """Record the stages' forwards and backwards and each step's bubble in ``timeline``
+        (:class:`~tensorfleet.parallel.local_pipeline.LocalPipeline`), and the inner mode's
+        exchange when it shows one."""
+        self._timeline = timeline
+        if self.pipeline is not None:
+            self.pipeline.timeline = timeline
+        if hasattr(self.inner, "trace"):
+            self.inner.trace(timeline)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         stages = split_stages(model, len(self.devices))  # type: ignore[arg-type]
@@ -143,6 +155,7 @@ class LocalPipelineUpdater(_Decorator):
             schedule="gpipe",
             soft_placement=self.soft_placement,
         )
+        self.pipeline.timeline = self._timeline
         return self.inner.wrap(PipelinedModule(model, self.pipeline))
 
     def placement(self) -> dict[str, Any]:

@@ -12,6 +12,19 @@ cores: the task's intra-op thread budget is divided among the stage threads whil
 pipeline is open (restored by :meth:`LocalPipeline.close`); expect no speed-up there, only
 the same numbers as the unsplit model (it is how the pipeline is tested on this machine).
 
+The bubble, measured: every step records how long each stage computed (its forwards and
+backwards, not its waits for a neighbour) against the step's wall time, and
+:attr:`LocalPipeline.last_bubble` (a :class:`BubbleReport`) gives each stage's idle share
+beside the schedule's own bubble ``(S - 1) / (M + S - 1)`` for ``S`` stages and ``M``
+micro-batches: what a perfect pipeline of equal stages would idle. A share well above that
+says the stages are unequal (move layers from the busiest stage) or the micro-batches too
+few; ``PipelineResult.bubble`` has the same for :meth:`LocalPipeline.step`. With a
+timeline (:attr:`LocalPipeline.timeline`; a session with ``timeline=`` and
+``stage_devices=`` sets it), each stage's forwards and backwards are spans on the stage's
+thread, and each step a ``pipeline step`` span on the ``pipeline`` track carries the idle
+shares and the schedule's bubble (docs/timeline.md). A stage on a GPU is timed until its
+device has finished the work it queued (``torch.cuda.synchronize`` after each micro-batch).
+
 Failure: a stage that raises stops the step: the others are woken at once (not at their
 deadline) and :class:`~tensorfleet.parallel.errors.PipelineFailed` names the stage, its
 device and the micro-batch. A stage that waits longer than ``timeout_s`` for its neighbour
@@ -32,10 +45,11 @@ from torch import nn
 
 from tensorfleet.cluster.device import DeviceSpec
 from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed
-from tensorfleet.parallel.schedule import SCHEDULES, stage_order
+from tensorfleet.parallel.schedule import SCHEDULES, bubble_fraction, stage_order
 from tensorfleet.parallel.stages import check_microbatches
 from tensorfleet.worker.device import torch_device
 from tensorfleet.worker.device_scope import place
+from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
 
 #: How long after the deadline the caller waits for a failing stage to record its failure.
 _REPORT_GRACE_S = 1.0
@@ -44,11 +58,46 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
+class BubbleReport:
+    """Where one pipeline step's time went, per stage.
+
+    Attributes:
+        step_s: the step's wall time (forward and backward phases).
+        busy_s: each stage's seconds of computing (its forwards and backwards, without its
+            waits for activations or gradients from a neighbour).
+        schedule_bubble: the schedule's own idle share for these stages and micro-batches,
+            ``(S - 1) / (M + S - 1)`` (:func:`~tensorfleet.parallel.schedule.bubble_fraction`).
+    """
+
+    step_s: float
+    busy_s: tuple[float, ...]
+    schedule_bubble: float
+
+    @property
+    def idle_shares(self) -> tuple[float, ...]:
+        """Each stage's share of the step spent not computing, in [0, 1]."""
+        if self.step_s <= 0:
+            return tuple(0.0 for _ in self.busy_s)
+        return tuple(min(1.0, max(0.0, 1.0 - busy / self.step_s)) for busy in self.busy_s)
+
+    def describe(self) -> str:
+        """One line, e.g. ``pipeline bubble: stage idle 31% 24% (schedule's own 20%) of a
+        41.2 ms step``."""
+        shares = " ".join(f"{share:.0%}" for share in self.idle_shares)
+        return (
+            f"pipeline bubble: stage idle {shares} (schedule's own {self.schedule_bubble:.0%}) "
+            f"of a {self.step_s * 1e3:.1f} ms step"
+        )
+
+
+@dataclass(frozen=True)
 class PipelineResult:
-    """One step's loss over the whole batch and the last stage's outputs (both detached)."""
+    """One step's loss over the whole batch and the last stage's outputs (both detached),
+    and where the step's time went (:class:`BubbleReport`)."""
 
     loss: torch.Tensor
     outputs: torch.Tensor
+    bubble: BubbleReport | None = None
 
 
 class _Abort:
@@ -113,6 +162,10 @@ class LocalPipeline:
         self._pool = ThreadPoolExecutor(len(self.stages), thread_name_prefix="stage")
         self._closed = False
         self._broken = False
+        self.last_bubble: BubbleReport | None = None
+        """The last completed step's :class:`BubbleReport` (None before the first)."""
+        self.timeline: Timeline = NO_TIMELINE
+        """Where the stages' spans go (off by default)."""
 
     def __enter__(self) -> LocalPipeline:
         return self
@@ -146,7 +199,25 @@ class LocalPipeline:
             [stage_order(self.schedule, s, count, self.n_microbatches) for s in range(count)],
         )
         total = sum(run.losses)
-        return PipelineResult(total.detach(), torch.cat(run.outputs))
+        return PipelineResult(total.detach(), torch.cat(run.outputs), self._finish(run))
+
+    def _finish(self, run: _Step) -> BubbleReport:
+        """The completed step's bubble, kept as :attr:`last_bubble`."""
+        self.last_bubble = BubbleReport(
+            run.wall_s,
+            tuple(run.busy_s),
+            bubble_fraction(len(self.stages), self.n_microbatches),
+        )
+        if self.timeline.enabled and run.started_ns is not None:
+            self.timeline.add(
+                "pipeline step",
+                run.started_ns,
+                time.perf_counter_ns(),
+                track="pipeline",
+                idle_shares=[round(share, 4) for share in self.last_bubble.idle_shares],
+                schedule_bubble=round(self.last_bubble.schedule_bubble, 4),
+            )
+        return self.last_bubble
 
     def _start(self, x: torch.Tensor, target: torch.Tensor | None) -> _Step:
         """A new step's state after the checks; zeroes the stages' gradients."""
@@ -170,6 +241,9 @@ class LocalPipeline:
     def _run_phase(self, run: _Step, orders: list[list[tuple[str, int]]]) -> None:
         """Every stage runs its ``orders[s]`` in its thread; the first failure is raised."""
         count = len(self.stages)
+        started = time.perf_counter()
+        if run.started_ns is None:
+            run.started_ns = time.perf_counter_ns()
         run.deadline = time.monotonic() + self.timeout_s
         futures = [self._pool.submit(self._run_stage, s, run, orders[s]) for s in range(count)]
         # Return as soon as a stage fails: a stage stuck in its own computation cannot be
@@ -179,6 +253,7 @@ class LocalPipeline:
         )
         if run.failure is None and pending:
             _, pending = wait(pending, timeout=_REPORT_GRACE_S)  # a failure being recorded
+        run.wall_s += time.perf_counter() - started
         if run.failure is not None:
             self._broken = True
             s, exc = run.failure
@@ -220,9 +295,11 @@ class LocalPipeline:
             if kind == "F":
                 if s == 0:
                     held: torch.Tensor | None = None
+                    started = time.perf_counter()
                     out = stage(run.xs[m].to(device))
                 else:
                     received = self._receive(run.forward_in[s], run, s, m, "activations", s - 1)
+                    started = time.perf_counter()
                     held = received.to(device).requires_grad_(received.is_floating_point())
                     out = stage(held)
                 if with_loss:
@@ -241,16 +318,29 @@ class LocalPipeline:
             else:
                 held, out = saved.pop(m)
                 if with_loss:
+                    started = time.perf_counter()
                     out.backward()
                 else:
                     source = s + 1 if not last else "the caller"
                     grad = self._receive(run.backward_in[s], run, s, m, "gradients", source)
+                    started = time.perf_counter()
                     out.backward(grad.to(out.device))
                 if s > 0:
                     g = held.grad if held is not None and held.grad is not None else None
                     if g is None and held is not None:
                         g = torch.zeros_like(held)
                     run.backward_in[s - 1].put((m, g))
+            if device.type == "cuda":  # the work queued on the GPU is part of the stage's time
+                torch.cuda.synchronize(device)
+            ended = time.perf_counter()
+            run.busy_s[s] += ended - started
+            if self.timeline.enabled:
+                self.timeline.add(
+                    f"stage {s} {'forward' if kind == 'F' else 'backward'}",
+                    int(started * 1e9),
+                    int(ended * 1e9),
+                    micro_batch=m,
+                )
 
     def _receive(
         self, q: queue.SimpleQueue, run: _Step, s: int, m: int, what: str, source: int | str
@@ -292,6 +382,12 @@ class _Step:
         ]
         self.failure: tuple[int, BaseException] | None = None
         self.lock = threading.Lock()
+        self.busy_s = [0.0] * len(self.forward_in)
+        """Each stage's seconds of computing in this step (each stage adds its own)."""
+        self.wall_s = 0.0
+        """The wall time of this step's phases so far."""
+        self.started_ns: int | None = None
+        """When its first phase started (``time.perf_counter_ns``)."""
 
 
 def _name(source: int | str) -> str:
@@ -356,5 +452,6 @@ class _PipelineFunction(torch.autograd.Function):
         for m, piece in enumerate(torch.chunk(grad_out, n)):
             run.backward_in[count - 1].put((m, piece))
         pipeline._run_phase(run, [[("B", m) for m in range(n)] for _ in range(count)])
+        pipeline._finish(run)
         ctx.run = None
         return (None, None, *([None] * ctx.n_params))
