@@ -8,11 +8,16 @@
   with 2 slots; trials/min and their ratios to the hand loop, and each sweep's wall time
   against the ideal (trials x the hand loop's mean trial time / slots);
 * actor/learner: CartPole samples per second with ``--actors`` actor processes and one
-  learner vs one process that plays and learns in turn (the same PPO, the same steps).
+  learner vs one process that plays and learns in turn (the same PPO, the same steps);
+* broadcast: seconds from ``WeightPublisher.publish()`` of a ``--broadcast-mb`` model until
+  the last of ``--subscribers`` subscriber processes on this host holds it (each waiting in
+  ``WeightSubscriber.wait_for``), through the same-host path (payloads in shared memory)
+  against the same over TCP (``TENSORFLEET_SHARED_MEMORY=0`` in the subscribers), in one run.
 
     .venv/bin/python benchmarks/patterns.py --trials 8 --slots 2 --steps 400 --al-steps 30000
     .venv/bin/python benchmarks/patterns.py --only search --search-trials 20 --search-steps 300 \
         --search-repeats 2
+    .venv/bin/python benchmarks/patterns.py --only broadcast --broadcast-mb 100 --subscribers 8
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 
-from tensorfleet.patterns.broadcast import free_address  # noqa: E402
+from tensorfleet.patterns.broadcast import WeightPublisher, free_address  # noqa: E402
 from tensorfleet.patterns.sweep import run_sweep  # noqa: E402
 from tensorfleet.patterns.sweep_config import SweepConfig  # noqa: E402
 from tensorfleet.patterns.sweep_report import PlainProgress  # noqa: E402
@@ -244,6 +249,101 @@ def actor_learner(al_steps: int, actors: int) -> tuple[dict, dict]:
     return single, distributed
 
 
+#: A subscriber process of the broadcast row: connects, says READY, takes versions 1 and 2
+#: (the first answer of a kind teaches the client its size, so that the next goes through
+#: shared memory on this host; the second fills the reply region the later ones reuse), then
+#: waits for version 3 and prints the wall-clock time it held it (and its checksum, checked
+#: by the parent): what every publish of a training but its first two costs.
+SUBSCRIBER = """
+import sys, time
+from tensorfleet.patterns.broadcast import WeightSubscriber
+with WeightSubscriber(sys.argv[1], sys.argv[2].encode(), timeout_s=120) as subscriber:
+    print("READY", flush=True)
+    subscriber.wait_for(1, timeout_s=120)
+    print("FIRST", flush=True)
+    subscriber.wait_for(2, timeout_s=120)
+    print("SECOND", flush=True)
+    snapshot = subscriber.wait_for(3, timeout_s=120)
+    held = time.time()
+    print("HELD", held, float(snapshot.tensors["weight"][::4096].double().sum()), flush=True)
+"""
+
+
+def broadcast_seconds(megabytes: int, subscribers: int, shared_memory: bool) -> dict:
+    """Seconds from a publish() (the third: every publish of a training but its first two)
+    until the last subscriber process holds the snapshot."""
+    import torch
+
+    secret = secrets.token_hex(32)
+    address = free_address()
+    first = torch.randn(megabytes * (1 << 20) // 4)
+    second, weight = first + 1.0, first + 2.0
+    expected = float(weight[::4096].double().sum())
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "src"),
+        TENSORFLEET_SHARED_MEMORY="1" if shared_memory else "0",
+    )
+    with WeightPublisher(address, secret.encode()) as publisher:
+        processes = [
+            subprocess.Popen(
+                [sys.executable, "-c", SUBSCRIBER, address, secret],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for _ in range(subscribers)
+        ]
+        try:
+            for word, action in (("READY", lambda: publisher.publish({"weight": first})),
+                                 ("FIRST", lambda: publisher.publish({"weight": second})),
+                                 ("SECOND", lambda: None)):  # fmt: skip
+                for process in processes:
+                    line = process.stdout.readline()
+                    if not line.startswith(word):
+                        raise RuntimeError(f"a subscriber failed: {line}{process.stdout.read()}")
+                action()
+            time.sleep(1.0)  # every subscriber's long poll is held by the publisher
+            started = time.time()
+            publisher.publish({"weight": weight})
+            held = []
+            for process in processes:
+                output = process.communicate(timeout=300)[0]
+                line = next((x for x in output.splitlines() if x.startswith("HELD")), None)
+                if process.returncode != 0 or line is None:
+                    raise RuntimeError(f"a subscriber failed:\n{output}")
+                _, when, checksum = line.split()
+                if abs(float(checksum) - expected) > 1e-6 * max(1.0, abs(expected)):
+                    raise RuntimeError(f"a subscriber got other weights: {checksum} != {expected}")
+                held.append(float(when) - started)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    return {"last_s": max(held), "first_s": min(held), "median_s": statistics.median(held)}
+
+
+def broadcast_row(args: argparse.Namespace, result: dict) -> str:
+    tcp = broadcast_seconds(args.broadcast_mb, args.subscribers, shared_memory=False)
+    same_host = broadcast_seconds(args.broadcast_mb, args.subscribers, shared_memory=True)
+    b = result["broadcast"] = {
+        "megabytes": args.broadcast_mb,
+        "subscribers": args.subscribers,
+        "tcp": tcp,
+        "shared_memory": same_host,
+        "ratio": tcp["last_s"] / same_host["last_s"],
+    }
+    return (
+        f"| broadcast of {b['megabytes']} MB to {b['subscribers']} subscriber processes on this "
+        f"host (s from publish() to the last one holding it; goal <= 2 s) | over TCP: "
+        f"{tcp['last_s']:.2f} s (first {tcp['first_s']:.2f} s) | same-host path: "
+        f"{same_host['last_s']:.2f} s (first {same_host['first_s']:.2f} s) | "
+        f"{b['ratio']:.2f}x faster |"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=8)
@@ -251,6 +351,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="training steps per trial")
     parser.add_argument("--al-steps", type=int, default=30_000, help="CartPole environment steps")
     parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--broadcast-mb", type=int, default=100, help="broadcast model size")
+    parser.add_argument("--subscribers", type=int, default=8, help="broadcast subscribers")
     parser.add_argument(
         "--search-trials", type=int, default=20, help="trials of the search row (default 20)"
     )
@@ -268,13 +370,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("sweep", "search", "actor_learner"),
+        choices=("sweep", "search", "actor_learner", "broadcast"),
         action="append",
         help="run only these rows (repeatable; default: all)",
     )
     add_out_dir_option(parser)
     args = parser.parse_args()
-    rows = set(args.only or ("sweep", "search", "actor_learner"))
+    rows = set(args.only or ("sweep", "search", "actor_learner", "broadcast"))
     result: dict = {"cpus": os.cpu_count(), "load_avg_1min_at_start": os.getloadavg()[0]}
     table = ["| what | baseline | tensorfleet | ratio |", "|---|---|---|---|"]
     if "sweep" in rows:
@@ -303,6 +405,8 @@ def main() -> int:
         )
     if "actor_learner" in rows:
         table.append(actor_learner_row(args, result))
+    if "broadcast" in rows:
+        table.append(broadcast_row(args, result))
     # a partial run (--only) keeps its own files, next to the full run's patterns.json
     name = "patterns" if args.only is None else "_".join(["patterns", *sorted(rows)])
     write_results(name, result, f"Cluster patterns ({os.cpu_count()} CPUs)", table)
