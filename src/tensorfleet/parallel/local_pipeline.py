@@ -23,7 +23,8 @@ timeline (:attr:`LocalPipeline.timeline`; a session with ``timeline=`` and
 ``stage_devices=`` sets it), each stage's forwards and backwards are spans on the stage's
 thread, and each step a ``pipeline step`` span on the ``pipeline`` track carries the idle
 shares and the schedule's bubble (docs/timeline.md). A stage on a GPU is timed until its
-device has finished the work it queued (``torch.cuda.synchronize`` after each micro-batch).
+device ran it (CUDA events around each micro-batch, read at the step's end: no wait per
+micro-batch).
 
 Failure: a stage that raises stops the step: the others are woken at once (not at their
 deadline) and :class:`~tensorfleet.parallel.errors.PipelineFailed` names the stage, its
@@ -205,7 +206,7 @@ class LocalPipeline:
         """The completed step's bubble, kept as :attr:`last_bubble`."""
         self.last_bubble = BubbleReport(
             run.wall_s,
-            tuple(run.busy_s),
+            tuple(_busy_seconds(spans) for spans in run.clocked),
             bubble_fraction(len(self.stages), self.n_microbatches),
         )
         if self.timeline.enabled and run.started_ns is not None:
@@ -295,11 +296,11 @@ class LocalPipeline:
             if kind == "F":
                 if s == 0:
                     held: torch.Tensor | None = None
-                    started = time.perf_counter()
+                    started = _start_clock(device)
                     out = stage(run.xs[m].to(device))
                 else:
                     received = self._receive(run.forward_in[s], run, s, m, "activations", s - 1)
-                    started = time.perf_counter()
+                    started = _start_clock(device)
                     held = received.to(device).requires_grad_(received.is_floating_point())
                     out = stage(held)
                 if with_loss:
@@ -318,27 +319,25 @@ class LocalPipeline:
             else:
                 held, out = saved.pop(m)
                 if with_loss:
-                    started = time.perf_counter()
+                    started = _start_clock(device)
                     out.backward()
                 else:
                     source = s + 1 if not last else "the caller"
                     grad = self._receive(run.backward_in[s], run, s, m, "gradients", source)
-                    started = time.perf_counter()
+                    started = _start_clock(device)
                     out.backward(grad.to(out.device))
                 if s > 0:
                     g = held.grad if held is not None and held.grad is not None else None
                     if g is None and held is not None:
                         g = torch.zeros_like(held)
                     run.backward_in[s - 1].put((m, g))
-            if device.type == "cuda":  # the work queued on the GPU is part of the stage's time
-                torch.cuda.synchronize(device)
-            ended = time.perf_counter()
-            run.busy_s[s] += ended - started
+            ended = _start_clock(device)
+            run.clocked[s].append((started, ended))
             if self.timeline.enabled:
                 self.timeline.add(
                     f"stage {s} {'forward' if kind == 'F' else 'backward'}",
-                    int(started * 1e9),
-                    int(ended * 1e9),
+                    int(started[0] * 1e9),
+                    int(ended[0] * 1e9),
                     micro_batch=m,
                 )
 
@@ -382,12 +381,40 @@ class _Step:
         ]
         self.failure: tuple[int, BaseException] | None = None
         self.lock = threading.Lock()
-        self.busy_s = [0.0] * len(self.forward_in)
-        """Each stage's seconds of computing in this step (each stage adds its own)."""
+        self.clocked: list[list[tuple[_Tick, _Tick]]] = [[] for _ in self.forward_in]
+        """Each stage's (start, end) of each forward and backward it ran in this step."""
         self.wall_s = 0.0
         """The wall time of this step's phases so far."""
         self.started_ns: int | None = None
         """When its first phase started (``time.perf_counter_ns``)."""
+
+
+#: A moment of a stage: the wall clock (``time.perf_counter``), and on a GPU a CUDA event
+#: recorded on its device's current stream (None on the CPU).
+_Tick = tuple[float, "torch.cuda.Event | None"]
+
+
+def _start_clock(device: torch.device) -> _Tick:
+    """Now, for a stage on ``device``: on a GPU also an event in the device's stream, so
+    that the stage's computing time is the GPU's, measured without waiting for it."""
+    if device.type != "cuda":
+        return time.perf_counter(), None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return time.perf_counter(), event
+
+
+def _busy_seconds(spans: list[tuple[_Tick, _Tick]]) -> float:
+    """A stage's computing time in a step: the sum of its spans (on a GPU, the time between
+    their events, once the last one has completed)."""
+    total = 0.0
+    for (start, start_event), (end, end_event) in spans:
+        if start_event is not None and end_event is not None:
+            end_event.synchronize()
+            total += start_event.elapsed_time(end_event) / 1000.0
+        else:
+            total += end - start
+    return total
 
 
 def _name(source: int | str) -> str:
