@@ -204,6 +204,22 @@ def test_pipeline_on_two_gpus_matches():  # pragma: no cover - GPU machines only
     assert (result.outputs.cpu() - ref_outs[0]).abs().max() < 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_stages_on_one_gpu_match_and_report_the_gpus_time():  # pragma: no cover - GPU only
+    """The stages' computing time on a GPU comes from CUDA events read at the step's end."""
+    torch.manual_seed(2)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model, reference = mlp(), mlp()
+    ref_outs, _ = train_reference(reference, [(x, y)], lr=0.1)
+    with LocalPipeline(
+        split_stages(model, 2), ["/gpu:0", "/gpu:0"], n_microbatches=4, loss_fn=F.cross_entropy
+    ) as pipe:
+        result = pipe.step(x.cuda(0), y.cuda(0))
+    assert (result.outputs.cpu() - ref_outs[0]).abs().max() < 1e-5
+    assert result.bubble is not None and all(busy > 0 for busy in result.bubble.busy_s)
+    assert all(0.0 <= share <= 1.0 for share in result.bubble.idle_shares)
+
+
 @pytest.mark.parametrize("boundaries", [[4], [2, 5]], ids=["2-stages", "3-stages"])
 def test_pipelined_module_in_a_step_closure_matches_the_unsplit_model(boundaries):
     from tensorfleet.parallel.local_pipeline import PipelinedModule
