@@ -45,7 +45,12 @@ from safetensors.torch import save as safetensors_save
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.save_clock import SaveClock
-from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
+from tensorfleet.ps.sparse_rows import (
+    SparseGradientError,
+    SparseRows,
+    check_sparse_rows,
+    strictly_ascending,
+)
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
 TABLE_FORMAT = 1
@@ -401,7 +406,9 @@ class RowStore(SaveClock):
         if self.given and any_missing:
             self._require_complete()  # refused: a given table's rows exist once filled
         if create and any_missing:
-            new_ids = torch.unique(ids[missing])  # ascending; a pull may repeat an id
+            new_ids = ids[missing]
+            if not strictly_ascending(new_ids):  # a pull may repeat an id; a table's never
+                new_ids = torch.unique(new_ids)
             start = self.size
             self._grow(start + new_ids.numel())
             stop = start + new_ids.numel()

@@ -132,7 +132,7 @@ def check_sparse_rows(
             f"({bad.numel()} of {rows.num_rows} ids are); fix: hash unbounded ids into the "
             f"table (hash_ids=True) or make num_rows larger"
         )
-    if not _ascending(rows.indices) and torch.unique(rows.indices).numel() != rows.num_rows:
+    if not strictly_ascending(rows.indices) and torch.unique(rows.indices).numel() != rows.num_rows:
         raise SparseGradientError(
             f"table {table!r}: the {rows.num_rows} row indices are not unique; fix: coalesce "
             f"the gradient on the worker (tensorfleet.worker.sparse_gradient.coalesce_gradient)"
@@ -144,7 +144,7 @@ def check_sparse_rows(
         )
 
 
-def _ascending(indices: torch.Tensor) -> bool:
+def strictly_ascending(indices: torch.Tensor) -> bool:
     """Whether ``indices`` strictly ascend (so they are unique): one comparison of
     neighbours, where a sort would cost more; coalesced gradients always ascend."""
     return bool((indices[1:] > indices[:-1]).all())
