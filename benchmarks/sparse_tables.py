@@ -25,7 +25,24 @@ The first three runs go in ``--repeats`` interleaved rounds (medians; ratios wit
 round). Shared memory between worker and ps is off (``TENSORFLEET_SHARED_MEMORY=0``): the
 bytes go over TCP as between hosts.
 
+Two more parts (``--parts tables click growing``, all by default):
+
+* ``click``: the click model of ``examples/click_fm.py`` (a factorization machine, one
+  1M x 8 table) on a fixed data set of ``--click-examples`` examples, ``--click-epochs``
+  epochs of batches of 256 (``programs/click_speed.py``), for each optimizer
+  (``--click-optimizers``: adagrad, sparse_adam, sgd) three runs side by side in each round:
+  a plain PyTorch loop (``nn.Embedding(sparse=True)`` and torch's optimizer), a one-process
+  ``TrainingSession`` with a ``tfl.EmbeddingTable``, and the same session as 2 ps + 2 workers
+  (async). Reported: examples/s over the training loops, the workers' CPU seconds, the
+  held-out AUC, and per round the ratios to the plain loop (examples/s; one process also
+  CPU seconds, the measure a loaded machine disturbs least);
+* ``growing``: a raw-id table (``ids="raw"``) whose ids arrive over time (half of each batch
+  of ``--growing-batch`` ids new), ``--growing-steps`` steps with no expiry and with
+  ``expire_after_steps=--growing-expire``: rows live and the 2 ps's resident memory halfway
+  and after the last step.
+
     .venv/bin/python benchmarks/sparse_tables.py [--repeats 3] [--big-rows 20000000]
+    .venv/bin/python benchmarks/sparse_tables.py --parts click --click-examples 200000
 
 Writes benchmarks/results/sparse_tables.json and .md.
 """
@@ -34,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -52,26 +71,38 @@ from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
 
 WORKER = HERE / "programs" / "sparse_table_worker.py"
+CLICK = HERE / "programs" / "click_speed.py"
+CLICK_MODES = ("torch", "local", "cluster")
+CLICK_OPTIMIZERS = ("adagrad", "sparse_adam", "sgd")
+PARTS = ("tables", "click", "growing")
 GIB = 2**30
-TRAINED = "sparse_tables: trained"  # the worker's line after its last step
+MARK = "sparse_tables: "  # a worker's line starting so: the driver reads the ps's memory
 
 
 class Capture(Output):
     """Keeps the last lines of every task, for the error message of a failed run; when the
-    worker says it has trained (:data:`TRAINED`), reads the ps's resident memory at once
-    (``trained_ps_rss_kib``): what the ps hold while serving the trained table."""
+    worker prints a :data:`MARK` line (``sparse_tables: trained``, ``... halfway``), reads the
+    ps's resident memory at once (``ps_rss_kib[label]``; ``trained_ps_rss_kib``: what the ps
+    hold while serving the trained table)."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.cluster: LocalCluster | None = None
-        self.trained_ps_rss_kib: dict[str, int] = {}
+        self.ps_rss_kib: dict[str, dict[str, int]] = {}
+
+    @property
+    def trained_ps_rss_kib(self) -> dict[str, int]:
+        return self.ps_rss_kib.get("trained", {})
 
     def line(self, task: str, text: str) -> None:
         self.lines = [*self.lines[-200:], f"[{task}] {text}"]
-        if TRAINED in text and self.cluster is not None:
-            for name, pid in self.cluster.pids.items():
-                if name.startswith("ps"):
-                    self.trained_ps_rss_kib[name] = _status_kib(pid).get("VmRSS", 0)
+        if text.startswith(MARK) and self.cluster is not None:
+            label = text[len(MARK) :].strip()
+            self.ps_rss_kib[label] = {
+                name: _status_kib(pid).get("VmRSS", 0)
+                for name, pid in self.cluster.pids.items()
+                if name.startswith("ps")
+            }
 
 
 def _status_kib(pid: int) -> dict[str, int]:
@@ -151,8 +182,58 @@ def run(name: str, worker_args: list[str], timeout_s: float) -> dict:
     report["ps_memory_kib"] = memory.peak
     report["ps_peak_total_rss_kib"] = memory.peak_total_rss_kib
     report["ps_trained_rss_kib"] = capture.trained_ps_rss_kib
+    report["ps_rss_kib_at"] = capture.ps_rss_kib
     report["wall_s"] = time.perf_counter() - started
     print(name, json.dumps(report), flush=True)
+    return report
+
+
+def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: float) -> dict:
+    """The click model (``programs/click_speed.py``) trained ``epochs`` times over
+    ``examples`` examples: by a plain PyTorch loop (``torch``), a one-process session
+    (``local``) or 2 ps + 2 workers (``cluster``, async). Returns examples/s over the
+    training loops (cluster: all the workers' examples over the span from the first start to
+    the last end), their CPU seconds, the held-out AUC."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        command = [sys.executable, str(CLICK), str(out), "--mode", mode, "--optimizer", optimizer,
+                   "--examples", str(examples), "--epochs", str(epochs)]  # fmt: skip
+        env = {"PYTHONPATH": str(ROOT / "src")}
+        if mode == "cluster":
+            capture = Capture()
+            cluster = LocalCluster(2, 2, command, output=capture, grace_period=30, env=env)
+            try:
+                cluster.start()
+                code = cluster.wait(timeout=timeout_s)
+            finally:
+                cluster.stop()
+            reports = [Path(f"{out}.{rank}") for rank in range(2)]
+            if code != 0 or not all(r.exists() for r in reports):
+                tail = "\n".join(capture.lines[-40:])
+                raise RuntimeError(f"click {mode} {optimizer} failed (exit {code}):\n{tail}")
+            parts = [json.loads(r.read_text()) for r in reports]
+        else:
+            done = subprocess.run(
+                command, env={**os.environ, **env}, capture_output=True, text=True,
+                timeout=timeout_s, check=False,
+            )  # fmt: skip
+            if done.returncode != 0 or not out.exists():
+                raise RuntimeError(
+                    f"click {mode} {optimizer} failed (exit {done.returncode}):\n"
+                    f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
+                )
+            parts = [json.loads(out.read_text())]
+    span = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    report = {
+        "mode": mode,
+        "optimizer": optimizer,
+        "examples": sum(p["examples"] for p in parts),
+        "seconds": span,
+        "examples_per_s": sum(p["examples"] for p in parts) / span,
+        "cpu_s_workers": sum(p["cpu_s"] for p in parts),
+        "auc": next(p["auc"] for p in parts if "auc" in p),
+    }
+    print("click", json.dumps(report), flush=True)
     return report
 
 
@@ -168,19 +249,9 @@ def _gb(kib: float) -> str:
     return f"{kib * 1024 / 1e9:.2f} GB"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", type=int, default=1_000_000, help="the table of the comparison")
-    parser.add_argument("--batch", type=int, default=1024, help="ids per step")
-    parser.add_argument("--sparse-steps", type=int, default=100)
-    parser.add_argument("--dense-steps", type=int, default=10)
-    parser.add_argument("--big-rows", type=int, default=20_000_000, help="0: no big run")
-    parser.add_argument("--big-steps", type=int, default=300)
-    add_out_dir_option(parser)
-    args = parser.parse_args()
+def measure_tables(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The table runs (``sparse_*``, ``dense_*``, ``mirrored_*``, ``big``): the results'
+    fields and the markdown table."""
     common = ["--dim", "64", "--batch", str(args.batch)]
     sparse, dense = f"sparse_{_count(args.rows)}", f"dense_{_count(args.rows)}"
     sparse_10x = f"sparse_{_count(10 * args.rows)}"
@@ -274,24 +345,165 @@ def main() -> int:
         "|---|---|",
         *(f"| {k} | {v:.2f}x |" for k, v in ratios.items()),
     ]
-    result = {
-        "benchmark": "embedding table rows, nn.Embedding(sparse=True) as rows, and the dense "
-        "table, 2 ps + 1 worker, async SGD",
+    fields = {"batch_ids": args.batch, "rows": rows, "ratios": ratios, "big": big, "rounds": rounds}
+    heading = (
+        f"Tables: 2 ps + 1 worker, async SGD, batches of {args.batch} uniform ids, dim 64 fp32, "
+        "shared memory off (TCP); bytes counted by the worker's transport"
+    )
+    return fields, [heading, "", *table]
+
+
+def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The click model against a plain PyTorch loop, each optimizer in every round: rows
+    (examples/s, the held-out AUC) and the ratios to the plain loop of the same round."""
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.repeats):
+        one = {}
+        for optimizer in args.click_optimizers:
+            for mode in CLICK_MODES:
+                one[f"{mode}_{optimizer}"] = run_click(
+                    mode, optimizer, args.click_examples, args.click_epochs, 1800
+                )
+        rounds.append(one)
+    rows, ratios = {}, {}
+    for optimizer in args.click_optimizers:
+        for mode in CLICK_MODES:
+            name = f"{mode}_{optimizer}"
+            rows[name] = {
+                "examples_per_s": statistics.median(r[name]["examples_per_s"] for r in rounds),
+                "seconds": statistics.median(r[name]["seconds"] for r in rounds),
+                "cpu_s_workers": statistics.median(r[name]["cpu_s_workers"] for r in rounds),
+                "auc": statistics.median(r[name]["auc"] for r in rounds),
+            }
+            if mode != "torch":
+                ratios[f"click_{name}_vs_torch_{optimizer}"] = statistics.median(
+                    r[name]["examples_per_s"] / r[f"torch_{optimizer}"]["examples_per_s"]
+                    for r in rounds
+                )
+            if mode == "local":  # one process each: CPU seconds are the load-proof measure
+                ratios[f"click_{name}_vs_torch_{optimizer}_cpu"] = statistics.median(
+                    r[f"torch_{optimizer}"]["cpu_s_workers"] / r[name]["cpu_s_workers"]
+                    for r in rounds
+                )
+    label = {"torch": "plain PyTorch loop", "local": "tensorfleet, one process",
+             "cluster": "tensorfleet, 2 ps + 2 workers (async)"}  # fmt: skip
+    table = [
+        "| run | optimizer | examples/s | loop s | CPU s (workers) | held-out AUC | examples/s "
+        "vs plain PyTorch | CPU s: plain PyTorch / this |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for optimizer in args.click_optimizers:
+        for mode in CLICK_MODES:
+            row = rows[f"{mode}_{optimizer}"]
+            ratio = ratios.get(f"click_{mode}_{optimizer}_vs_torch_{optimizer}", 1.0)
+            cpu = ratios.get(f"click_{mode}_{optimizer}_vs_torch_{optimizer}_cpu")
+            cpu_cell = "1.00x" if mode == "torch" else "" if cpu is None else f"{cpu:.2f}x"
+            table.append(
+                f"| {label[mode]} | {optimizer} | {row['examples_per_s']:,.0f} | "
+                f"{row['seconds']:.2f} | {row['cpu_s_workers']:.2f} | {row['auc']:.4f} | "
+                f"{ratio:.2f}x | {cpu_cell} |"
+            )
+    heading = (
+        f"Click model (examples/click_fm.py's factorization machine, 1M x 8 table): "
+        f"{args.click_examples:,} examples x {args.click_epochs} epochs, batches of 256"
+    )
+    fields = {"click_rows": rows, "click_ratios": ratios, "click_rounds": rounds}
+    return fields, [heading, "", *table]
+
+
+def measure_growing(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """A raw-id table whose ids arrive over time (half of each batch new), with and without
+    eviction: rows live and the ps's resident memory halfway and after the last step."""
+    steps, batch = args.growing_steps, args.growing_batch
+    capacity = steps * batch  # room for every id the run brings, so only expiry bounds it
+    base = ["--kind", "growing", "--rows", str(capacity), "--steps", str(steps), "--dim", "64",
+            "--batch", str(batch)]  # fmt: skip
+    configs = {
+        "growing_no_expiry": base,
+        f"growing_expire_{args.growing_expire}": [
+            *base, "--expire-after-steps", str(args.growing_expire),
+        ],
+    }  # fmt: skip
+    rounds = [{name: run(name, extra, 900) for name, extra in configs.items()}]
+    table = [
+        "| run | ids seen | rows live halfway | rows live at the end | 2 ps: RSS halfway | "
+        "2 ps: RSS after the last step | 2 ps: peak RSS together | ms/step median |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = {}
+    for name in configs:
+        report = rounds[0][name]
+        at = report["ps_rss_kib_at"]
+        rows[name] = {
+            "ids_seen": (steps + 5 + 1) * batch // 2,
+            "rows_live_halfway": report["rows_live_halfway"],
+            "rows_live": report["rows_live"],
+            "ps_rss_halfway_kib": sum(at.get("halfway", {}).values()),
+            "ps_rss_end_kib": sum(at.get("trained", {}).values()),
+            "ps_peak_rss_kib": report["ps_peak_total_rss_kib"],
+            "step_ms_median": report["step_ms_median"],
+        }
+        row = rows[name]
+        table.append(
+            f"| {name} | {row['ids_seen']:,} | {row['rows_live_halfway']:,} | "
+            f"{row['rows_live']:,} | {_gb(row['ps_rss_halfway_kib'])} | "
+            f"{_gb(row['ps_rss_end_kib'])} | {_gb(row['ps_peak_rss_kib'])} | "
+            f"{row['step_ms_median']:.1f} |"
+        )
+    heading = (
+        f"Growing raw-id table (ids='raw', 64 fp32, async SGD, 2 ps + 1 worker): {steps} steps "
+        f"of {batch} ids, half of them new each step; capacity {capacity:,} rows (never full)"
+    )
+    return {"growing_rows": rows, "growing_rounds": rounds}, [heading, "", *table]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which runs (default: all)"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="the table of the comparison")
+    parser.add_argument("--batch", type=int, default=1024, help="ids per step")
+    parser.add_argument("--sparse-steps", type=int, default=100)
+    parser.add_argument("--dense-steps", type=int, default=10)
+    parser.add_argument("--big-rows", type=int, default=20_000_000, help="0: no big run")
+    parser.add_argument("--big-steps", type=int, default=300)
+    parser.add_argument(
+        "--click-examples", type=int, default=1_000_000, help="the click runs' data set"
+    )
+    parser.add_argument("--click-epochs", type=int, default=2)
+    parser.add_argument(
+        "--click-optimizers", nargs="+", choices=CLICK_OPTIMIZERS, default=list(CLICK_OPTIMIZERS)
+    )
+    parser.add_argument("--growing-steps", type=int, default=300)
+    parser.add_argument("--growing-batch", type=int, default=8192, help="ids per step")
+    parser.add_argument("--growing-expire", type=int, default=50)
+    add_out_dir_option(parser)
+    args = parser.parse_args()
+    result: dict = {
+        "benchmark": "embedding tables: rows vs the dense table, the click model against "
+        "plain PyTorch, a growing raw-id table",
         "command": " ".join(["python", "benchmarks/sparse_tables.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "repeats": args.repeats,
-        "batch_ids": args.batch,
-        "rows": rows,
-        "ratios": ratios,
-        "big": big,
-        "rounds": rounds,
+        "parts": args.parts,
+        "ratios": {},
     }
+    lines: list[str] = []
+    measures = {"tables": measure_tables, "click": measure_click, "growing": measure_growing}
+    for part in args.parts:
+        fields, table = measures[part](args)
+        ratios = {**result["ratios"], **fields.pop("ratios", {}), **fields.get("click_ratios", {})}
+        result.update(fields)
+        result["ratios"] = ratios
+        lines += [*([""] if lines else []), *table]
     heading = (
-        f"{result['benchmark']}, batches of {args.batch} uniform ids, dim 64 fp32, shared "
-        f"memory off (TCP), medians of {args.repeats} interleaved rounds, {result['date']}; "
-        "bytes counted by the worker's transport"
+        f"{result['benchmark']}; medians of {args.repeats} interleaved rounds, {result['date']}"
     )
-    write_results("sparse_tables", result, heading, table)
+    write_results("sparse_tables", result, heading, lines)
     return 0
 
 

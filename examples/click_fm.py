@@ -14,11 +14,16 @@ and those of the known model (the best any model can do) for comparison.
 ``--raw-ids``: the ids are spread over the whole int64 range (each id multiplied by an odd
 64-bit constant, a bijection, so nothing collides) and the table is
 ``tfl.EmbeddingTable(ROWS, DIM, ids="raw", admit_after=N, expire_after_steps=T)``: a row per
-id once N updates carried it (``--admit-after``, default 2), evicted after T steps unseen
-(``--expire-after-steps``, default 200); the chief also prints the table's numbers from
-``cluster_stats()`` (rows live, admitted, evicted, gradient rows dropped).
+id at its first lookup, as the table of row numbers gives it, never evicted (the defaults:
+the table's capacity holds every id this data brings, and both mechanisms cost accuracy
+here, see docs/sparse.md); ``--admit-after N`` gives an id its row only once N updates
+carried it (its gradients until then are dropped), ``--expire-after-steps T`` evicts a row
+after T steps unseen. The chief also prints the table's numbers from ``cluster_stats()``
+(rows live, admitted, evicted, gradient rows dropped).
 
     tensorfleet launch --ps 2 --workers 2 -- python examples/click_fm.py --steps 600 --raw-ids
+    tensorfleet launch --ps 2 --workers 2 -- python examples/click_fm.py --steps 300 --raw-ids \
+        --admit-after 2 --expire-after-steps 200
 """
 
 from __future__ import annotations
@@ -91,8 +96,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--raw-ids", action="store_true", help="ids over int64, a row per id")
-    parser.add_argument("--admit-after", type=int, default=2)
-    parser.add_argument("--expire-after-steps", type=int, default=200)
+    parser.add_argument(
+        "--admit-after", type=int, default=0, help="--raw-ids: a row after N updates (0: at once)"
+    )
+    parser.add_argument(
+        "--expire-after-steps", type=int, help="--raw-ids: evict rows unseen for T steps (never)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task()

@@ -4,7 +4,9 @@ as a ``tfl.EmbeddingTable`` whose rows live on the ps shards (``--kind sparse``)
 dense ``nn.Embedding`` parameter pulled and pushed whole every step (``--kind dense``), or
 as an ``nn.Embedding(sparse=True)`` whose weight the ps holds as rows and every worker
 mirrors whole (``--kind mirrored``: each step pushes the touched rows' gradient and pulls
-the rows changed since the last pull).
+the rows changed since the last pull), or as a raw-id table (``--kind growing``: ids
+arriving over time, half of each batch new ids, rows evicted after ``--expire-after-steps``
+steps unseen; the worker reports the rows live halfway and at the end).
 
     sparse_table_worker.py OUT --kind sparse --rows 1000000 --dim 64 --batch 1024 --steps 100
 
@@ -36,12 +38,24 @@ from torch import nn
 import tensorfleet as tfl
 
 PRECREATE_CHUNK = 65_536
+MARK = "sparse_tables: "  # the driver samples the ps's memory at a line starting so
+
+
+def rows_live(sess: tfl.TrainingSession) -> int:
+    """The table's rows live on all the shards now."""
+    return sum(s["tables"]["embedding"]["rows_live"] for s in sess.cluster_stats())
 
 
 class Net(nn.Module):
-    def __init__(self, kind: str, rows: int, dim: int, zeros: bool) -> None:
+    def __init__(
+        self, kind: str, rows: int, dim: int, zeros: bool, expire_after_steps: int | None = None
+    ) -> None:
         super().__init__()
-        if kind == "sparse":
+        if kind == "growing":  # a row per raw id, evicted after expire_after_steps unseen
+            self.embedding = tfl.EmbeddingTable(
+                rows, dim, name="embedding", ids="raw", expire_after_steps=expire_after_steps
+            )
+        elif kind == "sparse":
             initializer = tfl.RowInitializer("zeros") if zeros else tfl.RowInitializer()
             self.embedding: nn.Module = tfl.EmbeddingTable(
                 rows, dim, name="embedding", initializer=initializer
@@ -65,8 +79,15 @@ def memory_kib() -> dict[str, int]:
     return fields
 
 
-def batch(step: int, rows: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ids of step ``step`` (uniform in [0, rows)) and their targets (a function of the id)."""
+def batch(
+    step: int, rows: int, size: int, growing: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of step ``step`` (uniform in [0, rows); ``growing``: ids arriving over time,
+    half of each batch new, half the previous step's new ones) and their targets (a function
+    of the id)."""
+    if growing:
+        ids = torch.arange(step * size // 2, step * size // 2 + size, dtype=torch.int64)
+        return ids, ((ids % 7).to(torch.float32) - 3.0) / 3.0
     ids = torch.randint(0, rows, (size,), generator=torch.Generator().manual_seed(step))
     return ids, ((ids % 7).to(torch.float32) - 3.0) / 3.0
 
@@ -90,7 +111,8 @@ def precreate(model: Net) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--kind", choices=("sparse", "dense", "mirrored"), required=True)
+    parser.add_argument("--kind", choices=("sparse", "dense", "mirrored", "growing"), required=True)
+    parser.add_argument("--expire-after-steps", type=int, help="kind growing (default: never)")
     parser.add_argument("--rows", type=int, required=True)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1024)
@@ -103,7 +125,8 @@ def main() -> int:
     task = tfl.resolve_task(argv=[])
     server = tfl.Server(task.cluster, task.job, task.index)
     torch.manual_seed(0)
-    model = Net(args.kind, args.rows, args.dim, zeros=args.precreate)
+    model = Net(args.kind, args.rows, args.dim, args.precreate, args.expire_after_steps)
+    growing = args.kind == "growing"
     total = args.warmup + args.steps
     report: dict[str, object] = {"kind": args.kind, "rows": args.rows, "dim": args.dim}
     session = tfl.TrainingSession(
@@ -121,6 +144,8 @@ def main() -> int:
             report["precreate_s"] = precreate(model)
             report["memory_after_precreate_kib"] = memory_kib()
         eval_ids, eval_y = batch(10**9, args.rows, 4096)
+        if growing:  # the ids of the last steps: rows that are live at the end
+            eval_ids, eval_y = batch(total - 1, args.rows, args.batch, growing)
 
         def loss_of(ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.mse_loss(sess.model(ids), y)
@@ -133,7 +158,10 @@ def main() -> int:
         while not sess.should_stop():
             if step == args.warmup:
                 sent0, received0 = client.wire_bytes()
-            ids, y = batch(step, args.rows, args.batch)
+            if growing and step == total // 2:
+                print(f"{MARK}halfway", flush=True)  # the driver reads the ps's memory
+                report["rows_live_halfway"] = rows_live(sess)
+            ids, y = batch(step, args.rows, args.batch, growing)
             unique.append(torch.unique(ids).numel())
             started = time.perf_counter()
             sess.step(lambda ids=ids, y=y: loss_of(ids, y))
@@ -142,7 +170,9 @@ def main() -> int:
             step += 1
         sent, received = client.wire_bytes()
         measured = len(times)
-        print("sparse_tables: trained", flush=True)  # the driver reads the ps's memory now
+        print(f"{MARK}trained", flush=True)  # the driver reads the ps's memory now
+        if growing:
+            report["rows_live"] = rows_live(sess)
         sess.pull()
         with torch.no_grad():
             report["loss_after"] = loss_of(eval_ids, eval_y).item()

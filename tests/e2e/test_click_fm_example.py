@@ -29,6 +29,7 @@ def test_click_fm_with_raw_ids_learns_and_admits_and_evicts_rows():
     """``--raw-ids``: ids over the whole int64 range, a row per id after 2 updates, evicted
     after 200 steps unseen; it still learns, and the table admitted and evicted rows."""
     command = [sys.executable, str(EXAMPLE), "--steps", "300", "--raw-ids"]
+    command += ["--admit-after", "2", "--expire-after-steps", "200"]  # not the defaults
     run = run_local_cluster(2, 2, command, timeout_s=200)
     assert run.returncode == 0, str(run)
     lines = run.output.of("worker:0")

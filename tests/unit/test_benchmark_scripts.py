@@ -55,6 +55,7 @@ RUNNABLE = {
     "wire_floor.py",
     "wire_profile.py",
     "programs/big_model_worker.py",
+    "programs/click_speed.py",
     "programs/overlap_worker.py",
     "programs/sparse_table_worker.py",
 }

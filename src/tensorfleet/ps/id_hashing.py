@@ -44,6 +44,19 @@ def splitmix64(values: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def splitmix64_(values: np.ndarray) -> np.ndarray:
+    """:func:`splitmix64` in place, on a writable ``uint64`` array (fewer temporaries: the
+    row initializer mixes every new row's values through it twice); returns ``values``."""
+    with np.errstate(over="ignore"):
+        values += _GOLDEN
+        values ^= values >> np.uint64(30)
+        values *= _MIX1
+        values ^= values >> np.uint64(27)
+        values *= _MIX2
+        values ^= values >> np.uint64(31)
+    return values
+
+
 def _seed_mix(seed: int) -> np.uint64:
     return splitmix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
 

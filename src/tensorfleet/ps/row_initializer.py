@@ -22,6 +22,7 @@ embeddings: small enough that dot products begin near zero):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from tensorfleet.errors import ConfigError
-from tensorfleet.ps.id_hashing import splitmix64
+from tensorfleet.ps.id_hashing import splitmix64, splitmix64_
 from tensorfleet.ps.sparse_rows import SparseGradientError
 
 KINDS = ("normal", "uniform", "zeros", "given")
@@ -71,13 +72,10 @@ class RowInitializer:
             )
         if self.kind == "zeros" or ids.numel() == 0:
             return torch.zeros((ids.numel(), dim), dtype=dtype)
-        counters = (
-            ids.cpu().numpy().astype(np.uint64)[:, None] * np.uint64(2 * dim)
-            + np.arange(2 * dim, dtype=np.uint64)[None, :]
-        )
-        with np.errstate(over="ignore"):
-            seeded = counters ^ splitmix64(np.array([self.seed & (2**64 - 1)], dtype=np.uint64))
-        bits = splitmix64(splitmix64(seeded))
+        counters = ids.cpu().numpy().astype(np.uint64)[:, None] * np.uint64(2 * dim)
+        counters = counters + _columns(2 * dim)  # a new [n, 2 dim] array
+        counters ^= _seed_bits(self.seed)
+        bits = splitmix64_(splitmix64_(counters))
         # 53 random bits -> a uniform in (0, 1): never 0, so log() below is finite.
         uniform = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) / _TWO_53
         if self.kind == "uniform":
@@ -95,3 +93,17 @@ class RowInitializer:
         if not isinstance(data, dict):
             raise ConfigError(f"a row initializer is a map, got {type(data).__name__}")
         return cls(str(data.get("kind")), data.get("scale"), data.get("seed"))
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_bits(seed: int) -> np.uint64:
+    """SplitMix64 of the seed (computed once per seed: every row creation uses it)."""
+    return splitmix64(np.array([seed & (2**64 - 1)], dtype=np.uint64))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _columns(count: int) -> np.ndarray:
+    """``[1, count]`` uint64 column numbers (read only: shared between calls)."""
+    columns = np.arange(count, dtype=np.uint64)[None, :]
+    columns.flags.writeable = False
+    return columns

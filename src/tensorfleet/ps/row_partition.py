@@ -181,6 +181,8 @@ class RowPartition:
 
     def shard_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The shard of each row id (int64, same shape)."""
+        if self.num_shards == 1:  # every scheme: all on shard 0 (spares the arithmetic)
+            return torch.zeros_like(ids)
         if self.scheme == HASH:
             return hash_int_ids(ids, self.num_shards)
         if self.scheme == "mod":
@@ -194,6 +196,8 @@ class RowPartition:
         """Each row id's index among its shard's rows."""
         if self.scheme == HASH:
             raise ConfigError("a table of raw ids has no fixed local index per id")
+        if self.num_shards == 1:  # mod and range: a row's index is its id (not a copy)
+            return ids
         if self.scheme == "mod":
             return torch.div(ids, self.num_shards, rounding_mode="floor")
         starts = torch.tensor(

@@ -45,7 +45,12 @@ from safetensors.torch import save as safetensors_save
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
 from tensorfleet.ps.save_clock import SaveClock
-from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
+from tensorfleet.ps.sparse_rows import (
+    SparseGradientError,
+    SparseRows,
+    check_sparse_rows,
+    strictly_ascending,
+)
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
 TABLE_FORMAT = 1
@@ -80,7 +85,11 @@ class RowStore(SaveClock):
         self._touched_at = torch.empty(0, dtype=torch.int64)
         self.save_clock = 0
         self._saved = False
-        """Documents written so far: each row's :attr:`touched_at` is the clock when it
+        self._pulled: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        """The ids of the last pull, their version counter then, and their positions: in
+        one process a step's gradient carries the very ids tensor its lookup pulled, whose
+        positions need not be looked up again (:meth:`_pulled_positions`).
+        Documents written so far: each row's :attr:`touched_at` is the clock when it
         last changed, so a delta since a document of clock ``c`` holds the rows marked
         ``> c``, exactly the ones changed after it."""
 
@@ -90,6 +99,7 @@ class RowStore(SaveClock):
         """The current values of rows ``ids`` (global ids of this shard, 1-D int64), created
         on first use: a new ``[len(ids), dim]`` tensor."""
         positions = self._positions(self._check_ids(ids), create=not self.given)
+        self._pulled = (ids, ids._version, positions)
         return self._values.index_select(0, positions)
 
     def created_rows(self) -> torch.Tensor:
@@ -172,10 +182,12 @@ class RowStore(SaveClock):
         """One update of the table with this shard's rows of a step's gradient (an empty
         ``gradient`` still counts as a step: see :mod:`tensorfleet.ps.sparse_update_rules`)."""
         self.check(gradient)
-        positions = self._positions(gradient.indices, create=True)
+        positions = self._pulled_positions(gradient.indices)
+        if positions is None:
+            positions = self._positions(gradient.indices, create=True)
         self.step += 1
         self.rule.apply(self._values, self._slots, positions, gradient.values, self.step)
-        self._touched_at[positions] = self._change_clock()
+        self._touched_at.index_fill_(0, positions, self._change_clock())
         if self.given and gradient.num_rows:
             self.version += 1
             self._changed_at[positions] = self.version
@@ -356,13 +368,16 @@ class RowStore(SaveClock):
             )
         if ids.numel() == 0:
             return ids
-        if int(ids.min()) < 0 or int(ids.max()) >= self.table.num_rows:
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= self.table.num_rows:
             bad = ids[(ids < 0) | (ids >= self.table.num_rows)]
             raise SparseGradientError(
                 f"table {self.table.name!r}: row id {int(bad[0])} is out of range "
                 f"[0, {self.table.num_rows}); fix: hash unbounded ids into the table "
                 f"(hash_ids=True) or make num_rows larger"
             )
+        if self.partition.num_shards == 1:
+            return ids  # in range: this one shard holds every row
         wrong = self.partition.shard_of(ids) != self.shard
         if bool(wrong.any()):
             row = int(ids[wrong][0])
@@ -374,14 +389,26 @@ class RowStore(SaveClock):
             )
         return ids
 
+    def _pulled_positions(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The positions of ``ids`` if it is the tensor the last pull looked up, unchanged
+        since (the same object, its in-place version counter the same; a row never moves
+        once created, so they still hold), else None."""
+        pulled = self._pulled
+        if pulled is not None and pulled[0] is ids and ids._version == pulled[1]:
+            return pulled[2]
+        return None
+
     def _positions(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
         local = self.partition.local_of(ids)
-        positions = self._slot_of[local]
+        positions = self._slot_of.index_select(0, local)
         missing = positions < 0
-        if self.given and bool(missing.any()):
+        any_missing = bool(missing.any())
+        if self.given and any_missing:
             self._require_complete()  # refused: a given table's rows exist once filled
-        if create and bool(missing.any()):
-            new_ids = torch.unique(ids[missing])  # ascending; a pull may repeat an id
+        if create and any_missing:
+            new_ids = ids[missing]
+            if not strictly_ascending(new_ids):  # a pull may repeat an id; a table's never
+                new_ids = torch.unique(new_ids)
             start = self.size
             self._grow(start + new_ids.numel())
             stop = start + new_ids.numel()
@@ -396,7 +423,7 @@ class RowStore(SaveClock):
                 start, stop, dtype=torch.int64
             )
             self.size = stop
-            positions = self._slot_of[local]
+            positions = self._slot_of.index_select(0, local)
         return positions
 
     def _grow(self, needed: int) -> None:

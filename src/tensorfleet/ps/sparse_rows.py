@@ -124,7 +124,7 @@ def check_sparse_rows(
         )
     if rows.num_rows == 0:
         return
-    low, high = int(rows.indices.min()), int(rows.indices.max())
+    low, high = (int(bound) for bound in torch.aminmax(rows.indices))
     if not raw_ids and (low < 0 or high >= num_rows):
         bad = rows.indices[(rows.indices < 0) | (rows.indices >= num_rows)]
         raise SparseGradientError(
@@ -132,7 +132,7 @@ def check_sparse_rows(
             f"({bad.numel()} of {rows.num_rows} ids are); fix: hash unbounded ids into the "
             f"table (hash_ids=True) or make num_rows larger"
         )
-    if torch.unique(rows.indices).numel() != rows.num_rows:
+    if not strictly_ascending(rows.indices) and torch.unique(rows.indices).numel() != rows.num_rows:
         raise SparseGradientError(
             f"table {table!r}: the {rows.num_rows} row indices are not unique; fix: coalesce "
             f"the gradient on the worker (tensorfleet.worker.sparse_gradient.coalesce_gradient)"
@@ -142,3 +142,9 @@ def check_sparse_rows(
             f"table {table!r}: the sparse gradient holds NaN or infinite values; fix: find the "
             f"source of the non-finite loss (tfl.NanGuard stops or skips such steps)"
         )
+
+
+def strictly_ascending(indices: torch.Tensor) -> bool:
+    """Whether ``indices`` strictly ascend (so they are unique): one comparison of
+    neighbours, where a sort would cost more; coalesced gradients always ascend."""
+    return bool((indices[1:] > indices[:-1]).all())

@@ -264,12 +264,17 @@ class EmbeddingTable(nn.Module):
         # (their gradient leaves it again in take_gradient).
         device = rows.device
         unique, inverse = torch.unique(rows.reshape(-1).cpu(), sorted=True, return_inverse=True)
-        shard_of = self.partition.shard_of(unique)
-        gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
-        for shard in range(self.partition.num_shards):
-            mask = shard_of == shard
-            if bool(mask.any()):
-                gathered[mask] = self._source.pull_rows(self.spec().name, shard, unique[mask])
+        name, partition = self.spec().name, self.partition
+        if partition.num_shards == 1:  # the shard's rows are the batch's rows, in order
+            gathered = self._source.pull_rows(name, 0, unique)
+        else:
+            shard_of = partition.shard_of(unique)
+            gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
+            for shard in range(partition.num_shards):
+                where = torch.nonzero(shard_of == shard).flatten()
+                if where.numel():
+                    mine = self._source.pull_rows(name, shard, unique.index_select(0, where))
+                    gathered.index_copy_(0, where, mine)
         gathered, inverse = gathered.to(device), inverse.to(device)
         if torch.is_grad_enabled() and self.training:
             gathered.requires_grad_(True)
@@ -291,10 +296,11 @@ class EmbeddingTable(nn.Module):
             return SparseRows(
                 torch.empty(0, dtype=torch.int64), torch.empty((0, self.dim), dtype=self.dtype)
             )
+        if len(pending) == 1:  # one lookup: its unique ids, ascending, and their gradient
+            unique, gathered = pending[0]
+            return SparseRows(unique, gathered.grad.detach().cpu())  # to the host's rows
         ids = torch.cat([unique for unique, _ in pending])
         grads = torch.cat([g.grad.cpu() for _, g in pending])  # to the host's rows
-        if len(pending) == 1:
-            return SparseRows(ids, grads.detach())
         if self.raw_ids:  # ids are not row numbers: a sparse tensor cannot index them
             unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
             summed = grads.new_zeros((unique.numel(), self.dim)).index_add_(0, inverse, grads)
@@ -310,7 +316,11 @@ class EmbeddingTable(nn.Module):
             self._refuse_released()
             raise TableNotAttached(self._not_attached())
         rows = self.take_gradient()
-        parts = split_rows(rows, self.partition.shard_of(rows.indices), self.partition.num_shards)
+        partition = self.partition
+        if partition.num_shards == 1:
+            parts = [rows]
+        else:
+            parts = split_rows(rows, partition.shard_of(rows.indices), partition.num_shards)
         self._source.push_rows(self.spec().name, parts)
         return rows
 

@@ -43,8 +43,8 @@ def split_rows(rows: SparseRows, shard_of_row: torch.Tensor, num_shards: int) ->
     of the table: see :mod:`tensorfleet.ps.sparse_update_rules`)."""
     parts = []
     for shard in range(num_shards):
-        mask = shard_of_row == shard
-        parts.append(SparseRows(rows.indices[mask], rows.values[mask]))
+        where = torch.nonzero(shard_of_row == shard).flatten()
+        parts.append(SparseRows(rows.indices[where], rows.values.index_select(0, where)))
     return parts
 
 

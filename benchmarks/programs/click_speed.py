@@ -1,0 +1,173 @@
+"""The click model of ``examples/click_fm.py`` trained on a fixed data set, for
+``benchmarks/sparse_tables.py``'s speed rows against a plain PyTorch loop.
+
+    click_speed.py OUT --mode torch|local|cluster --optimizer adagrad|sparse_adam|sgd \
+        [--examples 200000] [--epochs 2]
+
+The data: ``--examples`` examples drawn once from the click model (``make_clicks``, seed 1),
+visited ``--epochs`` times in batches of 256, each epoch in its own fixed random order; a
+held-out set of 20,000 examples (seed 7) scores the trained model (AUC). Every mode sees the
+same batches in the same order (cluster: worker ``r`` of ``W`` takes batches ``r, r+W, ...``).
+
+* ``torch``: the plain PyTorch loop, ``nn.Embedding(1M, 8, sparse=True)`` and torch's
+  optimizer (``adagrad``: ``torch.optim.Adagrad`` over every parameter; ``sparse_adam``:
+  ``torch.optim.SparseAdam`` on the embedding and ``Adam`` on the rest; ``sgd``:
+  ``torch.optim.SGD``);
+* ``local``: the same model with a ``tfl.EmbeddingTable``, a ``TrainingSession`` without a
+  cluster (``server=None``) with the matching ``tfl.optim`` rules;
+* ``cluster``: the same session as a task of a ``tensorfleet`` cluster (``async``).
+
+Each process writes ``OUT`` (``cluster``: ``OUT.<rank>``, JSON): the wall-clock start and end
+of its training loop (``time.time()``, comparable between the processes of one machine), the
+CPU seconds it spent in the loop, the examples it trained on and (``torch``, ``local``, the
+cluster's chief) the held-out AUC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from click_fm import BATCH, DIM, ROWS, FactorizationMachine, auc, make_clicks  # noqa: E402
+
+import tensorfleet as tfl  # noqa: E402
+
+LR = {"adagrad": 0.1, "sparse_adam": 0.01, "sgd": 1.0}
+
+
+class TorchFactorizationMachine(nn.Module):
+    """The click model with a plain ``nn.Embedding(sparse=True)``: the PyTorch baseline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(ROWS, DIM, sparse=True)
+        nn.init.normal_(self.embedding.weight, std=0.1)
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        vectors = self.embedding(ids)
+        return self.bias + self.scale * (vectors[:, 0] * vectors[:, 1]).sum(1)
+
+
+def batches(examples: int, epochs: int) -> list[torch.Tensor]:
+    """The positions of every batch of every epoch, in training order."""
+    out = []
+    for epoch in range(epochs):
+        order = torch.randperm(examples, generator=torch.Generator().manual_seed(100 + epoch))
+        out += list(order.split(BATCH))
+    return out
+
+
+def torch_optimizers(model: TorchFactorizationMachine, name: str) -> list[torch.optim.Optimizer]:
+    lr = LR[name]
+    if name == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=lr)]
+    if name == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=lr)]
+    return [
+        torch.optim.SparseAdam([model.embedding.weight], lr=lr),
+        torch.optim.Adam([model.bias, model.scale], lr=lr),
+    ]
+
+
+def session_rules(name: str) -> dict:
+    lr = LR[name]
+    if name == "adagrad":
+        return {"optimizer": tfl.optim.Adagrad(lr=lr)}
+    if name == "sgd":
+        return {"optimizer": tfl.optim.SGD(lr=lr)}
+    return {"optimizer": tfl.optim.Adam(lr=lr), "sparse_optimizer": tfl.optim.SparseAdam(lr=lr)}
+
+
+def held_out_auc(model: nn.Module) -> float:
+    ids, labels, _ = make_clicks(20_000, seed=7)
+    with torch.no_grad():
+        return auc(model(ids), labels)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--mode", choices=("torch", "local", "cluster"), required=True)
+    parser.add_argument("--optimizer", choices=tuple(LR), required=True)
+    parser.add_argument("--examples", type=int, default=200_000)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--profile", help="write a cProfile of the training loop there")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ids, labels, _ = make_clicks(args.examples, seed=1)
+    plan = batches(args.examples, args.epochs)
+    report: dict[str, object] = {"mode": args.mode, "optimizer": args.optimizer}
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    if args.mode == "torch":
+        model = TorchFactorizationMachine()
+        optimizers = torch_optimizers(model, args.optimizer)
+        started, cpu = time.time(), time.process_time()
+        if profiler:
+            profiler.enable()
+        for rows in plan:
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            F.binary_cross_entropy_with_logits(model(ids[rows]), labels[rows]).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+        if profiler:
+            profiler.disable()
+        report.update(start=started, end=time.time(), cpu_s=time.process_time() - cpu)
+        report.update(examples=args.examples * args.epochs, auc=held_out_auc(model))
+        out, rank = Path(args.out), 0
+    else:
+        server, rank, workers = None, 0, 1
+        if args.mode == "cluster":
+            task = tfl.resolve_task(argv=[])
+            server = tfl.Server(task.cluster, task.job, task.index)
+            rank, workers = task.rank, task.num_workers
+        model = FactorizationMachine()
+        mine = plan[rank::workers]
+        session = tfl.TrainingSession(
+            server, model, mode="async", hooks=[tfl.StopAtStep(last_step=len(plan))],
+            progress_secs=None, **session_rules(args.optimizer),
+        )  # fmt: skip
+        with session as sess:
+            trained = 0
+            started, cpu = time.time(), time.process_time()
+            if profiler:
+                profiler.enable()
+            for rows in mine:
+                if sess.should_stop():
+                    break
+                x, y = ids[rows], labels[rows]
+                sess.step(lambda x=x, y=y: F.binary_cross_entropy_with_logits(model(x), y))
+                trained += rows.numel()
+            if profiler:
+                profiler.disable()
+            report.update(start=started, end=time.time(), cpu_s=time.process_time() - cpu)
+            report["examples"] = trained
+            if sess.is_chief:
+                sess.pull()
+                report["auc"] = held_out_auc(model)
+        out = Path(f"{args.out}.{rank}") if args.mode == "cluster" else Path(args.out)
+    if profiler:
+        profiler.dump_stats(f"{args.profile}.{rank}" if args.mode == "cluster" else args.profile)
+    out.write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
