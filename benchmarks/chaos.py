@@ -112,6 +112,8 @@ class Watch(PlainOutput):
     spare_pids: list[int] = field(default_factory=list)
     #: (time, task, pid) of each restart, and whether a warm spare took it over
     restarts: list[tuple[float, str, int, bool]] = field(default_factory=list)
+    #: (time, task or "launcher", text) of every line, for the phases of a ps's recovery
+    events: list[tuple[float, str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._file = self.log_path.open("w")
@@ -122,6 +124,8 @@ class Watch(PlainOutput):
         super().line(task, text)
         if self.echo:
             print(f"[{task}] {text}", flush=True)
+        with self._watch_lock:
+            self.events.append((time.monotonic(), task, text))
         if match := STEP_LINE.match(text):
             with self._watch_lock:
                 self.steps.append((time.monotonic(), int(match.group(1)), int(match.group(2))))
@@ -131,6 +135,8 @@ class Watch(PlainOutput):
     def message(self, text: str, level: str = "info") -> None:
         super().message(text, level)
         print(f"[launcher] {text.splitlines()[0]}", flush=True)
+        with self._watch_lock:
+            self.events.append((time.monotonic(), "launcher", text))
         if match := re.match(r"restarted (\S+) .* as pid (\d+)", text):
             with self._watch_lock:
                 self.restarted.setdefault(match.group(1), []).append(time.monotonic())
@@ -304,6 +310,44 @@ class Fault:
     #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
     #: first one after (what the restore from the newest checkpoint gave back)
     steps_lost: int | None = None
+    #: kill/term of the ps: seconds from the fault to each phase of its recovery (PS_PHASES)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+#: The phases of a ps's recovery, in order: the name, who says it, and the start of the line
+#: that marks its end (the launcher saw the old process end, restarted the task; the new
+#: process listens; a shard is restored or re-created; the workers said they recovered).
+PS_PHASES = (
+    ("exited", "launcher", "ps:0 failed with"),
+    ("restarted", "launcher", "restarted ps:0"),
+    ("listening", "ps:0", "ps:0: opened for"),
+    ("restored", "ps:0", "ps:0: restored from a checkpoint"),
+    ("workers recovered", "worker:", "recovered"),
+)
+
+
+def ps_phases(watch: Watch, at: float, until: float) -> dict[str, float]:
+    """Seconds from a ps fault at ``at`` to the first line of each of :data:`PS_PHASES`
+    before ``until`` (the first step after it); a phase with no line is left out. "workers
+    recovered" is the last worker's "recovered" line (a restore without a checkpoint, which
+    re-creates the shard, has no "restored" line)."""
+    with watch._watch_lock:
+        events = [e for e in watch.events if at < e[0] <= until]
+    phases: dict[str, float] = {}
+    for name, who, start in PS_PHASES:
+        if name == "workers recovered":
+            recovered = {
+                task: t
+                for t, task, text in events
+                if task.startswith(who) and text.startswith(f"{task}: {start}")
+            }
+            if recovered:
+                phases[name] = max(recovered.values()) - at
+            continue
+        found = [t for t, task, text in events if task == who and text.startswith(start)]
+        if found:
+            phases[name] = found[0] - at
+    return phases
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -440,6 +484,8 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
     if after:
         # a stop's own seconds are the storm's, not the recovery's: counted from SIGCONT
         fault.recovered_s = after[0][0] - (back if fault.kind == "stop" else at)
+        if fault.task.startswith("ps:") and fault.kind != "stop":
+            fault.phases = {**ps_phases(watch, at, after[0][0]), "first step": fault.recovered_s}
 
 
 def storm_main(args: argparse.Namespace, workdir: Path) -> int:
@@ -537,6 +583,27 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
         "",
     ]
+    phased = [f for f in faults if f.phases]
+    if phased:
+        table += [
+            "Where each ps fault's recovery went (seconds from the fault to the end of each "
+            "phase):",
+            "",
+            "| fault | at step | "
+            + " | ".join(name for name, _, _ in PS_PHASES)
+            + " | first step |",
+            "|---|---|" + "---|" * (len(PS_PHASES) + 1),
+        ]
+        table += [
+            f"| {f.kind} {f.task} | {f.global_step} | "
+            + " | ".join(
+                f"{f.phases[name]:.1f}" if name in f.phases else ""
+                for name in [*(n for n, _, _ in PS_PHASES), "first step"]
+            )
+            + " |"
+            for f in phased
+        ]
+        table.append("")
     table += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks.items()]
     heading = (
         f"Storm: 1 ps + 3 workers, {args.steps} steps, {'/'.join(args.faults)} on a random task "
