@@ -74,7 +74,7 @@ from results_writer import add_out_dir_option, write_results  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import PlainOutput  # noqa: E402
-from tensorfleet.launch.warm_spares import DEFAULT_SPARES  # noqa: E402
+from tensorfleet.launch.warm_spares import DEFAULT_PS_SPARES, DEFAULT_SPARES  # noqa: E402
 from tensorfleet.session.checkpoints import CheckpointDirectory, read_checkpoint  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "mnist_cnn.py"
@@ -143,8 +143,8 @@ class Watch(PlainOutput):
                 self.restarts.append(
                     (time.monotonic(), match.group(1), int(match.group(2)), "warm spare" in text)
                 )
-        if match := re.match(r"started warm spare \d+ for the workers as pid (\d+)", text):
-            self.spare_pids.append(int(match.group(1)))
+        if match := re.match(r"started warm spare \S+ for the \w+( tasks)? as pid (\d+)", text):
+            self.spare_pids.append(int(match.group(2)))
 
     def current_step(self) -> int:
         """The global step now: the highest seen since the latest ps restart (the global
@@ -181,7 +181,10 @@ def run(
     logdir = workdir / name
     watch = Watch(workdir / f"{name}.log", echo=args.echo)
     spares = args.spares if kills else 0  # the launcher's default for the disturbed run
-    cluster = LocalCluster(1, 3, example_command(args, logdir), output=watch, spares=spares)
+    ps_spares = args.ps_spares if kills else 0
+    cluster = LocalCluster(
+        1, 3, example_command(args, logdir), output=watch, spares=spares, ps_spares=ps_spares
+    )
     rng = random.Random(args.seed)
     done: list[Kill] = []
     status: list[int] = []
@@ -306,7 +309,7 @@ class Fault:
     global_step: int
     resumed_at_s: float | None = None  # stop: when SIGCONT was sent
     recovered_s: float | None = None  # the fault -> the victim's next step (module docstring)
-    spare: bool | None = None  # kill/term of a worker: taken over by a warm spare
+    spare: bool | None = None  # kill/term: the task was taken over by a warm spare
     #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
     #: first one after (what the restore from the newest checkpoint gave back)
     steps_lost: int | None = None
@@ -374,7 +377,12 @@ def storm_run(
     logdir = workdir / "storm"
     watch = Watch(workdir / "storm.log", echo=args.echo)
     cluster = LocalCluster(
-        1, 3, example_command(args, logdir), output=watch, spares=args.spares
+        1,
+        3,
+        example_command(args, logdir),
+        output=watch,
+        spares=args.spares,
+        ps_spares=args.ps_spares,
     )  # the launcher's defaults otherwise: restart policy, grace periods
     rng = random.Random(args.seed)
     faults: list[Fault] = []
@@ -473,7 +481,7 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         if not restarts:
             return
         back = restarts[0][0]
-        fault.spare = restarts[0][3] if fault.task.startswith("worker:") else None
+        fault.spare = restarts[0][3]
     after = watch.steps_since(back)
     if fault.task.startswith("ps:") and fault.kind != "stop" and after:
         before = [step for t, _, step in watch.steps_since(at) if t <= back]
@@ -507,7 +515,7 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
     for fault in faults:
         job = fault.task.split(":")[0]
         key = f"{fault.kind} {job}"
-        if fault.kind != "stop" and job == "worker":
+        if fault.kind != "stop":
             key += " (spare)" if fault.spare else " (fresh process)"
         if fault.recovered_s is not None:
             groups.setdefault(key, []).append(fault.recovered_s)
@@ -543,6 +551,7 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         "stop_seconds": args.stop_seconds,
         "faults_allowed": args.faults,
         "spares": args.spares,
+        "ps_spares": args.ps_spares,
         "exit_status": status,
         "test_accuracy": watch.accuracy,
         "baseline_exit_status": base_status,
@@ -608,7 +617,8 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
     heading = (
         f"Storm: 1 ps + 3 workers, {args.steps} steps, {'/'.join(args.faults)} on a random task "
         f"every {args.interval:g} s for {args.duration:g} s (SIGSTOP for {args.stop_seconds:g} s; "
-        f"seed {args.seed}; {args.spares} warm spare(s)), default launcher settings otherwise; "
+        f"seed {args.seed}; {args.spares} warm spare worker(s), {args.ps_spares} warm spare "
+        "ps), default launcher settings otherwise; "
         "measured under whatever else the machine ran"
     )
     name = "chaos_storm" if args.seed == DEFAULT_SEED else f"chaos_storm_seed{args.seed}"
@@ -664,6 +674,13 @@ def main() -> int:
         default=DEFAULT_SPARES,
         help=f"warm spare workers of the disturbed run, in both modes (default "
         f"{DEFAULT_SPARES}: tensorfleet launch's default)",
+    )
+    storm.add_argument(
+        "--ps-spares",
+        type=int,
+        default=DEFAULT_PS_SPARES,
+        help=f"warm spare ps processes of the disturbed run, in both modes (default "
+        f"{DEFAULT_PS_SPARES}: tensorfleet launch's default)",
     )
     storm.add_argument(
         "--no-baseline", action="store_true", help="skip the undisturbed run (no accuracy check)"

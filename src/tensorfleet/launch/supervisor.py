@@ -143,6 +143,9 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
             (:mod:`tensorfleet.launch.warm_spares`; local backend only). 0 here by default;
             ``tensorfleet launch`` keeps 1 (``--spares``).
         spare_wait_s: seconds a spare waits unused before a fresh one replaces it.
+        ps_spares: warm spare ps processes (the ps command waiting, past its imports, to take
+            over a ps task that dies; local backend only). 0 here by default;
+            ``tensorfleet launch`` keeps 1 with the built-in ps (``--ps-spares``).
 
     The addresses, the cluster spec (:attr:`cluster`) and the secret (:attr:`secret`) are
     chosen here, so they can be read before :meth:`start`. Raises :class:`LaunchError` for
@@ -169,6 +172,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         max_restarts: int | None = None,
         spares: int = 0,
         spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
+        ps_spares: int = 0,
     ):
         if num_ps < 0:
             raise LaunchError(f"the number of ps tasks must be >= 0, got {num_ps}")
@@ -188,7 +192,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         self.output = PlainOutput() if output is None else output
         self.secret = generate_secret() if secret is None else secret
         self.backend = backend
-        self._init_spares(spares, spare_wait_s, history)
+        self._init_spares(spares, spare_wait_s, history, ps_spares)
         self._env = dict(env or {})
         self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
         self._cwd = None if cwd is None else os.fspath(cwd)

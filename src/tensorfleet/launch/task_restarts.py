@@ -135,7 +135,7 @@ class TaskRestarts:
         how = (
             ""
             if spare is None
-            else f": warm spare {spare.number}, started {time.monotonic() - spare.started_at:.1f} "
+            else f": warm spare {spare.name}, started {time.monotonic() - spare.started_at:.1f} "
             + ("s ago and waiting" if spare.ready else "s ago, still starting")
         )
         self.output.message(
