@@ -74,7 +74,7 @@ from results_writer import add_out_dir_option, write_results  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import PlainOutput  # noqa: E402
-from tensorfleet.launch.warm_spares import DEFAULT_SPARES  # noqa: E402
+from tensorfleet.launch.warm_spares import DEFAULT_PS_SPARES, DEFAULT_SPARES  # noqa: E402
 from tensorfleet.session.checkpoints import CheckpointDirectory, read_checkpoint  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "mnist_cnn.py"
@@ -112,6 +112,8 @@ class Watch(PlainOutput):
     spare_pids: list[int] = field(default_factory=list)
     #: (time, task, pid) of each restart, and whether a warm spare took it over
     restarts: list[tuple[float, str, int, bool]] = field(default_factory=list)
+    #: (time, task or "launcher", text) of every line, for the phases of a ps's recovery
+    events: list[tuple[float, str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._file = self.log_path.open("w")
@@ -122,6 +124,8 @@ class Watch(PlainOutput):
         super().line(task, text)
         if self.echo:
             print(f"[{task}] {text}", flush=True)
+        with self._watch_lock:
+            self.events.append((time.monotonic(), task, text))
         if match := STEP_LINE.match(text):
             with self._watch_lock:
                 self.steps.append((time.monotonic(), int(match.group(1)), int(match.group(2))))
@@ -131,14 +135,16 @@ class Watch(PlainOutput):
     def message(self, text: str, level: str = "info") -> None:
         super().message(text, level)
         print(f"[launcher] {text.splitlines()[0]}", flush=True)
+        with self._watch_lock:
+            self.events.append((time.monotonic(), "launcher", text))
         if match := re.match(r"restarted (\S+) .* as pid (\d+)", text):
             with self._watch_lock:
                 self.restarted.setdefault(match.group(1), []).append(time.monotonic())
                 self.restarts.append(
                     (time.monotonic(), match.group(1), int(match.group(2)), "warm spare" in text)
                 )
-        if match := re.match(r"started warm spare \d+ for the workers as pid (\d+)", text):
-            self.spare_pids.append(int(match.group(1)))
+        if match := re.match(r"started warm spare \S+ for the \w+( tasks)? as pid (\d+)", text):
+            self.spare_pids.append(int(match.group(2)))
 
     def current_step(self) -> int:
         """The global step now: the highest seen since the latest ps restart (the global
@@ -175,7 +181,10 @@ def run(
     logdir = workdir / name
     watch = Watch(workdir / f"{name}.log", echo=args.echo)
     spares = args.spares if kills else 0  # the launcher's default for the disturbed run
-    cluster = LocalCluster(1, 3, example_command(args, logdir), output=watch, spares=spares)
+    ps_spares = args.ps_spares if kills else 0
+    cluster = LocalCluster(
+        1, 3, example_command(args, logdir), output=watch, spares=spares, ps_spares=ps_spares
+    )
     rng = random.Random(args.seed)
     done: list[Kill] = []
     status: list[int] = []
@@ -300,10 +309,48 @@ class Fault:
     global_step: int
     resumed_at_s: float | None = None  # stop: when SIGCONT was sent
     recovered_s: float | None = None  # the fault -> the victim's next step (module docstring)
-    spare: bool | None = None  # kill/term of a worker: taken over by a warm spare
+    spare: bool | None = None  # kill/term: the task was taken over by a warm spare
     #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
     #: first one after (what the restore from the newest checkpoint gave back)
     steps_lost: int | None = None
+    #: kill/term of the ps: seconds from the fault to each phase of its recovery (PS_PHASES)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+#: The phases of a ps's recovery, in order: the name, who says it, and the start of the line
+#: that marks its end (the launcher saw the old process end, restarted the task; the new
+#: process listens; a shard is restored or re-created; the workers said they recovered).
+PS_PHASES = (
+    ("exited", "launcher", "ps:0 failed with"),
+    ("restarted", "launcher", "restarted ps:0"),
+    ("listening", "ps:0", "ps:0: opened for"),
+    ("restored", "ps:0", "ps:0: restored from a checkpoint"),
+    ("workers recovered", "worker:", "recovered"),
+)
+
+
+def ps_phases(watch: Watch, at: float, until: float) -> dict[str, float]:
+    """Seconds from a ps fault at ``at`` to the first line of each of :data:`PS_PHASES`
+    before ``until`` (the first step after it); a phase with no line is left out. "workers
+    recovered" is the last worker's "recovered" line (a restore without a checkpoint, which
+    re-creates the shard, has no "restored" line)."""
+    with watch._watch_lock:
+        events = [e for e in watch.events if at < e[0] <= until]
+    phases: dict[str, float] = {}
+    for name, who, start in PS_PHASES:
+        if name == "workers recovered":
+            recovered = {
+                task: t
+                for t, task, text in events
+                if task.startswith(who) and text.startswith(f"{task}: {start}")
+            }
+            if recovered:
+                phases[name] = max(recovered.values()) - at
+            continue
+        found = [t for t, task, text in events if task == who and text.startswith(start)]
+        if found:
+            phases[name] = found[0] - at
+    return phases
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -330,7 +377,12 @@ def storm_run(
     logdir = workdir / "storm"
     watch = Watch(workdir / "storm.log", echo=args.echo)
     cluster = LocalCluster(
-        1, 3, example_command(args, logdir), output=watch, spares=args.spares
+        1,
+        3,
+        example_command(args, logdir),
+        output=watch,
+        spares=args.spares,
+        ps_spares=args.ps_spares,
     )  # the launcher's defaults otherwise: restart policy, grace periods
     rng = random.Random(args.seed)
     faults: list[Fault] = []
@@ -429,7 +481,7 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         if not restarts:
             return
         back = restarts[0][0]
-        fault.spare = restarts[0][3] if fault.task.startswith("worker:") else None
+        fault.spare = restarts[0][3]
     after = watch.steps_since(back)
     if fault.task.startswith("ps:") and fault.kind != "stop" and after:
         before = [step for t, _, step in watch.steps_since(at) if t <= back]
@@ -440,6 +492,8 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
     if after:
         # a stop's own seconds are the storm's, not the recovery's: counted from SIGCONT
         fault.recovered_s = after[0][0] - (back if fault.kind == "stop" else at)
+        if fault.task.startswith("ps:") and fault.kind != "stop":
+            fault.phases = {**ps_phases(watch, at, after[0][0]), "first step": fault.recovered_s}
 
 
 def storm_main(args: argparse.Namespace, workdir: Path) -> int:
@@ -461,7 +515,7 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
     for fault in faults:
         job = fault.task.split(":")[0]
         key = f"{fault.kind} {job}"
-        if fault.kind != "stop" and job == "worker":
+        if fault.kind != "stop":
             key += " (spare)" if fault.spare else " (fresh process)"
         if fault.recovered_s is not None:
             groups.setdefault(key, []).append(fault.recovered_s)
@@ -497,6 +551,7 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         "stop_seconds": args.stop_seconds,
         "faults_allowed": args.faults,
         "spares": args.spares,
+        "ps_spares": args.ps_spares,
         "exit_status": status,
         "test_accuracy": watch.accuracy,
         "baseline_exit_status": base_status,
@@ -537,11 +592,33 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
         "",
     ]
+    phased = [f for f in faults if f.phases]
+    if phased:
+        table += [
+            "Where each ps fault's recovery went (seconds from the fault to the end of each "
+            "phase):",
+            "",
+            "| fault | at step | "
+            + " | ".join(name for name, _, _ in PS_PHASES)
+            + " | first step |",
+            "|---|---|" + "---|" * (len(PS_PHASES) + 1),
+        ]
+        table += [
+            f"| {f.kind} {f.task} | {f.global_step} | "
+            + " | ".join(
+                f"{f.phases[name]:.1f}" if name in f.phases else ""
+                for name in [*(n for n, _, _ in PS_PHASES), "first step"]
+            )
+            + " |"
+            for f in phased
+        ]
+        table.append("")
     table += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks.items()]
     heading = (
         f"Storm: 1 ps + 3 workers, {args.steps} steps, {'/'.join(args.faults)} on a random task "
         f"every {args.interval:g} s for {args.duration:g} s (SIGSTOP for {args.stop_seconds:g} s; "
-        f"seed {args.seed}; {args.spares} warm spare(s)), default launcher settings otherwise; "
+        f"seed {args.seed}; {args.spares} warm spare worker(s), {args.ps_spares} warm spare "
+        "ps), default launcher settings otherwise; "
         "measured under whatever else the machine ran"
     )
     name = "chaos_storm" if args.seed == DEFAULT_SEED else f"chaos_storm_seed{args.seed}"
@@ -597,6 +674,13 @@ def main() -> int:
         default=DEFAULT_SPARES,
         help=f"warm spare workers of the disturbed run, in both modes (default "
         f"{DEFAULT_SPARES}: tensorfleet launch's default)",
+    )
+    storm.add_argument(
+        "--ps-spares",
+        type=int,
+        default=DEFAULT_PS_SPARES,
+        help=f"warm spare ps processes of the disturbed run, in both modes (default "
+        f"{DEFAULT_PS_SPARES}: tensorfleet launch's default)",
     )
     storm.add_argument(
         "--no-baseline", action="store_true", help="skip the undisturbed run (no accuracy check)"

@@ -10,6 +10,13 @@ gloo backend can abort a process at interpreter exit (SIGABRT, "terminate called
 active exception", when its threads still hold work while the interpreter shuts down); the
 restart that followed waited 60 s for a group that had ended and failed the run.
 
+The second: **this process of the task got to work** (:data:`SERVING`: a ps whose shard
+holds its variables, created or restored; a worker past its first training step). The
+launcher's crash-loop back-off (:mod:`tensorfleet.launch.restart_policy`) is for a task that
+dies before it gets anywhere; a process that got to work and was then killed (a fault storm
+kills a ps 20 s after its last restart) is restarted at once, however short its run. The
+marker holds the process id, so a marker of an earlier process of the task says nothing.
+
 The choice: one empty file per fact and task in a directory the launcher creates for the run
 and names in ``TENSORFLEET_TASK_MARKERS`` (removed when the run ends). The alternatives: a
 line on the task's output, which the user's own output could imitate or interleave with; the
@@ -19,6 +26,7 @@ variable) writes nothing, and nothing changes for it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import warnings
@@ -31,6 +39,14 @@ MARKERS_VAR = environment.TASK_MARKERS_VAR
 
 #: The worker passed the final barrier of all-reduce training.
 COLLECTIVE_END = "collective-end"
+#: This process of the task got to work (its text: the process id).
+SERVING = "serving"
+
+
+def mark_serving(task_name: str) -> None:
+    """Leave :data:`SERVING` for ``task_name`` with this process's id (see the module's
+    docstring)."""
+    mark(SERVING, task_name, text=str(os.getpid()))
 
 
 def _file(directory: Path, task_name: str, fact: str) -> Path:

@@ -80,14 +80,20 @@ class WatchedOutput(PlainOutput):
 
 
 @pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
-def test_a_preempted_ps_and_chief_save_first_and_lose_no_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ps_spares", [0, 1], ids=["new-ps-process", "warm-spare-ps"])
+def test_a_preempted_ps_and_chief_save_first_and_lose_no_step(
+    tmp_path: Path, ps_spares: int
+) -> None:
+    """With a new ps process, or with the warm spare ps that ``tensorfleet launch`` keeps by
+    default taking the preempted ps's identity: the restore is at the very step it reached."""
     command = [
         sys.executable, str(EXAMPLE), "--steps", str(LAST_STEP), "--log-every", "1",
         "--train-limit", "3000", "--test-limit", "1000", "--logdir", str(tmp_path / "run"),
         "--checkpoint-steps", "100000", "--summary-steps", "100000",
     ]  # fmt: skip
     output = WatchedOutput()
-    cluster = LocalCluster(1, 2, command, output=output)  # the launcher's defaults
+    # the launcher's defaults otherwise
+    cluster = LocalCluster(1, 2, command, output=output, ps_spares=ps_spares)
     seen: dict[str, int] = {}
     failures: list[BaseException] = []
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -63,11 +64,14 @@ def restarted_ps() -> Iterator[Callable[[RunningService], None]]:
     started: list[RunningService] = []
     threads: list[threading.Thread] = []
 
-    def arm(old: RunningService) -> None:
+    def arm(old: RunningService, starting_s: float = 0.0) -> None:
+        """``starting_s``: how long the new process takes to start listening (a real ps
+        imports torch first), counted from the client's "recovering"."""
         stop_services([old])
 
         def restart() -> None:
             if handler.event.wait(20.0):
+                time.sleep(starting_s)
                 started.append(serve_in_thread(CONFIG, SECRET, old.address))
 
         thread = threading.Thread(target=restart, daemon=True)
@@ -211,3 +215,34 @@ def _connect(client: ParameterClient) -> object:
         return client.connect()
     except BaseException as exc:  # handed to the test's thread
         return exc
+
+
+def test_a_ps_back_after_its_silence_was_noticed_is_recovered_by_the_first_hello(
+    restarted_ps: Callable[..., None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ps is gone long enough for the heartbeat to report it silent, then comes back
+    while the client recovers: the recovery's hello is not given up for that silence (ZeroMQ
+    delivers it once the new ps listens), so one hello recovers, with no "not recovered yet"
+    round; and the requests after it are not given up for the heartbeat's view of the old
+    process either: one recovery in all."""
+    service, client, model = _chief()
+    try:
+        stop_services([service])
+        deadline = time.monotonic() + 20.0
+        while not client._heartbeat.trouble(0, client._shards.channels[0].server_session):
+            assert time.monotonic() < deadline, "the heartbeat never reported the stopped ps"
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="tensorfleet"):
+            # It listens again 1.5 s after the client said it is recovering: a new process
+            # starting, while the heartbeat still reports the old one silent.
+            restarted_ps(service, 1.5)
+            assert client.pull().global_step == 1
+            for _, param in model:
+                param.grad = torch.ones_like(param)
+            assert client.push_pull().global_step == 2
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if "not recovered yet" in m], messages
+        assert len([m for m in messages if m.endswith("; recovering")]) == 1, messages
+        client.finish(declare_end=True)
+    finally:
+        client.close()

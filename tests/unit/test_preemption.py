@@ -299,9 +299,9 @@ def test_a_worker_preempted_while_recovering_exits_at_once_instead_of_retrying()
     then has nothing left to save, so the recovery ends at once with Preempted (status 143)
     instead of outlasting the grace period and being killed.
 
-    The heartbeat finds the stopped ps silent after half a second, so each hello of the
-    recovery gives up quickly and the recovery is retrying (backing off) when the signal
-    comes; with the default silence every hello would wait out its 10 s deadline first."""
+    The recovery's hello waits for the stopped ps (up to 10 s, not given up for the
+    heartbeat's silence: it is how the recovery learns that the ps is back) when the signal
+    comes, and that wait ends on it."""
     patient = ClientTimeouts(
         connect_s=10.0,
         initialize_s=10.0,

@@ -135,6 +135,24 @@ def test_a_task_that_ran_past_the_threshold_is_restarted_at_once() -> None:
     assert just_under.describe_wait().endswith("it ran 29.9 s, under 30 s)")
 
 
+def test_a_task_that_got_to_work_is_no_crash_loop_however_short_its_run() -> None:
+    """A process that left the serving marker (a ps serving its variables, a worker past its
+    first step) and was then killed is restarted at once, even in a crash streak; the
+    restart still counts toward the limit."""
+    history = [(100.0 + i, SIGNAL) for i in range(3)]
+    served = DEFAULT_POLICY.decide(-9, history, now=200.0, ran_s=12.3, streak=3, served=True)
+    assert served.restart and served.delay_s == 0.0 and not served.crash_loop
+    assert (served.used, served.limit) == (3, 10)
+    assert served.describe_wait() == (
+        "at once (it ran 12.3 s, under the crash-loop threshold of 30 s, but got to work "
+        "first: no crash loop)"
+    )
+    not_served = DEFAULT_POLICY.decide(-9, history, now=200.0, ran_s=12.3, streak=3)
+    assert not_served.crash_loop and not_served.delay_s == 8.0
+    limited = RestartPolicy(signal_restarts=3).decide(-9, history, 200.0, 1.0, 0, served=True)
+    assert not limited.restart
+
+
 def test_the_back_off_doubles_with_quick_deaths_in_a_row_only() -> None:
     policy = RestartPolicy(backoff_s=1.0, max_backoff_s=10.0, crash_loop_s=30.0)
     delays = [policy.decide(-9, [], now=0.0, ran_s=2.0, streak=n).delay_s for n in range(6)]

@@ -189,10 +189,14 @@ def _server(args: argparse.Namespace) -> int:
     # Imported here so that the CLI (and `launch`) work without the server's dependencies.
     import torch
 
+    from tensorfleet.ps.update_rules import warm_up_optimizers
     from tensorfleet.session.server import Server, ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
+    # torch's lazy optimizer imports (1-8 s) before a warm spare waits for its identity in
+    # resolve_server_task, not after it took over a dead ps (the service would do it then).
+    warm_up_optimizers()
     task = resolve_server_task(args)  # a ps task, or an error in this command's terms
     security = task_security(args)  # the same options and meaning as in the examples
     try:

@@ -42,7 +42,7 @@ from tensorfleet.launch.supervisor import (
     DEFAULT_KILL_TIMEOUT,
     ClusterSupervisor,
 )
-from tensorfleet.launch.warm_spares import DEFAULT_SPARES
+from tensorfleet.launch.warm_spares import DEFAULT_PS_SPARES, DEFAULT_SPARES
 
 #: Signals to the launcher that are forwarded to the tasks as SIGTERM. SIGHUP too: with the
 #: tasks in their own sessions, a closed terminal would otherwise orphan them.
@@ -169,6 +169,16 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         help="warm spare workers: the worker command started ahead of time, waiting in "
         "tensorfleet.resolve_task() to take over a worker that dies (default: "
         f"{DEFAULT_SPARES} with the local backend, 0 with Ray; 0: none)",
+    )
+    restarts.add_argument(
+        "--ps-spares",
+        type=int,
+        default=None,
+        metavar="N",
+        help="warm spare ps processes: the ps command started ahead of time, past its "
+        "imports, waiting to take over a ps task that dies (default: "
+        f"{DEFAULT_PS_SPARES} with the local backend and the built-in ps or --ps-runs-script, "
+        "else 0; 0: none)",
     )
     backends = launch.add_argument_group("backend")
     backends.add_argument(
@@ -303,11 +313,18 @@ def run_launch(args: argparse.Namespace) -> int:
         if not ps_command:
             raise LaunchError("--ps-command is empty; give the ps program and its arguments")
     policy = restart_policy_from(args)  # bad limits are refused before anything starts
-    if args.spares and args.backend != "local":
-        raise LaunchConfigError(
-            f"--spares {args.spares}: warm spares need the local backend, not --backend "
-            f"{args.backend}; pass --spares 0"
-        )
+    for flag, count in (("--spares", args.spares), ("--ps-spares", args.ps_spares)):
+        if count and args.backend != "local":
+            raise LaunchConfigError(
+                f"{flag} {count}: warm spares need the local backend, not --backend "
+                f"{args.backend}; pass {flag} 0"
+            )
+    # A ps spare by default only where the ps command is known to wait in resolve_task: the
+    # built-in server, or the user's script (which calls it, as the worker spares need).
+    ps_spares = args.ps_spares
+    if ps_spares is None:
+        waits = args.ps_command is None or args.ps_runs_script
+        ps_spares = DEFAULT_PS_SPARES if args.backend == "local" and waits else 0
     # resources the host cannot give, or workers that do not form whole pipelines: refused
     # before anything starts
     resources = launch_resources(args, args.ps, args.workers, local=args.backend == "local")
@@ -336,6 +353,7 @@ def run_launch(args: argparse.Namespace) -> int:
             spares=(DEFAULT_SPARES if args.backend == "local" else 0)
             if args.spares is None
             else args.spares,
+            ps_spares=ps_spares,
         )
     except BaseException:
         backend.close()

@@ -71,6 +71,7 @@ class LocalCluster(ClusterSupervisor):
         max_restarts: int | None = None,
         spares: int = 0,
         spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
+        ps_spares: int = 0,
     ):
         super().__init__(
             num_ps,
@@ -90,6 +91,7 @@ class LocalCluster(ClusterSupervisor):
             max_restarts=max_restarts,
             spares=spares,
             spare_wait_s=spare_wait_s,
+            ps_spares=ps_spares,
         )
 
     def __enter__(self) -> LocalCluster:

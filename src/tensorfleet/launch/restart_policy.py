@@ -130,11 +130,18 @@ class RestartDecision:
     crash_loop: bool = True
     #: The crash-loop threshold of the policy that decided, in seconds.
     crash_loop_s: float = DEFAULT_CRASH_LOOP_S
+    #: The process got to work before it died (``task_markers.SERVING``): no crash loop.
+    served: bool = False
 
     def describe_wait(self) -> str:
         """Why the restart waits as long as it does, for the launcher's restart line:
         ``"at once (it ran 84.2 s, at least the crash-loop threshold of 30 s)"`` or
         ``"in 2 s (crash-loop back-off: it ran 3.1 s, under 30 s)"``."""
+        if not self.crash_loop and self.served and (self.ran_s or 0.0) < self.crash_loop_s:
+            return (
+                f"at once (it ran {self.ran_s or 0.0:.1f} s, under the crash-loop threshold of "
+                f"{self.crash_loop_s:g} s, but got to work first: no crash loop)"
+            )
         if not self.crash_loop:
             return (
                 f"at once (it ran {self.ran_s:.1f} s, at least the crash-loop threshold of "
@@ -241,6 +248,7 @@ class RestartPolicy:
         now: float,
         ran_s: float | None = None,
         streak: int | None = None,
+        served: bool = False,
     ) -> RestartDecision:
         """Whether a task that just ended with ``returncode`` (not 0) is restarted, and after
         how long.
@@ -249,7 +257,10 @@ class RestartPolicy:
         seconds); those older than the window do not count toward the limit. ``ran_s``: how
         long the process that died ran; at least ``crash_loop_s`` restarts it at once, less
         (or None: unknown) waits the back-off, doubled ``streak`` times (the quick deaths of
-        the task in a row before this one; None: every restart in the window).
+        the task in a row before this one; None: every restart in the window). ``served``:
+        the process got to work before it died (a ps serving its variables, a worker past
+        its first step: ``task_markers.SERVING``), so it is no crash loop however short its
+        run, and is restarted at once.
         """
         kind = failure_kind(returncode)
         if kind is None:
@@ -257,8 +268,13 @@ class RestartPolicy:
         recent = [k for t, k in history if self.window_s is None or now - t < self.window_s]
         used = sum(1 for k in recent if k == kind)
         limit = self.limit(kind)
-        crash_loop = ran_s is None or ran_s < self.crash_loop_s
-        facts = {"ran_s": ran_s, "crash_loop": crash_loop, "crash_loop_s": self.crash_loop_s}
+        crash_loop = not served and (ran_s is None or ran_s < self.crash_loop_s)
+        facts = {
+            "ran_s": ran_s,
+            "crash_loop": crash_loop,
+            "crash_loop_s": self.crash_loop_s,
+            "served": served,
+        }
         if used >= limit:
             return RestartDecision(False, kind, used, limit, **facts)
         if not crash_loop:

@@ -71,13 +71,13 @@ from tensorfleet.launch.output import Output, PlainOutput
 from tensorfleet.launch.peak_memory import peak_memory_line
 from tensorfleet.launch.process_groups import ProcessGroups
 from tensorfleet.launch.restart_policy import (
-    DEFAULT_POLICY,
     PREDECESSOR_DEAD_VAR,
     RestartPolicy,
     describe_returncode,
     signal_name,
 )
 from tensorfleet.launch.run_outcome import ending_line, run_status
+from tensorfleet.launch.supervisor_options import DEFAULT_KILL_TIMEOUT, check_timings, chosen_policy
 from tensorfleet.launch.task import Task, as_argv
 from tensorfleet.launch.task_restarts import TaskRestarts
 from tensorfleet.launch.training_completion import TrainingCompletion, retired_after_completion
@@ -89,10 +89,9 @@ from tensorfleet.wire.secret import generate_secret
 DEFAULT_HISTORY = 20
 #: Seconds the other tasks get to finish after a failure, and ps tasks after the workers.
 DEFAULT_GRACE_PERIOD = 15.0
-#: Seconds between SIGTERM and SIGKILL. A task takes SIGTERM as a preemption and saves what it
-#: can first (session/preemption.py): a ps waits up to its ``preempt_grace_s`` (10 s) for the
-#: chief's checkpoint, so this must be longer.
-DEFAULT_KILL_TIMEOUT = 15.0
+#: Seconds between SIGTERM and SIGKILL (DEFAULT_KILL_TIMEOUT, from supervisor_options). A task
+#: takes SIGTERM as a preemption and saves what it can first (session/preemption.py): a ps
+#: waits up to its ``preempt_grace_s`` (10 s) for the chief's checkpoint, so this must be longer.
 
 # Phases of a run. Each phase after RUNNING ends at a deadline (``_phase_deadline``).
 _RUNNING = "running"
@@ -144,6 +143,9 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
             (:mod:`tensorfleet.launch.warm_spares`; local backend only). 0 here by default;
             ``tensorfleet launch`` keeps 1 (``--spares``).
         spare_wait_s: seconds a spare waits unused before a fresh one replaces it.
+        ps_spares: warm spare ps processes (the ps command waiting, past its imports, to take
+            over a ps task that dies; local backend only). 0 here by default;
+            ``tensorfleet launch`` keeps 1 with the built-in ps (``--ps-spares``).
 
     The addresses, the cluster spec (:attr:`cluster`) and the secret (:attr:`secret`) are
     chosen here, so they can be read before :meth:`start`. Raises :class:`LaunchError` for
@@ -170,6 +172,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         max_restarts: int | None = None,
         spares: int = 0,
         spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
+        ps_spares: int = 0,
     ):
         if num_ps < 0:
             raise LaunchError(f"the number of ps tasks must be >= 0, got {num_ps}")
@@ -180,35 +183,16 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
             )
         worker_argv = as_argv(worker_command, "worker command")
         ps_argv = default_ps_command() if ps_command is None else as_argv(ps_command, "ps command")
-        if grace_period < 0:
-            raise LaunchError(
-                f"--grace-period (grace_period) must be >= 0 seconds, got {grace_period:g}: "
-                "the time the other tasks get after a failure (and the ps tasks after the "
-                "workers finished); 0 does not wait"
-            )
-        if kill_timeout <= 0:
-            raise LaunchError(
-                f"--kill-timeout (kill_timeout) must be > 0 seconds, got {kill_timeout:g}: the "
-                f"time between SIGTERM and SIGKILL (default {DEFAULT_KILL_TIMEOUT:g})"
-            )
-        if history < 1:
-            raise LaunchError(f"history must keep at least 1 line, got {history}")
-        if max_restarts is not None and restart_policy is not None:
-            raise LaunchError(
-                "give restart_policy or max_restarts, not both: max_restarts=N is "
-                "RestartPolicy.uniform(N)"
-            )
-        if max_restarts is not None:
-            restart_policy = RestartPolicy.uniform(max_restarts)
+        check_timings(grace_period, kill_timeout, history)
 
         self.grace_period = float(grace_period)
         self.kill_timeout = float(kill_timeout)
         #: When a failed task is restarted in place.
-        self.restart_policy = DEFAULT_POLICY if restart_policy is None else restart_policy
+        self.restart_policy = chosen_policy(restart_policy, max_restarts)
         self.output = PlainOutput() if output is None else output
         self.secret = generate_secret() if secret is None else secret
         self.backend = backend
-        self._init_spares(spares, spare_wait_s, history)
+        self._init_spares(spares, spare_wait_s, history, ps_spares)
         self._env = dict(env or {})
         self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
         self._cwd = None if cwd is None else os.fspath(cwd)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tensorfleet import environment
+from tensorfleet.cluster import warm_spare
 from tensorfleet.cluster.resolver import (
     FlagsDetector,
     ResolvedTask,
@@ -145,6 +146,10 @@ def resolve_server_task(
     Raises :class:`ClusterConfigError`, in the command's own terms, when the options are
     incomplete or contradict each other or ``TF_CONFIG``, when nothing names a task, and when
     the task is not a ps task."""
+    if environ is None and warm_spare.is_spare(environment.environ()):
+        # A warm spare ps of the launcher (launch/warm_spares.py): torch and the server are
+        # imported; wait here, before listening, for the identity of a ps task that died.
+        warm_spare.wait_for_identity()
     env = environment.environ() if environ is None else environ
     hosts = {job: value for job in HOSTS_FLAGS if (value := getattr(args, f"{job}_hosts"))}
     if args.cluster is not None and hosts:

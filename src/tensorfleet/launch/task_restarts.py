@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 from tensorfleet.launch.restart_policy import RestartDecision, describe_returncode
 from tensorfleet.launch.task import Task
+from tensorfleet.task_markers import SERVING
 
 if TYPE_CHECKING:
     from tensorfleet.launch.output import Output
     from tensorfleet.launch.restart_policy import RestartPolicy
+    from tensorfleet.task_markers import TaskMarkers
 
 
 class TaskRestarts:
@@ -41,14 +43,22 @@ class TaskRestarts:
     _phase: str
     output: Output
     restart_policy: RestartPolicy
+    _markers: TaskMarkers
 
     def _decide_restart(self, task: Task) -> RestartDecision:
         """The policy's decision for ``task``, which just ended with a failure: its run time
-        (from its start to its exit) and its crash streak decide the back-off."""
+        (from its start to its exit), whether that process got to work (it left
+        ``task_markers.SERVING`` with its pid) and its crash streak decide the back-off."""
         assert task.returncode is not None
         ran = (task.ended_at or task.started_at) - task.started_at
+        served = task.pid is not None and self._markers.read(task.name, SERVING) == str(task.pid)
         return self.restart_policy.decide(
-            task.returncode, task.restart_history, time.monotonic(), ran, task.quick_deaths
+            task.returncode,
+            task.restart_history,
+            time.monotonic(),
+            ran,
+            task.quick_deaths,
+            served=served,
         )
 
     def _restart_delay(self, task: Task) -> float | None:
@@ -135,7 +145,7 @@ class TaskRestarts:
         how = (
             ""
             if spare is None
-            else f": warm spare {spare.number}, started {time.monotonic() - spare.started_at:.1f} "
+            else f": warm spare {spare.name}, started {time.monotonic() - spare.started_at:.1f} "
             + ("s ago and waiting" if spare.ready else "s ago, still starting")
         )
         self.output.message(

@@ -1,5 +1,6 @@
-"""Warm spare workers: a worker process started ahead of time that takes over the identity of
-a worker that dies, for :class:`~tensorfleet.launch.supervisor.ClusterSupervisor` (a mixin).
+"""Warm spares: a worker (or ps) process started ahead of time that takes over the identity
+of a worker (or ps task) that dies, for :class:`~tensorfleet.launch.supervisor.ClusterSupervisor`
+(a mixin).
 
 Why. A worker killed during training was back at its next step 24 s after its restart began
 on the shared test machine: the interpreter, ``import torch``, the data, the model, then its
@@ -12,8 +13,13 @@ of a spare, which becomes that worker, and a new spare is started behind it.
 
 Rules.
 
-- Only the local backend, and only workers: a ps task runs another command (the built-in
-  server) and is restored from a checkpoint whatever starts it.
+- Only the local backend. Workers (``spares``) and ps tasks (``ps_spares``) each have their
+  own pool, started with their own command: a ps spare is the ps command (the built-in
+  ``tensorfleet server``) past its imports (torch), waiting in
+  :func:`~tensorfleet.launch.task_flags.resolve_server_task` before it listens; when a ps
+  task dies its identity goes to it, it listens on the task's address, and the chief
+  restores it from the checkpoint as it would a new process. On the 2-core test machine
+  that takes the 3-10 s of a new ps process's start out of a ps's recovery.
 - A spare is not a task: it is not in ``tasks``, ``pids`` or the run's status, and has no
   output prefix. Its lines before the handover are kept (the last ``history``) and shown under
   the task's prefix once it becomes one (or in the warning if it dies unused); the line that
@@ -58,8 +64,13 @@ if TYPE_CHECKING:
     from tensorfleet.launch.output import Output
     from tensorfleet.task_markers import TaskMarkers
 
-#: Warm spares of ``tensorfleet launch`` on the local backend (``--spares``).
+#: Warm spare workers of ``tensorfleet launch`` on the local backend (``--spares``).
 DEFAULT_SPARES = 1
+#: Warm spare ps processes of ``tensorfleet launch`` on the local backend (``--ps-spares``),
+#: when the cluster has ps tasks.
+DEFAULT_PS_SPARES = 1
+#: The launcher's option for each job's spares, named in errors.
+SPARE_FLAGS = {"worker": "--spares", "ps": "--ps-spares"}
 #: Seconds a spare waits unused before it exits and a fresh one replaces it.
 DEFAULT_SPARE_WAIT_S = 3600.0
 #: Seconds the first spare of a run gets to say that it waits in ``resolve_task``; one that
@@ -78,6 +89,8 @@ class Spare:
     #: spare opens it, and keeps what is written until the spare reads it).
     fd: int
     history: int
+    #: The job whose tasks it can take over: "worker" or "ps".
+    job: str = "worker"
     process: TaskProcess | None = None
     started_at: float = 0.0
     #: The spare printed that it waits in ``resolve_task``.
@@ -97,6 +110,11 @@ class Spare:
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
 
+    @property
+    def name(self) -> str:
+        """Its number, after ``ps-`` for a ps spare (each job numbers its own from 1)."""
+        return str(self.number) if self.job == "worker" else f"{self.job}-{self.number}"
+
     def close_pipe(self) -> None:
         """Close the launcher's end and remove the pipe (idempotent)."""
         if self.fd >= 0:
@@ -106,7 +124,7 @@ class Spare:
 
 
 class WarmSpares:
-    """Keeps warm spare workers and hands a restarted worker's identity to one (mixed into
+    """Keeps warm spares and hands a restarted task's identity to one of its job (mixed into
     ``ClusterSupervisor``, which provides the attributes below, ``task_variables``,
     ``_restarts_allowed`` and ``_on_exit``)."""
 
@@ -118,66 +136,85 @@ class WarmSpares:
     _markers: TaskMarkers
     backend: Backend
     output: Output
-    #: How many warm spares the run keeps (0: none).
+    #: How many warm spare workers the run keeps (0: none).
     spares: int
+    #: How many warm spare ps processes the run keeps (0: none).
+    ps_spares: int
     spare_wait_s: float
 
-    def _init_spares(self, spares: int, spare_wait_s: float, history: int) -> None:
+    def _init_spares(
+        self, spares: int, spare_wait_s: float, history: int, ps_spares: int = 0
+    ) -> None:
         """Check the options; called by the supervisor's constructor."""
-        if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
-            raise LaunchError(
-                f"spares must be an integer >= 0, got {spares!r} (--spares): the worker "
-                "processes kept waiting to take over a worker that dies; 0 keeps none"
-            )
-        if spares and self.backend.name != "local":
-            raise LaunchError(
-                f"warm spares need the local backend, got --backend {self.backend.name} with "
-                f"--spares {spares}; pass --spares 0"
-            )
+        for job, count in (("worker", spares), ("ps", ps_spares)):
+            flag = SPARE_FLAGS[job]
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise LaunchError(
+                    f"{flag.lstrip('-').replace('-', '_')} must be an integer >= 0, got "
+                    f"{count!r} ({flag}): the {job} processes kept waiting to take over a "
+                    f"{job} task that dies; 0 keeps none"
+                )
+            if count and self.backend.name != "local":
+                raise LaunchError(
+                    f"warm spares need the local backend, got --backend {self.backend.name} "
+                    f"with {flag} {count}; pass {flag} 0"
+                )
         if not spare_wait_s > 0:
             raise LaunchError(
                 f"spare_wait_s must be > 0 seconds, got {spare_wait_s:g}: how long a warm "
                 "spare waits unused before a fresh one replaces it"
             )
         self.spares = spares
+        self.ps_spares = ps_spares
         self.spare_wait_s = float(spare_wait_s)
         self._spare_history = history
+        #: How many spares each job keeps (a job without tasks keeps none: see _fill_spares).
+        self._spare_targets = {"worker": spares, "ps": ps_spares}
         self._spare_pool: list[Spare] = []
         self._spares_adopted: list[Spare] = []
-        self._spares_made = 0
-        self._spares_open = spares > 0
-        #: Some spare of this run printed the ready line: the command waits in resolve_task.
-        self._spare_command_waits = False
+        self._spares_made = {job: 0 for job in self._spare_targets}
+        self._spares_open = {job: count > 0 for job, count in self._spare_targets.items()}
+        #: Some spare of the job printed the ready line: its command waits in resolve_task.
+        self._spare_command_waits = {job: False for job in self._spare_targets}
         #: Notified when a spare says that it waits (for :meth:`wait_spare_ready`).
         self._spare_ready = threading.Condition()
 
     # ------------------------------------------------------------------ the pool
 
     def _fill_spares(self) -> None:
-        """Start spares until the pool holds ``spares`` (while spares are open)."""
-        while self._spares_open and len(self._spare_pool) < self.spares:
-            if not self._start_spare():
-                return
+        """Start spares until each job's pool holds its count (while its spares are open;
+        none for a job without tasks, e.g. ps spares in all-reduce training)."""
+        for job, target in self._spare_targets.items():
+            if not any(t.job == job for t in self._tasks):
+                continue
+            while self._spares_open[job] and self._waiting(job) < target:
+                if not self._start_spare(job):
+                    break
 
-    def _start_spare(self) -> bool:
-        """Start one spare; False (and spares off, with a warning) when it cannot be."""
+    def _waiting(self, job: str) -> int:
+        return sum(1 for s in self._spare_pool if s.job == job)
+
+    def _start_spare(self, job: str) -> bool:
+        """Start one spare of ``job``; False (and its spares off, with a warning) when it
+        cannot be."""
         directory = self._markers.directory
         assert directory is not None, "spares need the run's directory (local backend)"
-        self._spares_made += 1
-        number = self._spares_made
-        pipe = directory / f"spare-{number}.fifo"
+        self._spares_made[job] += 1
+        number = self._spares_made[job]
+        spare = Spare(number, Path(), -1, self._spare_history, job=job)
+        pipe = directory / f"spare-{spare.name}.fifo"
         try:
             os.mkfifo(pipe, 0o600)
-            fd = os.open(pipe, os.O_RDWR)
+            spare.pipe, spare.fd = pipe, os.open(pipe, os.O_RDWR)
         except OSError as exc:
-            self._close_spares(f"cannot create the pipe of a warm spare ({pipe}: {exc})")
+            pipe.unlink(missing_ok=True)
+            self._close_spares(f"cannot create the pipe of a warm spare ({pipe}: {exc})", job)
             return False
-        spare = Spare(number, pipe, fd, self._spare_history)
-        worker = next(t for t in self._tasks if t.job == "worker")
+        model = next(t for t in self._tasks if t.job == job)
         try:
             spare.process = self.backend.spawn(
-                f"spare:{number}",
-                worker.command,
+                f"spare:{spare.name}",
+                model.command,
                 self._spare_variables(spare),
                 self._cwd,
                 lambda text: self._on_spare_line(spare, text),
@@ -185,21 +222,20 @@ class WarmSpares:
             )
         except OSError as exc:
             spare.close_pipe()
-            self._close_spares(f"cannot start a warm spare with {worker.command!r}: {exc}")
+            self._close_spares(f"cannot start a warm spare with {model.command!r}: {exc}", job)
             return False
         spare.started_at = time.monotonic()
         self._spare_pool.append(spare)
-        self.output.message(f"started warm spare {number} for the workers as pid {spare.pid}")
+        jobs = "workers" if job == "worker" else f"{job} tasks"
+        self.output.message(f"started warm spare {spare.name} for the {jobs} as pid {spare.pid}")
         return True
 
     def _spare_variables(self, spare: Spare) -> dict[str, str]:
-        """A spare's variables: the run's, those every worker shares (threads), and where it
-        waits; no identity and no secret (those come down the pipe)."""
+        """A spare's variables: the run's, those every task of its job shares (threads), and
+        where it waits; no identity and no secret (those come down the pipe)."""
         variables = dict(self._env)
-        workers = [self._task_env.get(t.name, {}) for t in self._tasks if t.job == "worker"]
-        variables.update(
-            {k: v for k, v in workers[0].items() if all(w.get(k) == v for w in workers)}
-        )
+        peers = [self._task_env.get(t.name, {}) for t in self._tasks if t.job == spare.job]
+        variables.update({k: v for k, v in peers[0].items() if all(w.get(k) == v for w in peers)})
         variables[environment.LAUNCHER_VAR] = "1"
         variables["PYTHONUNBUFFERED"] = "1"
         if self._markers.directory is not None:
@@ -228,13 +264,16 @@ class WarmSpares:
     # ------------------------------------------------------------------ the handover
 
     def _take_spare(self, task: Task, variables: dict[str, str]) -> Spare | None:
-        """Hand ``task``'s identity (``variables``) to a waiting spare, which becomes its
-        process; None when no spare can take it (the caller starts a new process)."""
-        if task.job != "worker" or not self._spares_open:
+        """Hand ``task``'s identity (``variables``) to a waiting spare of its job, which
+        becomes its process; None when no spare can take it (the caller starts a new
+        process)."""
+        job = task.job
+        if not self._spares_open.get(job, False):
             return None
-        if any(s.ready for s in self._spare_pool):
-            self._spare_command_waits = True  # the command waits in resolve_task
-        usable = [s for s in self._spare_pool if s.ready or self._spare_command_waits]
+        pool = [s for s in self._spare_pool if s.job == job]
+        if any(s.ready for s in pool):
+            self._spare_command_waits[job] = True  # the command waits in resolve_task
+        usable = [s for s in pool if s.ready or self._spare_command_waits[job]]
         if not usable:
             return None
         spare = usable[0]
@@ -244,7 +283,7 @@ class WarmSpares:
             os.write(spare.fd, message)
         except OSError as exc:
             self.output.message(
-                f"cannot hand {task.name} to warm spare {spare.number} (pid {spare.pid}): "
+                f"cannot hand {task.name} to warm spare {spare.name} (pid {spare.pid}): "
                 f"{exc}; starting {task.name} afresh",
                 "warning",
             )
@@ -285,62 +324,73 @@ class WarmSpares:
             return
         if spare.ready:
             self.output.message(
-                f"warm spare {spare.number} (pid {spare.pid}) ended unused "
+                f"warm spare {spare.name} (pid {spare.pid}) ended unused "
                 f"({describe_returncode(rc)} after {ran:.1f} s); starting another"
                 + (f". Its last line: {lines[-1]}" if lines else ""),
                 "info" if rc == 0 else "warning",
             )
-            self._spare_command_waits = True
+            self._spare_command_waits[spare.job] = True
             self._fill_spares()
             return
+        must, flag = _must_wait(spare.job), SPARE_FLAGS[spare.job]
         self._close_spares(
-            f"warm spare {spare.number} (pid {spare.pid}) ended with "
+            f"warm spare {spare.name} (pid {spare.pid}) ended with "
             f"{describe_returncode(rc)} after {ran:.1f} s before it waited for an identity: "
-            "the worker command must call tensorfleet.resolve_task() to run as a spare "
-            f"(docs/launcher.md, 'Warm spares'); --spares 0 turns them off. Its last "
+            f"{must} (docs/launcher.md, 'Warm spares'); {flag} 0 turns them off. Its last "
             f"{len(lines)} line(s):{tail}"
             if lines
-            else f"warm spare {spare.number} (pid {spare.pid}) ended with "
+            else f"warm spare {spare.name} (pid {spare.pid}) ended with "
             f"{describe_returncode(rc)} after {ran:.1f} s before it waited for an identity, "
-            "printing nothing: the worker command must call tensorfleet.resolve_task() to "
-            "run as a spare (docs/launcher.md, 'Warm spares'); --spares 0 turns them off"
+            f"printing nothing: {must} (docs/launcher.md, 'Warm spares'); {flag} 0 turns "
+            "them off",
+            spare.job,
         )
 
     def _spare_deadlines(self) -> list[float]:
-        """When the waiting spares must have said that they wait (while no spare of the run
-        has): deadlines the supervising loop wakes up for."""
-        if self._spare_command_waits or not self._spares_open:
-            return []
-        return [s.started_at + SPARE_READY_S for s in self._spare_pool if not s.ready]
+        """When the waiting spares must have said that they wait (while no spare of their
+        job has): deadlines the supervising loop wakes up for."""
+        return [
+            s.started_at + SPARE_READY_S
+            for s in self._spare_pool
+            if not s.ready and self._spares_open[s.job] and not self._spare_command_waits[s.job]
+        ]
 
     def _on_spare_deadlines(self, now: float) -> None:
-        """Turn spares off when a spare ran :data:`SPARE_READY_S` without saying that it
-        waits in ``resolve_task`` (and no spare of the run ever did)."""
-        if any(s.ready for s in self._spare_pool):
-            self._spare_command_waits = True
+        """Turn a job's spares off when one of them ran :data:`SPARE_READY_S` without saying
+        that it waits in ``resolve_task`` (and no spare of the job ever did)."""
+        for spare in self._spare_pool:
+            if spare.ready:
+                self._spare_command_waits[spare.job] = True
         for spare in list(self._spare_pool):
-            if self._spare_command_waits or not self._spares_open:
-                return
+            job = spare.job
+            if self._spare_command_waits[job] or not self._spares_open[job]:
+                continue
             if not spare.ready and now >= spare.started_at + SPARE_READY_S:
                 lines = list(spare.lines)
                 last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
                 self._close_spares(
-                    f"warm spare {spare.number} (pid {spare.pid}) did not reach "
-                    f"tensorfleet.resolve_task() within {SPARE_READY_S:g} s: the worker command "
-                    "must call it (with this tensorfleet) to run as a spare (docs/launcher.md, "
-                    f"'Warm spares'); --spares 0 turns them off.{last}"
+                    f"warm spare {spare.name} (pid {spare.pid}) did not reach "
+                    f"tensorfleet.resolve_task() within {SPARE_READY_S:g} s: "
+                    f"{_must_wait(job)} (with this tensorfleet) (docs/launcher.md, 'Warm "
+                    f"spares'); {SPARE_FLAGS[job]} 0 turns them off.{last}",
+                    job,
                 )
 
     # ------------------------------------------------------------------ the end
 
-    def _close_spares(self, why: str | None = None) -> None:
-        """No more spares this run: kill those waiting (SIGKILL: they hold nothing)."""
-        if why is not None and self._spares_open:
+    def _close_spares(self, why: str | None = None, job: str | None = None) -> None:
+        """No more spares of ``job`` (None: of any job) this run: kill those waiting
+        (SIGKILL: they hold nothing)."""
+        jobs = list(self._spares_open) if job is None else [job]
+        if why is not None and any(self._spares_open[j] for j in jobs):
             # info, not a warning: the run itself is fine, its restarts start afresh
-            self.output.message(f"warm spares are off for this run: {why}")
-        self._spares_open = False
+            which = "" if job is None or job == "worker" else f" of the {job} tasks"
+            self.output.message(f"warm spares{which} are off for this run: {why}")
+        for j in jobs:
+            self._spares_open[j] = False
         for spare in list(self._spare_pool):
-            self._kill_spare(spare)
+            if spare.job in jobs:
+                self._kill_spare(spare)
 
     def _kill_spare(self, spare: Spare) -> None:
         if spare in self._spare_pool:
@@ -358,13 +408,13 @@ class WarmSpares:
                 spare.process.signal_group(signal.SIGKILL)
             spare.close_pipe()
 
-    def wait_spare_ready(self, timeout: float) -> int | None:
-        """Wait up to ``timeout`` seconds until a spare waits for an identity; its pid, or
-        None when none did in time (for tests and drills that must kill a worker only once a
-        spare can take it over). Safe from any thread."""
+    def wait_spare_ready(self, timeout: float, job: str = "worker") -> int | None:
+        """Wait up to ``timeout`` seconds until a spare of ``job`` waits for an identity; its
+        pid, or None when none did in time (for tests and drills that must kill a task only
+        once a spare can take it over). Safe from any thread."""
 
         def ready() -> Spare | None:
-            return next((s for s in list(self._spare_pool) if s.ready), None)
+            return next((s for s in list(self._spare_pool) if s.ready and s.job == job), None)
 
         with self._spare_ready:
             spare = self._spare_ready.wait_for(ready, timeout)
@@ -374,3 +424,13 @@ class WarmSpares:
     def spare_pids(self) -> list[int]:
         """Process ids of the spares waiting now (not yet any task's)."""
         return [s.pid for s in self._spare_pool if s.pid is not None]
+
+
+def _must_wait(job: str) -> str:
+    """What a job's command must do to run as a spare (for the errors)."""
+    if job == "worker":
+        return "the worker command must call tensorfleet.resolve_task() to run as a spare"
+    return (
+        "the ps command must wait in tensorfleet.resolve_task() (the built-in `tensorfleet "
+        "server` does) to run as a spare"
+    )

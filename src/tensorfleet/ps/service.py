@@ -56,6 +56,7 @@ from collections import Counter
 
 import torch
 
+from tensorfleet import task_markers
 from tensorfleet.errors import (
     ConfigError,
     IdentityInUse,
@@ -300,6 +301,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
             rule.name,
             self.tables.summary(),  # tables created later log a line each
         )
+        task_markers.mark_serving(self.config.name)  # no crash loop when killed from now on
         self.socket.reply(
             request,
             {"created": True, "global_step": self.global_step, "data": self.worker_data.get(task)},

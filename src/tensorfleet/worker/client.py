@@ -182,7 +182,12 @@ class ParameterClient(ClientRecovery):
         self._initialized = [r.body.get("initialized") is True for r in replies]
         return list(self._initialized)
 
-    def _hello(self, timeout_s: float) -> list[Reply]:
+    def _hello(self, timeout_s: float, abort_when_silent: bool = True) -> list[Reply]:
+        """Say hello to every shard; each one that answers counts as heard by the heartbeat
+        (from the process that answered). ``abort_when_silent`` False: the wait is not given
+        up while the heartbeat reports a shard silent (a recovery's hello, which is itself
+        the question whether the ps is back: ZeroMQ delivers it the moment a restarted ps
+        listens)."""
         body = {
             "protocol": PROTOCOL_VERSION,
             "version": __version__,
@@ -195,7 +200,12 @@ class ParameterClient(ClientRecovery):
         for channel in self._shards.channels:
             channel.forget_pending()
             channel.server_session = None
-        return self._shards.call("hello", body, timeout_s, interruptible=True)
+        replies = self._shards.call(
+            "hello", body, timeout_s, abort_when_silent=abort_when_silent, interruptible=True
+        )
+        for shard, channel in enumerate(self._shards.channels):
+            self._heartbeat.heard(shard, channel.server_session)
+        return replies
 
     def register(
         self,

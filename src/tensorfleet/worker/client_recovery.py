@@ -3,6 +3,14 @@ restarts or is cut off in the middle of an operation: say hello again with back-
 every shard answers, have restarted shards restored (the chief, from the newest checkpoint or
 its own values) or wait until they are (the others), then try the operation again.
 
+The hello of a recovery is the question whether the ps is back, so it is not given up while
+the heartbeat still reports the ps silent: ZeroMQ delivers it the moment the restarted ps
+listens, and the recovery goes on at once (before, it was given up at once while the
+heartbeat's own reconnection lagged, and tried again with a back-off growing to 5 s: most of
+a ps restart's 19-40 s in a fault storm). A shard that answers it counts as heard by the
+heartbeat, so the first request after the recovery is not given up for the heartbeat's
+stale view either.
+
 A role of its own, mixed into the client: the client's operations wrap themselves in
 :meth:`ClientRecovery._recovering`; the decisions are made on the error's type
 (:data:`RECOVERABLE`), never on its text.
@@ -33,6 +41,16 @@ T = TypeVar("T")
 #: did not answer in time, or answered from a new process that has no variables yet.
 RECOVERABLE = (ServiceRestarted, DeadlineExceeded, NotInitialized)
 
+#: The longest a recovery's hello waits for its answer before it is sent again. The hello is
+#: not given up while the heartbeat reports the ps silent (a ps that died *is* silent, and the
+#: hello is the question whether it is back): ZeroMQ keeps it until the restarted ps listens
+#: and delivers it then, so the answer comes the moment the new process can give it.
+HELLO_WAIT_S = 10.0
+#: The pause after a hello that failed sooner (its connection dropped: the old process was
+#: still exiting; a refusal), doubling with each failure in a row up to :data:`MAX_RETRY_S`.
+FIRST_RETRY_S = 0.25
+MAX_RETRY_S = 2.0
+
 
 class ClientRecovery:
     """The recovery of a ParameterClient (which provides the attributes and the hello,
@@ -51,16 +69,22 @@ class ClientRecovery:
     _create: Callable[..., Any]
 
     def recover(self, failure: Exception, reinitialize: bool = True) -> None:
-        """After an exchange failed (a ps died, restarted, or was cut off): say hello again,
-        with back-off, until every shard answers; have restarted shards restored (the chief)
-        or wait until they are (the others; not when ``reinitialize`` is False, e.g. for a
-        worker that only says it is done). DeadlineExceeded after ``recover_s``."""
+        """After an exchange failed (a ps died, restarted, or was cut off): say hello again
+        until every shard answers (each hello waits up to :data:`HELLO_WAIT_S` for a ps that
+        is still starting; one that fails sooner is sent again after a pause of
+        :data:`FIRST_RETRY_S` doubling to :data:`MAX_RETRY_S`); have restarted shards restored
+        (the chief) or wait until they are (the others; not when ``reinitialize`` is False,
+        e.g. for a worker that only says it is done). DeadlineExceeded after ``recover_s``."""
         log.warning("%s: %s; recovering", self.task_name, failure)
         deadline = time.monotonic() + self.timeouts.recover_s
-        delay, last = 0.5, failure
+        delay, last = FIRST_RETRY_S, failure
         while time.monotonic() < deadline:
             try:
-                replies = self._hello(min(10.0, max(1.0, deadline - time.monotonic())))
+                wait_s = min(HELLO_WAIT_S, max(1.0, deadline - time.monotonic()))
+                try:
+                    replies = self._hello(wait_s, abort_when_silent=False)
+                except Preempted:  # its wait ended on the signal: say what that means here
+                    raise Preempted(self._preempted_message(last)) from None
                 fresh = [i for i, r in enumerate(replies) if r.body.get("initialized") is not True]
                 if fresh and reinitialize and self._fused is not None:
                     self._reinitialize(fresh, deadline)
@@ -75,18 +99,21 @@ class ClientRecovery:
                 )
             # The back-off, cut short by a preemption (set before it, it returns at once).
             if wait_unless_preempted(min(delay, deadline - time.monotonic())):
-                message = (
-                    f"{self.task_name}: preempted (SIGTERM) while the parameter servers were "
-                    f"unreachable ({last}): nothing could be saved since the last checkpoint; "
-                    "exiting with status 143 (a preemption: restarted where tasks are)"
-                )
+                message = self._preempted_message(last)
                 log.warning("%s", message)
                 raise Preempted(message)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, MAX_RETRY_S)
         raise DeadlineExceeded(
             f"{self.task_name}: the parameter servers did not come back within "
             f"{self.timeouts.recover_s:.0f} s (last error: {last}). Restart the failed ps task "
             "(tensorfleet launch --max-restarts N restarts it in place)"
+        )
+
+    def _preempted_message(self, last: Exception) -> str:
+        return (
+            f"{self.task_name}: preempted (SIGTERM) while the parameter servers were "
+            f"unreachable ({last}): nothing could be saved since the last checkpoint; "
+            "exiting with status 143 (a preemption: restarted where tasks are)"
         )
 
     def _reinitialize(self, fresh: list[int], deadline: float) -> None:

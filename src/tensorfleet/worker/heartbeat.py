@@ -84,6 +84,16 @@ class Heartbeat:
         if self._thread.ident is not None:
             self._thread.join(self.interval_s + 5.0)
 
+    def heard(self, shard: int, session: bytes | None) -> None:
+        """``shard`` answered the client itself (its hello, from process ``session``): it is
+        alive now, and that is the process to expect. Without this, a wait on a ps that has
+        just restarted would be given up until this thread's own hello reaches the new
+        process (up to an interval and an answer timeout later): its last answer is old, and
+        from the old process."""
+        self._last_answer[shard] = time.monotonic()
+        if session is not None:
+            self._sessions[shard] = session
+
     def trouble(self, shard: int, session: bytes | None) -> str | None:
         """Why waiting on ``shard`` is pointless, or None: it has not answered a heartbeat
         for ``silence_s``, or it answers from another process than ``session`` (it

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorfleet import task_markers
 from tensorfleet.errors import ConfigError, UsageError
 from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.model_namespace import ModelClaim
@@ -107,6 +108,7 @@ class PsUpdater:
             values_dtype=values_dtype,
         )
         self.is_chief = is_chief
+        self._serving = False
         self.plan = plan
         self.discipline: UpdateDiscipline | None = discipline
         self._initialized: list[bool] = []
@@ -335,6 +337,10 @@ class PsUpdater:
             progress = self.client.push_pull(step=step, data=data)
         if self.mirrored is not None:
             self.mirrored.pull()  # after the dense reply: this step's rows are applied
+        if not self._serving and not progress.dropped:
+            # past its first step: a launcher that sees it killed now sees no crash loop
+            self._serving = True
+            task_markers.mark_serving(self.client.task_name)
         return self._exchange_buffers(step, progress)
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
