@@ -27,6 +27,7 @@ from tensorfleet.errors import (
     RemoteError,
 )
 from tensorfleet.launch.ports import free_port
+from tensorfleet.wire import memfd_segment, reply_regions
 from tensorfleet.wire import message as wire
 from tensorfleet.wire import shared_memory as shm
 from tensorfleet.wire.auth import REQUEST_ROLE, MessageSigner, MessageVerifier
@@ -143,7 +144,7 @@ def test_large_payloads_round_trip_through_shared_memory(service: EchoService) -
 def _region_of(buffer: memoryview, segments: shm.ClientSegments) -> tuple[int, int] | None:
     """(segment token, offset) of the reply region of ``segments`` that holds ``buffer``, or
     None when it lies in none (it came in a frame)."""
-    address = shm._as_bytes_tensor(buffer).data_ptr()
+    address = memfd_segment.as_bytes_tensor(buffer).data_ptr()
     for regions in segments._replies._by_size.values():
         for region in regions:
             start = region.bytes.data_ptr()
@@ -194,7 +195,9 @@ def test_free_regions_of_a_size_no_longer_asked_for_give_their_pages_back(
         del first  # the parameters moved on to the buckets' regions
         kept = [channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S) for _ in range(2)]
         assert replies.reclaimed_bytes == 0  # not yet: taken too recently
-        for _ in range(2 * shm.RECLAIM_AFTER_ROUNDS * 3):  # replies of one size, no new region
+        for _ in range(
+            2 * reply_regions.RECLAIM_AFTER_ROUNDS * 3
+        ):  # replies of one size, no new region
             channel.call("echo", {}, [os.urandom(BIG)], timeout_s=TIMEOUT_S)
         assert replies.reclaimed_bytes == 0  # nothing is given back while no region is carved
         for _ in range(2):  # the free region, then a new one (the others are referenced)
@@ -301,7 +304,7 @@ def test_buffers_already_in_place_are_not_copied_again(monkeypatch: pytest.Monke
         _, placed = segments.headers(1, "echo", staged, {})
         monkeypatch.undo()
         assert copies == []
-        addresses = [shm._as_bytes_tensor(b).data_ptr() for b in (*staged, *placed)]
+        addresses = [memfd_segment.as_bytes_tensor(b).data_ptr() for b in (*staged, *placed)]
         assert addresses[:2] == addresses[2:]
         assert bytes(placed[0][:4]) == b"abcd" and bytes(placed[1]) == b"1234567"
         assert segments.staging([BIG], {1: "echo"}) is None  # request 1 still in flight
