@@ -53,9 +53,16 @@ class RunningRouter:
         except BaseException as exc:  # reported by the test
             self.result["error"] = exc
 
+    def state(self, model: str) -> tuple[dict, dict, int]:
+        """A model's values, optimizer state and version (read while nothing is in flight)."""
+        store = self.router.models[model].store
+        values, _, optimizer = store.checkpoint_parts(copy=True)
+        return values, optimizer, store.version
 
-@pytest.fixture
-def router() -> Iterator[RunningRouter]:
+
+def serving_router() -> Iterator[RunningRouter]:
+    """A router serving on a thread until the test ends; then stopped, and checked that it
+    stopped without an error (the body of the ``router`` fixtures)."""
     running = RunningRouter()
     try:
         yield running
@@ -65,6 +72,11 @@ def router() -> Iterator[RunningRouter]:
         running.socket.close()
         assert not running.thread.is_alive(), "the router did not stop"
         assert "error" not in running.result, running.result["error"]
+
+
+@pytest.fixture
+def router() -> Iterator[RunningRouter]:
+    yield from serving_router()
 
 
 class Trainer:

@@ -9,67 +9,29 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 
 from tensorfleet.errors import NotInitialized, RequestRefused
-from tensorfleet.launch.ports import free_port
 from tensorfleet.optim import SGD, Adam
 from tensorfleet.ps.model_namespace import ModelClaim, fingerprint
-from tensorfleet.ps.model_router import ModelRouter
 from tensorfleet.ps.placement import VariableSpec, plan_placement
-from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.namespace_control import NamespaceControl
 from tensorfleet.worker.timeouts import ClientTimeouts
+from tests.unit.test_model_router import SECRET, WORKERS, RunningRouter, serving_router
 
 pytestmark = pytest.mark.timeout(120)
 
-SECRET = b"c" * 32
-WORKERS = ("worker:0", "worker:1", "worker:2")
 TIMEOUTS = ClientTimeouts(connect_s=10.0, initialize_s=10.0, step_s=30.0, recover_s=5.0)
-
-
-class RunningRouter:
-    def __init__(self) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        config = ServiceConfig(0, WORKERS, idle_timeout_s=60.0, end_grace_s=60.0)
-        self.socket = ServiceSocket(self.address, SECRET, config.limits)
-        self.router = ModelRouter(self.socket, config)
-        self.stop = threading.Event()
-        self.result: dict[str, Any] = {}
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            self.result["outcome"] = self.router.serve(self.stop)
-        except BaseException as exc:  # reported by the test
-            self.result["error"] = exc
-
-    def state(self, model: str) -> tuple[dict, dict, int]:
-        """A model's values, optimizer state and version (read while nothing is in flight)."""
-        store = self.router.models[model].store
-        values, _, optimizer = store.checkpoint_parts(copy=True)
-        return values, optimizer, store.version
 
 
 @pytest.fixture
 def router() -> Iterator[RunningRouter]:
-    running = RunningRouter()
-    try:
-        yield running
-    finally:
-        running.stop.set()
-        running.thread.join(5.0)
-        running.socket.close()
-        assert not running.thread.is_alive(), "the router did not stop"
-        assert "error" not in running.result, running.result["error"]
+    yield from serving_router()
 
 
 class Member:

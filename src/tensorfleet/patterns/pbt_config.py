@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import ConfigError
+from tensorfleet.patterns.config_file import read_settings
 from tensorfleet.ps.update_rules import UpdateRule
 
 
@@ -268,28 +269,7 @@ def load_config(path: str | Path) -> PopulationConfig:
     """The PBT configuration in a YAML (``.yaml``/``.yml``, needs PyYAML) or JSON file,
     checked; a relative ``problem`` file is found beside it."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PbtConfigError(f"cannot read the PBT config {str(path)!r}: {exc}") from None
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise PbtConfigError(
-                f"{path} is YAML, which needs PyYAML: pip install pyyaml (or write it as JSON)"
-            ) from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise PbtConfigError(f"{path} is not valid YAML: {exc}") from None
-    else:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PbtConfigError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise PbtConfigError(f"{path} must hold a map of settings, got {type(raw).__name__}")
+    raw = read_settings(path, PbtConfigError, "PBT config", "pip install pyyaml")
     known = {f.name for f in fields(PopulationConfig)} - {"base_dir"}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tensorfleet.patterns.config_file import read_settings
 from tensorfleet.patterns.search_space import Parameter, SweepConfigError, grid_size, parse_space
 
 SEARCHES = ("grid", "random", "optuna", "list")
@@ -307,29 +307,7 @@ def _one_of(label: str, value: object, allowed: tuple[str, ...]) -> None:
 def load_config(path: str | Path) -> SweepConfig:
     """The sweep configuration in a YAML (``.yaml``/``.yml``, needs PyYAML) or JSON file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SweepConfigError(f"cannot read the sweep config {path}: {exc.strerror}") from exc
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise SweepConfigError(
-                f"{path} is YAML, which needs PyYAML: pip install 'tensorfleet[sweep]' (or write "
-                "the config as JSON)"
-            ) from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SweepConfigError(f"{path} is not valid YAML: {exc}") from None
-    else:
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise SweepConfigError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise SweepConfigError(f"{path} must hold a mapping of settings, got {type(raw).__name__}")
+    raw = read_settings(path, SweepConfigError, "sweep config", "pip install 'tensorfleet[sweep]'")
     known = {f.name for f in fields(SweepConfig) if f.init}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -43,10 +43,8 @@ from typing import Any
 
 from tensorfleet.errors import NotInitialized, ProtocolError, RequestRefused
 from tensorfleet.ps.model_namespace import check_model_name, label
-from tensorfleet.ps.service import ParameterService
+from tensorfleet.ps.service import ParameterService, check_same_version
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.version import __version__
-from tensorfleet.wire.message import PROTOCOL_VERSION
 from tensorfleet.wire.service_socket import Request
 
 #: The operations this module answers (the router hands them here, not to a model's service).
@@ -146,13 +144,7 @@ def answer(models: Mapping[str, ParameterService], request: Request) -> dict[str
     """The reply body of one of :data:`OPERATIONS` for the models a ps task holds (raises
     the refusal the router sends back)."""
     if request.op == "hello":
-        protocol, version = request.body.get("protocol"), request.body.get("version")
-        if protocol != PROTOCOL_VERSION or version != __version__:
-            raise ProtocolError(
-                f"version mismatch: {request.body.get('task', 'the controller')} runs "
-                f"tensorfleet {version} (protocol {protocol}), this ps task runs {__version__} "
-                f"(protocol {PROTOCOL_VERSION}); install the same tensorfleet version everywhere"
-            )
+        check_same_version(request.body, "the controller", "this ps task")
         return {"models": sorted(models)}
     target = _model(models, request.body.get("model", ""), "model")
     if request.op == "copy_model":

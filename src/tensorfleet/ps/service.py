@@ -53,6 +53,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
@@ -91,6 +92,18 @@ from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer
 
 log = logging.getLogger("tensorfleet.ps")
+
+
+def check_same_version(body: Mapping[str, object], peer: str, here: str) -> None:
+    """ProtocolError unless the ``hello`` ``body`` comes from this tensorfleet version and
+    protocol, naming both sides (``peer``: how to name a sender that gave no ``task``)."""
+    protocol, version = body.get("protocol"), body.get("version")
+    if protocol != PROTOCOL_VERSION or version != __version__:
+        raise ProtocolError(
+            f"version mismatch: {body.get('task', peer)} runs tensorfleet {version} "
+            f"(protocol {protocol}), {here} runs {__version__} "
+            f"(protocol {PROTOCOL_VERSION}); install the same tensorfleet version on every task"
+        )
 
 
 class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandling):
@@ -209,13 +222,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
     # -- operations ---------------------------------------------------------------------------
 
     def _hello(self, request: Request) -> None:
-        protocol, version = request.body.get("protocol"), request.body.get("version")
-        if protocol != PROTOCOL_VERSION or version != __version__:
-            raise ProtocolError(
-                f"version mismatch: {request.body.get('task', 'the client')} runs tensorfleet {version} "
-                f"(protocol {protocol}), ps:{self.config.shard_index} runs {__version__} "
-                f"(protocol {PROTOCOL_VERSION}); install the same tensorfleet version on every task"
-            )
+        check_same_version(request.body, "the client", f"ps:{self.config.shard_index}")
         self.roster.claim(
             request.body.get("task"),
             request.body.get("instance"),
