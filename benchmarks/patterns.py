@@ -304,7 +304,14 @@ def broadcast_seconds(megabytes: int, subscribers: int, shared_memory: bool) -> 
                     if not line.startswith(word):
                         raise RuntimeError(f"a subscriber failed: {line}{process.stdout.read()}")
                 action()
-            time.sleep(1.0)  # every subscriber's long poll is held by the publisher
+            held_by = time.monotonic() + 30.0  # every subscriber's long poll is held
+            while publisher.waiting < subscribers:
+                if time.monotonic() > held_by:
+                    raise RuntimeError(
+                        f"only {publisher.waiting} of {subscribers} subscribers waited for the "
+                        "next version within 30 s"
+                    )
+                time.sleep(0.01)
             started = time.time()
             publisher.publish({"weight": weight})
             held = []
