@@ -11,14 +11,18 @@ an untied LM head over the 30,522-token vocabulary instead); by default BERT-bas
 * ``torch``: one process, the plain PyTorch loop with ``torch.optim.Adam`` (torch's default
   threads): **the baseline** every ratio is taken against (``torch_1thread`` when
   ``--runs`` leaves ``torch`` out; no ratio when it leaves both out);
-* ``torch_1thread``: the same with one thread (``OMP_NUM_THREADS=1``): the thread budget
-  the launcher gives the cluster's worker on a 2-core host (``--ps 1``: 2 tasks, one core
-  each), to tell the cost of the exchange from the cost of fewer threads;
+* ``torch_1thread``: the same with one thread (``OMP_NUM_THREADS=1``): what one process
+  does on half of this 2-core host (the budget a worker had when the launcher shared the
+  cores among all its tasks);
 * ``local``: one process, ``tfl.TrainingSession(None, model, tfl.optim.Adam(...))``;
 * ``ps1``, ``ps2``: ``python -m tensorfleet launch --ps N --workers 1 -- python
   big_model_worker.py --mode cluster ...``: the real launcher, async mode, every setting at
-  its default (buckets on, prefetch off, the launcher's thread budget, shared memory between
-  the tasks of this host).
+  its default (prefetch off, the launcher's thread budget, shared memory between the tasks
+  of this host). One worker and its ps take turns, so the budget gives the worker every
+  core and the ps tasks divide them, and the session's default buckets are off (a bucket's
+  update would run on the backward's cores): ``tensorfleet.cluster.thread_budget``;
+* ``ps1_shared``: ``ps1`` as it ran before that rule, the cores shared (``--intra-op-threads
+  1``) and buckets of 1 MiB during the backward, in the same run for the comparison.
 
 Seconds per step: each program's own clock over the steps after ``--warmup`` (the first
 ``--warmup`` steps, which include the start, are not timed).
@@ -77,6 +81,8 @@ sys.path.insert(0, str(HERE))
 from results_writer import OUT_ENV, add_out_dir_option, write_results  # noqa: E402
 
 WORKER = HERE / "programs" / "big_model_worker.py"
+#: The session's default bucket size (``tensorfleet.worker.push_overlap.DEFAULT_BUCKET_BYTES``).
+DEFAULT_BUCKET_BYTES = 1 << 20
 #: The runs in the order they go, and what each is.
 RUNS = {
     "torch": "one process, plain PyTorch loop, torch.optim.Adam (baseline)",
@@ -84,9 +90,13 @@ RUNS = {
     "local": "one process, TrainingSession(None, ...)",
     "ps1": "tensorfleet launch --ps 1 --workers 1 (async, defaults)",
     "ps2": "tensorfleet launch --ps 2 --workers 1 (async, defaults)",
+    "ps1_shared": "the same as ps1 with the cores shared: --intra-op-threads 1 and "
+    "Overlap(bucket_bytes=1 MiB) (the defaults before the turn-taking budget)",
 }
-DEFAULT_RUNS = ("torch", "torch_1thread", "local", "ps1", "ps2")
-#: The one-process run with the thread budget of the cluster's worker on a 2-core host.
+#: The run that shows what the turn-taking thread budget changed (in the same run as ps1).
+SHARED_CORES = "ps1_shared"
+DEFAULT_RUNS = ("torch", "torch_1thread", "local", "ps1", "ps2", "ps1_shared")
+#: The one-process run with one thread (half of this 2-core host).
 SAME_THREADS = "torch_1thread"
 #: Targets of the cluster runs against the baseline: steps/s ratio, worker peak RSS ratio.
 STEP_TARGETS = {"ps1": 0.85, "ps2": 0.9}
@@ -292,12 +302,16 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     elif name == "local":
         command = [*program, "--mode", "local", "--timeline", str(timeline)]
     else:
-        command = [sys.executable, "-m", "tensorfleet", "launch", "--ps", name[2:], "--workers",
+        command = [sys.executable, "-m", "tensorfleet", "launch", "--ps", name[2], "--workers",
                    "1", "--no-live"]  # fmt: skip
+        if name == SHARED_CORES:
+            command += ["--intra-op-threads", "1"]
         if profile is not None:
             command += ["--ps-command", f"{sys.executable} -m tensorfleet server --timeline "
                         f"{timeline}"]  # fmt: skip
         command += ["--", *program, "--mode", "cluster", "--timeline", str(timeline)]
+        if name == SHARED_CORES:
+            command += ["--bucket-bytes", str(DEFAULT_BUCKET_BYTES)]
     if profile is not None and name != "torch" and name != "torch_1thread":
         command += ["--cprofile", str(profile / "worker.prof")]
     lines: list[str] = []

@@ -163,6 +163,7 @@ def train_session(
         hooks=[tfl.StopAtStep(last_step=args.steps)],
         timeline=args.timeline,
         progress_secs=None,
+        **({} if args.bucket_bytes is None else {"overlap": tfl.Overlap(args.bucket_bytes)}),
     ) as sess:
         step = 0
         while not sess.should_stop() and step < args.steps:
@@ -213,6 +214,13 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeline", type=Path, default=None)
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=None,
+        help="pass overlap=tfl.Overlap(bucket_bytes=B) to the session (default: the "
+        "session's own default overlap)",
+    )
     parser.add_argument("--cprofile", type=Path, default=None)
     args = parser.parse_args()
     args.heads = args.heads or max(1, args.hidden // 64)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from tensorfleet import environment
-from tensorfleet.cluster.resources import plan_resources, thread_budget
+from tensorfleet.cluster.resources import plan_resources
+from tensorfleet.cluster.thread_budget import thread_budget
 from tensorfleet.launch.local_cluster import LocalCluster
 from tensorfleet.launch.output import PlainOutput
 

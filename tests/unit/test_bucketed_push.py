@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from tensorfleet import environment
 from tensorfleet.optim import Adam, SparseAdam
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.store import VariableStore
@@ -29,7 +30,7 @@ from tensorfleet.session.hooks import NanGuard
 from tensorfleet.session.server import Server
 from tensorfleet.session.training_session import TrainingSession
 from tensorfleet.wire.secret import load_secret
-from tensorfleet.worker.push_overlap import Overlap
+from tensorfleet.worker.push_overlap import DEFAULT_OVERLAP, Overlap, automatic_overlap
 from tensorfleet.worker.timeouts import ClientTimeouts
 
 from .service_harness import RunningService, bits, serve_in_thread, stop_services
@@ -420,3 +421,61 @@ def test_prefetch_asked_for_with_sparse_embedding_weights_is_turned_off_and_said
     assert [r.global_step for r in trained.results] == [1, 2]  # not one step behind
     said = [r for r in caplog.records if "Overlap(prefetch=True) is off" in r.getMessage()]
     assert len(said) == 1 and "['embedding.weight']" in said[0].getMessage()
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """Set this process's torch intra-op threads for a test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_the_default_overlap_gives_way_when_the_ps_is_here_and_the_worker_uses_every_core(
+    cluster: Callable[..., list[RunningService]],
+    threads: Callable[[int], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """automatic_overlap: the session's default buckets are off (one push per step, and one
+    line saying so) when the ps answers through shared memory and the worker's threads cover
+    the host's cores; a user's own Overlap(), equal to the default, keeps its buckets."""
+    threads(environment.host_cpu_count())
+    with caplog.at_level(logging.INFO, logger="tensorfleet.worker"):
+        default = _train(cluster(), DEFAULT_OVERLAP, steps=3)
+    assert [s["buckets"] for s in default.stats] == [0]
+    assert default.stats[0]["pushes"] == 3
+    assert "buckets off: its ps tasks are on this host" in caplog.text
+    chosen = _train(cluster(), Overlap(bucket_bytes=600), steps=3)
+    assert sum(s["buckets"] for s in chosen.stats) > 3
+    _same(default, chosen)  # buckets or not, the same end bit for bit
+
+
+def test_the_default_overlap_keeps_its_buckets_when_cores_are_left_for_the_ps(
+    cluster: Callable[..., list[RunningService]],
+    threads: Callable[[int], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if environment.host_cpu_count() < 2:
+        pytest.skip("one core: a worker's one thread covers it (the other test's case)")
+    threads(1)
+    applied: list[Overlap | None] = []
+    with caplog.at_level(logging.INFO, logger="tensorfleet.worker"):
+        _train(  # the ps here, as in the test above
+            cluster(),
+            DEFAULT_OVERLAP,
+            steps=3,
+            after=lambda s, _: applied.append(s._updater.overlap),
+        )
+    assert applied == [DEFAULT_OVERLAP]
+    assert "buckets off" not in caplog.text
+
+
+def test_automatic_overlap_changes_only_the_default_and_only_when_every_condition_holds() -> None:
+    here = {"ps_on_this_host": True, "on_cpu": True, "threads": 2, "host_cores": 2, "task": "w"}
+    assert automatic_overlap(DEFAULT_OVERLAP, **here) == Overlap(bucket_bytes=None)
+    assert automatic_overlap(DEFAULT_OVERLAP, **{**here, "threads": 4}) == Overlap(None)
+    mine = Overlap()
+    assert mine == DEFAULT_OVERLAP and automatic_overlap(mine, **here) is mine
+    assert automatic_overlap(None, **here) is None
+    for condition in ({"ps_on_this_host": False}, {"on_cpu": False}, {"threads": 1}):
+        assert automatic_overlap(DEFAULT_OVERLAP, **{**here, **condition}) is DEFAULT_OVERLAP

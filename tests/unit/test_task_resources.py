@@ -14,8 +14,8 @@ from tensorfleet.cluster.resources import (
     TaskResources,
     parse_visible_devices,
     plan_resources,
-    thread_budget,
 )
+from tensorfleet.cluster.thread_budget import planned_threads, takes_turns, thread_budget
 from tensorfleet.errors import ClusterConfigError
 from tensorfleet.launch.resource_flags import add_resource_flags, task_environments
 from tensorfleet.worker.task_resources import apply_task_resources
@@ -39,6 +39,28 @@ def test_plan_gives_workers_the_remainder_first():
     }
     assert all(r.inter_op_threads == r.intra_op_threads for r in plan.values())
     assert all(r.visible_gpus is None for r in plan.values())
+
+
+@pytest.mark.parametrize(
+    ("ps", "workers", "cores", "threads"),
+    [
+        # One worker and its ps take turns: the worker gets every core, the ps divide them.
+        (1, 1, 2, {"worker:0": 2, "ps:0": 2}),
+        (2, 1, 2, {"worker:0": 2, "ps:0": 1, "ps:1": 1}),
+        (3, 1, 16, {"worker:0": 16, "ps:0": 6, "ps:1": 5, "ps:2": 5}),
+        # Two or more workers compute at the same time: every task shares.
+        (1, 2, 2, {"worker:0": 1, "worker:1": 1, "ps:0": 1}),
+        (1, 3, 9, {"worker:0": 3, "worker:1": 2, "worker:2": 2, "ps:0": 2}),
+        # No ps (all-reduce): the workers share.
+        (0, 2, 4, {"worker:0": 2, "worker:1": 2}),
+        (0, 1, 4, {"worker:0": 4}),
+    ],
+)
+def test_tasks_that_take_turns_each_get_every_core_and_others_share(ps, workers, cores, threads):
+    assert takes_turns(ps, workers) == (workers == 1 and ps >= 1)
+    assert planned_threads(ps, workers, cores) == threads
+    plan = plan_resources(ps, workers, host_cores=cores)
+    assert {n: r.intra_op_threads for n, r in plan.items()} == threads
 
 
 def test_plan_gives_disjoint_gpu_sets_and_none_to_ps():

@@ -8,8 +8,10 @@ TensorFlow's ``ConfigProto`` lets each server be told (``intra_op_parallelism_th
 ``inter_op_parallelism_threads``, ``gpu_options.visible_device_list``,
 ``gpu_options.per_process_gpu_memory_fraction``):
 
-- threads: ``cores // tasks`` each, at least 1; the remainder goes to the workers first
-  (worker 0 first), since they compute and the ps tasks mostly wait on the network;
+- threads: tasks that compute at the same time share the cores, ``cores // tasks`` each, at
+  least 1, the remainder to the workers first (worker 0 first); one worker and its ps
+  tasks take turns, so the worker gets every core and the ps tasks divide them
+  (:mod:`tensorfleet.cluster.thread_budget`: the rule and the measurement);
 - GPUs: by default (``gpus_per_worker=None``) worker i gets the host's GPU ``i % n`` (see
   :mod:`tensorfleet.cluster.gpu_assignment`; a host without GPUs: nothing is set);
   ``gpus_per_worker`` N gives worker i the disjoint set ``[i*N, (i+1)*N)`` of the host's
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from tensorfleet import environment
 from tensorfleet.cluster.gpu_assignment import HostGpus, assign_gpus
 from tensorfleet.cluster.spec import show
+from tensorfleet.cluster.thread_budget import planned_threads
 from tensorfleet.errors import ClusterConfigError
 
 #: Spin iterations of an idle OpenMP thread before it sleeps, for tasks given a thread
@@ -169,19 +172,6 @@ def parse_visible_devices(value: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def thread_budget(host_cores: int, co_located_tasks: int) -> list[int]:
-    """Threads per task when ``co_located_tasks`` share ``host_cores``: ``cores // tasks``
-    each, at least 1, the remainder one each to the first tasks. ``thread_budget(2, 4)`` ->
-    ``[1, 1, 1, 1]``; ``thread_budget(16, 3)`` -> ``[6, 5, 5]``."""
-    if host_cores < 1 or co_located_tasks < 1:
-        raise ClusterConfigError(
-            f"a thread budget needs at least one core and one task, got {host_cores} core(s) "
-            f"and {co_located_tasks} task(s)"
-        )
-    share, extra = divmod(host_cores, co_located_tasks)
-    return [max(1, share + (1 if i < extra else 0)) for i in range(co_located_tasks)]
-
-
 def plan_resources(
     num_ps: int,
     num_workers: int,
@@ -200,7 +190,8 @@ def plan_resources(
     the host offers (physical ids); ``gpus_per_worker`` None gives each worker one of them,
     round-robin (:func:`~tensorfleet.cluster.gpu_assignment.assign_gpus`). Explicit ``intra_op_threads`` / ``inter_op_threads``
     apply to every task; otherwise, with ``thread_budget_enabled``, the host's cores are
-    divided (workers first). Raises :class:`ClusterConfigError` when the workers would need
+    divided as :func:`~tensorfleet.cluster.thread_budget.planned_threads` says (tasks that
+    compute at the same time share, one worker and its ps take turns). Raises :class:`ClusterConfigError` when the workers would need
     more GPUs than ``host_gpus`` holds, naming both counts.
     """
     if num_ps < 0 or num_workers < 1:
@@ -233,7 +224,10 @@ def plan_resources(
     if intra_op_threads is not None or not thread_budget_enabled:
         intra = [intra_op_threads] * len(names)
     else:
-        intra = thread_budget(host_cores or environment.host_cpu_count(), len(names))
+        threads_of = planned_threads(
+            num_ps, num_workers, host_cores or environment.host_cpu_count()
+        )
+        intra = [threads_of[name] for name in names]
     plan: dict[str, TaskResources] = {}
     for position, name in enumerate(names):
         job, index = name.split(":")

@@ -68,7 +68,7 @@ from tensorfleet.session.update_modes import (
 )
 from tensorfleet.worker.bucketed_push import step_overlap
 from tensorfleet.worker.compute_options import ComputeOptions, ComputeSetup
-from tensorfleet.worker.push_overlap import Overlap, checked_overlap
+from tensorfleet.worker.push_overlap import DEFAULT_OVERLAP, Overlap, checked_overlap
 from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
 from tensorfleet.worker.updater import StoredCheckpoint
@@ -140,7 +140,10 @@ class TrainingSession:
     ``overlap`` (mode ``async`` without ``max_staleness``): push the gradients in buckets
     during the backward pass and, with ``Overlap(prefetch=True)``, let the next step's
     forward start before the last reply (at most one step stale); None: the step is
-    sequential. See :class:`~tensorfleet.worker.push_overlap.Overlap` and docs/timeline.md.
+    sequential. By default buckets of 1 MiB, off when every ps is on this host and the
+    worker's threads use every core (one push after the backward then lets each phase use
+    all of them: :func:`~tensorfleet.worker.push_overlap.automatic_overlap`). See
+    :class:`~tensorfleet.worker.push_overlap.Overlap` and docs/timeline.md.
     """
 
     def __init__(
@@ -179,7 +182,7 @@ class TrainingSession:
         compute: ComputeOptions | None = None,
         wire_dtype: str | None = None,
         values_wire_dtype: str | None = None,
-        overlap: Overlap | None = Overlap(),  # noqa: B008 (frozen: one shared default is fine)
+        overlap: Overlap | None = DEFAULT_OVERLAP,
     ) -> None:
         settings = UpdateSettings(
             mode=mode,

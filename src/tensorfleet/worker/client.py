@@ -153,6 +153,13 @@ class ParameterClient(ClientRecovery):
         return self._shards.num_shards
 
     @property
+    def every_shard_on_this_host(self) -> bool:
+        """Whether every shard answers through shared memory (is on this host), as the
+        hellos found; False before :meth:`connect`."""
+        channels = self._shards.channels
+        return bool(channels) and all(channel.uses_shared_memory for channel in channels)
+
+    @property
     def _task(self) -> dict[str, str]:
         return {"task": self.task_name}
 

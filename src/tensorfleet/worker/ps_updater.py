@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorfleet import task_markers
+from tensorfleet import environment, task_markers
 from tensorfleet.errors import ConfigError, UsageError
 from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.model_namespace import ModelClaim
@@ -45,7 +45,7 @@ from tensorfleet.worker.mirrored_embeddings import (
 )
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.ps_row_source import PsRowSource
-from tensorfleet.worker.push_overlap import Overlap, kept_prefetch
+from tensorfleet.worker.push_overlap import Overlap, automatic_overlap, kept_prefetch
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 from tensorfleet.worker.sync_batch_norm import warn_unsynchronized
 from tensorfleet.worker.table_attachment import TableAttachment, find_tables
@@ -266,6 +266,7 @@ class PsUpdater:
                 else "async"
             )
             self.buffers.create(mode, self.is_chief)
+        self._overlap = self._automatic_overlap()
         if self._overlap is not None and self._during_backward is not None:
             self.overlapped = BucketedPush(
                 self.client,
@@ -278,6 +279,19 @@ class PsUpdater:
                 ),
             )
         return Restored(global_step, self.client.restored_data)
+
+    def _automatic_overlap(self) -> Overlap | None:
+        """The overlap after :func:`~tensorfleet.worker.push_overlap.automatic_overlap`'s
+        rule (the session's default gives way when buckets could only slow the step)."""
+        overlap = automatic_overlap(
+            self._overlap,
+            ps_on_this_host=self.client.every_shard_on_this_host,
+            on_cpu=all(p.device.type == "cpu" for _, p in self._named_params),
+            threads=torch.get_num_threads(),
+            host_cores=environment.host_cpu_count(),
+            task=self.client.task_name,
+        )
+        return overlap if overlap is not None and overlap.active else None
 
     @property
     def overlap(self) -> Overlap | None:

@@ -123,6 +123,42 @@ class Overlap:
         return self.bucket_bytes is not None or self.prefetch
 
 
+DEFAULT_OVERLAP = Overlap()
+"""The session's default (buckets of :data:`DEFAULT_BUCKET_BYTES`, no prefetch). Unlike an
+``Overlap`` a user builds, even an equal one, this default gives way to
+:func:`automatic_overlap`'s rule."""
+
+
+def automatic_overlap(
+    overlap: Overlap | None,
+    *,
+    ps_on_this_host: bool,
+    on_cpu: bool,
+    threads: int,
+    host_cores: int,
+    task: str,
+) -> Overlap | None:
+    """The overlap a step applies: ``overlap`` as given, except the session's default
+    (:data:`DEFAULT_OVERLAP`, identity, not equality) when buckets could only slow the step:
+    every ps of this worker is on its host (``ps_on_this_host``: the same-host path is in
+    use), the model computes on the CPU, and the worker's ``threads`` cover the host's cores.
+    Then a bucket's update runs on the cores the backward uses, so it delays the backward
+    by as long as it saves; one push after the backward lets each phase use every core
+    (:mod:`tensorfleet.cluster.thread_budget`: the launcher gives one worker with its ps
+    every core; measured there). One log line says so and how to choose."""
+    if overlap is not DEFAULT_OVERLAP or not (ps_on_this_host and on_cpu and threads >= host_cores):
+        return overlap
+    log.info(
+        "%s: buckets off: its ps tasks are on this host and its %d intra-op thread(s) use all "
+        "%d core(s), so a bucket's update could only run on the cores of the backward; one "
+        "push per shard after the backward. Pass overlap=tfl.Overlap() to keep them",
+        task,
+        threads,
+        host_cores,
+    )
+    return Overlap(bucket_bytes=None)
+
+
 def checked_overlap(overlap: object) -> Overlap | None:
     """``overlap`` if it is an :class:`Overlap` or None, else a ConfigTypeError naming it."""
     if overlap is not None and not isinstance(overlap, Overlap):

@@ -1,0 +1,71 @@
+"""The thread budget: how many intra-op threads each task on one host gets.
+
+The rule: **tasks that compute at the same time share the host's cores; tasks that take
+turns each get all of them.** Co-located tasks that each use every core oversubscribe the
+host (four tasks on two cores with torch's default of one intra-op thread per core run 8
+busy threads on 2 cores: a 2-process pipeline was 2.3x slower here), so by default the cores
+are divided, ``cores // tasks`` each, at least 1, the remainder to the workers first (worker
+0 first): :func:`thread_budget`.
+
+One layout takes turns instead of sharing: **one worker with its ps tasks** (``--ps N
+--workers 1``). The worker computes its forward and backward while its ps tasks wait for the
+push, then the ps tasks apply the update while the worker waits for the reply; they never
+both compute. Dividing the cores there halves the speed of each phase for nothing: the
+worker gets every core, and the ps tasks, which apply their shards of one push at the same
+time as each other, divide the cores among themselves. Measured with the BERT-base-sized
+encoder of ``benchmarks/big_model.py`` (108 M parameters, Adam; this project's 2-core
+machine, interleaved runs, one process with torch's 2 threads as the baseline): 1 ps + 1
+worker with one thread each (the division) ran at 0.58-0.60x the one-process loop, with two
+threads each and one push after the backward at 1.02x (2 ps: 0.71x -> 0.98x). The push must
+then not overlap the backward: a bucket applied by the ps during the backward runs on the
+cores the backward uses (two threads each *with* buckets: 0.58x), so the session leaves its
+buckets off by default when its ps tasks are on its host and its threads cover the host's
+cores (:func:`tensorfleet.worker.push_overlap.automatic_overlap`).
+
+With two or more workers on the host the workers compute at the same time, and a ps applies
+one worker's push while the others compute: every task shares, as before.
+
+Explicit ``--intra-op-threads N`` gives every task N; ``--no-thread-budget`` leaves torch's
+defaults alone. This module imports no torch, so the launcher stays light.
+"""
+
+from __future__ import annotations
+
+from tensorfleet.errors import ClusterConfigError
+
+
+def thread_budget(host_cores: int, co_located_tasks: int) -> list[int]:
+    """Threads per task when ``co_located_tasks`` share ``host_cores``: ``cores // tasks``
+    each, at least 1, the remainder one each to the first tasks. ``thread_budget(2, 4)`` ->
+    ``[1, 1, 1, 1]``; ``thread_budget(16, 3)`` -> ``[6, 5, 5]``."""
+    if host_cores < 1 or co_located_tasks < 1:
+        raise ClusterConfigError(
+            f"a thread budget needs at least one core and one task, got {host_cores} core(s) "
+            f"and {co_located_tasks} task(s)"
+        )
+    share, extra = divmod(host_cores, co_located_tasks)
+    return [max(1, share + (1 if i < extra else 0)) for i in range(co_located_tasks)]
+
+
+def takes_turns(num_ps: int, num_workers: int) -> bool:
+    """Whether the tasks of a host take turns rather than compute at the same time: one
+    worker and its ps tasks (see the module docstring)."""
+    return num_workers == 1 and num_ps >= 1
+
+
+def planned_threads(num_ps: int, num_workers: int, host_cores: int) -> dict[str, int]:
+    """Each task's intra-op threads by task name (``"worker:0"``, ``"ps:1"``) when
+    ``num_workers`` workers and ``num_ps`` ps tasks share a host of ``host_cores`` cores.
+
+    ``planned_threads(1, 3, 2)`` -> every task 1 (they share); ``planned_threads(2, 1, 2)``
+    -> ``worker:0`` 2 and each ps 1 (they take turns: the worker gets every core, the ps
+    tasks divide them)."""
+    workers = [f"worker:{i}" for i in range(num_workers)]
+    ps = [f"ps:{i}" for i in range(num_ps)]
+    if takes_turns(num_ps, num_workers):
+        return {
+            workers[0]: thread_budget(host_cores, 1)[0],
+            **dict(zip(ps, thread_budget(host_cores, num_ps), strict=True)),
+        }
+    names = workers + ps
+    return dict(zip(names, thread_budget(host_cores, len(names)), strict=True))
