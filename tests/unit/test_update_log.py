@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -141,7 +142,8 @@ def test_a_save_keeps_the_segment_before_it_and_deletes_the_older_ones(tmp_path:
         "ps-0.00000001.updatelog",
         "ps-0.00000002.updatelog",
     ]
-    assert log.find(11).base.document_crc == 11 and log.find(10) is None
+    assert [s.base.document_crc for s in log.find(11)] == [11, 12]  # and the one after it
+    assert log.find(10) == []
     assert len(other.segments()) == 1  # another shard's segments are not touched
 
 
@@ -220,6 +222,14 @@ def _save(channel: Channel) -> bytes:
     return bytes(reply.buffers[0])
 
 
+def _state_of(service: Any) -> bytes:
+    """The document a save would answer with, read from a stopped service (no log segment
+    started: a save would start one, and delete the oldest)."""
+    return checkpoint_handling.save_document(
+        0, service.store, service.global_step, service.worker_data, service.buffer_bank.values
+    )
+
+
 @pytest.mark.parametrize("mode", ["async", "buckets", "sync"])
 @pytest.mark.parametrize("rule", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.01)], ids=["sgd", "adam"])
 def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
@@ -233,10 +243,13 @@ def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
     for i in range(3):
         _push_round(workers, mode, seed=i, step=i)
     checkpoint = _save(chief)
-    for i in range(3, 9):
+    for i in range(3, 6):
         _push_round(workers, mode, seed=i, step=i)
-    live = decode_shard(_save(chief))  # the state of the shard that is "killed" now
-    stop_services(services[0], services[1])
+    _save(chief)  # a newer checkpoint, never written (its writer died): the chain goes on
+    for i in range(6, 9):
+        _push_round(workers, mode, seed=i, step=i)
+    stop_services(services[0], services[1])  # the shard is "killed" now; its state:
+    live = decode_shard(_state_of(services[0][0].service))
     services[0].clear()
     services[1].clear()
 

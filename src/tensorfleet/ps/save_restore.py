@@ -60,6 +60,7 @@ class SaveRestoreHandling:
     checkpointing_chief: str | None
     last_save_at: float | None
     update_log: UpdateLog | None
+    owns_global_step: bool
 
     def _open_update_log(self) -> None:
         """The shard's update log, when its settings name a directory."""
@@ -170,11 +171,11 @@ class SaveRestoreHandling:
             self._replay(document, checkpoint.version, global_step)
 
     def _replay(self, document: bytes | memoryview, version: int, global_step: int) -> None:
-        """Replay the update log's segment of ``document`` onto the restored state."""
+        """Replay the update log's segments from ``document`` on, onto the restored state."""
         assert self.update_log is not None
         crc = document_crc(document)
-        segment = self.update_log.find(crc)
-        if segment is None:
+        segments = self.update_log.find(crc)
+        if not segments:
             log.warning(
                 "%s: no update log of this checkpoint in %s: the updates since it are not "
                 "replayed (logging again from here)",
@@ -183,33 +184,40 @@ class SaveRestoreHandling:
             )
             self.update_log.start(Base(crc, version, global_step))
             return
-        started = time.monotonic()
-        for update in segment.updates:
-            self.store.apply(update.gradients, part=update.part, counts=update.counts)
-            self.global_step = update.global_step
-            if update.data:
-                self.worker_data.update(update.data)
-            if self.store.version != update.version:
+        started, replayed, last = time.monotonic(), 0, segments[0]
+        # The global step is this shard's own where it counts it (it owns it, or every sync
+        # step does); elsewhere it is the one the restore gave.
+        counts_steps = self.owns_global_step or self.aggregator is not None
+        for segment in segments:
+            if segment.base.version != self.store.version:
                 log.error(
-                    "%s: the update log %s replayed to version %d where it logged %d: the "
-                    "replay stops there",
+                    "%s: the update log %s starts at version %d, but the replay reached "
+                    "version %d: it stops there",
                     self.config.name,
                     segment.path,
+                    segment.base.version,
                     self.store.version,
-                    update.version,
                 )
                 break
+            for update in segment.updates:
+                self.store.apply(update.gradients, part=update.part, counts=update.counts)
+                if counts_steps:
+                    self.global_step = update.global_step
+                if update.data:
+                    self.worker_data.update(update.data)
+            replayed += len(segment.updates)
+            last = segment
+            if segment.error is not None:
+                log.error("%s: %s", self.config.name, segment.error)
         if self.aggregator is not None:
             self.aggregator.step = self.global_step
-        if segment.error is not None:
-            log.error("%s: %s", self.config.name, segment.error)
-        self.update_log.continue_after(segment)
+        self.update_log.continue_after(last)
         log.warning(
-            "%s: replayed %d updates of the update log %s in %.2f s: at global step %d, "
-            "version %d (the checkpoint was at %d)",
+            "%s: replayed %d updates of the update log (%s) in %.2f s: at global step %d, "
+            "version %d (the checkpoint was at global step %d)",
             self.config.name,
-            len(segment.updates),
-            segment.path,
+            replayed,
+            ", ".join(s.path.name for s in segments if s.path.name <= last.path.name),
             time.monotonic() - started,
             self.global_step,
             self.store.version,

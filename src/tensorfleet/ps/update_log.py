@@ -263,26 +263,42 @@ class UpdateLog:
             path.unlink(missing_ok=True)
 
     def continue_after(self, segment: Segment) -> None:
-        """Append to ``segment`` from its last good record (a torn tail or a corrupt record
-        cut off), and delete the segments newer than it (they follow checkpoints after the
-        one restored, from a history the shard has just left)."""
+        """Append to ``segment`` (the last one replayed) from its last good record (a torn
+        tail or a corrupt record cut off), and delete the segments newer than it (not
+        replayed: after a corrupt record, a history the shard has left)."""
         for _, path in self.segments():
             if path.name > segment.path.name:
                 path.unlink(missing_ok=True)
         self._open(segment.path, truncate_at=segment.valid_bytes)
 
-    def find(self, crc: int) -> Segment | None:
-        """The newest segment whose base is the shard document with CRC-32 ``crc`` (None if
-        there is none: the log of that checkpoint was deleted, or never written)."""
-        for _, path in reversed(self.segments()):
-            try:
-                segment = read_segment(path)
-            except (UpdateLogCorrupt, OSError) as exc:
-                log.warning("%s", exc)
+    def find(self, crc: int) -> list[Segment]:
+        """The segments to replay onto the shard document with CRC-32 ``crc``: the newest
+        segment whose base it is, then each segment after it (a segment starts exactly where
+        the one before it ends: at a ``save``, between two updates), so that a restore of the
+        checkpoint before the newest (the newest never written: its writer died) still comes
+        back at the last update. Empty: no segment of that document (deleted, or never
+        written). The chain stops at a segment that does not read, or after a corrupt one."""
+        segments = self.segments()
+        for index in range(len(segments) - 1, -1, -1):
+            first = self._read(segments[index][1])
+            if first is None or first.base.document_crc != crc:
                 continue
-            if segment.base.document_crc == crc:
-                return segment
-        return None
+            chain = [first]
+            for _, path in segments[index + 1 :]:
+                following = self._read(path) if chain[-1].error is None else None
+                if following is None:
+                    break
+                chain.append(following)
+            return chain
+        return []
+
+    @staticmethod
+    def _read(path: Path) -> Segment | None:
+        try:
+            return read_segment(path)
+        except (UpdateLogCorrupt, OSError) as exc:
+            log.warning("%s", exc)
+            return None
 
     def append(
         self,
