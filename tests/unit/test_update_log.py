@@ -20,9 +20,9 @@ from tensorfleet.ps.update_log import (
     MAGIC,
     RECORD,
     Base,
+    Segment,
     UpdateLog,
     UpdateLogCorrupt,
-    read_segment,
 )
 from tensorfleet.ps.update_rules import SGD, Adam
 from tensorfleet.version import __version__
@@ -55,6 +55,12 @@ def _gradients(seed: int) -> list[torch.Tensor]:
 # -- the file format --------------------------------------------------------------------------
 
 
+def read_segment(path: Path) -> tuple[Segment, list]:
+    """The segment at ``path`` and its updates, read to the end."""
+    segment = Segment(path)
+    return segment, list(segment.updates())
+
+
 def _log_with_updates(directory: Path, count: int) -> UpdateLog:
     log = UpdateLog(directory, "ps-0")
     log.start(Base(document_crc=1234, version=7, global_step=70))
@@ -73,11 +79,11 @@ def _log_with_updates(directory: Path, count: int) -> UpdateLog:
 def test_records_round_trip(tmp_path: Path) -> None:
     log = _log_with_updates(tmp_path, 4)
     log.close()
-    segment = read_segment(log.current)
+    segment, updates = read_segment(log.current)
     assert segment.base == Base(1234, 7, 70)
     assert segment.error is None and segment.valid_bytes == log.current.stat().st_size
-    assert len(segment.updates) == 4
-    for i, update in enumerate(segment.updates):
+    assert len(updates) == 4
+    for i, update in enumerate(updates):
         assert [bits(g) for g in update.gradients] == [bits(g) for g in _gradients(i)]
         assert [g.dtype for g in update.gradients] == [torch.float32, torch.float64]
         assert update.part == ((0, 2) if i % 2 else None)
@@ -93,20 +99,20 @@ def test_a_torn_tail_is_dropped_and_cut_off_before_the_next_append(tmp_path: Pat
     for cut in (1, RECORD.size - 1, RECORD.size + 5, 100):  # inside the prefix, the payload
         with open(log.current, "r+b") as file:
             file.truncate(whole - cut)
-        segment = read_segment(log.current)
-        assert len(segment.updates) == 2 and segment.error is None
+        segment, updates = read_segment(log.current)
+        assert len(updates) == 2 and segment.error is None
     reopened = UpdateLog(tmp_path, "ps-0")
     reopened.continue_after(segment)
     reopened.append(_gradients(9), None, True, 99, 199)
     reopened.close()
-    again = read_segment(log.current)
-    assert [u.version for u in again.updates] == [8, 9, 99]
+    _, again = read_segment(log.current)
+    assert [u.version for u in again] == [8, 9, 99]
 
 
 def test_a_corrupt_record_is_named_with_its_file_and_offset(tmp_path: Path) -> None:
     log = _log_with_updates(tmp_path, 3)
     log.close()
-    first = read_segment(log.current)
+    _, first = read_segment(log.current)
     data = bytearray(log.current.read_bytes())
     # the second update record: after the magic, the base record and the first update
     offset = len(MAGIC)
@@ -114,8 +120,8 @@ def test_a_corrupt_record_is_named_with_its_file_and_offset(tmp_path: Path) -> N
         offset += RECORD.size + RECORD.unpack_from(data, offset)[1]
     data[offset + RECORD.size + 40] ^= 0x01  # one bit of its payload
     log.current.write_bytes(bytes(data))
-    segment = read_segment(log.current)
-    assert len(segment.updates) == 1  # the records before it only
+    segment, updates = read_segment(log.current)
+    assert len(updates) == 1  # the records before it only
     assert segment.valid_bytes == offset
     assert isinstance(segment.error, UpdateLogCorrupt)
     message = str(segment.error)
@@ -123,8 +129,8 @@ def test_a_corrupt_record_is_named_with_its_file_and_offset(tmp_path: Path) -> N
     assert "CRC-32" in message, message
     data[offset : offset + 4] = b"XXXX"
     log.current.write_bytes(bytes(data))
-    assert "starts with b'XXXX'" in str(read_segment(log.current).error)
-    assert len(first.updates) == 3
+    assert "starts with b'XXXX'" in str(read_segment(log.current)[0].error)
+    assert len(first) == 3
     log.current.write_bytes(b"not a log at all")
     with pytest.raises(UpdateLogCorrupt, match=rf"{log.current}.*byte offset 0.*not an update log"):
         read_segment(log.current)

@@ -199,16 +199,17 @@ class SaveRestoreHandling:
                     self.store.version,
                 )
                 break
-            for update in segment.updates:
+            for update in segment.updates():
                 self.store.apply(update.gradients, part=update.part, counts=update.counts)
                 if counts_steps:
                     self.global_step = update.global_step
                 if update.data:
                     self.worker_data.update(update.data)
-            replayed += len(segment.updates)
+                replayed += 1
             last = segment
             if segment.error is not None:
                 log.error("%s: %s", self.config.name, segment.error)
+                break
         if self.aggregator is not None:
             self.aggregator.step = self.global_step
         self.update_log.continue_after(last)

@@ -107,19 +107,6 @@ class Update:
     data: dict[str, Any] | None = None
 
 
-@dataclass(frozen=True)
-class Segment:
-    """What a segment file holds: its base, its complete records, and where the valid bytes
-    end (``valid_bytes``; less than the file's size after a torn tail or a corrupt record,
-    which ``error`` then describes)."""
-
-    path: Path
-    base: Base
-    updates: list[Update]
-    valid_bytes: int
-    error: UpdateLogCorrupt | None = None
-
-
 def document_crc(document: bytes | memoryview) -> int:
     """The CRC-32 that names a shard document (a checkpoint's shard file)."""
     return zlib.crc32(document)
@@ -144,6 +131,53 @@ def encode_record(header: dict[str, Any], buffers: Sequence[memoryview] = ()) ->
     return [RECORD.pack(RECORD_TAG, length, crc) + head, *buffers]
 
 
+class Segment:
+    """One segment file, read as a stream: its base record at once (a file that does not
+    start with :data:`MAGIC` and a base record is :class:`UpdateLogCorrupt`, raised), then
+    :meth:`updates` one record at a time (one record in memory at a time: a segment may hold
+    gigabytes). After :meth:`updates` ends, ``valid_bytes`` is where the last good record
+    ends (less than the file's size after a torn tail or a corrupt record) and ``error``
+    describes a corrupt record (None: none)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.error: UpdateLogCorrupt | None = None
+        with open(path, "rb") as file:
+            magic = file.read(len(MAGIC))
+            if magic != MAGIC:
+                raise _corrupt(path, 0, f"is not an update log (it starts with {magic[:16]!r})")
+            first = _read_record(path, file, len(MAGIC), os.fstat(file.fileno()).st_size)
+        if first is None or first[0].get("kind") != "base":
+            raise _corrupt(path, len(MAGIC), "is not the segment's base record")
+        header, _, self.valid_bytes = first
+        try:
+            self.base = Base(
+                int(header["document_crc"]), int(header["version"]), int(header["global_step"])
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _corrupt(path, len(MAGIC), f"is not a base record: {exc!r}") from exc
+
+    def updates(self) -> Iterator[Update]:
+        """The segment's complete update records, in order; stops at a torn tail (dropped)
+        or at a corrupt record (kept in ``error``)."""
+        with open(self.path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            offset = self.valid_bytes
+            file.seek(offset)
+            while True:
+                try:
+                    record = _read_record(self.path, file, offset, size)
+                    if record is None:
+                        return  # a torn tail, or the end
+                    header, payload, end = record
+                    update = _update(self.path, offset, header, payload)
+                except UpdateLogCorrupt as exc:
+                    self.error = exc
+                    return
+                yield update
+                self.valid_bytes = offset = end
+
+
 def _corrupt(path: Path, offset: int, what: str) -> UpdateLogCorrupt:
     return UpdateLogCorrupt(
         f"update log {path}: the record at byte offset {offset} {what}; the updates from there "
@@ -151,72 +185,57 @@ def _corrupt(path: Path, offset: int, what: str) -> UpdateLogCorrupt:
     )
 
 
-def _records(path: Path, data: memoryview) -> Iterator[tuple[int, dict, list[memoryview]]]:
-    """(offset, header, buffers) of each complete record of ``data``; stops at a torn tail;
-    raises :class:`UpdateLogCorrupt` for a complete record that does not check."""
-    offset = len(MAGIC)
-    while offset + RECORD.size <= len(data):
-        tag, length, crc = RECORD.unpack_from(data, offset)
-        if tag != RECORD_TAG:
-            raise _corrupt(path, offset, f"starts with {bytes(tag)!r}, not {RECORD_TAG!r}")
-        start = offset + RECORD.size
-        if start + length > len(data):
-            return  # a torn tail: the write was cut short
-        payload = data[start : start + length]
-        if zlib.crc32(payload) != crc:
-            raise _corrupt(path, offset, f"fails its CRC-32 ({length} bytes)")
-        try:
-            (size,) = HEADER_LENGTH.unpack_from(payload, 0)
-            header = msgpack.unpackb(payload[4 : 4 + size], raw=False)
-            buffers, at = [], 4 + size
-            for _, nbytes in header.get("buffers", []):
-                buffers.append(payload[at : at + nbytes])
-                at += nbytes
-        except (ValueError, TypeError, struct.error, msgpack.ExtraData) as exc:
-            raise _corrupt(path, offset, f"does not parse: {exc}") from exc
-        if not isinstance(header, dict) or at != length:
-            raise _corrupt(path, offset, "does not parse: its buffers do not fill it")
-        yield offset, header, buffers
-        offset = start + length
-
-
-def read_segment(path: Path) -> Segment:
-    """The segment at ``path``. A torn tail is dropped (``valid_bytes`` ends before it); a
-    corrupt record ends the records read there and is kept in ``error``. A file that does not
-    start with :data:`MAGIC` and a base record is :class:`UpdateLogCorrupt` (raised)."""
-    data = memoryview(path.read_bytes())
-    if bytes(data[: len(MAGIC)]) != MAGIC:
-        raise _corrupt(path, 0, f"is not an update log (it starts with {bytes(data[:16])!r})")
-    base: Base | None = None
-    updates: list[Update] = []
-    valid = len(MAGIC)
-    error: UpdateLogCorrupt | None = None
+def _read_record(
+    path: Path, file: Any, offset: int, size: int
+) -> tuple[dict, memoryview, int] | None:
+    """The record at ``offset`` of ``file`` (positioned there; ``size`` bytes long): its
+    header, its payload and where it ends; None for a torn tail (cut short: the write never
+    finished) or the end of the file. A complete record that does not check is
+    :class:`UpdateLogCorrupt`."""
+    prefix = file.read(RECORD.size)
+    if len(prefix) < RECORD.size:
+        return None
+    tag, length, crc = RECORD.unpack(prefix)
+    if tag != RECORD_TAG:
+        raise _corrupt(path, offset, f"starts with {tag!r}, not {RECORD_TAG!r}")
+    end = offset + RECORD.size + length
+    if end > size:
+        return None  # cut short (and never more memory than the file holds)
+    payload = bytearray(length)
+    if file.readinto(payload) != length:
+        return None
+    if zlib.crc32(payload) != crc:
+        raise _corrupt(path, offset, f"fails its CRC-32 ({length} bytes)")
+    view = memoryview(payload)
     try:
-        for offset, header, buffers in _records(path, data):
-            if base is None:
-                if header.get("kind") != "base":
-                    raise _corrupt(path, offset, "is not the segment's base record")
-                base = Base(header["document_crc"], header["version"], header["global_step"])
-            else:
-                updates.append(_update(path, offset, header, buffers))
-            valid = offset + RECORD.size + RECORD.unpack_from(data, offset)[1]
-    except UpdateLogCorrupt as exc:
-        if base is None:
-            raise
-        error = exc
-    if base is None:
-        raise _corrupt(path, len(MAGIC), "is missing: the segment has no base record")
-    return Segment(path, base, updates, valid, error)
+        (header_size,) = HEADER_LENGTH.unpack_from(view, 0)
+        header = msgpack.unpackb(view[4 : 4 + header_size], raw=False)
+    except (ValueError, TypeError, struct.error, msgpack.ExtraData) as exc:
+        raise _corrupt(path, offset, f"does not parse: {exc}") from exc
+    if not isinstance(header, dict):
+        raise _corrupt(path, offset, "does not parse: its header is not a map")
+    return header, view[4 + header_size :], end
 
 
-def _update(path: Path, offset: int, header: dict, buffers: list[memoryview]) -> Update:
+def _update(path: Path, offset: int, header: dict, payload: memoryview) -> Update:
+    """The update of a record (its gradients are views of ``payload``: no copy)."""
     try:
-        gradients = [
-            torch.frombuffer(bytearray(buffer), dtype=DTYPES[name])
-            if buffer.nbytes
-            else torch.empty(0, dtype=DTYPES[name])
-            for (name, _), buffer in zip(header["buffers"], buffers, strict=True)
-        ]
+        if header.get("kind") != "update":
+            raise ValueError(f"kind {header.get('kind')!r}")
+        gradients, at = [], 0
+        for name, nbytes in header["buffers"]:
+            dtype = DTYPES[name]
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if nbytes % itemsize or at + nbytes > payload.nbytes:
+                raise ValueError(f"{nbytes} bytes of {name} at {at} of {payload.nbytes}")
+            gradients.append(
+                torch.frombuffer(payload, dtype=dtype, offset=at, count=nbytes // itemsize)
+                if nbytes
+                else torch.empty(0, dtype=dtype)
+            )
+            at += nbytes
+        if at != payload.nbytes:
+            raise ValueError(f"its buffers hold {at} of its {payload.nbytes} bytes")
         part = header["part"]
         return Update(
             gradients,
@@ -227,7 +246,7 @@ def _update(path: Path, offset: int, header: dict, buffers: list[memoryview]) ->
             header.get("data"),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise _corrupt(path, offset, f"is not an update: {exc!r}") from exc
+        raise _corrupt(path, offset, f"is not an update: {exc}") from exc
 
 
 class UpdateLog:
@@ -277,15 +296,15 @@ class UpdateLog:
         the one before it ends: at a ``save``, between two updates), so that a restore of the
         checkpoint before the newest (the newest never written: its writer died) still comes
         back at the last update. Empty: no segment of that document (deleted, or never
-        written). The chain stops at a segment that does not read, or after a corrupt one."""
+        written). The chain stops at a segment that does not open."""
         segments = self.segments()
         for index in range(len(segments) - 1, -1, -1):
-            first = self._read(segments[index][1])
+            first = self._open_segment(segments[index][1])
             if first is None or first.base.document_crc != crc:
                 continue
             chain = [first]
             for _, path in segments[index + 1 :]:
-                following = self._read(path) if chain[-1].error is None else None
+                following = self._open_segment(path)
                 if following is None:
                     break
                 chain.append(following)
@@ -293,9 +312,9 @@ class UpdateLog:
         return []
 
     @staticmethod
-    def _read(path: Path) -> Segment | None:
+    def _open_segment(path: Path) -> Segment | None:
         try:
-            return read_segment(path)
+            return Segment(path)
         except (UpdateLogCorrupt, OSError) as exc:
             log.warning("%s", exc)
             return None
