@@ -298,3 +298,33 @@ def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
     created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
     assert created["global_step"] == 2  # the checkpoint's, not the 4 the first shard reached
     assert len(list((tmp_path / "elsewhere").iterdir())) == 1  # logging again from here
+
+
+def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
+    services: list, tmp_path: Path
+) -> None:
+    """With several ps tasks the chief restores every shard when one restarts: a shard that
+    did not restart takes the checkpoint and replays its own log, back to where it was."""
+    workers = _start(services, tmp_path)
+    chief = workers["worker:0"]
+    body = _create_body(Adam(lr=0.01), "async")
+    chief.call("create", body, [as_buffer(v) for v in _gradients(7)], TIMEOUT_S)
+    _push_round(workers, "buckets", seed=1, step=0)
+    checkpoint = _save(chief)
+    for i in range(2, 5):
+        _push_round(workers, "buckets", seed=i, step=i)
+    before = decode_shard(_state_of(services[0][0].service))
+    step = decode_shard(checkpoint).global_step
+    reply = chief.call(
+        "restore", {"task": "worker:0", "global_step": step}, [checkpoint], TIMEOUT_S
+    )
+    assert reply.body["global_step"] == before.global_step > step
+    _push_round(workers, "buckets", seed=9, step=9)  # the log goes on after the replay
+    stop_services(services[0], services[1])
+    service = services[0][0].service
+    services[0].clear()
+    services[1].clear()
+    after = decode_shard(_state_of(service))
+    assert after.version == before.version + 2
+    _, updates = read_segment(service.update_log.current)
+    assert len(updates) == 3 * 2 * 2 + 2 * 2  # (rounds x workers x buckets) then one round
