@@ -328,3 +328,19 @@ def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
     assert after.version == before.version + 2
     _, updates = read_segment(service.update_log.current)
     assert len(updates) == 3 * 2 * 2 + 2 * 2  # (rounds x workers x buckets) then one round
+
+
+def test_the_launcher_flag_sets_the_directory_of_every_tasks_update_log(tmp_path: Path) -> None:
+    from tensorfleet import environment
+    from tensorfleet.launch.cli import build_parser
+    from tensorfleet.launch.launch_command import launch_env
+
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--ps-update-log", "logs", "--", "python", "t.py"])
+    directory = str(Path("logs").resolve())
+    assert launch_env(args) == {environment.PS_UPDATE_LOG_VAR: directory}
+    assert launch_env(parser.parse_args(["launch", "--", "python", "t.py"])) is None
+    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: directory}) == directory
+    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: " "}) is None
+    server = parser.parse_args(["server", "--update-log", str(tmp_path)])
+    assert server.update_log == str(tmp_path)
