@@ -71,6 +71,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 
+from tensorfleet import environment  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import PlainOutput  # noqa: E402
@@ -174,6 +175,13 @@ def example_command(args: argparse.Namespace, logdir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def update_log_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """What ``tensorfleet launch --ps-update-log DIR`` sets for the tasks (None: no log)."""
+    if args.ps_update_log is None:
+        return None
+    return {environment.PS_UPDATE_LOG_VAR: str(args.ps_update_log.resolve())}
+
+
 def run(
     args: argparse.Namespace, workdir: Path, name: str, kills: int
 ) -> tuple[int, Watch, list[Kill], list[int], float]:
@@ -183,7 +191,13 @@ def run(
     spares = args.spares if kills else 0  # the launcher's default for the disturbed run
     ps_spares = args.ps_spares if kills else 0
     cluster = LocalCluster(
-        1, 3, example_command(args, logdir), output=watch, spares=spares, ps_spares=ps_spares
+        1,
+        3,
+        example_command(args, logdir),
+        output=watch,
+        spares=spares,
+        ps_spares=ps_spares,
+        env=update_log_env(args),
     )
     rng = random.Random(args.seed)
     done: list[Kill] = []
@@ -383,6 +397,7 @@ def storm_run(
         output=watch,
         spares=args.spares,
         ps_spares=args.ps_spares,
+        env=update_log_env(args),
     )  # the launcher's defaults otherwise: restart policy, grace periods
     rng = random.Random(args.seed)
     faults: list[Fault] = []
@@ -681,6 +696,14 @@ def main() -> int:
         default=DEFAULT_PS_SPARES,
         help=f"warm spare ps processes of the disturbed run, in both modes (default "
         f"{DEFAULT_PS_SPARES}: tensorfleet launch's default)",
+    )
+    parser.add_argument(
+        "--ps-update-log",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the ps keeps its update log in DIR (tensorfleet launch --ps-update-log): a ps "
+        "SIGKILL then loses no acknowledged step (default: none, the launcher's default)",
     )
     storm.add_argument(
         "--no-baseline", action="store_true", help="skip the undisturbed run (no accuracy check)"

@@ -8,8 +8,12 @@
   killed with SIGKILL and the launcher restarts it. Measured: seconds from the kill to the
   first global step made after the restore, against the seconds a fresh launch of the same
   cluster takes from start to its first global step (the baseline: starting over).
+* ``update_log``: the ps's update log (``ps/update_log.py``): seconds per push of the CNN's
+  gradients (Adam, one in-process ps, one client) with the log against the same pushes to a
+  ps without it, in alternating blocks so that drifts of the machine hit both alike; and
+  the seconds a restore takes to replay those pushes, per push.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats 5]
+    .venv/bin/python benchmarks/recovery.py [--repeats 5] [--only update_log]
 
 Writes benchmarks/results/recovery.json and .md.
 """
@@ -106,6 +110,64 @@ def checkpoint_costs(repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def update_log_costs(pushes: int, log_root: str | None, blocks: int = 4) -> dict[str, object]:
+    """Seconds per push with and without the update log (in a new directory under
+    ``log_root``; None: the system's temporary directory), and per update replayed."""
+    torch.manual_seed(0)
+    model = ClassicCNN()
+    named = list(model.named_parameters())
+    specs = [
+        VariableSpec(n, tuple(p.shape), dtype_name(p.dtype), p.element_size()) for n, p in named
+    ]
+    with tempfile.TemporaryDirectory(dir=log_root) as tmp:
+        running = []
+        clients = {}
+        try:
+            for name, log_dir in (("without", None), ("with", str(Path(tmp) / "log"))):
+                address = f"127.0.0.1:{free_port()}"
+                config = ServiceConfig(0, ("worker:0",), update_log_dir=log_dir)
+                service = ParameterService(ServiceSocket(address, SECRET, config.limits), config)
+                stop = threading.Event()
+                thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
+                thread.start()
+                running.append((service, stop, thread))
+                client = ParameterClient([address], SECRET, "worker:0")
+                client.connect()
+                client.register(named, plan_placement(specs, 1), Adam(lr=1e-4), is_chief=True)
+                clients[name] = client
+            for _, p in named:
+                p.grad = torch.randn_like(p)
+            checkpoint = {
+                name: client.save() for name, client in clients.items()
+            }  # opens a segment
+            seconds: dict[str, list[float]] = {"without": [], "with": []}
+            for _ in range(blocks):
+                for name, client in clients.items():
+                    started = time.perf_counter()
+                    for _ in range(pushes // blocks):
+                        client.push_pull()
+                    seconds[name].append((time.perf_counter() - started) / (pushes // blocks))
+            log_bytes = sum(f.stat().st_size for f in (Path(tmp) / "log").iterdir())
+            step, documents = checkpoint["with"]
+            started = time.perf_counter()
+            clients["with"].restore(documents, step)  # replays every push since the save
+            replay_s = time.perf_counter() - started
+        finally:
+            for client in clients.values():
+                client.close()
+            for service, stop, thread in running:
+                stop.set()
+                thread.join(10)
+                service.socket.close()
+    logged = pushes // blocks * blocks
+    return {
+        "push_s": seconds,
+        "pushes": logged,
+        "log_bytes_per_push": log_bytes / logged,
+        "replay_s_per_push": replay_s / logged,
+    }
+
+
 class _Watch(Output):
     """Records when each worker line arrives (the benchmark's clock for progress)."""
 
@@ -184,8 +246,46 @@ def ps_recovery() -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--only",
+        choices=("update_log",),
+        default=None,
+        help="measure only this row (the others launch clusters: minutes)",
+    )
+    parser.add_argument(
+        "--pushes", type=int, default=200, help="pushes per side of the update_log row"
+    )
+    parser.add_argument(
+        "--log-root",
+        default=None,
+        metavar="DIR",
+        help="where the update_log row's log goes (default: the system's temporary "
+        "directory; /dev/shm: memory, no disk writeback)",
+    )
     add_out_dir_option(parser)
     args = parser.parse_args()
+    logged = update_log_costs(args.pushes, args.log_root)
+    with_log = statistics.median(logged["push_s"]["with"])
+    without = statistics.median(logged["push_s"]["without"])
+    log_row = (
+        f"| push of the CNN's gradients (Adam) to a ps with the update log vs without it "
+        f"({logged['pushes']} pushes each, {logged['log_bytes_per_push'] / 1e6:.1f} MB logged "
+        f"per push in {args.log_root or tempfile.gettempdir()}"
+        f"; a restore replays them at {logged['replay_s_per_push'] * 1000:.1f} ms each) "
+        f"| {with_log * 1000:.1f} ms | {without * 1000:.1f} ms | {with_log / without:.2f}x |"
+    )
+    if args.only == "update_log":
+        write_results(
+            "recovery_update_log",
+            {"update_log": logged},
+            f"The ps update log's cost per push, {time.strftime('%Y-%m-%d %H:%M')}",
+            [
+                "| what | tensorfleet | baseline in the same run | ratio |",
+                "|---|---|---|---|",
+                log_row,
+            ],
+        )
+        return 0
     costs = checkpoint_costs(args.repeats)
     recovery = ps_recovery()
     ours, base = statistics.median(costs["tensorfleet"]), statistics.median(costs["baseline"])
@@ -203,10 +303,16 @@ def main() -> int:
         f"{recovery['kill_to_first_step_after_restore_s']:.1f} s (restored after "
         f"{recovery['kill_to_restored_s']:.1f} s) | {recovery['fresh_start_to_first_step_s']:.1f} s | "
         f"{recovery['kill_to_first_step_after_restore_s'] / recovery['fresh_start_to_first_step_s']:.2f}x |",
+        log_row,
     ]
     write_results(
         "recovery",
-        {"checkpoint_s": costs, "ps_recovery": recovery, "repeats": args.repeats},
+        {
+            "checkpoint_s": costs,
+            "ps_recovery": recovery,
+            "update_log": logged,
+            "repeats": args.repeats,
+        },
         heading,
         table,
     )

@@ -56,6 +56,19 @@ def encryption_requested(environ_: Mapping[str, str] | None = None) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+#: A directory: the ps tasks log every update they apply there, so that a ps killed with
+#: SIGKILL is restored to its last acknowledged push (``tensorfleet server --update-log``;
+#: ``tensorfleet launch --ps-update-log`` sets it).
+PS_UPDATE_LOG_VAR = "TENSORFLEET_PS_UPDATE_LOG"
+
+
+def ps_update_log_dir(environ_: Mapping[str, str] | None = None) -> str | None:
+    """The directory ``TENSORFLEET_PS_UPDATE_LOG`` names for the ps update log (None: unset
+    or empty)."""
+    value = (environ() if environ_ is None else environ_).get(PS_UPDATE_LOG_VAR, "").strip()
+    return value or None
+
+
 #: Set to "1" by a launcher in the environment of a task it restarts after the task's
 #: previous process died (it saw it exit): the task's hello then asks the ps to let it take
 #: over its identity at once (``"takeover": true``) instead of after the liveness timeout.

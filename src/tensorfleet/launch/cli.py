@@ -26,6 +26,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from tensorfleet import environment
 from tensorfleet.errors import Preempted, TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
@@ -115,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a Chrome trace of where this ps's time goes (receive, apply, reply) to "
         "FILE with the task's name before the suffix (trace.json -> trace.ps-0.json) when "
         "it ends; Perfetto opens it (default: none)",
+    )
+    server.add_argument(
+        "--update-log",
+        default=None,
+        metavar="DIR",
+        help="log every update this ps applies since its newest checkpoint in DIR, so that "
+        "the process that takes over after it is killed (SIGKILL) comes back at its last "
+        "acknowledged push instead of at that checkpoint; DIR holds up to two checkpoint "
+        "intervals of gradients (docs/reliability.md) (default: $TENSORFLEET_PS_UPDATE_LOG, "
+        "else no log)",
     )
     server.set_defaults(handler=_server)
 
@@ -215,6 +226,7 @@ def _server(args: argparse.Namespace) -> int:
                         ("preempt_grace_s", args.preempt_grace),
                         ("max_memory", _memory_size(args.max_memory)),
                         ("timeline", args.timeline),
+                        ("update_log_dir", args.update_log or environment.ps_update_log_dir()),
                     )
                     if value is not None
                 },

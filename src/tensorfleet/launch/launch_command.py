@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import shlex
 import signal
 import sys
@@ -218,6 +219,15 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         "pipeline groups are not covered (docs/security.md)",
     )
     launch.add_argument(
+        "--ps-update-log",
+        default=None,
+        metavar="DIR",
+        help="every ps task logs each update it applies since its newest checkpoint in DIR "
+        "(sets TENSORFLEET_PS_UPDATE_LOG for the tasks), so that a ps killed with SIGKILL "
+        "comes back at its last acknowledged push, not at that checkpoint; DIR holds up to "
+        "two checkpoint intervals of gradients per ps (docs/reliability.md) (default: no log)",
+    )
+    launch.add_argument(
         "--no-live",
         action="store_true",
         help="plain prefixed lines only, even on a terminal (no live task view)",
@@ -272,6 +282,16 @@ def restart_policy_from(args: argparse.Namespace) -> RestartPolicy:
     if args.crash_loop_seconds is not None:
         changes["crash_loop_s"] = args.crash_loop_seconds
     return dataclasses.replace(policy, **changes) if changes else policy
+
+
+def launch_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The environment every task gets from the launcher's own options (None: nothing)."""
+    env = {}
+    if args.encrypt:
+        env[environment.ENCRYPT_VAR] = "1"
+    if args.ps_update_log:
+        env[environment.PS_UPDATE_LOG_VAR] = os.path.abspath(args.ps_update_log)
+    return env or None
 
 
 def backend_from(args: argparse.Namespace) -> Backend:
@@ -344,7 +364,7 @@ def run_launch(args: argparse.Namespace) -> int:
             command,
             backend=backend,
             ps_command=ps_command,
-            env={environment.ENCRYPT_VAR: "1"} if args.encrypt else None,
+            env=launch_env(args),
             task_env=task_env,
             grace_period=args.grace_period,
             kill_timeout=args.kill_timeout,

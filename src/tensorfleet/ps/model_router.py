@@ -187,6 +187,7 @@ class ModelRouter:
             limits=self.config.limits,
             max_memory=self.config.max_memory,
             preempt_grace_s=self.config.preempt_grace_s,
+            update_log_dir=self.config.update_log_dir,
             model=claim.name,
         )
         service = ParameterService(self.socket, config)

@@ -152,6 +152,13 @@ class PartialPushHandling:
             self.stats["pushes"] += 1
             if self.owns_global_step and counting:
                 self.global_step += 1
+        task = body.get("task")
+        self._log_update(  # type: ignore[attr-defined]
+            gradients,
+            part=(start, stop),
+            counts=last,
+            data=None if data is None else {task: self.worker_data[task]},
+        )
         with self.spans.span("reply", variables=f"{start}-{stop}"):
             self._answer_part(request, layout.part_slices(start, stop))
 

@@ -37,7 +37,10 @@ Which workers are alive, lost or done, and which process holds each task's ident
 the :class:`~tensorfleet.ps.worker_roster.WorkerRoster`'s (its docstring states the rules);
 the service acts on what it reports: a lost worker no longer holds back the staleness gate,
 and a sync step either goes on without it or is refused naming it (``lost_worker``). What a
-save sends and what a restore must pass is :mod:`tensorfleet.ps.checkpoint_handling`'s.
+save sends and what a restore must pass is :mod:`tensorfleet.ps.checkpoint_handling`'s; the
+``save`` and ``restore`` requests, and the update log that brings a killed shard back to its
+last acknowledged push (every applied update is logged before its reply), are
+:mod:`tensorfleet.ps.save_restore`'s, a mixin too.
 
 One service holds one model: a ps task runs one per model namespace behind
 :class:`~tensorfleet.ps.model_router.ModelRouter`, which owns the socket and the loop (its
@@ -71,6 +74,7 @@ from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.buffer_bank import BufferBank
 from tensorfleet.ps.layout import FusedLayout, group_tensors
 from tensorfleet.ps.partial_push import PartialPushHandling
+from tensorfleet.ps.save_restore import SaveRestoreHandling
 from tensorfleet.ps.service_settings import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
 from tensorfleet.ps.spans import NO_SPANS, SpanRecorder
@@ -106,7 +110,9 @@ def check_same_version(body: Mapping[str, object], peer: str, here: str) -> None
         )
 
 
-class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandling):
+class ParameterService(
+    SyncStepHandling, TrainingEndHandling, PartialPushHandling, SaveRestoreHandling
+):
     """One ps shard: answers requests on a :class:`ServiceSocket` until training is over."""
 
     def __init__(self, socket: ServiceSocket, config: ServiceConfig) -> None:
@@ -141,6 +147,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         """When a ``save`` was last answered (monotonic seconds)."""
         self.spans: SpanRecorder = NO_SPANS
         """Where the time of each update and reply is recorded (the task's timeline)."""
+        self._open_update_log()
         self._handlers = {
             "hello": self._hello,
             "create": self._create,
@@ -297,7 +304,7 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
         if checkpoint is not None:
-            self._take_progress(request.body.get("global_step"), checkpoint)
+            self._take_progress(request.body.get("global_step"), checkpoint, request.buffers[0])
         elif request.body.get("global_step") is not None:
             self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(
@@ -372,6 +379,8 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
             self.store.apply(gradients)
         if self.owns_global_step and request.body.get("count_step") is True:
             self.global_step += 1
+        task, data = request.body.get("task"), request.body.get("data")
+        self._log_update(gradients, data=None if data is None else {task: self.worker_data[task]})
         self.stats["pushes"] += 1
         self._answer_push(request, made_step=True)
 
@@ -391,24 +400,6 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         self._worker_of(request)
         self.socket.reply(request, self._progress())
 
-    def _save(self, request: Request) -> None:
-        """The shard's state as one safetensors document (a checkpoint's shard file)."""
-        self._require_initialized()
-        document = checkpoint_handling.save_document(
-            self.config.shard_index,
-            self.store,
-            self.global_step,
-            self.worker_data,
-            self.buffer_bank.values,
-            self.tables.documents(request.body.get("tables_since")),
-        )
-        self.socket.reply(
-            request,
-            {"global_step": self.global_step, "version": self.store.version},
-            [document],
-        )
-        self.last_save_at = time.monotonic()
-
     def _leave(self, request: Request) -> None:
         """A worker stops for now and will be back (it was preempted): it counts as lost at
         once, so that sync steps and the staleness bound stop waiting for it and its
@@ -417,60 +408,6 @@ class ParameterService(SyncStepHandling, TrainingEndHandling, PartialPushHandlin
         self.roster.mark_left(task)
         self.socket.reply(request, {})
         self._check_liveness()
-
-    def chief_saved_since(self, when: float) -> bool | None:
-        """For a preemption drain: whether a checkpoint was saved after ``when``; None when
-        none will come (no chief keeping checkpoints created the variables here, or it is
-        not running)."""
-        chief = self.checkpointing_chief
-        if chief is None or chief not in self.roster.running():
-            return None
-        return self.last_save_at is not None and self.last_save_at > when
-
-    def _restore(self, request: Request) -> None:
-        """Take the state of a shard document (every shard of a run is restored to the same
-        checkpoint by the chief). Checked before anything changes."""
-        self._require_initialized()
-        checkpoint = checkpoint_handling.checked_checkpoint(
-            self.config.shard_index,
-            request.body,
-            request.buffers,
-            self.store.layout,
-            self.store.rule.name,
-        )
-        checkpoint_handling.restore_into(self.store, checkpoint)
-        self._take_progress(request.body.get("global_step"), checkpoint)
-        self.socket.reply(request, self._progress())
-
-    def _resume_step_of_recreated_shard(self, global_step: object) -> None:
-        """A shard that restarted without a checkpoint is re-created by the chief from its
-        current values at the global step the chief last saw: the step never goes back."""
-        if not isinstance(global_step, int) or isinstance(global_step, bool) or global_step < 0:
-            raise ProtocolError(f"'global_step' must be an integer >= 0, got {global_step!r}")
-        self.global_step = global_step
-        if self.aggregator is not None:
-            self.aggregator.step = global_step
-
-    def _take_progress(self, global_step: int, checkpoint: ShardState) -> None:
-        """After a restore: the global step of the checkpoint (the same on every shard), the
-        workers' data positions; sync gradients collected for a step that no longer exists
-        are answered as dropped."""
-        self.global_step = global_step
-        self.worker_data = dict(checkpoint.worker_data)
-        self.buffer_bank.take_checkpoint(checkpoint.buffers)
-        self.tables.restore(checkpoint.tables)
-        if self.aggregator is not None:
-            waiting = self.aggregator.waiting
-            for contribution in waiting:
-                self.aggregator.withdraw(contribution.task)
-            self.aggregator.step = global_step
-            for contribution in waiting:
-                self._answer_push(contribution.request, made_step=False, dropped=True)
-        log.warning(
-            "%s: restored from a checkpoint at global step %d",
-            self.config.name,
-            global_step,
-        )
 
     def _check_liveness(self) -> None:
         """Act on the workers the roster found lost (or back) since the last check."""

@@ -37,6 +37,10 @@ class ServiceSettings:
     """After a preemption notice (SIGTERM), how long the shard keeps serving while it waits
     for each model's chief to write a checkpoint, before it exits with status 143
     (:mod:`tensorfleet.ps.preemption_drain`)."""
+    update_log_dir: str | None = None
+    """Where the shard logs every update it applies since its newest checkpoint, so that a
+    restore after its process was killed replays them (:mod:`tensorfleet.ps.update_log`).
+    None: no log (a killed shard comes back at its newest checkpoint)."""
 
     def __post_init__(self) -> None:
         if not (
@@ -79,6 +83,8 @@ class ServiceConfig:
     max_memory: int | None = ServiceSettings.max_memory
     preempt_grace_s: float = ServiceSettings.preempt_grace_s
     """After a preemption notice, how long to wait for the chiefs' checkpoints."""
+    update_log_dir: str | None = ServiceSettings.update_log_dir
+    """Where the shard's update log is (None: none)."""
     model: str = ""
     """The model this service holds (its namespace; ``""``: the default model), and
     ``worker_tasks`` are that model's workers (:mod:`tensorfleet.ps.model_router`)."""
@@ -101,6 +107,7 @@ class ServiceConfig:
             limits=self.limits,
             max_memory=self.max_memory,
             preempt_grace_s=self.preempt_grace_s,
+            update_log_dir=self.update_log_dir,
         )
 
     @classmethod

@@ -55,6 +55,7 @@ class SyncStepHandling:
     tables: TableRequests
     stats: Counter[str]
     global_step: int
+    worker_data: dict[str, dict]
     _held: list[tuple[Request, str, list[torch.Tensor]]]
 
     def _release_held(self) -> None:
@@ -105,9 +106,17 @@ class SyncStepHandling:
         self.tables.step_made(made, [c.task for c in contributions])
         self.stats["pushes"] += len(contributions)
         self.global_step = aggregator.step
+        self._log_update(mean, data=self._positions_of(contributions))
         for contribution in contributions:
             self._answer_push(contribution.request, made_step=contribution.task == last_task)
         self.buffer_bank.step_made(made, [c.task for c in contributions])
+
+    def _positions_of(self, contributions: list[Contribution]) -> dict[str, dict] | None:
+        """The data positions of a step's contributors, for the update log (None: none)."""
+        data = {
+            c.task: self.worker_data[c.task] for c in contributions if c.task in self.worker_data
+        }
+        return data or None
 
     def _departed_workers(self) -> set[str]:
         """Workers a sync step does not wait for: done, and lost when shrinking."""

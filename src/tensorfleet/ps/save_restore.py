@@ -1,0 +1,226 @@
+"""A shard's ``save`` and ``restore``, and its update log. A mixin of
+:class:`~tensorfleet.ps.service.ParameterService` (it acts on the service's store, global
+step, workers' data positions and socket).
+
+Rule. ``save`` answers with the shard's state as one safetensors document
+(:mod:`tensorfleet.ps.checkpoint_handling`) and, with an update log
+(:mod:`tensorfleet.ps.update_log`; ``ServiceSettings.update_log_dir``), starts the log's
+next segment from that document. ``restore`` (and a ``create`` from a checkpoint) takes the
+document's state, then replays the log's segment of that very document, when there is one:
+the updates the shard applied after it, so that a shard whose process was killed comes back
+at its last acknowledged push, not at the checkpoint. Every applied update is logged by
+:meth:`SaveRestoreHandling._log_update`, which the service calls after the store applied it
+and before the push's reply.
+
+Invariant. After a restore the shard's values, optimizer state, version and global step are
+those of the document followed by every complete record of its segment, in order; without a
+segment for it (no log, the log of another checkpoint, an older one deleted) they are the
+document's, as they were before the log existed, and the restore says what it could not
+bring back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tensorfleet.errors import ProtocolError
+from tensorfleet.ps import checkpoint_handling
+from tensorfleet.ps.shard_checkpoint import ShardState
+from tensorfleet.ps.update_log import Base, UpdateLog, document_crc, shard_file_stem
+
+if TYPE_CHECKING:
+    from tensorfleet.ps.buffer_bank import BufferBank
+    from tensorfleet.ps.service_settings import ServiceConfig
+    from tensorfleet.ps.store import VariableStore
+    from tensorfleet.ps.sync_aggregator import SyncAggregator
+    from tensorfleet.ps.table_requests import TableRequests
+    from tensorfleet.ps.worker_roster import WorkerRoster
+    from tensorfleet.wire.service_socket import Request, ServiceSocket
+
+log = logging.getLogger("tensorfleet.ps")
+
+
+class SaveRestoreHandling:
+    """A shard's checkpoints and update log, mixed into ``ParameterService`` (see the
+    module), which provides the attributes below and ``_progress``."""
+
+    config: ServiceConfig
+    store: VariableStore
+    socket: ServiceSocket
+    global_step: int
+    worker_data: dict[str, dict]
+    buffer_bank: BufferBank
+    tables: TableRequests
+    aggregator: SyncAggregator | None
+    roster: WorkerRoster
+    checkpointing_chief: str | None
+    last_save_at: float | None
+    update_log: UpdateLog | None
+    owns_global_step: bool
+
+    def _open_update_log(self) -> None:
+        """The shard's update log, when its settings name a directory."""
+        directory = self.config.update_log_dir
+        self.update_log = (
+            None
+            if directory is None
+            else UpdateLog(directory, shard_file_stem(self.config.shard_index, self.config.model))
+        )
+
+    def _log_update(
+        self,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        """Log an update the store has just applied (before its push is answered)."""
+        if self.update_log is not None:
+            self.update_log.append(
+                [g.contiguous() for g in gradients],
+                part,
+                counts,
+                self.store.version,
+                self.global_step,
+                data,
+            )
+
+    def _save(self, request: Request) -> None:
+        """The shard's state as one safetensors document (a checkpoint's shard file); the
+        update log starts a new segment from it."""
+        self._require_initialized()  # type: ignore[attr-defined]
+        document = checkpoint_handling.save_document(
+            self.config.shard_index,
+            self.store,
+            self.global_step,
+            self.worker_data,
+            self.buffer_bank.values,
+            self.tables.documents(request.body.get("tables_since")),
+        )
+        if self.update_log is not None:
+            self.update_log.start(
+                Base(document_crc(document), self.store.version, self.global_step)
+            )
+        self.socket.reply(
+            request,
+            {"global_step": self.global_step, "version": self.store.version},
+            [document],
+        )
+        self.last_save_at = time.monotonic()
+
+    def chief_saved_since(self, when: float) -> bool | None:
+        """For a preemption drain: whether a checkpoint was saved after ``when``; None when
+        none will come (no chief keeping checkpoints created the variables here, or it is
+        not running)."""
+        chief = self.checkpointing_chief
+        if chief is None or chief not in self.roster.running():
+            return None
+        return self.last_save_at is not None and self.last_save_at > when
+
+    def _restore(self, request: Request) -> None:
+        """Take the state of a shard document (every shard of a run is restored to the same
+        checkpoint by the chief). Checked before anything changes."""
+        self._require_initialized()  # type: ignore[attr-defined]
+        checkpoint = checkpoint_handling.checked_checkpoint(
+            self.config.shard_index,
+            request.body,
+            request.buffers,
+            self.store.layout,
+            self.store.rule.name,
+        )
+        checkpoint_handling.restore_into(self.store, checkpoint)
+        self._take_progress(request.body.get("global_step"), checkpoint, request.buffers[0])
+        self.socket.reply(request, self._progress())  # type: ignore[attr-defined]
+
+    def _resume_step_of_recreated_shard(self, global_step: object) -> None:
+        """A shard that restarted without a checkpoint is re-created by the chief from its
+        current values at the global step the chief last saw: the step never goes back."""
+        if not isinstance(global_step, int) or isinstance(global_step, bool) or global_step < 0:
+            raise ProtocolError(f"'global_step' must be an integer >= 0, got {global_step!r}")
+        self.global_step = global_step
+        if self.aggregator is not None:
+            self.aggregator.step = global_step
+
+    def _take_progress(
+        self, global_step: int, checkpoint: ShardState, document: bytes | memoryview
+    ) -> None:
+        """After a restore: the global step of the checkpoint (the same on every shard), the
+        workers' data positions; sync gradients collected for a step that no longer exists
+        are answered as dropped. Then the update log's segment of ``document``, replayed."""
+        self.global_step = global_step
+        self.worker_data = dict(checkpoint.worker_data)
+        self.buffer_bank.take_checkpoint(checkpoint.buffers)
+        self.tables.restore(checkpoint.tables)
+        if self.aggregator is not None:
+            waiting = self.aggregator.waiting
+            for contribution in waiting:
+                self.aggregator.withdraw(contribution.task)
+            self.aggregator.step = global_step
+            for contribution in waiting:
+                self._answer_push(contribution.request, made_step=False, dropped=True)  # type: ignore[attr-defined]
+        log.warning(
+            "%s: restored from a checkpoint at global step %d",
+            self.config.name,
+            global_step,
+        )
+        if self.update_log is not None:
+            self._replay(document, checkpoint.version, global_step)
+
+    def _replay(self, document: bytes | memoryview, version: int, global_step: int) -> None:
+        """Replay the update log's segments from ``document`` on, onto the restored state."""
+        assert self.update_log is not None
+        crc = document_crc(document)
+        segments = self.update_log.find(crc)
+        if not segments:
+            log.warning(
+                "%s: no update log of this checkpoint in %s: the updates since it are not "
+                "replayed (logging again from here)",
+                self.config.name,
+                self.update_log.directory,
+            )
+            self.update_log.start(Base(crc, version, global_step))
+            return
+        started, replayed, last = time.monotonic(), 0, segments[0]
+        # The global step is this shard's own where it counts it (it owns it, or every sync
+        # step does); elsewhere it is the one the restore gave.
+        counts_steps = self.owns_global_step or self.aggregator is not None
+        for segment in segments:
+            if segment.base.version != self.store.version:
+                log.error(
+                    "%s: the update log %s starts at version %d, but the replay reached "
+                    "version %d: it stops there",
+                    self.config.name,
+                    segment.path,
+                    segment.base.version,
+                    self.store.version,
+                )
+                break
+            for update in segment.updates():
+                self.store.apply(update.gradients, part=update.part, counts=update.counts)
+                if counts_steps:
+                    self.global_step = update.global_step
+                if update.data:
+                    self.worker_data.update(update.data)
+                replayed += 1
+            last = segment
+            if segment.error is not None:
+                log.error("%s: %s", self.config.name, segment.error)
+                break
+        if self.aggregator is not None:
+            self.aggregator.step = self.global_step
+        self.update_log.continue_after(last)
+        log.warning(
+            "%s: replayed %d updates of the update log (%s) in %.2f s: at global step %d, "
+            "version %d (the checkpoint was at global step %d)",
+            self.config.name,
+            replayed,
+            ", ".join(s.path.name for s in segments if s.path.name <= last.path.name),
+            time.monotonic() - started,
+            self.global_step,
+            self.store.version,
+            global_step,
+        )

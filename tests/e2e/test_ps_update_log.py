@@ -1,0 +1,87 @@
+"""A ps killed with SIGKILL loses no acknowledged step when it keeps an update log
+(``ps/update_log.py``; ``tensorfleet launch --ps-update-log DIR`` sets
+``TENSORFLEET_PS_UPDATE_LOG`` for the tasks): the CNN example on 1 ps + 2 workers under the
+launcher's defaults (the warm spare ps takes over), the ps killed between two checkpoints;
+the spare is restored from the newest checkpoint and replays the log, and comes back at a
+global step no lower than the last one a worker printed (a step line is printed after its
+push was acknowledged) before the kill. Training then runs to the end.
+
+Synchronized through the launcher's output; no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tensorfleet import environment
+from tensorfleet.launch.local_cluster import LocalCluster
+from tests.e2e.test_launcher import assert_all_gone
+from tests.e2e.test_preemption_launch import DATA, EXAMPLE, STEP_LINE, WAIT_S, WatchedOutput
+
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_data, pytest.mark.timeout(240)]
+
+REPLAYED = re.compile(
+    r"replayed (\d+) updates of the update log .* at global step (\d+), version \d+ "
+    r"\(the checkpoint was at global step (\d+)\)"
+)
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
+def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
+    tmp_path: Path,
+) -> None:
+    command = [
+        sys.executable, str(EXAMPLE), "--steps", "100", "--log-every", "1",
+        "--train-limit", "3000", "--test-limit", "1000", "--logdir", str(tmp_path / "run"),
+        "--checkpoint-steps", "25", "--summary-steps", "100000",
+    ]  # fmt: skip
+    output = WatchedOutput()
+    log_dir = tmp_path / "update-log"
+    env = {environment.PS_UPDATE_LOG_VAR: str(log_dir)}
+    cluster = LocalCluster(1, 2, command, output=output, ps_spares=1, env=env)
+    seen: dict[str, int] = {}
+    failures: list[BaseException] = []
+
+    def kill_the_ps() -> None:
+        try:
+            # past the checkpoint at 25, before the one at 50
+            at, _ = output.wait_for("worker:1", STEP_LINE, min_number=35)
+            cluster.kill_task("ps:0", signal.SIGKILL)
+            with output._changed:  # the lines printed so far: steps acknowledged
+                lines = list(output._lines)
+            seen["acknowledged"] = max(
+                int(m.group(2))
+                for task, text in lines
+                if task.startswith("worker:") and (m := STEP_LINE.search(text))
+            )
+            at, replayed = output.wait_for("ps:0", REPLAYED, at, min_number=0)
+            seen["replayed_step"] = int(replayed.group(2))
+            seen["checkpoint_step"] = int(replayed.group(3))
+            output.wait_for("worker:1", STEP_LINE, at, min_number=seen["replayed_step"] + 5)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            failures.append(exc)
+
+    driver = threading.Thread(target=kill_the_ps, daemon=True)
+    try:
+        cluster.start()
+        driver.start()
+        status = cluster.wait(timeout=200)
+        driver.join(WAIT_S)
+    finally:
+        cluster.stop()
+    text = output.log.getvalue()
+    assert not failures, f"{failures[0]}\n{text}"
+    assert status == 0, text
+    assert cluster.restarts["ps:0"] == 1, text
+    assert seen["checkpoint_step"] < seen["acknowledged"], text  # steps to bring back
+    assert seen["replayed_step"] >= seen["acknowledged"], (seen, text)
+    assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
+    assert list(log_dir.glob("ps-0.*.updatelog")), text
+    pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]
+    assert_all_gone(pids, text)

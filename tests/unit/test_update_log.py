@@ -1,0 +1,346 @@
+"""The ps update log (``ps/update_log.py``, ``ps/save_restore.py``): records round-trip, a torn
+tail is dropped, a corrupt record is named with its file and offset, and a shard restored
+from a checkpoint and its log holds, bit for bit, what the shard that logged it held (async,
+async in buckets, sync; SGD and Adam), driven through real services on loopback sockets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tensorfleet.ps import checkpoint_handling
+from tensorfleet.ps.service import ServiceConfig
+from tensorfleet.ps.shard_checkpoint import decode_shard
+from tensorfleet.ps.update_discipline import UpdateDiscipline
+from tensorfleet.ps.update_log import (
+    MAGIC,
+    RECORD,
+    Base,
+    Segment,
+    UpdateLog,
+    UpdateLogCorrupt,
+)
+from tensorfleet.ps.update_rules import SGD, Adam
+from tensorfleet.version import __version__
+from tensorfleet.wire import message as wire
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.tensors import as_buffer
+
+from .service_harness import RunningService, bits, serve_in_thread, stop_services
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"update-log-unit-test-secret-00000001"
+WORKERS = ("worker:0", "worker:1")
+TIMEOUT_S = 10.0
+VARIABLES = [
+    {"name": "w", "shape": [4, 3], "dtype": "float32"},
+    {"name": "b", "shape": [3], "dtype": "float32"},
+    {"name": "d", "shape": [5], "dtype": "float64"},
+]
+
+
+def _gradients(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(15, generator=generator),
+        torch.randn(5, generator=generator, dtype=torch.float64),
+    ]
+
+
+# -- the file format --------------------------------------------------------------------------
+
+
+def read_segment(path: Path) -> tuple[Segment, list]:
+    """The segment at ``path`` and its updates, read to the end."""
+    segment = Segment(path)
+    return segment, list(segment.updates())
+
+
+def _log_with_updates(directory: Path, count: int) -> UpdateLog:
+    log = UpdateLog(directory, "ps-0")
+    log.start(Base(document_crc=1234, version=7, global_step=70))
+    for i in range(count):
+        log.append(
+            _gradients(i),
+            (0, 2) if i % 2 else None,
+            i % 3 != 0,
+            8 + i,
+            71 + i,
+            {"worker:0": {"n": i}},
+        )
+    return log
+
+
+def test_records_round_trip(tmp_path: Path) -> None:
+    log = _log_with_updates(tmp_path, 4)
+    log.close()
+    segment, updates = read_segment(log.current)
+    assert segment.base == Base(1234, 7, 70)
+    assert segment.error is None and segment.valid_bytes == log.current.stat().st_size
+    assert len(updates) == 4
+    for i, update in enumerate(updates):
+        assert [bits(g) for g in update.gradients] == [bits(g) for g in _gradients(i)]
+        assert [g.dtype for g in update.gradients] == [torch.float32, torch.float64]
+        assert update.part == ((0, 2) if i % 2 else None)
+        assert update.counts == (i % 3 != 0)
+        assert (update.version, update.global_step) == (8 + i, 71 + i)
+        assert update.data == {"worker:0": {"n": i}}
+
+
+def test_a_torn_tail_is_dropped_and_cut_off_before_the_next_append(tmp_path: Path) -> None:
+    log = _log_with_updates(tmp_path, 3)
+    log.close()
+    whole = log.current.stat().st_size
+    for cut in (1, RECORD.size - 1, RECORD.size + 5, 100):  # inside the prefix, the payload
+        with open(log.current, "r+b") as file:
+            file.truncate(whole - cut)
+        segment, updates = read_segment(log.current)
+        assert len(updates) == 2 and segment.error is None
+    reopened = UpdateLog(tmp_path, "ps-0")
+    reopened.continue_after(segment)
+    reopened.append(_gradients(9), None, True, 99, 199)
+    reopened.close()
+    _, again = read_segment(log.current)
+    assert [u.version for u in again] == [8, 9, 99]
+
+
+def test_a_corrupt_record_is_named_with_its_file_and_offset(tmp_path: Path) -> None:
+    log = _log_with_updates(tmp_path, 3)
+    log.close()
+    _, first = read_segment(log.current)
+    data = bytearray(log.current.read_bytes())
+    # the second update record: after the magic, the base record and the first update
+    offset = len(MAGIC)
+    for _ in range(2):
+        offset += RECORD.size + RECORD.unpack_from(data, offset)[1]
+    data[offset + RECORD.size + 40] ^= 0x01  # one bit of its payload
+    log.current.write_bytes(bytes(data))
+    segment, updates = read_segment(log.current)
+    assert len(updates) == 1  # the records before it only
+    assert segment.valid_bytes == offset
+    assert isinstance(segment.error, UpdateLogCorrupt)
+    message = str(segment.error)
+    assert str(log.current) in message and f"byte offset {offset}" in message, message
+    assert "CRC-32" in message, message
+    data[offset : offset + 4] = b"XXXX"
+    log.current.write_bytes(bytes(data))
+    assert "starts with b'XXXX'" in str(read_segment(log.current)[0].error)
+    assert len(first) == 3
+    log.current.write_bytes(b"not a log at all")
+    with pytest.raises(UpdateLogCorrupt, match=rf"{log.current}.*byte offset 0.*not an update log"):
+        read_segment(log.current)
+
+
+def test_a_save_keeps_the_segment_before_it_and_deletes_the_older_ones(tmp_path: Path) -> None:
+    log = UpdateLog(tmp_path, "ps-0")
+    other = UpdateLog(tmp_path, "ps-1")
+    other.start(Base(1, 0, 0))
+    for crc in (10, 11, 12):
+        log.start(Base(crc, crc, crc))
+    log.close()
+    other.close()
+    assert [p.name for _, p in log.segments()] == [
+        "ps-0.00000001.updatelog",
+        "ps-0.00000002.updatelog",
+    ]
+    assert [s.base.document_crc for s in log.find(11)] == [11, 12]  # and the one after it
+    assert log.find(10) == []
+    assert len(other.segments()) == 1  # another shard's segments are not touched
+
+
+# -- replay through real services ---------------------------------------------------------------
+
+
+@pytest.fixture
+def services() -> Iterator[list]:
+    running: list[RunningService] = []
+    channels: list[Channel] = []
+    try:
+        yield [running, channels]
+    finally:
+        stop_services(running, channels)
+
+
+def _start(services: list, log_dir: Path) -> dict[str, Channel]:
+    running, channels = services
+    config = ServiceConfig(
+        0, WORKERS, idle_timeout_s=60.0, end_grace_s=60.0, update_log_dir=str(log_dir)
+    )
+    ps = serve_in_thread(config, SECRET)
+    running.append(ps)
+    workers = {}
+    for task in WORKERS:
+        channel = Channel(ps.address, SECRET, "ps:0")
+        channels.append(channel)
+        hello = {"protocol": wire.PROTOCOL_VERSION, "version": __version__, "task": task}
+        channel.call("hello", hello, timeout_s=TIMEOUT_S)
+        workers[task] = channel
+    return workers
+
+
+def _create_body(rule: Any, mode: str) -> dict[str, Any]:
+    return {
+        "task": "worker:0",
+        "variables": VARIABLES,
+        "rule": rule.to_wire(),
+        "owns_global_step": True,
+        "discipline": UpdateDiscipline(mode=mode).to_wire(),
+        "saves_checkpoints": True,
+    }
+
+
+def _push_round(workers: dict[str, Channel], mode: str, seed: int, step: int) -> None:
+    """One push per worker (sync: both join the step ``step``); buckets: two parts."""
+    if mode == "buckets":
+        for task, channel in workers.items():
+            gradients = _gradients(seed + hash(task) % 7)
+            w_b = gradients[0]
+            parts = [((0, 1), [w_b[:12], torch.empty(0, dtype=torch.float64)]),
+                     ((1, 3), [w_b[12:], gradients[1]])]  # fmt: skip
+            for i, ((start, stop), buffers) in enumerate(parts):
+                last = i == len(parts) - 1
+                body = {"task": task, "part": [start, stop], "last": last, "count_step": last,
+                        "data": {"n": seed} if last else None}  # fmt: skip
+                if not last:
+                    del body["data"]
+                channel.call("push", body, [as_buffer(b.contiguous()) for b in buffers], TIMEOUT_S)
+        return
+    sent = []
+    for task, channel in workers.items():
+        body = {"task": task, "count_step": True, "step": step, "data": {"n": seed}}
+        gradients = _gradients(seed + (1 if task == "worker:1" else 0))
+        sent.append(
+            (channel, channel.send("push", body, [as_buffer(g) for g in gradients], TIMEOUT_S))
+        )
+        if mode == "async":
+            channel.wait(sent.pop()[1], TIMEOUT_S)
+    for channel, request in sent:
+        channel.wait(request, TIMEOUT_S)
+
+
+def _save(channel: Channel) -> bytes:
+    reply = channel.call("save", {"task": "worker:0"}, timeout_s=TIMEOUT_S)
+    return bytes(reply.buffers[0])
+
+
+def _state_of(service: Any) -> bytes:
+    """The document a save would answer with, read from a stopped service (no log segment
+    started: a save would start one, and delete the oldest)."""
+    return checkpoint_handling.save_document(
+        0, service.store, service.global_step, service.worker_data, service.buffer_bank.values
+    )
+
+
+@pytest.mark.parametrize("mode", ["async", "buckets", "sync"])
+@pytest.mark.parametrize("rule", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.01)], ids=["sgd", "adam"])
+def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
+    services: list, tmp_path: Path, mode: str, rule: Any
+) -> None:
+    workers = _start(services, tmp_path)
+    chief = workers["worker:0"]
+    initial = _gradients(1000)
+    chief.call("create", _create_body(rule, "sync" if mode == "sync" else "async"),
+               [as_buffer(v) for v in initial], TIMEOUT_S)  # fmt: skip
+    for i in range(3):
+        _push_round(workers, mode, seed=i, step=i)
+    checkpoint = _save(chief)
+    for i in range(3, 6):
+        _push_round(workers, mode, seed=i, step=i)
+    _save(chief)  # a newer checkpoint, never written (its writer died): the chain goes on
+    for i in range(6, 9):
+        _push_round(workers, mode, seed=i, step=i)
+    stop_services(services[0], services[1])  # the shard is "killed" now; its state:
+    live = decode_shard(_state_of(services[0][0].service))
+    services[0].clear()
+    services[1].clear()
+
+    workers = _start(services, tmp_path)  # the process that takes over, same log directory
+    body = {**_create_body(rule, "sync" if mode == "sync" else "async"), "restore": True,
+            "global_step": decode_shard(checkpoint).global_step}  # fmt: skip
+    created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
+    assert created["global_step"] == live.global_step
+    restored = decode_shard(_save(workers["worker:0"]))
+    assert restored.global_step == live.global_step > decode_shard(checkpoint).global_step
+    assert restored.version == live.version
+    assert restored.worker_data == live.worker_data
+    for name in live.values:
+        assert bits(restored.values[name]) == bits(live.values[name]), name
+    assert live.optimizer.keys() == restored.optimizer.keys()
+    for key, state in live.optimizer.items():
+        for field, tensor in state.items():
+            assert bits(restored.optimizer[key][field]) == bits(tensor), (key, field)
+
+
+def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
+    services: list, tmp_path: Path
+) -> None:
+    workers = _start(services, tmp_path / "first")
+    chief = workers["worker:0"]
+    chief.call(
+        "create",
+        _create_body(SGD(lr=0.1), "async"),
+        [as_buffer(v) for v in _gradients(5)],
+        TIMEOUT_S,
+    )
+    _push_round(workers, "async", seed=1, step=0)
+    checkpoint = _save(chief)
+    _push_round(workers, "async", seed=2, step=1)
+    stop_services(services[0], services[1])
+    services[0].clear()
+    services[1].clear()
+    workers = _start(services, tmp_path / "elsewhere")  # another directory: no segment
+    body = {**_create_body(SGD(lr=0.1), "async"), "restore": True, "global_step": 2}
+    created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
+    assert created["global_step"] == 2  # the checkpoint's, not the 4 the first shard reached
+    assert len(list((tmp_path / "elsewhere").iterdir())) == 1  # logging again from here
+
+
+def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
+    services: list, tmp_path: Path
+) -> None:
+    """With several ps tasks the chief restores every shard when one restarts: a shard that
+    did not restart takes the checkpoint and replays its own log, back to where it was."""
+    workers = _start(services, tmp_path)
+    chief = workers["worker:0"]
+    body = _create_body(Adam(lr=0.01), "async")
+    chief.call("create", body, [as_buffer(v) for v in _gradients(7)], TIMEOUT_S)
+    _push_round(workers, "buckets", seed=1, step=0)
+    checkpoint = _save(chief)
+    for i in range(2, 5):
+        _push_round(workers, "buckets", seed=i, step=i)
+    before = decode_shard(_state_of(services[0][0].service))
+    step = decode_shard(checkpoint).global_step
+    reply = chief.call(
+        "restore", {"task": "worker:0", "global_step": step}, [checkpoint], TIMEOUT_S
+    )
+    assert reply.body["global_step"] == before.global_step > step
+    _push_round(workers, "buckets", seed=9, step=9)  # the log goes on after the replay
+    stop_services(services[0], services[1])
+    service = services[0][0].service
+    services[0].clear()
+    services[1].clear()
+    after = decode_shard(_state_of(service))
+    assert after.version == before.version + 2
+    _, updates = read_segment(service.update_log.current)
+    assert len(updates) == 3 * 2 * 2 + 2 * 2  # (rounds x workers x buckets) then one round
+
+
+def test_the_launcher_flag_sets_the_directory_of_every_tasks_update_log(tmp_path: Path) -> None:
+    from tensorfleet import environment
+    from tensorfleet.launch.cli import build_parser
+    from tensorfleet.launch.launch_command import launch_env
+
+    parser = build_parser()
+    args = parser.parse_args(["launch", "--ps-update-log", "logs", "--", "python", "t.py"])
+    directory = str(Path("logs").resolve())
+    assert launch_env(args) == {environment.PS_UPDATE_LOG_VAR: directory}
+    assert launch_env(parser.parse_args(["launch", "--", "python", "t.py"])) is None
+    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: directory}) == directory
+    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: " "}) is None
+    server = parser.parse_args(["server", "--update-log", str(tmp_path)])
+    assert server.update_log == str(tmp_path)
