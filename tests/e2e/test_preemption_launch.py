@@ -100,6 +100,9 @@ def test_a_preempted_ps_and_chief_save_first_and_lose_no_step(
     def preempt_the_ps_then_the_chief() -> None:
         """Runs beside the supervision (``cluster.wait``), which restarts the tasks."""
         try:
+            # the spare starts once the run is at work: the preempted ps must find it waiting
+            if ps_spares and cluster.wait_spare_ready(WAIT_S, job="ps") is None:
+                raise AssertionError("no ps spare waited for an identity")
             at, _ = output.wait_for("worker:1", STEP_LINE, min_number=20)
             os.kill(cluster.pids["ps:0"], signal.SIGTERM)
             at, preempted = output.wait_for("ps:0", PS_PREEMPTED, at)
@@ -127,5 +130,7 @@ def test_a_preempted_ps_and_chief_save_first_and_lose_no_step(
     assert seen["chief_step"] > seen["ps_step"], f"{seen}\n{text}"
     assert status == 0, text
     assert cluster.restarts == {"ps:0": 1, "worker:0": 1, "worker:1": 0}, text
+    took_the_spare = re.search(r"restarted ps:0 \(restart 1 of 10\) as pid \d+: warm spare", text)
+    assert bool(took_the_spare) == bool(ps_spares), text
     assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
     assert text.count("restoring checkpoint") == 1, "the restarted chief adopts the live ps"

@@ -22,6 +22,7 @@ import pytest
 from tensorfleet.launch.local_cluster import LocalCluster
 from tests.e2e.test_launcher import assert_all_gone, launch_argv, run_launcher
 from tests.e2e.test_preemption_launch import DATA, EXAMPLE, STEP_LINE, WAIT_S, WatchedOutput
+from tests.e2e.test_warm_spares import QUICK
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_data, pytest.mark.timeout(300)]
 
@@ -84,7 +85,7 @@ def test_the_launcher_keeps_a_ps_spare_by_default_only_for_a_ps_command_that_wai
     """One ps spare by default when the ps runs the built-in server or the user's script
     (``--ps-runs-script``: it calls ``resolve_task`` as the worker spares need), none with
     ``--ps-spares 0`` or an arbitrary ``--ps-command`` (it may not wait for an identity)."""
-    quick = "import os; print('up', os.environ.get('TENSORFLEET_SPARE_PIPE'), flush=True)"
+    quick = QUICK  # leaves the marker that its task got to work: the spares start then
     cases = (
         (("--ps-runs-script",), 1),
         (("--ps-runs-script", "--ps-spares", "0"), 0),

@@ -22,11 +22,13 @@ import pytest
 from tensorfleet.launch.local_cluster import LocalCluster
 from tensorfleet.launch.restart_policy import RestartPolicy
 from tests.e2e.test_launcher import SHORT, assert_all_gone, launch_argv, run_launcher
-from tests.e2e.test_launcher_restarts import HookedOutput, all_pids, program, runs_of
+from tests.e2e.test_launcher_restarts import PROGRAM as RESTARTS_PROGRAM
+from tests.e2e.test_launcher_restarts import HookedOutput, all_pids, runs_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
-#: argv: MARKER_DIR. Prints ``EARLY <pid>``, resolves its task, counts its runs in
+#: argv: MARKER_DIR. Prints ``EARLY <pid>``, resolves its task, leaves the marker that it got to
+#: work (``task_markers.SERVING``: the launcher starts its spares then), counts its runs in
 #: MARKER_DIR, prints ``RUN {json}``. worker:1's first run says ``READY worker:1`` and waits to
 #: be killed; worker:0 (the chief) waits until worker:1 has run twice, so that the run is not
 #: complete (a worker killed after that would be retired, not restarted); then both exit 0.
@@ -34,12 +36,14 @@ PROGRAM = textwrap.dedent(
     """
     import json, os, sys, time
     from pathlib import Path
+    from tensorfleet import task_markers
     from tensorfleet.cluster.resolver import resolve_task
 
     marker_dir = Path(sys.argv[1])
     print(f"EARLY {os.getpid()}", flush=True)
     task = resolve_task(argv=[])
     name = f"{task.job}:{task.index}"
+    task_markers.mark_serving(name)  # at work: the launcher starts its spares now
     marker = marker_dir / (name.replace(":", "-") + ".runs")
     with marker.open("a") as f:
         f.write("x")
@@ -67,6 +71,25 @@ PROGRAM = textwrap.dedent(
 @pytest.fixture
 def log() -> io.StringIO:
     return io.StringIO()
+
+
+#: Leaves the marker that the task got to work (``task_markers.SERVING``: the launcher starts
+#: its spares then); reads TF_CONFIG itself, so a spare (without it) fails here at once.
+MARK_SERVING = textwrap.dedent(
+    """
+    import json, os
+    from tensorfleet import task_markers
+    _task = json.loads(os.environ["TF_CONFIG"])["task"]
+    task_markers.mark_serving(f"{_task['type']}:{_task['index']}")
+    """
+)
+#: Prints ``up`` and the spare's pipe (None for a task); a task first leaves the marker that
+#: it got to work, so the launcher starts its spares before it handles the task's exit.
+QUICK = (
+    "import os\n"
+    "if 'TF_CONFIG' in os.environ:\n" + textwrap.indent(MARK_SERVING, "    ") + "\n"
+    "print('up', os.environ.get('TENSORFLEET_SPARE_PIPE'), flush=True)\n"
+)
 
 
 def spare_program(marker_dir: Path) -> list[str]:
@@ -115,6 +138,7 @@ def test_a_command_that_cannot_wait_as_a_spare_turns_spares_off(
     log: io.StringIO, tmp_path: Path
 ) -> None:
     # This program reads TF_CONFIG itself: as a spare (no TF_CONFIG) it fails at once.
+    command = [sys.executable, "-c", MARK_SERVING + RESTARTS_PROGRAM, str(tmp_path)]
     ready = threading.Event()
     output = HookedOutput(log, on_line=lambda task, text: text == "READY worker:1" and ready.set())
     off = threading.Event()
@@ -122,7 +146,7 @@ def test_a_command_that_cannot_wait_as_a_spare_turns_spares_off(
     lc = LocalCluster(
         0,
         2,
-        program(tmp_path, "worker:1", "hang-once"),
+        [*command, "worker:1", "hang-once"],
         output=output,
         spares=1,
         restart_policy=RestartPolicy(crash_loop_s=0.0),
@@ -152,11 +176,10 @@ def test_a_command_that_cannot_wait_as_a_spare_turns_spares_off(
 
 
 def test_the_launcher_keeps_one_spare_by_default_and_none_with_spares_0(tmp_path: Path) -> None:
-    quick = "import os; print('up', os.environ.get('TENSORFLEET_SPARE_PIPE'), flush=True)"
     spares: list[int] = []
     for flags, expected in (((), 1), (("--spares", "0"), 0)):
         argv = launch_argv(
-            "--ps", "0", "--workers", "1", *flags, "--", sys.executable, "-c", quick
+            "--ps", "0", "--workers", "1", *flags, "--", sys.executable, "-c", QUICK
         )  # fmt: skip
         result = run_launcher(argv, timeout=40)
         text = result.stdout
@@ -176,3 +199,53 @@ def test_spares_with_the_ray_backend_are_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert status != 0
     assert "--spares 1: warm spares need the local backend, not --backend ray" in err, err
+
+
+#: argv: GO_FILE. Resolves its task and prints ``UP``; waits for GO_FILE, then leaves the
+#: marker that it got to work and prints ``AT WORK``; waits for GO_FILE.end and exits 0 (each
+#: wait at most a minute).
+AT_WORK_PROGRAM = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from tensorfleet import task_markers
+    from tensorfleet.cluster.resolver import resolve_task
+
+    task = resolve_task(argv=[])
+    print("UP", flush=True)
+    go = Path(sys.argv[1])
+    deadline = time.monotonic() + 60
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    task_markers.mark_serving(f"{task.job}:{task.index}")
+    print("AT WORK", flush=True)
+    end = go.with_suffix(".end")
+    while not end.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    """
+)
+
+
+def test_the_spare_starts_once_a_task_is_at_work_not_at_launch(
+    log: io.StringIO, tmp_path: Path
+) -> None:
+    up = threading.Event()
+    output = HookedOutput(log, on_line=lambda task, text: text == "UP" and up.set())
+    go = tmp_path / "go"
+    command = [sys.executable, "-c", AT_WORK_PROGRAM, str(go)]
+    lc = LocalCluster(0, 1, command, output=output, spares=1, **SHORT)
+    with lc:
+        assert up.wait(30), log.getvalue()
+        task_pid = lc.pids["worker:0"]
+        # the task runs, but has not got to work: no spare, however often the launcher looks
+        assert lc.wait_spare_ready(1.0) is None, log.getvalue()
+        assert lc.spare_pids == [] and not started_spares(log.getvalue()), log.getvalue()
+        go.touch()
+        spare_pid = lc.wait_spare_ready(30)
+        assert spare_pid is not None, log.getvalue()
+        go.with_suffix(".end").touch()
+        status = lc.wait(timeout=60)
+    text = log.getvalue()
+    assert status == 0, text
+    assert "[worker:0] AT WORK" in text and started_spares(text) == {1: spare_pid}, text
+    assert_all_gone([task_pid, spare_pid], text)

@@ -86,12 +86,20 @@ def check_lineage(directory: Path) -> dict:
     return lineage
 
 
-def test_pbt_runs_from_a_config_file_and_records_the_lineage(tmp_path):
-    config = write_config(tmp_path / "pbt.json")
-    done = run_cli(config, tmp_path / "run")
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One uninterrupted run of :func:`write_config`'s configuration (its directory and the
+    CLI's result), run once for the module: the lineage test checks it, the resume test
+    compares the resumed run with it."""
+    base = tmp_path_factory.mktemp("pbt-whole")
+    return base / "run", run_cli(write_config(base / "pbt.json"), base / "run")
+
+
+def test_pbt_runs_from_a_config_file_and_records_the_lineage(tmp_path, whole_run):
+    run, done = whole_run
     assert done.returncode == 0, done.stdout + done.stderr
-    check_lineage(tmp_path / "run")
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    check_lineage(run)
+    result = json.loads((run / "result.json").read_text())
     assert result["exploits"] == ROUNDS - 1 and len(result["scores"]) == MEMBERS, result
     assert json.loads(done.stdout.splitlines()[-1])["best_member"] == result["best_member"]
     # The fixed-hyperparameter runs: the same members, no copy, the initial rates kept.
@@ -103,7 +111,7 @@ def test_pbt_runs_from_a_config_file_and_records_the_lineage(tmp_path):
 
 
 def test_a_killed_pbt_run_resumes_with_the_whole_population_and_ends_as_an_unkilled_one(
-    tmp_path,
+    tmp_path, whole_run
 ):
     config = write_config(tmp_path / "pbt.json")
     killed = run_cli(config, tmp_path / "run", kill=True)
@@ -116,9 +124,9 @@ def test_a_killed_pbt_run_resumes_with_the_whole_population_and_ends_as_an_unkil
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "pbt: resuming 4 members from checkpoints/round-0002 (round 2 of 5)" in resumed.stdout
     lineage = check_lineage(tmp_path / "run")
-    whole = run_cli(config, tmp_path / "whole")
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    assert lineage == json.loads((tmp_path / "whole" / "lineage.json").read_text())
+    whole, done = whole_run  # the same configuration, never killed
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert lineage == json.loads((whole / "lineage.json").read_text())
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["round-0005"]
 
 

@@ -167,7 +167,8 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="warm spare workers: the worker command started ahead of time, waiting in "
+        help="warm spare workers: the worker command started ahead of time (once the run "
+        "is at work: its first task's SERVING marker, at the latest 30 s in), waiting in "
         "tensorfleet.resolve_task() to take over a worker that dies (default: "
         f"{DEFAULT_SPARES} with the local backend, 0 with Ray; 0: none)",
     )

@@ -31,8 +31,9 @@ Supervision, in the spirit of Horovod's runner:
   once no worker is left, the ps tasks get SIGTERM at once
   (:mod:`tensorfleet.launch.failure_grace`).
   The run's status is that task's exit code (128 + signal number for a signal);
-- with ``spares`` (``tensorfleet launch`` keeps 1 on the local backend), warm spare workers
-  wait in ``resolve_task``; a worker's restart hands its identity to one
+- with ``spares`` (``tensorfleet launch`` keeps 1 on the local backend), warm spare workers,
+  started once the run is at work (:mod:`tensorfleet.launch.spare_start`), wait in
+  ``resolve_task``; a worker's restart hands its identity to one
   (:mod:`tensorfleet.launch.warm_spares`), which is killed with the run if unused;
 - :meth:`ClusterSupervisor.interrupt` (the CLI's SIGINT/SIGTERM handler) sends SIGTERM to
   every task at once, then SIGKILL; a second interrupt sends SIGKILL at once;
@@ -321,7 +322,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
                     f"cannot start {task.name} with command {task.command!r}: {exc}. Check "
                     "that the program exists and is executable (with --ps-command for ps tasks)"
                 ) from exc
-        self._fill_spares()  # after the tasks: they come first
+        # no spare yet: they start once the run is at work (launch/spare_start.py)
 
     def wait(self, timeout: float | None = None) -> int:
         """Supervise the tasks until every one has exited; return the run's exit status.
@@ -334,9 +335,14 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         """
         if not self._started:
             raise LaunchError("call start() before wait()")
+        with self._supervision:  # only this thread starts the spares while it supervises
+            return self._supervise(timeout)
+
+    def _supervise(self, timeout: float | None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._result is None:
             now = time.monotonic()
+            self._start_spares_when_at_work(now)
             # restarts first: a cancelled one lets the deadline see no worker is left, at once
             self._on_restarts_due(now)
             self._on_spare_deadlines(now)
@@ -355,6 +361,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
                 )
             deadlines = [self._phase_deadline, deadline]
             deadlines += [t.restart_at for t in self._tasks] + self._spare_deadlines()
+            deadlines += self._spare_start_deadlines(now)
             wake = min((d for d in deadlines if d is not None), default=None)
             try:
                 event = self._events.get(timeout=None if wake is None else max(0.0, wake - now))
@@ -417,6 +424,8 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
 
     def _handle(self, event: tuple[str, object]) -> None:
         kind, payload = event
+        # a task that got to work and exited at once: its marker is seen before its exit
+        self._start_spares_when_at_work(time.monotonic())
         if kind == "exit":
             assert isinstance(payload, Task)
             self._on_exit(payload)

@@ -20,6 +20,9 @@ Rules.
   task dies its identity goes to it, it listens on the task's address, and the chief
   restores it from the checkpoint as it would a new process. On the 2-core test machine
   that takes the 3-10 s of a new ps process's start out of a ps's recovery.
+- Spares start once the run is at work, not beside the tasks at launch: when the first task
+  leaves ``task_markers.SERVING``, at the latest 30 s after the start
+  (:mod:`tensorfleet.launch.spare_start`). A restart before then starts a new process.
 - A spare is not a task: it is not in ``tasks``, ``pids`` or the run's status, and has no
   output prefix. Its lines before the handover are kept (the last ``history``) and shown under
   the task's prefix once it becomes one (or in the warning if it dies unused); the line that
@@ -57,6 +60,7 @@ from tensorfleet.cluster.warm_spare import READY_LINE
 from tensorfleet.errors import LaunchError
 from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
 from tensorfleet.launch.restart_policy import describe_returncode
+from tensorfleet.launch.spare_start import SPARE_START_POLL_S, SpareStart
 from tensorfleet.launch.task import Task
 
 if TYPE_CHECKING:
@@ -123,7 +127,7 @@ class Spare:
         self.pipe.unlink(missing_ok=True)
 
 
-class WarmSpares:
+class WarmSpares(SpareStart):
     """Keeps warm spares and hands a restarted task's identity to one of its job (mixed into
     ``ClusterSupervisor``, which provides the attributes below, ``task_variables``,
     ``_restarts_allowed`` and ``_on_exit``)."""
@@ -178,12 +182,16 @@ class WarmSpares:
         self._spare_command_waits = {job: False for job in self._spare_targets}
         #: Notified when a spare says that it waits (for :meth:`wait_spare_ready`).
         self._spare_ready = threading.Condition()
+        self._init_spare_start()
 
     # ------------------------------------------------------------------ the pool
 
     def _fill_spares(self) -> None:
-        """Start spares until each job's pool holds its count (while its spares are open;
-        none for a job without tasks, e.g. ps spares in all-reduce training)."""
+        """Start spares until each job's pool holds its count (once the run is at work:
+        :mod:`tensorfleet.launch.spare_start`; while its spares are open; none for a job
+        without tasks, e.g. ps spares in all-reduce training)."""
+        if not self._spares_started:
+            return
         for job, target in self._spare_targets.items():
             if not any(t.job == job for t in self._tasks):
                 continue
@@ -411,13 +419,26 @@ class WarmSpares:
     def wait_spare_ready(self, timeout: float, job: str = "worker") -> int | None:
         """Wait up to ``timeout`` seconds until a spare of ``job`` waits for an identity; its
         pid, or None when none did in time (for tests and drills that must kill a task only
-        once a spare can take it over). Safe from any thread."""
+        once a spare can take it over). Safe from any thread; called while no thread
+        supervises (before :meth:`wait`), it starts the spares itself once the run is at work
+        (:mod:`tensorfleet.launch.spare_start`)."""
 
         def ready() -> Spare | None:
             return next((s for s in list(self._spare_pool) if s.ready and s.job == job), None)
 
-        with self._spare_ready:
-            spare = self._spare_ready.wait_for(ready, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            self._start_spares_outside_supervision(now)
+            pending = self._spares_pending()
+            with self._spare_ready:
+                spare = ready()
+                if spare is not None or now >= deadline:
+                    break
+                # while the spares have not started, look at the run's markers again soon
+                self._spare_ready.wait(
+                    min(deadline - now, SPARE_START_POLL_S) if pending else deadline - now
+                )
         return None if spare is None else spare.pid
 
     @property
