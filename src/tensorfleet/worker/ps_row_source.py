@@ -289,9 +289,10 @@ class PsRowSource:
         if self.in_flight is not None:  # the replies are awaited after the dense exchange
             fanout = self._fanout()
             try:
-                for shard, (body, (_, buffers)) in enumerate(zip(bodies, wired, strict=True)):
-                    request_id = fanout.send(shard, "push_rows", body, self.timeout_s, buffers)
-                    self.in_flight.add(fanout, shard, request_id, self.timeout_s)
+                with fanout.timeline.span("push_rows"):
+                    for shard, (body, (_, buffers)) in enumerate(zip(bodies, wired, strict=True)):
+                        request_id = fanout.send(shard, "push_rows", body, self.timeout_s, buffers)
+                        self.in_flight.add(fanout, shard, request_id, self.timeout_s)
             except RECOVERABLE as exc:  # never sent twice: the rows are dropped
                 if self._recover is None:
                     raise
