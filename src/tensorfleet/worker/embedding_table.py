@@ -13,10 +13,10 @@ not an ``nn.Embedding`` that tensorfleet would take over above a size threshold,
   one ps (or partitioned by row blocks), whose sparse gradients are pushed as rows.
 
 How a step works. The forward takes the unique ids of the batch (after hashing), pulls
-exactly those rows, one request per shard holding any of them, and looks the batch up in
-that small ``[unique, dim]`` tensor; autograd then gives the gradient of those rows only,
-which :meth:`EmbeddingTable.take_gradient` returns coalesced (a table used twice in a step
-gets one gradient) for the session to push, one part per shard (empty parts included: each
+exactly those rows from every shard holding any of them (all asked at once, one round trip),
+and looks the batch up in that small ``[unique, dim]`` tensor; autograd then gives the
+gradient of those rows only, which :meth:`EmbeddingTable.take_gradient` returns coalesced (a
+table used twice in a step gets one gradient) for the session to push, one part per shard (empty parts included: each
 shard counts every step of the table, see :mod:`tensorfleet.ps.sparse_update_rules`).
 
 Where the rows come from is a :class:`RowSource`: the ps shards in a cluster, or
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorfleet.errors import ConfigError, TensorfleetError, UsageError
+from tensorfleet.errors import ConfigError, ProtocolError, TensorfleetError, UsageError
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
@@ -270,11 +270,25 @@ class EmbeddingTable(nn.Module):
         else:
             shard_of = partition.shard_of(unique)
             gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
+            places = {}
             for shard in range(partition.num_shards):
                 where = torch.nonzero(shard_of == shard).flatten()
                 if where.numel():
-                    mine = self._source.pull_rows(name, shard, unique.index_select(0, where))
-                    gathered.index_copy_(0, where, mine)
+                    places[shard] = where
+            parts = {shard: unique.index_select(0, where) for shard, where in places.items()}
+            pull_rows_of = getattr(self._source, "pull_rows_of", None)
+            if pull_rows_of is not None:  # every shard asked at once: one round trip
+                pulled = pull_rows_of(name, parts)
+            else:
+                pulled = {k: self._source.pull_rows(name, k, ids) for k, ids in parts.items()}
+            for shard, where in places.items():
+                if pulled[shard].shape != (where.numel(), self.dim):
+                    raise ProtocolError(
+                        f"ps:{shard} answered the lookup of {where.numel()} rows of table "
+                        f"{name!r} with rows of shape {tuple(pulled[shard].shape)}, not "
+                        f"({where.numel()}, {self.dim})"
+                    )
+                gathered.index_copy_(0, where, pulled[shard])
         gathered, inverse = gathered.to(device), inverse.to(device)
         if torch.is_grad_enabled() and self.training:
             gathered.requires_grad_(True)

@@ -3,9 +3,12 @@ whose rows live on the ps shards (:mod:`tensorfleet.ps.table_requests` is the sh
 
 Every request goes through the client's one fan-out path (:class:`ShardFanout`, through the
 client's recovering wrapper): ``create`` tells every shard its part of a table, ``pull_rows``
-asks one shard for the rows of the ids it holds, ``push_rows`` sends each shard its part of a
-gradient (an empty part too: a shard counts every step of its tables) in one round trip to
-all shards at once. Only the rows a batch touches cross the wire.
+asks one shard for the rows of the ids it holds (``pull_rows_of``: several shards in one round
+trip), ``push_rows`` sends each shard its part of a gradient (an empty part too: a shard
+counts every step of its tables) in one round trip to all shards at once, or, between
+:meth:`PsRowSource.defer_pushes` and :meth:`PsRowSource.settle_pushes`, without waiting for
+the replies (:mod:`tensorfleet.worker.rows_in_flight`: the dense exchange goes meanwhile).
+Only the rows a batch touches cross the wire.
 
 For the ``sparse=True`` ``nn.Embedding`` weights held as tables of given rows
 (:mod:`tensorfleet.worker.mirrored_embeddings`): ``create_given`` (the replies say whether
@@ -32,6 +35,7 @@ from tensorfleet.ps.table_requests import partition_to_wire
 from tensorfleet.wire.channel import Reply
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
 from tensorfleet.worker.client import RECOVERABLE
+from tensorfleet.worker.rows_in_flight import RowsInFlight
 from tensorfleet.worker.shard_fanout import ShardFanout
 
 log = logging.getLogger("tensorfleet.worker")
@@ -83,6 +87,26 @@ class PsRowSource:
         self.bytes_sent = 0
         """Bytes of ids and rows this source sent (pushes) and received (pulls): the
         benchmarks' measure of the wire."""
+        self.in_flight: RowsInFlight | None = None
+        """While pushes are deferred (:meth:`defer_pushes`): the row pushes sent and not
+        yet awaited; None: each push waits for its replies."""
+
+    def defer_pushes(self) -> None:
+        """From now on, :meth:`push_rows` sends without waiting for the replies, until
+        :meth:`settle_pushes` (a step's rows, sent just before its dense exchange)."""
+        if self.in_flight is None:
+            self.in_flight = RowsInFlight()
+
+    def settle_pushes(self, failed: bool = False) -> None:
+        """Wait for the replies of the pushes sent since :meth:`defer_pushes` and push
+        with waiting again; ``failed``: the step failed past recovery, forget them."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            return
+        if failed:
+            in_flight.abandon()
+            return
+        self.dropped_pushes += in_flight.settle(self._fanout, self._recover)
 
     def create(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> bool:
         """Every shard holds its part of ``table`` (idempotent); True when some shard created it."""
@@ -209,11 +233,46 @@ class PsRowSource:
                 "pull_rows", body, self.timeout_s, buffers=[[as_buffer(ids)]], shards=[shard]
             )
         )
+        return self._rows_of_reply(
+            shard, reply, self._dtypes.get(table, torch.float32), ids.numel()
+        )
+
+    def pull_rows_of(self, table: str, parts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The rows of ids ``parts[k]`` from shard ``k``, for every ``k`` at once: one round
+        trip to all of them (:meth:`pull_rows` asks one). Every reply is checked (one buffer
+        of exactly the ids' rows) before it is used."""
+        shards = sorted(parts)
+        wanted = {k: parts[k].to(torch.int64).contiguous() for k in shards}
+        body = {"task": self.task_name, "table": table}
+        replies = self._call(
+            lambda: self._fanout().call(
+                "pull_rows",
+                body,
+                self.timeout_s,
+                buffers=[[as_buffer(wanted[k])] for k in shards],
+                shards=shards,
+            )
+        )
+        dtype = self._dtypes.get(table, torch.float32)
+        out = {}
+        for shard, reply in zip(shards, replies, strict=True):
+            out[shard] = self._rows_of_reply(shard, reply, dtype, wanted[shard].numel())
+        return out
+
+    def _rows_of_reply(self, shard: int, reply: Reply, dtype: torch.dtype, n: int) -> torch.Tensor:
+        """The ``n`` rows of a ``pull_rows`` reply, checked: one buffer, a whole number of
+        rows of ``dtype``."""
         if len(reply.buffers) != 1:
             raise ProtocolError(f"ps:{shard} answered pull_rows with {len(reply.buffers)} buffers")
-        dtype = self._dtypes.get(table, torch.float32)
-        rows = from_buffer(reply.buffers[0], dtype).view(ids.numel(), -1).clone()
-        self.bytes_sent += ids.numel() * 8 + rows.numel() * rows.element_size()
+        size = memoryview(reply.buffers[0]).nbytes
+        item = torch.empty((), dtype=dtype).element_size()
+        if n == 0 or size == 0 or size % (n * item):
+            raise ProtocolError(
+                f"ps:{shard} answered pull_rows for {n} ids with {size} bytes, not a whole "
+                f"number of {dtype} rows"
+            )
+        rows = from_buffer(reply.buffers[0], dtype).view(n, -1).clone()
+        self.bytes_sent += n * 8 + rows.numel() * rows.element_size()
         return rows
 
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
@@ -227,6 +286,19 @@ class PsRowSource:
             )
 
         self.bytes_sent += sum(part.nbytes for part in parts)
+        if self.in_flight is not None:  # the replies are awaited after the dense exchange
+            fanout = self._fanout()
+            try:
+                with fanout.timeline.span("push_rows"):
+                    for shard, (body, (_, buffers)) in enumerate(zip(bodies, wired, strict=True)):
+                        request_id = fanout.send(shard, "push_rows", body, self.timeout_s, buffers)
+                        self.in_flight.add(fanout, shard, request_id, self.timeout_s)
+            except RECOVERABLE as exc:  # never sent twice: the rows are dropped
+                if self._recover is None:
+                    raise
+                self._recover(exc)
+                self.dropped_pushes += 1
+            return
         if self._recover is None:
             self._call(attempt)
             return

@@ -118,6 +118,10 @@ class PsUpdater:
         self.buffers: BufferExchange | None = None
         """The model's persistent buffers on the shards (None: the model has none)."""
         self.tables: TableAttachment | None = None
+        self._row_source: PsRowSource | None = None
+        """Where the rows of the tables and sparse=True weights go (None: the model has
+        neither); a step's row pushes are awaited after its dense exchange
+        (:mod:`tensorfleet.worker.rows_in_flight`)."""
         """The model's embedding tables on the shards (None: the model has none)."""
         self.mirrored: MirroredEmbeddings | None = None
         """The model's sparse=True embedding weights, rows on the shards (None: none)."""
@@ -143,7 +147,7 @@ class PsUpdater:
         tables = find_tables(model)
         sparse = find_sparse_embeddings(model, self._variable_names)
         if tables or sparse:
-            source = PsRowSource(
+            source = self._row_source = PsRowSource(
                 lambda: self.client._shards,
                 self.client._recovering,
                 self.client.task_name,
@@ -340,15 +344,25 @@ class PsUpdater:
         variable: see :func:`densify_sparse_gradients`), bring the changed rows into the
         sparse embedding weights, and exchange the buffers."""
         sync_step = step if self.discipline is not None and self.discipline.mode == "sync" else None
-        if self.mirrored is not None:
-            self.mirrored.push(sync_step=sync_step)
-        if self.tables is not None:
-            self.tables.push(sync_step=sync_step)
-        if self.overlapped is not None:  # the sparse gradients are densified bucket by bucket
-            progress = self.overlapped.exchange(step, data)
-        else:
-            densify_sparse_gradients(self._named_params)
-            progress = self.client.push_pull(step=step, data=data)
+        rows = self._row_source
+        if rows is not None:  # the rows' replies are awaited after the dense exchange's
+            rows.defer_pushes()
+        try:
+            if self.mirrored is not None:
+                self.mirrored.push(sync_step=sync_step)
+            if self.tables is not None:
+                self.tables.push(sync_step=sync_step)
+            if self.overlapped is not None:  # the sparse gradients are densified by bucket
+                progress = self.overlapped.exchange(step, data)
+            else:
+                densify_sparse_gradients(self._named_params)
+                progress = self.client.push_pull(step=step, data=data)
+        except BaseException:
+            if rows is not None:
+                rows.settle_pushes(failed=True)
+            raise
+        if rows is not None:
+            rows.settle_pushes()
         if self.mirrored is not None:
             self.mirrored.pull()  # after the dense reply: this step's rows are applied
         if not self._serving and not progress.dropped:
