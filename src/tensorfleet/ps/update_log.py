@@ -227,13 +227,17 @@ def _update(path: Path, offset: int, header: dict, payload: memoryview) -> Updat
     """The update of a record (its gradients are views of ``payload``: no copy)."""
     try:
         if header.get("kind") != "update":
-            raise ValueError(f"kind {header.get('kind')!r}")
+            raise _corrupt(path, offset, f"is not an update: kind {header.get('kind')!r}")
         gradients, at = [], 0
         for name, nbytes in header["buffers"]:
             dtype = DTYPES[name]
             itemsize = torch.empty((), dtype=dtype).element_size()
             if nbytes % itemsize or at + nbytes > payload.nbytes:
-                raise ValueError(f"{nbytes} bytes of {name} at {at} of {payload.nbytes}")
+                raise _corrupt(
+                    path,
+                    offset,
+                    f"is not an update: {nbytes} bytes of {name} at {at} of {payload.nbytes}",
+                )
             gradients.append(
                 torch.frombuffer(payload, dtype=dtype, offset=at, count=nbytes // itemsize)
                 if nbytes
@@ -241,7 +245,11 @@ def _update(path: Path, offset: int, header: dict, payload: memoryview) -> Updat
             )
             at += nbytes
         if at != payload.nbytes:
-            raise ValueError(f"its buffers hold {at} of its {payload.nbytes} bytes")
+            raise _corrupt(
+                path,
+                offset,
+                f"is not an update: its buffers hold {at} of its {payload.nbytes} bytes",
+            )
         part = header["part"]
         return Update(
             gradients,
