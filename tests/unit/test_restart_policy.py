@@ -10,6 +10,7 @@ import pytest
 from tensorfleet.errors import LaunchConfigError
 from tensorfleet.launch.launch_command import add_launch_command, restart_policy_from
 from tensorfleet.launch.restart_policy import (
+    AT_WORK,
     DEFAULT_POLICY,
     ERROR,
     SIGNAL,
@@ -176,3 +177,29 @@ def test_the_crash_loop_threshold_flag() -> None:
     assert restart_policy_from(_parse("--crash-loop-seconds", "0")).crash_loop_s == 0.0
     with pytest.raises(LaunchConfigError, match="--crash-loop-seconds"):
         restart_policy_from(_parse("--crash-loop-seconds", "-1"))
+
+
+def test_a_task_killed_while_it_worked_is_restarted_whatever_the_count_and_not_counted() -> None:
+    """A signal death after the process got to work and ran at least the crash-loop
+    threshold is a preemption or a lost machine, not a crash loop: restarted even with the
+    limit used up, recorded as AT_WORK, and AT_WORK entries do not count. A death before work,
+    or sooner than the threshold, still counts; --max-restarts (uniform) counts everything."""
+    policy = RestartPolicy(signal_restarts=2, crash_loop_s=30.0)
+    history = [(0.0, SIGNAL), (50.0, SIGNAL)]  # the limit is used up
+    worked = policy.decide(-9, history, now=100.0, ran_s=41.3, streak=0, served=True)
+    assert worked.restart and not worked.counted and worked.delay_s == 0.0
+    assert worked.history_kind == AT_WORK
+    assert worked.describe_count() == "not counted: it worked 41.3 s; 2 of 2 used"
+    storm = [(float(t), AT_WORK) for t in range(0, 600, 40)]  # 15 deaths at work in 10 min
+    assert policy.decide(-9, storm, now=600.0, ran_s=1.0, streak=0).restart  # still 0 used
+    assert policy.decide(-9, storm, now=600.0, ran_s=1.0, streak=0).used == 0
+    short = policy.decide(-9, history, now=100.0, ran_s=12.0, streak=0, served=True)
+    assert not short.restart and short.counted  # worked, but died 12 s into its run
+    unserved = policy.decide(-9, history, now=100.0, ran_s=99.0, streak=0)
+    assert not unserved.restart and unserved.counted  # never got to work
+    error = RestartPolicy(error_restarts=1).decide(1, [(0.0, ERROR)], 100.0, 99.0, 0, served=True)
+    assert not error.restart and error.counted  # an error exit is never a preemption
+    uniform = RestartPolicy.uniform(2).decide(-9, history, 100.0, 41.3, 0, served=True)
+    assert not uniform.restart and uniform.counted
+    first = policy.decide(-9, [], now=100.0, ran_s=5.0, streak=0, served=True)
+    assert first.counted and first.describe_count() == "restart 1 of 2"

@@ -89,7 +89,7 @@ class TaskRestarts:
         last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
         self.output.message(
             f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
-            f"(restart {decision.used + 1} of {decision.limit}) {decision.describe_wait()} "
+            f"({decision.describe_count()}) {decision.describe_wait()} "
             f"(pid {task.pid}).{last}",
             "warning",
         )
@@ -135,7 +135,7 @@ class TaskRestarts:
             return
         task.previous.append(old_process)
         task.restarts += 1
-        task.restart_history.append((time.monotonic(), decision.kind))
+        task.restart_history.append((time.monotonic(), decision.history_kind))
         task.returncode = task.stop_signal = task.ended_at = None
         where = (
             ""
@@ -149,6 +149,5 @@ class TaskRestarts:
             + ("s ago and waiting" if spare.ready else "s ago, still starting")
         )
         self.output.message(
-            f"restarted {task.name} (restart {decision.used + 1} of {decision.limit}) as pid "
-            f"{task.pid}{where}{how}"
+            f"restarted {task.name} ({decision.describe_count()}) as pid {task.pid}{where}{how}"
         )
