@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import pytest
 from tensorfleet import environment
 from tensorfleet.launch.local_cluster import LocalCluster
 from tests.e2e.test_launcher import assert_all_gone
-from tests.e2e.test_preemption_launch import DATA, EXAMPLE, STEP_LINE, WAIT_S, WatchedOutput
+from tests.e2e.test_preemption_launch import DATA, EXAMPLE, STEP_LINE, WatchedOutput, run_beside
 
 pytestmark = [pytest.mark.e2e, pytest.mark.needs_data, pytest.mark.timeout(240)]
 
@@ -46,35 +45,23 @@ def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
     env = {environment.PS_UPDATE_LOG_VAR: str(log_dir)}
     cluster = LocalCluster(1, 2, command, output=output, ps_spares=1, env=env)
     seen: dict[str, int] = {}
-    failures: list[BaseException] = []
 
     def kill_the_ps() -> None:
-        try:
-            # past the checkpoint at 25, before the one at 50
-            at, _ = output.wait_for("worker:1", STEP_LINE, min_number=35)
-            cluster.kill_task("ps:0", signal.SIGKILL)
-            with output._changed:  # the lines printed so far: steps acknowledged
-                lines = list(output._lines)
-            seen["acknowledged"] = max(
-                int(m.group(2))
-                for task, text in lines
-                if task.startswith("worker:") and (m := STEP_LINE.search(text))
-            )
-            at, replayed = output.wait_for("ps:0", REPLAYED, at, min_number=0)
-            seen["replayed_step"] = int(replayed.group(2))
-            seen["checkpoint_step"] = int(replayed.group(3))
-            output.wait_for("worker:1", STEP_LINE, at, min_number=seen["replayed_step"] + 5)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test below
-            failures.append(exc)
+        # past the checkpoint at 25, before the one at 50
+        at, _ = output.wait_for("worker:1", STEP_LINE, min_number=35)
+        cluster.kill_task("ps:0", signal.SIGKILL)
+        lines = output.lines()  # the lines printed so far: steps acknowledged
+        seen["acknowledged"] = max(
+            int(m.group(2))
+            for task, text in lines
+            if task.startswith("worker:") and (m := STEP_LINE.search(text))
+        )
+        at, replayed = output.wait_for("ps:0", REPLAYED, at, min_number=0)
+        seen["replayed_step"] = int(replayed.group(2))
+        seen["checkpoint_step"] = int(replayed.group(3))
+        output.wait_for("worker:1", STEP_LINE, at, min_number=seen["replayed_step"] + 5)
 
-    driver = threading.Thread(target=kill_the_ps, daemon=True)
-    try:
-        cluster.start()
-        driver.start()
-        status = cluster.wait(timeout=200)
-        driver.join(WAIT_S)
-    finally:
-        cluster.stop()
+    status, failures = run_beside(cluster, kill_the_ps, 200)
     text = output.log.getvalue()
     assert not failures, f"{failures[0]}\n{text}"
     assert status == 0, text

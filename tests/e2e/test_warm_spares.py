@@ -24,6 +24,7 @@ from tensorfleet.launch.restart_policy import RestartPolicy
 from tests.e2e.test_launcher import SHORT, assert_all_gone, launch_argv, run_launcher
 from tests.e2e.test_launcher_restarts import PROGRAM as RESTARTS_PROGRAM
 from tests.e2e.test_launcher_restarts import HookedOutput, all_pids, runs_of
+from tests.e2e.test_preemption_launch import FIRST_RESTART
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
@@ -120,7 +121,7 @@ def test_a_killed_worker_is_taken_over_by_the_warm_spare(log: io.StringIO, tmp_p
     spares = started_spares(text)
     assert spares[1] == spare_pid and 2 in spares, text  # a new spare behind the used one
     assert re.search(
-        rf"restarted worker:1 \((?:restart 1 of 10|not counted: it worked [\d.]+ s; 0 of 10 used)\) as pid {spare_pid}: warm spare 1, started "
+        rf"restarted worker:1 \({FIRST_RESTART}\) as pid {spare_pid}: warm spare 1, started "
         r"[\d.]+ s ago and waiting",
         text,
     ), text
@@ -171,7 +172,7 @@ def test_a_command_that_cannot_wait_as_a_spare_turns_spares_off(
     ), text
     assert "[spare 1] KeyError: 'TF_CONFIG'" in text and "warning: warm spares" not in text, text
     assert re.search(
-        r"restarted worker:1 \((?:restart 1 of 10|not counted: it worked [\d.]+ s; 0 of 10 used)\) as pid \d+\n",
+        rf"restarted worker:1 \({FIRST_RESTART}\) as pid \d+\n",
         text,
     ), text
     assert [r["run"] for r in runs_of(text)["worker:1"]] == [1, 2], text

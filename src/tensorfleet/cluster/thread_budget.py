@@ -63,8 +63,9 @@ def planned_threads(num_ps: int, num_workers: int, host_cores: int) -> dict[str,
     workers = [f"worker:{i}" for i in range(num_workers)]
     ps = [f"ps:{i}" for i in range(num_ps)]
     if takes_turns(num_ps, num_workers):
+        # thread_budget checks host_cores >= 1 for the ps tasks; the worker takes them all.
         return {
-            workers[0]: thread_budget(host_cores, 1)[0],
+            workers[0]: host_cores,
             **dict(zip(ps, thread_budget(host_cores, num_ps), strict=True)),
         }
     names = workers + ps

@@ -152,13 +152,7 @@ class PartialPushHandling:
             self.stats["pushes"] += 1
             if self.owns_global_step and counting:
                 self.global_step += 1
-        task = body.get("task")
-        self._log_update(  # type: ignore[attr-defined]
-            gradients,
-            part=(start, stop),
-            counts=last,
-            data=None if data is None else {task: self.worker_data[task]},
-        )
+        self._log_push(gradients, body, part=(start, stop), counts=last)  # type: ignore[attr-defined]
         with self.spans.span("reply", variables=f"{start}-{stop}"):
             self._answer_part(request, layout.part_slices(start, stop))
 

@@ -89,6 +89,20 @@ class SaveRestoreHandling:
                 data,
             )
 
+    def _log_push(
+        self,
+        gradients: list[torch.Tensor],
+        body: dict[str, Any],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        """Log one worker's push (whole or a bucket) with the data position it reported
+        (``body["data"]``; none: no position), looked up only when the log is on."""
+        if self.update_log is not None:
+            task = body.get("task")
+            data = None if body.get("data") is None else {task: self.worker_data[task]}
+            self._log_update(gradients, part, counts, data)
+
     def _save(self, request: Request) -> None:
         """The shard's state as one safetensors document (a checkpoint's shard file); the
         update log starts a new segment from it."""

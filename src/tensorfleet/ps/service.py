@@ -379,8 +379,7 @@ class ParameterService(
             self.store.apply(gradients)
         if self.owns_global_step and request.body.get("count_step") is True:
             self.global_step += 1
-        task, data = request.body.get("task"), request.body.get("data")
-        self._log_update(gradients, data=None if data is None else {task: self.worker_data[task]})
+        self._log_push(gradients, request.body)
         self.stats["pushes"] += 1
         self._answer_push(request, made_step=True)
 
