@@ -118,6 +118,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     # The BERT-base-sized model: the full run takes minutes of a quiet 2-core machine; --quick
     # a tiny model (a smoke test).
     "big_model": Benchmark("big_model", (), ("--quick",), "big_model"),
+    "ps_update": Benchmark(
+        "ps_update", (), ("--quick", "--rounds", "1", "--updates", "1"), "ps_update"
+    ),
     "delta_checkpoints": Benchmark(
         "delta_checkpoints",
         (),
@@ -523,6 +526,19 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
             )
         )
     rows += _big_model_headlines(results.get("big_model"))
+    for rule, row in ((results.get("ps_update") or {}).get("rows") or {}).items():
+        rows.append(
+            (
+                "ps_update",
+                f"the ps's {rule} update of the BERT-base-sized shard, pieces vs whole variables "
+                "(bit for bit equal)",
+                f"{row['whole']['ms_per_update'] / row['pieces']['ms_per_update']:.2f}x "
+                f"({row['pieces']['ms_per_update']:.0f} ms; one process's torch.optim "
+                f"{row['torch']['ms_per_update']:.0f} ms)"
+                + ("" if row["pieces_equal_whole_bit_for_bit"] else "; NOT EQUAL"),
+                "",
+            )
+        )
     storm = results.get("chaos_storm")
     if storm:
         kills = storm["recovery"].get("kill worker (spare)") or storm["recovery"].get(

@@ -44,6 +44,7 @@ RUNNABLE = {
     "pbt.py",
     "ps_capacity.py",
     "ps_load.py",
+    "ps_update.py",
     "ps_sharding_links.py",
     "raw_id_tables.py",
     "recovery.py",

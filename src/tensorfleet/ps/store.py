@@ -7,13 +7,21 @@ import torch
 from tensorfleet.errors import CheckpointMismatch, ConfigError, UsageError
 from tensorfleet.ps.copy_on_write import CopyOnWrite, Ranges, Tracker
 from tensorfleet.ps.layout import FusedLayout
+from tensorfleet.ps.optimizer_pieces import (
+    PIECE_ELEMENTS,
+    VariablePieces,
+    cut_variable,
+    optimizer_params,
+    steps_in_pieces,
+)
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.tensors import DTYPES
 
 
 class VariableStore:
     """A shard's variables, kept as one flat tensor per dtype (the fused layout), with a
-    ``torch.optim`` optimizer over per-variable views of those tensors.
+    ``torch.optim`` optimizer over per-variable views of those tensors (big variables of an
+    elementwise rule in cache-sized pieces: :mod:`tensorfleet.ps.optimizer_pieces`).
 
     Keeping the storage flat makes a pull one contiguous copy and a push one buffer per
     dtype; giving the optimizer per-variable views keeps per-variable rules correct. Replies
@@ -21,13 +29,18 @@ class VariableStore:
     first (:mod:`tensorfleet.ps.copy_on_write`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, piece_elements: int = PIECE_ELEMENTS) -> None:
         self.layout: FusedLayout | None = None
         self.rule: UpdateRule | None = None
         self.version = 0
         """How many updates have been applied since the variables were created."""
         self._flats: list[torch.Tensor] = []
         self._views: list[list[torch.Tensor]] = []
+        self._variables: list[VariablePieces] = []
+        """Every variable as the optimizer steps it, in the optimizer's parameter order."""
+        self._aliases: list[list[torch.Tensor]] = []
+        """Per flat: every tensor viewing its memory (views and pieces), for copy on write."""
+        self._piece_elements = piece_elements
         self._optimizer: torch.optim.Optimizer | None = None
         self._ema: list[torch.Tensor] | None = None
         self._ema_decay = 0.0
@@ -51,12 +64,24 @@ class VariableStore:
                 )
             flats.append(value.detach().clone().reshape(-1))
         _check_applicable(rule, [DTYPES[group.dtype] for group in layout.groups])
-        views = [
-            [flat[offset : offset + var.numel].view(var.shape) for var, offset in group.members]
-            for flat, group in zip(flats, layout.groups, strict=True)
-        ]
-        self._optimizer = _build(rule, [v for group_views in views for v in group_views])
+        views, variables, aliases = [], [], []
+        in_pieces = steps_in_pieces(rule)
+        for flat, group in zip(flats, layout.groups, strict=True):
+            group_views, group_aliases = [], []
+            for var, offset in group.members:
+                flat_view = flat[offset : offset + var.numel]
+                view = flat_view.view(var.shape)
+                cut = cut_variable(view, flat_view, in_pieces, self._piece_elements)
+                group_views.append(view)
+                group_aliases.append(view)
+                if not cut.whole:
+                    group_aliases.extend(cut.pieces)
+                variables.append(cut)
+            views.append(group_views)
+            aliases.append(group_aliases)
+        self._optimizer = _build(rule, optimizer_params(variables))
         self.layout, self.rule, self._flats, self._views = layout, rule, flats, views
+        self._variables, self._aliases = variables, aliases
 
     def keep_moving_average(self, decay: float) -> None:
         """From now on, keep ``ema = decay * ema + (1 - decay) * value`` after every update,
@@ -116,13 +141,11 @@ class VariableStore:
                         self._ema[index][offset : offset + var.numel].view(var.shape)
                     )
         optimizer: dict[str, dict[str, torch.Tensor]] = {}
-        for var, param in zip(self._ordered_variables(), self._params(), strict=True):
-            state = self._optimizer.state.get(param, {})
-            tensors = {}
-            for key, value in state.items():
-                if not isinstance(value, torch.Tensor):
-                    value = torch.tensor(float(value))  # e.g. a plain-number step counter
-                tensors[key] = take(value.detach()).contiguous()
+        for var, cut in zip(self._ordered_variables(), self._variables, strict=True):
+            tensors = {
+                key: value.contiguous()
+                for key, value in cut.joined_state(self._optimizer, take).items()
+            }
             if tensors:
                 optimizer[var.name] = tensors
         return values, ema, optimizer
@@ -142,14 +165,15 @@ class VariableStore:
         if self._optimizer is None:
             raise UsageError("variables not created yet")
         check_optimizer_state(self.rule, self._ordered_variables(), self._params(), optimizer)
-        fresh = _build(self.rule, self._params())
-        by_name = dict(
-            zip(
-                (v.name for v in self._ordered_variables()), range(len(self._params())), strict=True
-            )
-        )
-        state = {by_name[name]: dict(tensors) for name, tensors in optimizer.items()}
-        self._copy_on_write.before_write(self._flats, self._views)
+        fresh = _build(self.rule, optimizer_params(self._variables))
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        index = 0
+        for var, cut in zip(self._ordered_variables(), self._variables, strict=True):
+            if var.name in optimizer:
+                for offset, piece_state in enumerate(cut.split_state(optimizer[var.name])):
+                    state[index + offset] = piece_state
+            index += len(cut.pieces)
+        self._copy_on_write.before_write(self._flats, self._aliases)
         try:
             fresh.load_state_dict(
                 {"state": state, "param_groups": fresh.state_dict()["param_groups"]}
@@ -182,7 +206,7 @@ class VariableStore:
         parameter Adam model is three memory copies)."""
         if self._optimizer is None or source._optimizer is None:
             raise UsageError("variables not created yet")
-        self._copy_on_write.before_write(self._flats, self._views)
+        self._copy_on_write.before_write(self._flats, self._aliases)
         with torch.no_grad():
             for mine, theirs in zip(self._flats, source._flats, strict=True):
                 mine.copy_(theirs)
@@ -190,7 +214,9 @@ class VariableStore:
                 for mine, theirs in zip(self._ema, source._ema, strict=True):
                     mine.copy_(theirs)
         state = self._optimizer.state
-        for mine, theirs in zip(self._params(), source._params(), strict=True):
+        mine_params = optimizer_params(self._variables)
+        theirs_params = optimizer_params(source._variables)
+        for mine, theirs in zip(mine_params, theirs_params, strict=True):
             copied = source._optimizer.state.get(theirs)
             if copied:
                 state[mine] = {
@@ -247,23 +273,20 @@ class VariableStore:
             if part is not None
             else [(0, group.numel) for group in self.layout.groups]
         )
-        self._copy_on_write.before_write(self._flats, self._views, slices)
+        self._copy_on_write.before_write(self._flats, self._aliases, slices)
         stepped = []
-        for group, indices, views, grad, (lo, _) in zip(
-            self.layout.groups,
-            self.layout.member_indices,
-            self._views,
-            gradients,
-            slices,
-            strict=True,
+        cuts = iter(self._variables)
+        for group, indices, grad, (lo, _) in zip(
+            self.layout.groups, self.layout.member_indices, gradients, slices, strict=True
         ):
-            for (var, offset), index, view in zip(group.members, indices, views, strict=True):
+            for (var, offset), index in zip(group.members, indices, strict=True):
+                cut = next(cuts)
                 if start <= index < stop:
-                    view.grad = grad[offset - lo : offset - lo + var.numel].view(var.shape)
-                    stepped.append(view)
+                    cut.give_gradient(grad[offset - lo : offset - lo + var.numel])
+                    stepped.append(cut)
         self._optimizer.step()
-        for view in stepped:
-            view.grad = None
+        for cut in stepped:
+            cut.drop_gradient()
         if self._ema is not None:
             for average, flat, (lo, hi) in zip(self._ema, self._flats, slices, strict=True):
                 average[lo:hi].lerp_(flat[lo:hi], 1.0 - self._ema_decay)

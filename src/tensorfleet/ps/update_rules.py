@@ -7,7 +7,10 @@ are SGD (with optional momentum / Nesterov), Adam and Adagrad; more can be regis
 :func:`register_update_rule` in a ps process that runs user code.
 
 All built-in rules are elementwise, which is why partitioning a variable across shards and
-fusing many variables into one buffer give the same result as one process.
+fusing many variables into one buffer give the same result as one process, and why a shard
+may step a big variable in cache-sized pieces (:mod:`tensorfleet.ps.optimizer_pieces`). A
+registered rule says whether it is elementwise (``elementwise=True``); one that is not (a
+rule that takes a norm over a whole tensor, as LARS does) steps whole variables.
 
 ``fused=True`` (SGD, Adam, Adagrad) selects torch's fused kernel: one pass over the
 variables instead of several. Measured on this project's machine for the CNN's 1.66 M
@@ -65,6 +68,12 @@ class UpdateRule:
         }
         return cls(data["name"], hyper)
 
+    @property
+    def elementwise(self) -> bool:
+        """Whether each element's update depends only on that element (its value, gradient
+        and state) and the step count: then the rule may step any slice of a variable."""
+        return _RULES[self.name].elementwise
+
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         """The torch optimizer applying this rule to ``params`` (tensors updated in place).
 
@@ -84,6 +93,7 @@ class UpdateRule:
 class _RuleSpec:
     factory: OptimizerFactory
     allowed: dict[str, tuple[type, ...]]
+    elementwise: bool = False
 
     def validate(self, hyper: dict[str, Any]) -> None:
         for key, value in hyper.items():
@@ -119,13 +129,20 @@ _NUMBER = (int, float)
 
 
 def register_update_rule(
-    name: str, factory: OptimizerFactory, allowed: dict[str, tuple[type, ...]]
+    name: str,
+    factory: OptimizerFactory,
+    allowed: dict[str, tuple[type, ...]],
+    elementwise: bool = False,
 ) -> None:
     """Make a rule available by ``name``. ``allowed`` maps each hyperparameter to its types.
+    ``elementwise``: each element's update depends only on that element's value, gradient
+    and state and on the step count (torch's SGD, Adam, Adagrad); a shard then steps big
+    variables in cache-sized pieces (:mod:`tensorfleet.ps.optimizer_pieces`), bit for bit
+    the same values. Leave it False for a rule that reads a whole tensor at once (a norm).
 
     The rule must exist in every ps process that may receive it (ps tasks that run only
     ``tensorfleet server`` know the built-in rules)."""
-    _RULES[name] = _RuleSpec(factory, allowed)
+    _RULES[name] = _RuleSpec(factory, allowed, elementwise)
 
 
 def _torch_factory(
@@ -149,6 +166,7 @@ register_update_rule(
         "foreach": (bool,),
         "fused": (bool,),
     },
+    elementwise=True,
 )
 register_update_rule(
     "adam",
@@ -162,6 +180,7 @@ register_update_rule(
         "foreach": (bool,),
         "fused": (bool,),
     },
+    elementwise=True,
 )
 register_update_rule(
     "adagrad",
@@ -175,6 +194,7 @@ register_update_rule(
         "foreach": (bool,),
         "fused": (bool,),
     },
+    elementwise=True,
 )
 
 
