@@ -28,6 +28,13 @@ VARIABLES = [
     StoredVariable("half", (30,), "bfloat16"),
 ]
 
+register_update_rule(
+    "rmsprop_for_pieces_test",
+    lambda params, hyper: torch.optim.RMSprop(list(params), **hyper),
+    {"lr": (int, float), "alpha": (int, float), "momentum": (int, float)},
+    elementwise=True,
+)
+
 RULES = {
     "sgd": SGD(lr=0.05),
     "momentum_nesterov_decay": UpdateRule(
@@ -41,6 +48,9 @@ RULES = {
         "adam", {"lr": 0.01, "amsgrad": True, "weight_decay": 0.02, "betas": (0.8, 0.95)}
     ),
     "adam_fused": Adam(lr=0.01, fused=True),
+    "registered_rmsprop": UpdateRule(
+        "rmsprop_for_pieces_test", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5}
+    ),
     "adagrad": UpdateRule(
         "adagrad", {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}
     ),
@@ -92,7 +102,7 @@ def _assert_same_state(a: VariableStore, b: VariableStore) -> None:
 
 
 @pytest.mark.parametrize("rule_name", sorted(RULES))
-def test_pieces_step_every_builtin_rule_bit_for_bit_as_whole_variables(rule_name: str) -> None:
+def test_pieces_step_every_elementwise_rule_bit_for_bit_as_whole_variables(rule_name: str) -> None:
     rule = RULES[rule_name]
     pieces, whole = _store(rule, PIECE), _store(rule, WHOLE)
     layout = _layout()
