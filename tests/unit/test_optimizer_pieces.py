@@ -216,3 +216,26 @@ def test_a_rule_not_registered_as_elementwise_steps_whole_variables() -> None:
     store.apply([gradient])
     expected = initial - 0.5 * gradient / gradient.norm()
     assert torch.equal(store.live_values()[0], expected)
+
+
+def test_a_checkpoint_of_pieces_holds_each_slot_once_and_stepping_goes_on_exactly() -> None:
+    """``checkpoint_parts(copy=False)`` gives views of the live state, as for whole
+    variables: the pieces' slots are gathered into one tensor per slot (once) and stay views
+    of it, so the optimizer's state is never held twice and later steps write into it."""
+    rule = RULES["adam_amsgrad_decay"]
+    layout = _layout()
+    pieces, whole = _store(rule, PIECE), _store(rule, WHOLE)
+    first, second, third = _steps(layout, count=3, seed=80)
+    for store in (pieces, whole):
+        store.apply(first)
+    _, _, live = pieces.checkpoint_parts(copy=False)
+    for store in (pieces, whole):
+        store.apply(second)
+    _, _, again = pieces.checkpoint_parts(copy=False)
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        # The view taken before the second step is the live slot: it moved with it.
+        assert live["embedding"][key].data_ptr() == again["embedding"][key].data_ptr()
+        assert torch.equal(live["embedding"][key], again["embedding"][key])
+    for store in (pieces, whole):
+        store.apply(third)
+    _assert_same_state(pieces, whole)

@@ -33,8 +33,9 @@ rounding, so offered as a rule's option and not the default, :mod:`tensorfleet.p
 Pieces keep torch's default arithmetic exactly.
 
 A checkpoint and a namespace copy still see one state tensor per variable:
-:meth:`VariablePieces.joined_state` joins the pieces' state, :meth:`VariablePieces.split_state`
-cuts a variable's state into its pieces'.
+:meth:`VariablePieces.joined_state` gives the pieces' state as one tensor per slot, of which
+the pieces' slots are views (made so at the first checkpoint: no second copy of the state),
+:meth:`VariablePieces.split_state` cuts a variable's state into its pieces' (views).
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ class VariablePieces:
         self, optimizer: torch.optim.Optimizer, take: object = None
     ) -> dict[str, torch.Tensor]:
         """The optimizer's state of this variable, one tensor per key: an elementwise slot
-        (Adam's moments, a momentum buffer) joined from the pieces' and shaped as the
-        variable (a new tensor); a per-step number (the step count), the first piece's,
-        which all pieces share. ``take`` (e.g. ``clone``) is applied to whole variables'
-        tensors; joined ones are new already. Empty before the first update."""
+        (Adam's moments, a momentum buffer) shaped as the variable, of which every piece's
+        slot is a view (:meth:`_slot`); a per-step number (the step count), the first
+        piece's, which all pieces share. ``take`` (e.g. ``clone``) is applied to each, as
+        to a whole variable's tensors. Empty before the first update."""
         if self.whole:
             state = optimizer.state.get(self.view, {})
             return {key: _tensor(value, take) for key, value in state.items()}
@@ -96,11 +97,35 @@ class VariablePieces:
         joined: dict[str, torch.Tensor] = {}
         for key, first in states[0].items():
             if isinstance(first, torch.Tensor) and first.shape == self.pieces[0].shape:
-                parts = [state[key].detach() for state in states]
-                joined[key] = torch.cat(parts).view(self.view.shape)
+                joined[key] = _tensor(self._slot(states, key), take)
             else:
-                joined[key] = _tensor(first, lambda t: t.clone())
+                joined[key] = _tensor(first, take)
         return joined
+
+    def _slot(self, states: list[dict], key: str) -> torch.Tensor:
+        """Slot ``key`` of the variable as one tensor shaped as the variable, every piece's
+        slot a view of it. Found as it is when the pieces' slots already lie in one tensor,
+        in order (after a restore, which gives the pieces views of the checkpoint's
+        tensor, or after an earlier call); otherwise made now: the pieces' slots are copied
+        into one tensor once and replaced by views of it, so that their own memory is freed
+        and a checkpoint never holds the optimizer's state twice (torch allocates one
+        tensor per piece at the first update)."""
+        first = states[0][key].detach()
+        storage, base = first.untyped_storage(), first.storage_offset()
+        if all(
+            state[key].untyped_storage().data_ptr() == storage.data_ptr()
+            and state[key].storage_offset() == base + lo
+            and state[key].is_contiguous()
+            for state, (lo, _) in zip(states, self.bounds, strict=True)
+        ):
+            whole = first.new_empty(0).set_(storage, base, (self.bounds[-1][1],), (1,))
+            return whole.view(self.view.shape)
+        whole = first.new_empty(self.bounds[-1][1])
+        with torch.no_grad():
+            for state, (lo, hi) in zip(states, self.bounds, strict=True):
+                whole[lo:hi].copy_(state[key])
+                state[key] = whole[lo:hi]
+        return whole.view(self.view.shape)
 
     def split_state(self, state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """Each piece's state from the variable's (``state`` as :meth:`joined_state` gives
