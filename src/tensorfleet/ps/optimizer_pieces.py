@@ -32,6 +32,12 @@ either. Its fused kernels do (``fused=True`` is stepped whole: :func:`steps_in_p
 rounding, so offered as a rule's option and not the default, :mod:`tensorfleet.ps.update_rules`).
 Pieces keep torch's default arithmetic exactly.
 
+Only on the ps: a shard owns its variables' memory (flat, contiguous, on CPU) for the life
+of the store. A one-process or all-reduce replica steps the model's own parameters, whose
+memory the model may replace after the session started (``model.to(memory_format=...)``
+gives a parameter new, channels-last storage), so pieces there would have to follow every
+such move; they are not used there.
+
 A checkpoint and a namespace copy still see one state tensor per variable:
 :meth:`VariablePieces.joined_state` gives the pieces' state as one tensor per slot, of which
 the pieces' slots are views (made so at the first checkpoint: no second copy of the state),
