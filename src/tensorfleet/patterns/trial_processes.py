@@ -15,6 +15,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,8 @@ from tensorfleet.patterns.trial_main import (
     ENTRY_CHECK_TIMEOUT_S,
     check_entry,
     entry_check_verdict,
+    finish_entry_check,
+    start_entry_check,
 )
 from tensorfleet.patterns.warm_executor import TrialProcess, WarmExecutor, start_process_trial
 
@@ -45,6 +48,7 @@ class TrialProcesses:
         self.config = config
         self.progress = progress
         self._executors: dict[int, WarmExecutor] = {}  # by slot
+        self._check: subprocess.Popen[str] | None = None  # the entry's check, under way
         self._warm = (
             config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
         )
@@ -63,16 +67,33 @@ class TrialProcesses:
         if executor is not None:
             executor.close()
 
+    def start_executors(self) -> None:
+        """Start the slots' executors (or, for trials in fresh processes, the entry's check
+        process) and return at once: they import torch and the entry's module while the
+        sweep prepares its directory and study; :meth:`check_entry` then waits for them."""
+        if self.config.entry is None:
+            return
+        if not self._warm:
+            self._check = start_entry_check(self.config.entry, self.env())
+            return
+        for slot in range(self.config.slots):
+            self._executors[slot] = self._new_executor(slot)
+
     def check_entry(self) -> list[str]:
-        """Check the entry before anything starts (raises when its module or function is
-        missing); start the slots' executors. Returns notes for the progress."""
+        """Wait for the entry's check (slot 0's executor's verdict, or the check process
+        :meth:`start_executors` started); raise :class:`SweepConfigError` when its module or
+        function is missing. Returns notes for the progress."""
         if self.config.entry is None:
             return []
+        if self._check is not None:
+            check, self._check = self._check, None
+            note = finish_entry_check(check, self.config.entry, self.config.pythonpath)
+            return [note] if note else []
         if not self._warm:
             note = check_entry(self.config.entry, self.env(), self.config.pythonpath)
             return [note] if note else []
-        for slot in range(self.config.slots):
-            self._executors[slot] = self._new_executor(slot)
+        if not self._executors:
+            self.start_executors()
         first = self._executors[0]
         ready = first.wait_ready(time.monotonic() + ENTRY_CHECK_TIMEOUT_S)
         if ready is None:
@@ -99,16 +120,23 @@ class TrialProcesses:
         return WarmExecutor(self.config.entry, self.config.metric, self.env(), slot)
 
     def close(self) -> None:
-        """Stop every slot's executor (their running trials end with them)."""
+        """Stop every slot's executor (their running trials end with them) and an entry
+        check still running."""
         for executor in self._executors.values():
             executor.close()
         self._executors.clear()
+        if self._check is not None:
+            check, self._check = self._check, None
+            check.kill()
+            check.communicate()
 
-    def wait(self, seconds: float) -> None:
-        """Sleep ``seconds``, or less when an executor has news (a trial ended)."""
-        channels = [e.fileno() for e in self._executors.values() if not e.dead]
+    def wait(self, seconds: float, running: list[TrialProcess]) -> None:
+        """Sleep ``seconds``, or less when there is news: an executor said something (a
+        trial started or ended; it died) or a trial in a fresh process ended (its pidfd)."""
+        channels = {e.fileno() for e in self._executors.values() if not e.dead}
+        channels.update(fd for p in running if (fd := p.fileno()) is not None)
         if channels:
-            select.select(channels, [], [], seconds)
+            select.select(sorted(channels), [], [], seconds)
             for executor in self._executors.values():
                 executor.pump()  # an idle one that died is marked so (else select spins)
         else:

@@ -106,6 +106,11 @@ class TrialProcess(Protocol):
     def close(self) -> None:
         """Release what the sweep held for it (its log file)."""
 
+    def fileno(self) -> int | None:
+        """A descriptor that becomes readable when there is news of the trial (it ended, its
+        executor said something), for ``select``; None when there is none (then the sweep
+        looks every :data:`~tensorfleet.patterns.sweep.POLL_S`)."""
+
 
 class ProcessTrial:
     """A trial in a fresh process (a command, a launched cluster, or ``executor: fresh``)."""
@@ -113,9 +118,15 @@ class ProcessTrial:
     def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes]) -> None:
         self.process = process
         self._log = log
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # Linux 5.3 and later
+            self._pidfd = os.pidfd_open(process.pid)
 
     def poll(self) -> int | None:
         return self.process.poll()
+
+    def fileno(self) -> int | None:
+        return self._pidfd
 
     def signal(self, sig: int) -> None:
         signal_group(self.process.pid, sig)
@@ -128,6 +139,9 @@ class ProcessTrial:
 
     def close(self) -> None:
         self._log.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def start_process_trial(
@@ -330,6 +344,9 @@ class WarmTrial:
 
     def close(self) -> None:
         pass
+
+    def fileno(self) -> int | None:
+        return None if self.executor.dead else self.executor.fileno()
 
 
 def die_with_parent(sig: int) -> Any:
