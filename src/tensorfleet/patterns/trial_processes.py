@@ -38,7 +38,12 @@ from tensorfleet.patterns.trial_main import (
     finish_entry_check,
     start_entry_check,
 )
-from tensorfleet.patterns.warm_executor import TrialProcess, WarmExecutor, start_process_trial
+from tensorfleet.patterns.warm_executor import (
+    TrialProcess,
+    WarmExecutor,
+    shared_executor_possible,
+    start_process_trial,
+)
 
 
 class TrialProcesses:
@@ -47,7 +52,10 @@ class TrialProcesses:
     def __init__(self, config: SweepConfig, progress: PlainProgress) -> None:
         self.config = config
         self.progress = progress
-        self._executors: dict[int, WarmExecutor] = {}  # by slot
+        #: One executor serves every slot where the kernel has pidfds (Linux 5.3 and later:
+        #: it then waits for several trials at once), else one per slot; by slot.
+        self._shared = shared_executor_possible()
+        self._executors: dict[int, WarmExecutor] = {}
         self._check: subprocess.Popen[str] | None = None  # the entry's check, under way
         self._warm = (
             config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
@@ -63,9 +71,10 @@ class TrialProcesses:
         """From now on every trial runs in a fresh process (``slot``'s executor declined to
         fork); the other slots' executors finish the trials they run."""
         self._warm = False
-        executor = self._executors.pop(slot, None)
-        if executor is not None:
-            executor.close()
+        if not self._shared:  # a shared executor still runs the other slots' trials
+            executor = self._executors.pop(slot, None)
+            if executor is not None:
+                executor.close()
 
     def start_executors(self) -> None:
         """Start the slots' executors (or, for trials in fresh processes, the entry's check
@@ -76,8 +85,11 @@ class TrialProcesses:
         if not self._warm:
             self._check = start_entry_check(self.config.entry, self.env())
             return
-        for slot in range(self.config.slots):
-            self._executors[slot] = self._new_executor(slot)
+        if self._shared:
+            shared = self._new_executor()
+            self._executors = dict.fromkeys(range(self.config.slots), shared)
+        else:
+            self._executors = {slot: self._new_executor() for slot in range(self.config.slots)}
 
     def check_entry(self) -> list[str]:
         """Wait for the entry's check (slot 0's executor's verdict, or the check process
@@ -115,14 +127,18 @@ class TrialProcesses:
             self._warm = False
         return notes
 
-    def _new_executor(self, slot: int) -> WarmExecutor:
+    def _new_executor(self) -> WarmExecutor:
         assert self.config.entry is not None
-        return WarmExecutor(self.config.entry, self.config.metric, self.env(), slot)
+        return WarmExecutor(self.config.entry, self.config.metric, self.env())
+
+    def _slots_of(self, slot: int) -> list[int]:
+        """The slots served by ``slot``'s executor (every slot when it is shared)."""
+        return list(range(self.config.slots)) if self._shared else [slot]
 
     def close(self) -> None:
         """Stop every slot's executor (their running trials end with them) and an entry
         check still running."""
-        for executor in self._executors.values():
+        for executor in {id(e): e for e in self._executors.values()}.values():
             executor.close()
         self._executors.clear()
         if self._check is not None:
@@ -133,11 +149,12 @@ class TrialProcesses:
     def wait(self, seconds: float, running: list[TrialProcess]) -> None:
         """Sleep ``seconds``, or less when there is news: an executor said something (a
         trial started or ended; it died) or a trial in a fresh process ended (its pidfd)."""
-        channels = {e.fileno() for e in self._executors.values() if not e.dead}
+        executors = {id(e): e for e in self._executors.values()}.values()
+        channels = {e.fileno() for e in executors if not e.dead}
         channels.update(fd for p in running if (fd := p.fileno()) is not None)
         if channels:
             select.select(sorted(channels), [], [], seconds)
-            for executor in self._executors.values():
+            for executor in executors:
                 executor.pump()  # an idle one that died is marked so (else select spins)
         else:
             time.sleep(seconds)
@@ -152,8 +169,10 @@ class TrialProcesses:
                         f"slot {slot}: {executor.describe_death()}; starting a new executor"
                     )
                     executor.close()
-                executor = self._executors[slot] = self._new_executor(slot)
-            process = executor.run(planned.number, trial_dir, planned.params)
+                executor = self._new_executor()
+                for served in self._slots_of(slot):
+                    self._executors[served] = executor
+            process = executor.run(planned.number, trial_dir, planned.params, slot)
             if process is not None:
                 return process
         return None

@@ -167,10 +167,9 @@ def start_process_trial(
 
 
 class WarmExecutor:
-    """One slot's preloaded executor, seen from the sweep."""
+    """A preloaded executor (serving every slot, or one), seen from the sweep."""
 
-    def __init__(self, entry: str, metric: str, env: Mapping[str, str], slot: int) -> None:
-        self.slot = slot
+    def __init__(self, entry: str, metric: str, env: Mapping[str, str]) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tensorfleet.patterns.warm_executor", entry, metric],
@@ -184,7 +183,7 @@ class WarmExecutor:
         assert self.process.stdout is not None and self.process.stdin is not None
         os.set_blocking(self.process.stdout.fileno(), False)
         self._buffer = b""
-        self.events: deque[dict[str, Any]] = deque()
+        self._events: dict[int, deque[dict[str, Any]]] = {}  # by trial number
         self.ready: dict[str, Any] | None = None
         self.dead = False
 
@@ -215,8 +214,16 @@ class WarmExecutor:
                 continue  # the channel carries only the executor's own JSON lines
             if event.get("event") == "ready":
                 self.ready = event
-            else:
-                self.events.append(event)
+            elif isinstance(event.get("number"), int):
+                self._events.setdefault(event["number"], deque()).append(event)
+
+    def take(self, number: int) -> deque[dict[str, Any]]:
+        """The events of trial ``number`` not yet seen (its trial takes them as it polls)."""
+        return self._events.setdefault(number, deque())
+
+    def forget(self, number: int) -> None:
+        """Drop what is kept for trial ``number`` (it ended)."""
+        self._events.pop(number, None)
 
     def wait_ready(self, deadline: float) -> dict[str, Any] | None:
         """The executor's ready event, waiting until ``deadline`` (monotonic); None when it
@@ -240,13 +247,16 @@ class WarmExecutor:
             return False
         return True
 
-    def run(self, number: int, directory: Path, params: Mapping[str, Any]) -> WarmTrial | None:
-        """Start trial ``number`` in a fork of this executor; None when the executor is gone."""
+    def run(
+        self, number: int, directory: Path, params: Mapping[str, Any], slot: int
+    ) -> WarmTrial | None:
+        """Start trial ``number`` (in ``slot``) in a fork of this executor; None when the
+        executor is gone."""
         command = {
             "number": number,
             "directory": str(directory.resolve()),
             "params": dict(params),
-            "slot": self.slot,
+            "slot": slot,
         }
         return WarmTrial(self, number) if self.send(command) else None
 
@@ -308,19 +318,20 @@ class WarmTrial:
             return self.returncode
         ex = self.executor
         ex.pump()
-        while ex.events:
-            event = ex.events.popleft()
-            if event.get("number") != self.number:
-                continue  # an event of an earlier trial, already settled
+        events = ex.take(self.number)
+        while events:
+            event = events.popleft()
             kind = event.get("event")
             if kind == "started":
                 self.pid = int(event["pid"])
             elif kind == "ended":
                 self.returncode = int(event["returncode"])
+                ex.forget(self.number)
                 return self.returncode
             elif kind == "declined":
                 self._declined = str(event.get("why"))
                 self.returncode = -int(signal.SIGKILL)
+                ex.forget(self.number)
                 return self.returncode
         if ex.dead:
             self._lost = ex.describe_death() + "; the trial was killed with it"
@@ -347,6 +358,16 @@ class WarmTrial:
 
     def fileno(self) -> int | None:
         return None if self.executor.dead else self.executor.fileno()
+
+
+def shared_executor_possible() -> bool:
+    """Whether one executor can serve every slot: it waits for several trials at once
+    through their pidfds (``os.pidfd_open``: Linux 5.3 and later, Python 3.9 and later)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def die_with_parent(sig: int) -> Any:
@@ -377,7 +398,7 @@ def _threads() -> set[str]:
 
 def _serve(entry: str, metric: str) -> int:
     channel = os.fdopen(os.dup(1), "w", buffering=1)
-    commands = os.fdopen(os.dup(0), "r")
+    commands = os.dup(0)  # read whole chunks (os.read), never through a buffer select misses
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -422,37 +443,71 @@ def _serve(entry: str, metric: str) -> int:
             "why": why_not,
         }
     )
-    for line in commands:
-        try:
-            command = json.loads(line)
-            number = int(command["number"])
-        except (ValueError, KeyError, TypeError):
-            print(f"warm executor: ignored a malformed command {line[:200]!r}", file=sys.stderr)
-            continue
-        now_extra = _threads() - allowed
-        if why_not is None and now_extra:
-            why_not = f"the executor has {len(now_extra)} thread(s) more than after importing torch; forking it is unsafe"
-        if why_not is not None or function is None:
-            say({"event": "declined", "number": number, "why": why_not})
-            continue
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # The imported objects move to the collector's permanent generation: a child's
-        # collections then neither walk them nor write to their pages (which would copy
-        # them); measured 1.07-1.25 s against 1.15-1.29 s for a 1 s trial, in-process 1.16.
-        gc.freeze()
-        pid = os.fork()
-        if pid == 0:
-            channel_fd, commands_fd = channel.fileno(), commands.fileno()
-            _trial_child(
-                command, function, metric, parent=os.getppid(), close=(channel_fd, commands_fd)
+    # The trials under way, by the pidfd that becomes readable when the trial ends: the
+    # executor waits on its commands and on them at once, so that it serves every slot.
+    children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, trial number)
+    pending = b""
+    reading = True
+    while reading or children:
+        ready, _, _ = select.select([*children, *([commands] if reading else [])], [], [])
+        for pidfd in [fd for fd in ready if fd in children]:
+            pid, number = children.pop(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(pid, 0)
+            say(
+                {
+                    "event": "ended",
+                    "number": number,
+                    "returncode": os.waitstatus_to_exitcode(status),
+                }
             )
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also done by the child: whichever runs first
-        say({"event": "started", "number": number, "pid": pid})
-        _, status = os.waitpid(pid, 0)
-        say({"event": "ended", "number": number, "returncode": os.waitstatus_to_exitcode(status)})
+        if commands not in ready:
+            continue
+        chunk = os.read(commands, 65536)
+        if not chunk:  # the sweep closed the channel: finish the trials under way, then end
+            reading = False
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            try:
+                command = json.loads(line)
+                number = int(command["number"])
+            except (ValueError, KeyError, TypeError):
+                print(f"warm executor: ignored a malformed command {line[:200]!r}", file=sys.stderr)
+                continue
+            now_extra = _threads() - allowed
+            if why_not is None and now_extra:
+                why_not = f"the executor has {len(now_extra)} thread(s) more than after importing torch; forking it is unsafe"
+            if why_not is not None or function is None:
+                say({"event": "declined", "number": number, "why": why_not})
+                continue
+            pid = _fork_trial(command, function, metric, (channel.fileno(), commands, *children))
+            say({"event": "started", "number": number, "pid": pid})
+            try:
+                children[os.pidfd_open(pid)] = (pid, number)
+            except OSError:  # no pidfd (Linux before 5.3): this trial alone, to its end
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                say({"event": "ended", "number": number, "returncode": code})
     return 0
+
+
+def _fork_trial(
+    command: Mapping[str, Any], function: Any, metric: str, close: tuple[int, ...]
+) -> int:
+    """Fork the trial of ``command``; its pid (the child never returns)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The imported objects move to the collector's permanent generation: a child's
+    # collections then neither walk them nor write to their pages (which would copy
+    # them); measured 1.07-1.25 s against 1.15-1.29 s for a 1 s trial, in-process 1.16.
+    gc.freeze()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        _trial_child(command, function, metric, parent=parent, close=close)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # also done by the child: whichever runs first
+    return pid
 
 
 def _trial_child(
