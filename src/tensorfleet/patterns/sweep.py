@@ -9,6 +9,15 @@ workers). Trials report metrics through files in their
 directory (:mod:`tensorfleet.patterns.trial`), which the sweep reads as they come: they drive
 the live progress, the Optuna pruner and the results.
 
+Between trials the sweep waits for news, not on a clock: a trial's end wakes it (the
+executor's channel, or a fresh process's pidfd), and it looks at its trials on its own only
+every :data:`POLL_S` while a pruner may stop a trial on its new values, else every
+:data:`PROGRESS_S` (for the progress) or at a trial's deadline. It starts the executors first
+and opens the study while they import torch. Measured on the 2-core machine: between one
+trial's end and the next one's start about 58 ms of a 1-slot sweep (Optuna's ask on the SQLite
+study about 21 ms, its tell 10 ms, the fork and the trial's own set-up 10 ms, the trial's exit
+seen 13 ms), against about 5 ms in a hand-written loop with an in-memory study.
+
 The sweep directory holds everything, so that a killed sweep resumes where it stopped::
 
     DIR/sweep.json            the configuration (a resume with another one is refused)
@@ -28,8 +37,9 @@ pruned when the sweep stopped it as pruned, or when an entry-point trial raised
 ``TrialPruned`` (:data:`~tensorfleet.patterns.trial_main.PRUNED_EXIT`; a command exiting with
 that status on its own is failed). Trial processes die with the sweep (``PR_SET_PDEATHSIG``),
 so a killed sweep leaves nothing running. An entry point is looked up once before the first
-trial (by slot 0's executor, or :func:`~tensorfleet.patterns.trial_main.check_entry` when the
-trials run in fresh processes).
+trial (by the executor, or :func:`~tensorfleet.patterns.trial_main.check_entry` when the
+trials run in fresh processes); a missing one is refused, and what the sweep had created in
+the meantime (its directory, or the files it added to one) is removed.
 
 Why processes and the launcher, not threads: a trial is a training run that may crash, hang,
 leak or need its own cluster; a process group is the unit that can be stopped for sure.

@@ -1,5 +1,5 @@
-"""How a sweep's trials become processes: a Python entry point in a child forked from its
-slot's preloaded executor (:mod:`tensorfleet.patterns.warm_executor` says why), or a fresh
+"""How a sweep's trials become processes: a Python entry point in a child forked from the
+preloaded executor (one for every slot) (:mod:`tensorfleet.patterns.warm_executor` says why), or a fresh
 process (a command, a trial with its own cluster through ``tensorfleet launch``, or entry
 trials when the executors cannot be used), with the environment every trial gets.
 
