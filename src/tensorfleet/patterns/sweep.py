@@ -13,10 +13,11 @@ Between trials the sweep waits for news, not on a clock: a trial's end wakes it 
 executor's channel, or a fresh process's pidfd), and it looks at its trials on its own only
 every :data:`POLL_S` while a pruner may stop a trial on its new values, else every
 :data:`PROGRESS_S` (for the progress) or at a trial's deadline. It starts the executors first
-and opens the study while they import torch. Measured on the 2-core machine: between one
-trial's end and the next one's start about 58 ms of a 1-slot sweep (Optuna's ask on the SQLite
-study about 21 ms, its tell 10 ms, the fork and the trial's own set-up 10 ms, the trial's exit
-seen 13 ms), against about 5 ms in a hand-written loop with an in-memory study.
+and opens the study while they import torch. Measured on the 2-core machine at load 3.5:
+between one trial's end and the next one's start about 58 ms of a 1-slot sweep (Optuna's ask
+on the SQLite study about 21 ms, its tell 10 ms, the fork and the trial's own set-up 12 ms,
+the trial's exit seen 14 ms), where a hand-written loop with an in-memory study spends about
+2 ms of CPU per trial outside its trials.
 
 The sweep directory holds everything, so that a killed sweep resumes where it stopped::
 
