@@ -15,7 +15,7 @@
   against the same over TCP (``TENSORFLEET_SHARED_MEMORY=0`` in the subscribers), in one run.
 
     .venv/bin/python benchmarks/patterns.py --trials 8 --slots 2 --steps 400 --al-steps 30000
-    .venv/bin/python benchmarks/patterns.py --only search --search-trials 20 --search-steps 300 \
+    .venv/bin/python benchmarks/patterns.py --only search --search-trials 20 --search-steps 1800 \
         --search-repeats 2
     .venv/bin/python benchmarks/patterns.py --only broadcast --broadcast-mb 100 --subscribers 8
 """
@@ -27,6 +27,7 @@ import importlib.util
 import io
 import math
 import os
+import resource
 import secrets
 import statistics
 import subprocess
@@ -91,7 +92,8 @@ def hand_loop(trials: int, steps: int, seed: int) -> dict:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed))
-    durations = []
+    durations: list[float] = []
+    durations_cpu: list[float] = []
     with tempfile.TemporaryDirectory() as directory:
 
         def objective(ot: optuna.Trial) -> float:
@@ -102,19 +104,24 @@ def hand_loop(trials: int, steps: int, seed: int) -> dict:
             }
             trial_dir = Path(directory) / str(ot.number)
             trial_dir.mkdir()
-            started = time.monotonic()
+            started, cpu = time.monotonic(), time.process_time()
             value = search_train(Trial(trial_dir, ot.number, params))
             durations.append(time.monotonic() - started)
+            durations_cpu.append(time.process_time() - cpu)
             return value
 
-        started = time.monotonic()
+        started, cpu = time.monotonic(), time.process_time()
         study.optimize(objective, n_trials=trials)
         wall = time.monotonic() - started
+        cpu = time.process_time() - cpu
     return {
         "trials": trials,
         "wall_s": wall,
         "trials_per_min": trials / wall * 60,
         "mean_trial_s": statistics.fmean(durations),
+        # CPU seconds per trial outside the trial function: the loop's own overhead, a figure
+        # the machine's load changes far less than wall time
+        "overhead_cpu_per_trial_s": (cpu - sum(durations_cpu)) / trials,
     }
 
 
@@ -133,10 +140,17 @@ def sweep_search(trials: int, steps: int, seed: int, slots: int) -> dict:
     )
     with tempfile.TemporaryDirectory() as directory:
         started = time.monotonic()
+        own, children = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
         result = run_sweep(
             config, Path(directory) / "sweep", progress=PlainProgress("loss", io.StringIO())
         )
         ended = time.monotonic()
+        own_cpu = _cpu(resource.getrusage(resource.RUSAGE_SELF)) - _cpu(own)
+        # the executors (reaped when the sweep ends) with the trials they reaped
+        children_cpu = _cpu(resource.getrusage(resource.RUSAGE_CHILDREN)) - _cpu(children)
     records = result.records
     complete = sum(r.state == "complete" for r in records)
     first = min(r.started for r in records)
@@ -153,7 +167,15 @@ def sweep_search(trials: int, steps: int, seed: int, slots: int) -> dict:
         # without the executors' start and the results at the end
         "between_trials_per_min": complete / (last - first) * 60,
         "after_last_trial_s": ended - last,
+        # CPU seconds of the sweep's own process per trial (study, files, waiting), and of
+        # its executors and trials together (each executor's import once, the trials' work)
+        "sweep_cpu_per_trial_s": own_cpu / len(records),
+        "children_cpu_s": children_cpu,
     }
+
+
+def _cpu(usage: resource.struct_rusage) -> float:
+    return usage.ru_utime + usage.ru_stime
 
 
 def fresh_import_s() -> float:
@@ -366,8 +388,9 @@ def main() -> int:
     parser.add_argument(
         "--search-steps",
         type=int,
-        default=300,
-        help="training steps per search trial (300: about 1 s on an idle 2-core machine)",
+        default=1800,
+        help="training steps per search trial (1800: about 1 s on this 2-core machine at load "
+        "1-2; 300 took 0.17 s there and 1.07 s at load 13)",
     )
     parser.add_argument(
         "--search-repeats",
@@ -402,7 +425,10 @@ def main() -> int:
                 f"{run['wall_s']:.1f} s = {run['wall_to_ideal']:.2f}x ideal "
                 f"({run['ideal_wall_s']:.1f} s; first trial after {run['until_first_trial_s']:.1f} s; "
                 f"first trial's start to last one's end: {run['between_trials_per_min']:.1f}, "
-                f"{run['between_ratio_to_hand_loop']:.2f}x) | {run['ratio_to_hand_loop']:.2f}x |"
+                f"{run['between_ratio_to_hand_loop']:.2f}x; CPU per trial outside the trials: "
+                f"sweep process {run['sweep_cpu_per_trial_s'] * 1000:.0f} ms, hand loop "
+                f"{hand['overhead_cpu_per_trial_s'] * 1000:.0f} ms) | "
+                f"{run['ratio_to_hand_loop']:.2f}x |"
             )
         table.append(
             f"\n(a fresh interpreter importing torch, torch._dynamo, optuna and tensorfleet took "

@@ -144,6 +144,19 @@ def test_a_missing_entry_is_refused_before_any_trial_starts(tmp_path):
     assert not (tmp_path / "module").exists() and not (tmp_path / "function").exists()
 
 
+def test_a_missing_entry_in_an_existing_directory_removes_only_what_the_sweep_added(tmp_path):
+    # The sweep opens its study while the executor imports the entry; refused, it takes back
+    # what it wrote, so that the corrected config is not refused as another configuration.
+    directory = tmp_path / "existing"
+    directory.mkdir()
+    (directory / "notes.txt").write_text("mine")
+    with pytest.raises(SweepConfigError, match="there is no module 'no_such_mod'"):
+        run(config(entry="no_such_mod:train", search="optuna", trials=2), directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["notes.txt"]
+    result, _ = run(config(search="optuna", trials=2), directory)
+    assert [r.state for r in result.records] == ["complete"] * 2
+
+
 def test_bad_input_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(
         SweepConfigError, match=r"unknown parameter type 'gaussian'.*choice, int, float, loguniform"

@@ -57,6 +57,17 @@ def test_one_slot_runs_its_trials_in_forks_of_one_preloaded_executor(tmp_path):
     assert not (tmp_path / "sweep" / "lock").exists(), "the lock file is removed at the end"
 
 
+def test_two_slots_run_their_trials_at_once_in_forks_of_one_shared_executor(tmp_path):
+    # Each "meet" trial completes only while its partner runs beside it (else it fails after
+    # 60 s): the shared executor must wait for both at once, not fork one after the other.
+    result, log = sweep(tmp_path, ["meet"] * 4, slots=2)
+    assert [r.state for r in result.records] == ["complete"] * 4, log
+    seen = [where(tmp_path, n) for n in range(4)]
+    assert len({s["ppid"] for s in seen}) == 1, f"one executor serves both slots: {seen}"
+    assert {s["imported_by"] for s in seen} == {seen[0]["ppid"]}, seen
+    assert {s["slot"] for s in seen} == {"0", "1"}, seen
+
+
 def test_a_failing_trial_costs_only_itself_and_the_next_trial_runs(tmp_path):
     modes = ["ok", "raise", "ok", "exit", "ok", "kill", "ok", "hang", "ok"]
     result, log = sweep(tmp_path, modes, trial_timeout_s=4.0)

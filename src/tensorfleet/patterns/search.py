@@ -53,6 +53,9 @@ class PlannedTrial:
 class Search(Protocol):
     """What the sweep asks of a search strategy."""
 
+    prunes: bool
+    """Whether :meth:`report` may answer "stop it" (the sweep then reads metrics often)."""
+
     def next_trial(self, running: int) -> PlannedTrial | None:
         """The next trial to start, or None when every trial has started (``running`` are
         under way)."""
@@ -63,10 +66,15 @@ class Search(Protocol):
     def finish(self, trial: PlannedTrial, state: str, value: float | None) -> None:
         """Hear the end of a trial (state one of :data:`STATES`)."""
 
+    def close(self) -> None:
+        """Release what the search holds open (the study's database connections)."""
+
 
 class IndexedSearch:
     """Grid, random or listed configurations: trial ``n`` is the n-th configuration of a fixed sequence;
     ``done`` numbers (recorded in the sweep directory) are not run again."""
+
+    prunes = False
 
     def __init__(self, config: SweepConfig, done: Iterable[int]) -> None:
         if config.search == "list":
@@ -92,6 +100,9 @@ class IndexedSearch:
     def finish(self, trial: PlannedTrial, state: str, value: float | None) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class OptunaSearch:
     """Optuna's samplers and pruners over a study kept in ``directory/study.db``."""
@@ -106,7 +117,8 @@ class OptunaSearch:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
         self._config = config
-        storage = study_storage(optuna, directory / "study.db")
+        self.prunes = config.pruner != "none"
+        storage = self._storage = study_storage(optuna, directory / "study.db")
         try:
             held = len(
                 storage.get_all_trials(storage.get_study_id_from_name(config.name), deepcopy=False)
@@ -132,6 +144,10 @@ class OptunaSearch:
             load_if_exists=True,
         )
         self.interrupted = self._requeue_interrupted()
+        #: Trials that ended and count towards ``trials``: read from the study once, then
+        #: counted here as they end (this process is the study's only writer), which saves
+        #: two storage queries (every trial, every attribute) per trial handed out.
+        self._ended = self._counted()
 
     def _requeue_interrupted(self) -> list[int]:
         """Trials a killed sweep left RUNNING: marked FAIL (interrupted) and enqueued again."""
@@ -157,7 +173,7 @@ class OptunaSearch:
         )
 
     def next_trial(self, running: int) -> PlannedTrial | None:
-        if self._counted() + running >= self._config.total_trials:
+        if self._ended + running >= self._config.total_trials:
             return None
         trial = self._study.ask()
         params = {name: p.suggest(trial) for name, p in self._config.parameters.items()}
@@ -173,12 +189,16 @@ class OptunaSearch:
 
     def finish(self, trial: PlannedTrial, state: str, value: float | None) -> None:
         states = self._optuna.trial.TrialState
+        self._ended += 1
         if state == COMPLETE and value is not None and math.isfinite(value):
             self._study.tell(trial.handle, value)
         elif state == PRUNED:
             self._study.tell(trial.handle, state=states.PRUNED)
         else:
             self._study.tell(trial.handle, state=states.FAIL)
+
+    def close(self) -> None:
+        self._storage.engine.dispose()
 
 
 def study_storage(optuna: Any, path: Path) -> Any:

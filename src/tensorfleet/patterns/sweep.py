@@ -9,6 +9,16 @@ workers). Trials report metrics through files in their
 directory (:mod:`tensorfleet.patterns.trial`), which the sweep reads as they come: they drive
 the live progress, the Optuna pruner and the results.
 
+Between trials the sweep waits for news, not on a clock: a trial's end wakes it (the
+executor's channel, or a fresh process's pidfd), and it looks at its trials on its own only
+every :data:`POLL_S` while a pruner may stop a trial on its new values, else every
+:data:`PROGRESS_S` (for the progress) or at a trial's deadline. It starts the executors first
+and opens the study while they import torch. Measured on the 2-core machine at load 3.5:
+between one trial's end and the next one's start about 58 ms of a 1-slot sweep (Optuna's ask
+on the SQLite study about 21 ms, its tell 10 ms, the fork and the trial's own set-up 12 ms,
+the trial's exit seen 14 ms), where a hand-written loop with an in-memory study spends about
+2 ms of CPU per trial outside its trials.
+
 The sweep directory holds everything, so that a killed sweep resumes where it stopped::
 
     DIR/sweep.json            the configuration (a resume with another one is refused)
@@ -28,8 +38,9 @@ pruned when the sweep stopped it as pruned, or when an entry-point trial raised
 ``TrialPruned`` (:data:`~tensorfleet.patterns.trial_main.PRUNED_EXIT`; a command exiting with
 that status on its own is failed). Trial processes die with the sweep (``PR_SET_PDEATHSIG``),
 so a killed sweep leaves nothing running. An entry point is looked up once before the first
-trial (by slot 0's executor, or :func:`~tensorfleet.patterns.trial_main.check_entry` when the
-trials run in fresh processes).
+trial (by the executor, or :func:`~tensorfleet.patterns.trial_main.check_entry` when the
+trials run in fresh processes); a missing one is refused, and what the sweep had created in
+the meantime (its directory, or the files it added to one) is removed.
 
 Why processes and the launcher, not threads: a trial is a training run that may crash, hang,
 leak or need its own cluster; a process group is the unit that can be stopped for sure.
@@ -40,6 +51,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -84,8 +96,16 @@ from tensorfleet.patterns.warm_executor import (
 )
 
 RESULT_FILE = "result.json"
-#: How often the sweep looks at its trials (process exits, new metric lines).
+#: The Optuna study's files in the sweep directory (SQLite in write-ahead-log mode).
+STUDY_FILES = ("study.db", "study.db-wal", "study.db-shm")
+#: How often the sweep looks at its trials when something must be seen soon: new metric
+#: lines while a pruner may stop a trial on them, or the exit of a trial that has no channel
+#: to wake the sweep (see :meth:`Sweep._next_look`).
 POLL_S = 0.05
+#: Otherwise the sweep sleeps until a trial ends (its executor's channel, or its process's
+#: pidfd, wakes it) or a deadline, and reads the new metric lines for the progress at least
+#: this often.
+PROGRESS_S = 0.5
 #: After SIGTERM (pruned, timed out, sweep interrupted), SIGKILL follows after this long.
 KILL_AFTER_S = 5.0
 
@@ -154,7 +174,16 @@ class Sweep:
 
     # --- the directory -----------------------------------------------------------------
 
-    def _prepare(self) -> None:
+    def _prepare(self) -> list[Path]:
+        """Check or write ``sweep.json``; the paths this run creates in a directory that held
+        no sweep (removed again when the entry is refused)."""
+        created = []
+        if not (self.directory / "sweep.json").exists():
+            created = [
+                self.directory / name
+                for name in (*STUDY_FILES, "sweep.json", "trials")
+                if not (self.directory / name).exists()
+            ]
         (self.directory / "trials").mkdir(parents=True, exist_ok=True)
         stored = self.directory / "sweep.json"
         described = self.config.describe()
@@ -168,6 +197,20 @@ class Sweep:
                 )
         else:
             _write_atomic(stored, json.dumps(described, indent=2))
+        return created
+
+    def _undo_start(self, existed: bool, created: list[Path]) -> None:
+        """Remove what this run created before its entry was refused, so that the corrected
+        configuration starts afresh (a ``sweep.json`` left behind would refuse it as another
+        configuration): the whole directory when there was none, else the files it added."""
+        if not existed:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return
+        for path in created:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
 
     def _finished_trials(self) -> dict[int, TrialRecord]:
         """Trials with a recorded result; move what interrupted ones left aside."""
@@ -205,18 +248,22 @@ class Sweep:
     # --- running ------------------------------------------------------------------------
 
     def run(self) -> SweepResult:
+        existed = self.directory.exists()
+        lock = self._lock()
         try:
-            notes = (
-                self._processes.check_entry()
-            )  # a missing entry is refused before anything starts
-            lock = self._lock()
-        except BaseException:
-            self._processes.close()
-            raise
-        try:
-            self._prepare()
+            # The executors import torch and the entry's module (seconds) while this process
+            # prepares the directory and opens the study (Optuna's SQLite schema: about 1 s),
+            # rather than one after the other.
+            self._processes.start_executors()
+            created = self._prepare()
             self._records = self._finished_trials()
             search = self._search()
+            try:
+                notes = self._processes.check_entry()
+            except SweepConfigError:  # a missing entry: refused, and nothing left behind
+                search.close()
+                self._undo_start(existed, created)
+                raise
             with self.progress:
                 for note in notes:
                     self.progress.message(note)
@@ -228,6 +275,7 @@ class Sweep:
                         f"resuming in {self.directory}: {resumed} trial(s) already finished"
                     )
                 self._loop(search)
+            search.close()
             return self._results()
         finally:
             self._stop_all("the sweep ended")
@@ -293,7 +341,25 @@ class Sweep:
                 prepare_plot()
                 plot_ready = True
             if not ended:  # a slot just freed starts its next trial at once
-                self._processes.wait(POLL_S)
+                self._processes.wait(
+                    self._next_look(search), [t.process for t in self._running.values()]
+                )
+
+    def _next_look(self, search: Search) -> float:
+        """How long the loop may wait for news (a trial's end, an executor's event) before it
+        must look at its trials anyway: :data:`POLL_S` while a trial's new values may prune it
+        or a trial has no channel that wakes the sweep when it ends, else until the next
+        deadline (a trial's timeout, the SIGKILL after a SIGTERM) or :data:`PROGRESS_S`."""
+        if search.prunes or any(t.process.fileno() is None for t in self._running.values()):
+            return POLL_S
+        now, wait = time.monotonic(), PROGRESS_S
+        timeout = self.config.trial_timeout_s
+        for trial in self._running.values():
+            if trial.stopping and not trial.killed:
+                wait = min(wait, trial.stop_sent_at + KILL_AFTER_S - now)
+            elif trial.stopping is None and timeout:
+                wait = min(wait, trial.record.started + timeout - now)
+        return max(wait, 0.0)
 
     def _start(self, planned: PlannedTrial, slot: int) -> _Running:
         trial_dir = self.directory / "trials" / f"{planned.number:04d}"
@@ -303,6 +369,7 @@ class Sweep:
         _write_atomic(
             trial_dir / PARAMS_FILE,
             json.dumps({"number": planned.number, "params": planned.params}),
+            durable=False,  # lost in a crash of the machine, the trial reruns and rewrites it
         )
         process = self._processes.start(planned, slot, trial_dir)
         record = TrialRecord(planned.number, planned.params, slot=slot)
@@ -466,10 +533,14 @@ def _tail(path: Path, lines: int = 3) -> str:
     return " | ".join(line.strip() for line in text[-lines:])[-400:]
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str, durable: bool = True) -> None:
+    """Write ``path`` whole or not at all (a temporary file renamed over it); ``durable``:
+    synced to the disk first, so that it survives a crash of the machine, not only of the
+    sweep (a few ms, tens under load)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -104,27 +104,44 @@ def check_entry(entry: str, env: Mapping[str, str], pythonpath: list[str]) -> st
     could not decide (importing the module raised something else, or took longer than
     :data:`ENTRY_CHECK_TIMEOUT_S`): the trials then run and show what happens. None: found.
     """
+    return finish_entry_check(start_entry_check(entry, env), entry, pythonpath)
+
+
+def start_entry_check(entry: str, env: Mapping[str, str]) -> subprocess.Popen[str]:
+    """Start :func:`check_entry`'s child process and return at once, so that the sweep can
+    prepare its directory and study while the child imports the module; then
+    :func:`finish_entry_check`."""
     argv = [sys.executable, "-m", "tensorfleet.patterns.trial_main", "--check", entry]
+    return subprocess.Popen(
+        argv,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish_entry_check(
+    process: subprocess.Popen[str], entry: str, pythonpath: list[str]
+) -> str | None:
+    """Wait (at most :data:`ENTRY_CHECK_TIMEOUT_S` from now) for the check started by
+    :func:`start_entry_check`, and judge it as :func:`check_entry` says."""
     try:
-        done = subprocess.run(
-            argv,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=ENTRY_CHECK_TIMEOUT_S,
-        )
+        stdout, stderr = process.communicate(timeout=ENTRY_CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
         return (
             f"entry {entry!r} not checked: importing it took more than "
             f"{ENTRY_CHECK_TIMEOUT_S:g} s; the trials start anyway and show any error"
         )
-    marks = [ln for ln in done.stdout.splitlines() if ln.startswith(CHECK_MARK)]
+    marks = [ln for ln in stdout.splitlines() if ln.startswith(CHECK_MARK)]
     if not marks:
-        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])[-300:]
+        tail = " | ".join((stdout + stderr).strip().splitlines()[-3:])[-300:]
         return (
             f"entry {entry!r} not checked: the check process exited with status "
-            f"{done.returncode} ({tail}); the trials start anyway and show any error"
+            f"{process.returncode} ({tail}); the trials start anyway and show any error"
         )
     return entry_check_verdict(entry, json.loads(marks[-1][len(CHECK_MARK) :]), pythonpath)
 

@@ -1,5 +1,5 @@
-"""How a sweep's trials become processes: a Python entry point in a child forked from its
-slot's preloaded executor (:mod:`tensorfleet.patterns.warm_executor` says why), or a fresh
+"""How a sweep's trials become processes: a Python entry point in a child forked from the
+preloaded executor (one for every slot) (:mod:`tensorfleet.patterns.warm_executor` says why), or a fresh
 process (a command, a trial with its own cluster through ``tensorfleet launch``, or entry
 trials when the executors cannot be used), with the environment every trial gets.
 
@@ -15,6 +15,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,8 +35,15 @@ from tensorfleet.patterns.trial_main import (
     ENTRY_CHECK_TIMEOUT_S,
     check_entry,
     entry_check_verdict,
+    finish_entry_check,
+    start_entry_check,
 )
-from tensorfleet.patterns.warm_executor import TrialProcess, WarmExecutor, start_process_trial
+from tensorfleet.patterns.warm_executor import (
+    TrialProcess,
+    WarmExecutor,
+    shared_executor_possible,
+    start_process_trial,
+)
 
 
 class TrialProcesses:
@@ -44,7 +52,11 @@ class TrialProcesses:
     def __init__(self, config: SweepConfig, progress: PlainProgress) -> None:
         self.config = config
         self.progress = progress
-        self._executors: dict[int, WarmExecutor] = {}  # by slot
+        #: One executor serves every slot where the kernel has pidfds (Linux 5.3 and later:
+        #: it then waits for several trials at once), else one per slot; by slot.
+        self._shared = shared_executor_possible()
+        self._executors: dict[int, WarmExecutor] = {}
+        self._check: subprocess.Popen[str] | None = None  # the entry's check, under way
         self._warm = (
             config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
         )
@@ -59,20 +71,41 @@ class TrialProcesses:
         """From now on every trial runs in a fresh process (``slot``'s executor declined to
         fork); the other slots' executors finish the trials they run."""
         self._warm = False
-        executor = self._executors.pop(slot, None)
-        if executor is not None:
-            executor.close()
+        if not self._shared:  # a shared executor still runs the other slots' trials
+            executor = self._executors.pop(slot, None)
+            if executor is not None:
+                executor.close()
+
+    def start_executors(self) -> None:
+        """Start the slots' executors (or, for trials in fresh processes, the entry's check
+        process) and return at once: they import torch and the entry's module while the
+        sweep prepares its directory and study; :meth:`check_entry` then waits for them."""
+        if self.config.entry is None:
+            return
+        if not self._warm:
+            self._check = start_entry_check(self.config.entry, self.env())
+            return
+        if self._shared:
+            shared = self._new_executor()
+            self._executors = dict.fromkeys(range(self.config.slots), shared)
+        else:
+            self._executors = {slot: self._new_executor() for slot in range(self.config.slots)}
 
     def check_entry(self) -> list[str]:
-        """Check the entry before anything starts (raises when its module or function is
-        missing); start the slots' executors. Returns notes for the progress."""
+        """Wait for the entry's check (slot 0's executor's verdict, or the check process
+        :meth:`start_executors` started); raise :class:`SweepConfigError` when its module or
+        function is missing. Returns notes for the progress."""
         if self.config.entry is None:
             return []
+        if self._check is not None:
+            check, self._check = self._check, None
+            note = finish_entry_check(check, self.config.entry, self.config.pythonpath)
+            return [note] if note else []
         if not self._warm:
             note = check_entry(self.config.entry, self.env(), self.config.pythonpath)
             return [note] if note else []
-        for slot in range(self.config.slots):
-            self._executors[slot] = self._new_executor(slot)
+        if not self._executors:
+            self.start_executors()
         first = self._executors[0]
         ready = first.wait_ready(time.monotonic() + ENTRY_CHECK_TIMEOUT_S)
         if ready is None:
@@ -94,22 +127,34 @@ class TrialProcesses:
             self._warm = False
         return notes
 
-    def _new_executor(self, slot: int) -> WarmExecutor:
+    def _new_executor(self) -> WarmExecutor:
         assert self.config.entry is not None
-        return WarmExecutor(self.config.entry, self.config.metric, self.env(), slot)
+        return WarmExecutor(self.config.entry, self.config.metric, self.env())
+
+    def _slots_of(self, slot: int) -> list[int]:
+        """The slots served by ``slot``'s executor (every slot when it is shared)."""
+        return list(range(self.config.slots)) if self._shared else [slot]
 
     def close(self) -> None:
-        """Stop every slot's executor (their running trials end with them)."""
-        for executor in self._executors.values():
+        """Stop every slot's executor (their running trials end with them) and an entry
+        check still running."""
+        for executor in {id(e): e for e in self._executors.values()}.values():
             executor.close()
         self._executors.clear()
+        if self._check is not None:
+            check, self._check = self._check, None
+            check.kill()
+            check.communicate()
 
-    def wait(self, seconds: float) -> None:
-        """Sleep ``seconds``, or less when an executor has news (a trial ended)."""
-        channels = [e.fileno() for e in self._executors.values() if not e.dead]
+    def wait(self, seconds: float, running: list[TrialProcess]) -> None:
+        """Sleep ``seconds``, or less when there is news: an executor said something (a
+        trial started or ended; it died) or a trial in a fresh process ended (its pidfd)."""
+        executors = {id(e): e for e in self._executors.values()}.values()
+        channels = {e.fileno() for e in executors if not e.dead}
+        channels.update(fd for p in running if (fd := p.fileno()) is not None)
         if channels:
-            select.select(channels, [], [], seconds)
-            for executor in self._executors.values():
+            select.select(sorted(channels), [], [], seconds)
+            for executor in executors:
                 executor.pump()  # an idle one that died is marked so (else select spins)
         else:
             time.sleep(seconds)
@@ -124,8 +169,10 @@ class TrialProcesses:
                         f"slot {slot}: {executor.describe_death()}; starting a new executor"
                     )
                     executor.close()
-                executor = self._executors[slot] = self._new_executor(slot)
-            process = executor.run(planned.number, trial_dir, planned.params)
+                executor = self._new_executor()
+                for served in self._slots_of(slot):
+                    self._executors[served] = executor
+            process = executor.run(planned.number, trial_dir, planned.params, slot)
             if process is not None:
                 return process
         return None

@@ -37,6 +37,16 @@ def where(trial: Trial) -> float:
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "hang":
         time.sleep(120)
+    if mode == "meet":  # runs only beside its partner trial (n xor 1): two slots at once
+        (trial.directory.parent / f"met-{trial.params['n']}").touch()
+        partner = trial.directory.parent / f"met-{trial.params['n'] ^ 1}"
+        deadline = time.monotonic() + 60
+        while not partner.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"trial {trial.params['n']} ran alone: no {partner.name} in 60 s"
+                )
+            time.sleep(0.01)
     if mode == "kill_executor":
         os.kill(os.getppid(), signal.SIGKILL)
         time.sleep(120)  # killed with it (parent-death signal)
