@@ -62,10 +62,10 @@ def test_example_runs_as_one_process_without_a_cluster(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(EXAMPLE.parent))
     args = mnist_cnn.build_parser().parse_args(
-        ["--steps", "30", "--train-limit", "1000", "--test-limit", "500", "--lr", "1e-3"]
+        ["--steps", "10", "--train-limit", "1000", "--test-limit", "500", "--lr", "1e-3"]
     )
     result = mnist_cnn.train(args)
-    assert result is not None and (result.global_step, result.workers) == (30, 1)
+    assert result is not None and (result.global_step, result.workers) == (10, 1)
 
 
 def _checkpoint_steps(logdir: Path) -> list[int]:
