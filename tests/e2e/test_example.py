@@ -62,10 +62,10 @@ def test_example_runs_as_one_process_without_a_cluster(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(EXAMPLE.parent))
     args = mnist_cnn.build_parser().parse_args(
-        ["--steps", "30", "--train-limit", "1000", "--test-limit", "500", "--lr", "1e-3"]
+        ["--steps", "10", "--train-limit", "1000", "--test-limit", "500", "--lr", "1e-3"]
     )
     result = mnist_cnn.train(args)
-    assert result is not None and (result.global_step, result.workers) == (30, 1)
+    assert result is not None and (result.global_step, result.workers) == (10, 1)
 
 
 def _checkpoint_steps(logdir: Path) -> list[int]:
@@ -77,31 +77,31 @@ def test_example_writes_checkpoints_summaries_and_curves_and_a_second_run_resume
     logdir = tmp_path / "run"
     command = [
         sys.executable, str(EXAMPLE),
-        "--log-every", "20", "--lr", "1e-3", "--train-limit", "3000", "--test-limit", "500",
-        "--logdir", str(logdir), "--checkpoint-steps", "40", "--summary-steps", "20",
+        "--log-every", "10", "--lr", "1e-3", "--train-limit", "3000", "--test-limit", "500",
+        "--logdir", str(logdir), "--checkpoint-steps", "20", "--summary-steps", "10",
     ]  # fmt: skip
-    first = run_local_cluster(1, 2, [*command, "--steps", "80"], timeout_s=200)
+    first = run_local_cluster(1, 2, [*command, "--steps", "40"], timeout_s=200)
     assert first.returncode == 0, str(first)
-    assert _checkpoint_steps(logdir)[-1] >= 80, str(first)
+    assert _checkpoint_steps(logdir)[-1] >= 40, str(first)
     assert list(logdir.glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (logdir / "metrics.png").read_bytes().startswith(b"\x89PNG"), "no PNG of the curves"
     lines = (logdir / "metrics.jsonl").read_text().splitlines()
     assert {"loss", "accuracy", "global_steps_per_sec"} <= set(json.loads(lines[0])), lines[0]
 
-    second = run_local_cluster(1, 2, [*command, "--steps", "120"], timeout_s=200)
+    second = run_local_cluster(1, 2, [*command, "--steps", "60"], timeout_s=200)
     assert second.returncode == 0, str(second)
     chief = second.output.of("worker:0")
     resumed = [line for line in chief if "restoring checkpoint" in line]
-    assert resumed and "(global step 8" in resumed[0], str(second)
+    assert resumed and "(global step 4" in resumed[0], str(second)
     steps = [
         int(re.search(r"Step: (\d+)", line).group(1))
         for task in ("worker:0", "worker:1")
         for line in second.output.of(task)
         if line.startswith("Worker:")
     ]
-    assert steps and min(steps) > 80, f"the second run started over: {steps}\n{second}"
+    assert steps and min(steps) > 40, f"the second run started over: {steps}\n{second}"
 
-    fresh = run_local_cluster(1, 2, [*command, "--steps", "40", "--fresh"], timeout_s=200)
+    fresh = run_local_cluster(1, 2, [*command, "--steps", "20", "--fresh"], timeout_s=200)
     assert fresh.returncode == 0, str(fresh)
     assert not any("restoring checkpoint" in line for line in fresh.output.of("worker:0"))
-    assert _checkpoint_steps(logdir)[-1] < 80, "--fresh kept the old checkpoints"
+    assert _checkpoint_steps(logdir)[-1] < 40, "--fresh kept the old checkpoints"

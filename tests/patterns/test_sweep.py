@@ -130,8 +130,10 @@ def test_a_sweep_without_a_completed_trial_exits_1_and_says_why_there_is_no_plot
 
 
 def test_a_missing_entry_is_refused_before_any_trial_starts(tmp_path):
+    # One slot: the verdict is slot 0's executor's; a second executor (torch and its
+    # optimizer imports, seconds) would only be started and stopped again.
     with pytest.raises(SweepConfigError) as caught:
-        run(config(entry="no_such_mod:train"), tmp_path / "module")
+        run(config(entry="no_such_mod:train", slots=1), tmp_path / "module")
     message = str(caught.value)
     assert "entry 'no_such_mod:train': there is no module 'no_such_mod'" in message, message
     assert PROGRAMS in message and "pythonpath" in message, message
@@ -140,7 +142,7 @@ def test_a_missing_entry_is_refused_before_any_trial_starts(tmp_path):
         match=r"entry 'sweep_trials:quadratc': 'sweep_trials' \(.*sweep_trials.py\) has no "
         r"attribute 'quadratc' \(did you mean 'quadratic'\?\); fix the function name",
     ):
-        run(config(entry="sweep_trials:quadratc"), tmp_path / "function")
+        run(config(entry="sweep_trials:quadratc", slots=1), tmp_path / "function")
     assert not (tmp_path / "module").exists() and not (tmp_path / "function").exists()
 
 

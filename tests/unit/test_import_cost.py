@@ -28,3 +28,22 @@ def test_a_session_and_a_server_do_not_import_the_pipelining_package() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_the_launcher_does_not_import_torch() -> None:
+    """``tensorfleet launch`` only starts and watches processes: importing torch there (2 s
+    idle, 5-10 s on a loaded 2-core machine, and hundreds of MB) was paid by every launch, a
+    ``--help`` and a refused flag included, before the arguments were even read."""
+    program = (
+        "import sys\n"
+        "import tensorfleet.launch.cli, tensorfleet.launch.local_cluster\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False", (
+        "the launcher's modules import torch (find the importer with "
+        "`python -X importtime -m tensorfleet launch --help`)\n" + result.stdout + result.stderr
+    )

@@ -13,13 +13,20 @@ Why pool at all: a fresh allocation of megabytes is fresh pages, and faulting th
 about as much as the copy (or the encryption) that fills them; reusing mapped memory saves
 that. Buffers larger than :data:`MAX_POOLED_BYTES` (a checkpoint document, say) are used
 once and freed rather than kept.
+
+torch is imported where a buffer is made, not when the module is: the wire's message and
+encryption modules import this one, and the launcher (``tensorfleet launch``), which reads
+their settings but never makes a buffer, would otherwise import torch (seconds, and hundreds
+of MB) before it even parses its arguments.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 #: Each buffer of a message starts at a multiple of this many bytes in a pooled buffer (and
 #: in a shared-memory segment).
@@ -42,6 +49,8 @@ def offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 def storage_users(tensor: torch.Tensor) -> int | None:
     """How many tensors share ``tensor``'s memory (None where torch cannot tell)."""
+    import torch  # here, not at the top: see the module's last paragraph
+
     count = getattr(torch._C, "_storage_Use_Count", None)
     return None if count is None else count(tensor.untyped_storage()._cdata)
 
@@ -62,6 +71,8 @@ class BufferPool:
             if pooled.numel() >= size and storage_users(pooled) == alone:
                 self._pool.append(self._pool.pop(index))
                 return pooled[:size]
+        import torch  # here, not at the top: see the module's last paragraph
+
         fresh = torch.empty(size, dtype=torch.uint8)
         users = storage_users(fresh)
         if users is not None and size <= self._max_pooled_bytes:
