@@ -253,7 +253,8 @@ class EmbeddingTable(nn.Module):
                 f"pass hash_ids=True to look up strings or unbounded ids"
             )
         ids = ids.to(torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+        low, high = torch.aminmax(ids) if ids.numel() else (0, 0)
+        if int(low) < 0 or int(high) >= self.num_rows:
             bad = ids[(ids < 0) | (ids >= self.num_rows)]
             raise SparseGradientError(
                 f"table {self.table_name!r}: id {int(bad[0])} is out of range "
