@@ -30,10 +30,13 @@ Two more parts (``--parts tables click growing``, all by default):
 * ``click``: the click model of ``examples/click_fm.py`` (a factorization machine, one
   1M x 8 table) on a fixed data set of ``--click-examples`` examples, ``--click-epochs``
   epochs of batches of 256 (``programs/click_speed.py``), for each optimizer
-  (``--click-optimizers``: adagrad, sparse_adam, sgd) three runs side by side in each round:
+  (``--click-optimizers``: adagrad, sparse_adam, sgd) four runs side by side in each round
+  (``--click-modes``: all by default; ``torch`` always):
   a plain PyTorch loop (``nn.Embedding(sparse=True)`` and torch's optimizer), a one-process
-  ``TrainingSession`` with a ``tfl.EmbeddingTable``, and the same session as 2 ps + 2 workers
-  (async). Reported: examples/s over the training loops, the workers' CPU seconds, the
+  ``TrainingSession`` with a ``tfl.EmbeddingTable``, the same with every row created before
+  the loop (``EmbeddingTable.create_all_rows()``, as the plain loop's ``nn.Embedding``
+  initializes its weight before it; ``--rows-ahead``), and the same session as 2 ps + 2
+  workers (async). Reported: examples/s over the training loops, the workers' CPU seconds, the
   held-out AUC, and per round the ratios to the plain loop (examples/s; one process also
   CPU seconds, the measure a loaded machine disturbs least);
 * ``growing``: a raw-id table (``ids="raw"``) whose ids arrive over time (half of each batch
@@ -72,7 +75,7 @@ from tensorfleet.launch.output import Output  # noqa: E402
 
 WORKER = HERE / "programs" / "sparse_table_worker.py"
 CLICK = HERE / "programs" / "click_speed.py"
-CLICK_MODES = ("torch", "local", "cluster")
+CLICK_MODES = ("torch", "local", "local_ahead", "cluster")
 CLICK_OPTIMIZERS = ("adagrad", "sparse_adam", "sgd")
 PARTS = ("tables", "click", "growing")
 GIB = 2**30
@@ -196,8 +199,10 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
     the last end), their CPU seconds, the held-out AUC."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        command = [sys.executable, str(CLICK), str(out), "--mode", mode, "--optimizer", optimizer,
-                   "--examples", str(examples), "--epochs", str(epochs)]  # fmt: skip
+        ahead = ["--rows-ahead"] if mode == "local_ahead" else []
+        command = [sys.executable, str(CLICK), str(out), "--mode", mode.removesuffix("_ahead"),
+                   "--optimizer", optimizer, "--examples", str(examples), "--epochs",
+                   str(epochs), *ahead]  # fmt: skip
         env = {"PYTHONPATH": str(ROOT / "src")}
         if mode == "cluster":
             capture = Capture()
@@ -232,6 +237,7 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
         "examples_per_s": sum(p["examples"] for p in parts) / span,
         "cpu_s_workers": sum(p["cpu_s"] for p in parts),
         "auc": next(p["auc"] for p in parts if "auc" in p),
+        "setup_cpu_s": sum(p.get("setup_cpu_s", 0.0) for p in parts),
     }
     print("click", json.dumps(report), flush=True)
     return report
@@ -360,32 +366,34 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
     for _ in range(args.repeats):
         one = {}
         for optimizer in args.click_optimizers:
-            for mode in CLICK_MODES:
+            for mode in args.click_modes:
                 one[f"{mode}_{optimizer}"] = run_click(
                     mode, optimizer, args.click_examples, args.click_epochs, 1800
                 )
         rounds.append(one)
     rows, ratios = {}, {}
     for optimizer in args.click_optimizers:
-        for mode in CLICK_MODES:
+        for mode in args.click_modes:
             name = f"{mode}_{optimizer}"
             rows[name] = {
                 "examples_per_s": statistics.median(r[name]["examples_per_s"] for r in rounds),
                 "seconds": statistics.median(r[name]["seconds"] for r in rounds),
                 "cpu_s_workers": statistics.median(r[name]["cpu_s_workers"] for r in rounds),
                 "auc": statistics.median(r[name]["auc"] for r in rounds),
+                "setup_cpu_s": statistics.median(r[name]["setup_cpu_s"] for r in rounds),
             }
             if mode != "torch":
                 ratios[f"click_{name}_vs_torch_{optimizer}"] = statistics.median(
                     r[name]["examples_per_s"] / r[f"torch_{optimizer}"]["examples_per_s"]
                     for r in rounds
                 )
-            if mode == "local":  # one process each: CPU seconds are the load-proof measure
+            if mode.startswith("local"):  # one process each: CPU seconds are the load-proof measure
                 ratios[f"click_{name}_vs_torch_{optimizer}_cpu"] = statistics.median(
                     r[f"torch_{optimizer}"]["cpu_s_workers"] / r[name]["cpu_s_workers"]
                     for r in rounds
                 )
     label = {"torch": "plain PyTorch loop", "local": "tensorfleet, one process",
+             "local_ahead": "tensorfleet, one process, rows created ahead",
              "cluster": "tensorfleet, 2 ps + 2 workers (async)"}  # fmt: skip
     table = [
         "| run | optimizer | examples/s | loop s | CPU s (workers) | held-out AUC | examples/s "
@@ -393,7 +401,7 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for optimizer in args.click_optimizers:
-        for mode in CLICK_MODES:
+        for mode in args.click_modes:
             row = rows[f"{mode}_{optimizer}"]
             ratio = ratios.get(f"click_{mode}_{optimizer}_vs_torch_{optimizer}", 1.0)
             cpu = ratios.get(f"click_{mode}_{optimizer}_vs_torch_{optimizer}_cpu")
@@ -476,6 +484,10 @@ def main() -> int:
     )
     parser.add_argument("--click-epochs", type=int, default=2)
     parser.add_argument(
+        "--click-modes", nargs="+", choices=CLICK_MODES, default=list(CLICK_MODES),
+        help="the click part's runs (the plain PyTorch loop, torch, always runs)",
+    )  # fmt: skip
+    parser.add_argument(
         "--click-optimizers", nargs="+", choices=CLICK_OPTIMIZERS, default=list(CLICK_OPTIMIZERS)
     )
     parser.add_argument("--growing-steps", type=int, default=300)
@@ -483,6 +495,7 @@ def main() -> int:
     parser.add_argument("--growing-expire", type=int, default=50)
     add_out_dir_option(parser)
     args = parser.parse_args()
+    args.click_modes = ["torch", *(m for m in CLICK_MODES[1:] if m in args.click_modes)]
     result: dict = {
         "benchmark": "embedding tables: rows vs the dense table, the click model against "
         "plain PyTorch, a growing raw-id table",

@@ -66,7 +66,12 @@ from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT, RowStore, _read_metadata
 from tensorfleet.ps.save_clock import SaveClock
-from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows, check_sparse_rows
+from tensorfleet.ps.sparse_rows import (
+    SparseGradientError,
+    SparseRows,
+    check_row_shapes,
+    check_sparse_rows,
+)
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
 #: Bytes per id in the map: its key, count, last_seen and position (int64 each).
@@ -115,10 +120,12 @@ class RawIdRowStore(SaveClock):
 
     # -- reads -------------------------------------------------------------------------------
 
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+    def pull(self, ids: torch.Tensor, *, trusted: bool = False) -> torch.Tensor:
         """The rows of ``ids`` (raw ids of this shard, 1-D int64), zeros for an id without a
-        row (``admit_after`` 0: created now, while the shard has room); marks them seen."""
-        self._check_ids(ids)
+        row (``admit_after`` 0: created now, while the shard has room); marks them seen.
+        ``trusted``: the table in this process split the ids by shard: not scanned again."""
+        if not trusted:
+            self._check_ids(ids)
         index, found = self._find(ids)
         if self.table.admit_after == 0 and ids.numel():
             has_row = found.clone()
@@ -206,10 +213,15 @@ class RawIdRowStore(SaveClock):
 
     # -- updates -----------------------------------------------------------------------------
 
-    def apply(self, gradient: SparseRows) -> None:
+    def apply(self, gradient: SparseRows, *, trusted: bool = False) -> None:
         """One update: the rule on the ids that have rows; the others counted (and admitted
-        at ``admit_after``), their gradient dropped; then expiry (module docstring)."""
-        self.check(gradient)
+        at ``admit_after``), their gradient dropped; then expiry (module docstring).
+        ``trusted``: made in this process by the table itself, only its shape and dtype are
+        checked (as :meth:`tensorfleet.ps.row_store.RowStore.apply`)."""
+        if trusted:
+            check_row_shapes(self.table.name, gradient, self.table.dim, self.table.torch_dtype)
+        else:
+            self.check(gradient)
         self.step += 1
         ids = gradient.indices
         index, found = self._find(ids)

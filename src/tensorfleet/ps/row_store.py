@@ -48,6 +48,7 @@ from tensorfleet.ps.save_clock import SaveClock
 from tensorfleet.ps.sparse_rows import (
     SparseGradientError,
     SparseRows,
+    check_row_shapes,
     check_sparse_rows,
     strictly_ascending,
 )
@@ -85,6 +86,9 @@ class RowStore(SaveClock):
         self._touched_at = torch.empty(0, dtype=torch.int64)
         self.save_clock = 0
         self._saved = False
+        self._whole = False
+        """Every row of the shard exists at the position of its local index
+        (:meth:`create_all`): positions need no lookup."""
         self._pulled: tuple[torch.Tensor, int, torch.Tensor] | None = None
         """The ids of the last pull, their version counter then, and their positions: in
         one process a step's gradient carries the very ids tensor its lookup pulled, whose
@@ -95,10 +99,13 @@ class RowStore(SaveClock):
 
     # -- reads -------------------------------------------------------------------------------
 
-    def pull(self, ids: torch.Tensor) -> torch.Tensor:
+    def pull(self, ids: torch.Tensor, *, trusted: bool = False) -> torch.Tensor:
         """The current values of rows ``ids`` (global ids of this shard, 1-D int64), created
-        on first use: a new ``[len(ids), dim]`` tensor."""
-        positions = self._positions(self._check_ids(ids), create=not self.given)
+        on first use: a new ``[len(ids), dim]`` tensor. ``trusted``: the ids were checked
+        by the table in this process (range, shard), so they are not scanned again."""
+        if not trusted:
+            self._check_ids(ids)
+        positions = self._positions(ids, create=not self.given)
         self._pulled = (ids, ids._version, positions)
         return self._values.index_select(0, positions)
 
@@ -178,10 +185,21 @@ class RowStore(SaveClock):
 
     # -- updates -----------------------------------------------------------------------------
 
-    def apply(self, gradient: SparseRows) -> None:
+    def apply(self, gradient: SparseRows, *, trusted: bool = False) -> None:
         """One update of the table with this shard's rows of a step's gradient (an empty
-        ``gradient`` still counts as a step: see :mod:`tensorfleet.ps.sparse_update_rules`)."""
-        self.check(gradient)
+        ``gradient`` still counts as a step: see :mod:`tensorfleet.ps.sparse_update_rules`).
+
+        ``trusted``: the gradient was made in this process by the table itself
+        (:meth:`~tensorfleet.worker.embedding_table.LocalRowSource.push_own_rows`), so only
+        its shape and dtype are checked (no scan of its ids for range, shard and uniqueness,
+        nor of its values for NaN): the checks that exist because a peer's bytes cannot be
+        trusted. A gradient received from a worker is always checked in full."""
+        if trusted:
+            check_row_shapes(self.table.name, gradient, self.table.dim, self.table.torch_dtype)
+            if self.given and gradient.num_rows:
+                self._require_complete()
+        else:
+            self.check(gradient)
         positions = self._pulled_positions(gradient.indices)
         if positions is None:
             positions = self._positions(gradient.indices, create=True)
@@ -400,6 +418,8 @@ class RowStore(SaveClock):
 
     def _positions(self, ids: torch.Tensor, create: bool) -> torch.Tensor:
         local = self.partition.local_of(ids)
+        if self._whole:  # every row created in order: a row's position is its local index
+            return local
         positions = self._slot_of.index_select(0, local)
         missing = positions < 0
         any_missing = bool(missing.any())
@@ -425,6 +445,31 @@ class RowStore(SaveClock):
             self.size = stop
             positions = self._slot_of.index_select(0, local)
         return positions
+
+    def create_all(self, chunk: int = 1 << 16) -> None:
+        """Create every row of the shard now, each at the position of its local index (the
+        values :meth:`pull` would create them with, ``chunk`` rows at a time), so that no
+        step creates rows or looks positions up. Only on a new, lazily created store."""
+        if self.given or self.size:
+            raise SparseGradientError(
+                f"table {self.table.name!r}: create_all() is for a new store whose rows come "
+                f"from the initializer; this one has {self.size:,d} rows"
+                + (" and takes given rows (fill)" if self.given else "")
+            )
+        self._grow(self.local_rows)
+        for start in range(0, self.local_rows, chunk):
+            stop = min(start + chunk, self.local_rows)
+            ids = self.partition.global_of(self.shard, torch.arange(start, stop))
+            self._ids[start:stop] = ids
+            self._values[start:stop] = self.table.initializer.rows(
+                ids, self.table.dim, self.table.torch_dtype
+            )
+        for name, slot in self._slots.items():
+            slot[: self.local_rows] = self.rule.slot_initial_value(name)
+        self._touched_at[: self.local_rows] = self._change_clock()
+        self._slot_of = torch.arange(self.local_rows, dtype=torch.int64)
+        self.size = self.local_rows
+        self._whole = True
 
     def _grow(self, needed: int) -> None:
         capacity = self._values.shape[0]

@@ -81,8 +81,10 @@ class ShardTables:
     def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
         return self.store(name).pull(ids)
 
-    def apply(self, name: str, gradient: SparseRows) -> None:
-        self.store(name).apply(gradient)
+    def apply(self, name: str, gradient: SparseRows, *, trusted: bool = False) -> None:
+        """Update table ``name`` with this shard's rows of a step's gradient; ``trusted``:
+        made in this process by the table itself (see :meth:`RowStore.apply`)."""
+        self.store(name).apply(gradient, trusted=trusted)
 
     def store(self, name: str) -> RowStore | RawIdRowStore:
         store = self._stores.get(name)

@@ -99,6 +99,33 @@ def check_sparse_rows(
             f"chief's model has this one dense), make it an EmbeddingTable, or give the "
             f"parameter dense gradients (nn.Embedding(sparse=False))"
         )
+    check_row_shapes(table, rows, dim, dtype)
+    if rows.num_rows == 0:
+        return
+    low, high = (int(bound) for bound in torch.aminmax(rows.indices))
+    if not raw_ids and (low < 0 or high >= num_rows):
+        bad = rows.indices[(rows.indices < 0) | (rows.indices >= num_rows)]
+        raise SparseGradientError(
+            f"table {table!r}: row id {int(bad[0])} is out of range [0, {num_rows}) "
+            f"({bad.numel()} of {rows.num_rows} ids are); fix: hash unbounded ids into the "
+            f"table (hash_ids=True) or make num_rows larger"
+        )
+    if not strictly_ascending(rows.indices) and torch.unique(rows.indices).numel() != rows.num_rows:
+        raise SparseGradientError(
+            f"table {table!r}: the {rows.num_rows} row indices are not unique; fix: coalesce "
+            f"the gradient on the worker (tensorfleet.worker.sparse_gradient.coalesce_gradient)"
+        )
+    if not bool(torch.isfinite(rows.values).all()):
+        raise SparseGradientError(
+            f"table {table!r}: the sparse gradient holds NaN or infinite values; fix: find the "
+            f"source of the non-finite loss (tfl.NanGuard stops or skips such steps)"
+        )
+
+
+def check_row_shapes(table: str, rows: SparseRows, dim: int, dtype: torch.dtype) -> None:
+    """Refuse (SparseGradientError) rows that are not int64 ids ``[n]`` and values ``[n,
+    dim]`` of ``dtype``: the checks of :func:`check_sparse_rows` that read no element (all
+    a gradient made in this process by the table itself gets)."""
     if rows.values.dim() != 2 or rows.indices.dim() != 1:
         raise SparseGradientError(
             f"table {table!r}: a sparse gradient is indices [n] and rows [n, dim], got indices "
@@ -121,26 +148,6 @@ def check_sparse_rows(
     if rows.indices.dtype != torch.int64:
         raise SparseGradientError(
             f"table {table!r}: row indices must be int64, got {rows.indices.dtype}"
-        )
-    if rows.num_rows == 0:
-        return
-    low, high = (int(bound) for bound in torch.aminmax(rows.indices))
-    if not raw_ids and (low < 0 or high >= num_rows):
-        bad = rows.indices[(rows.indices < 0) | (rows.indices >= num_rows)]
-        raise SparseGradientError(
-            f"table {table!r}: row id {int(bad[0])} is out of range [0, {num_rows}) "
-            f"({bad.numel()} of {rows.num_rows} ids are); fix: hash unbounded ids into the "
-            f"table (hash_ids=True) or make num_rows larger"
-        )
-    if not strictly_ascending(rows.indices) and torch.unique(rows.indices).numel() != rows.num_rows:
-        raise SparseGradientError(
-            f"table {table!r}: the {rows.num_rows} row indices are not unique; fix: coalesce "
-            f"the gradient on the worker (tensorfleet.worker.sparse_gradient.coalesce_gradient)"
-        )
-    if not bool(torch.isfinite(rows.values).all()):
-        raise SparseGradientError(
-            f"table {table!r}: the sparse gradient holds NaN or infinite values; fix: find the "
-            f"source of the non-finite loss (tfl.NanGuard stops or skips such steps)"
         )
 
 

@@ -43,7 +43,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,7 @@ from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 
 log = logging.getLogger("tensorfleet.worker")
+_NOTHING: AbstractContextManager[None] = nullcontext()
 
 
 @dataclass
@@ -488,15 +489,13 @@ class StepOverlap:
         if push is not None:
             push.before_forward()
 
-    @contextmanager
-    def backward(self) -> Iterator[None]:
-        """Around the session's ``loss.backward()``: buckets go out as they complete."""
+    def backward(self) -> AbstractContextManager[None]:
+        """Around the session's ``loss.backward()``: buckets go out as they complete (no
+        push: a shared no-op context, nothing built per step)."""
         push = self._push()
         if push is None:
-            yield
-            return
-        with push.backward():
-            yield
+            return _NOTHING
+        return push.backward()
 
 
 #: The overlap of an updater that has none.

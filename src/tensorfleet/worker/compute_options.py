@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,8 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import ConfigError, ConfigTypeError
+
+_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 log = logging.getLogger("tensorfleet.worker")
 
@@ -160,15 +162,12 @@ class ComputeSetup:
             return model
         return torch.compile(model, **kwargs)  # type: ignore[return-value]
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
-        """Around the closure: bf16 autocast on the model's device when asked, else nothing."""
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Around the closure: bf16 autocast on the model's device when asked, else nothing
+        (a shared no-op context: nothing built per step)."""
         if self.options.autocast is None:
-            yield
-            return
-        dtype = AUTOCAST_DTYPES[self.options.autocast]
-        with torch.autocast(self._device_type, dtype=dtype):
-            yield
+            return _NOTHING
+        return torch.autocast(self._device_type, dtype=AUTOCAST_DTYPES[self.options.autocast])
 
     def release(self) -> None:
         """Remove the input hook (the parameters keep their memory order)."""

@@ -37,6 +37,7 @@ from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_partition import SCHEMES as PARTITION_SCHEMES
+from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -63,6 +64,9 @@ class RowSource(Protocol):
     def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor: ...
 
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None: ...
+
+    # A source in this process may also have ``push_own_rows(table, parts)``: the table's
+    # own gradient, applied without the checks made for a peer's bytes (LocalRowSource).
 
 
 class EmbeddingTable(nn.Module):
@@ -156,6 +160,8 @@ class EmbeddingTable(nn.Module):
         self.dtype = dtype
         self.partition_scheme = HASH if self.raw_ids else partition
         self._spec_of(name or "unnamed")  # checks the arguments now (ConfigError)
+        self._spec: TableSpec | None = None
+        """The spec under :attr:`table_name`, built once (every lookup and push names it)."""
         self._source: RowSource | None = None
         self._partition: RowPartition | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -169,7 +175,9 @@ class EmbeddingTable(nn.Module):
                 f"build it with name=..., or let a TrainingSession name it after its place in "
                 f"the model (it does when it starts)"
             )
-        return self._spec_of(self.table_name)
+        if self._spec is None or self._spec.name != self.table_name:
+            self._spec = self._spec_of(self.table_name)
+        return self._spec
 
     def _spec_of(self, name: str) -> TableSpec:
         return TableSpec(
@@ -245,7 +253,8 @@ class EmbeddingTable(nn.Module):
                 f"pass hash_ids=True to look up strings or unbounded ids"
             )
         ids = ids.to(torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_rows):
+        low, high = torch.aminmax(ids) if ids.numel() else (0, 0)
+        if int(low) < 0 or int(high) >= self.num_rows:
             bad = ids[(ids < 0) | (ids >= self.num_rows)]
             raise SparseGradientError(
                 f"table {self.table_name!r}: id {int(bad[0])} is out of range "
@@ -265,8 +274,12 @@ class EmbeddingTable(nn.Module):
         device = rows.device
         unique, inverse = torch.unique(rows.reshape(-1).cpu(), sorted=True, return_inverse=True)
         name, partition = self.spec().name, self.partition
+        pull_own_rows = getattr(self._source, "pull_own_rows", None)
         if partition.num_shards == 1:  # the shard's rows are the batch's rows, in order
-            gathered = self._source.pull_rows(name, 0, unique)
+            if pull_own_rows is not None:  # a source in this process: ids checked above
+                gathered = pull_own_rows(name, 0, unique)
+            else:
+                gathered = self._source.pull_rows(name, 0, unique)
         else:
             shard_of = partition.shard_of(unique)
             gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
@@ -335,8 +348,34 @@ class EmbeddingTable(nn.Module):
             parts = [rows]
         else:
             parts = split_rows(rows, partition.shard_of(rows.indices), partition.num_shards)
-        self._source.push_rows(self.spec().name, parts)
+        push_own_rows = getattr(self._source, "push_own_rows", None)
+        if push_own_rows is not None:  # a source in this process: the parts are ours
+            push_own_rows(self.spec().name, parts)
+        else:
+            self._source.push_rows(self.spec().name, parts)
         return rows
+
+    def create_all_rows(self) -> None:
+        """Create every row now, from the initializer (the values a lookup would create them
+        with), instead of at each row's first lookup: one process only (a
+        :class:`LocalRowSource`, e.g. a ``TrainingSession`` without a cluster), a table of
+        row numbers, before its first step. Then no step creates rows or looks up where a
+        row is stored, as with ``nn.Embedding``, which initializes its weight in its
+        constructor; the memory is the whole table's at once (values and the rule's slots),
+        and creating takes about 0.6 CPU seconds per million rows of 8 (docs/sparse.md). UsageError where rows live on ps
+        shards (they are created there as steps first use them)."""
+        if self._source is None:
+            self._refuse_released()
+            raise TableNotAttached(self._not_attached())
+        create = getattr(self._source, "create_all_rows", None)
+        if create is None:
+            raise UsageError(
+                f"{self._label()}: its rows live on the ps shards, which create each row when "
+                f"a step first uses it; create_all_rows() is for one process (a "
+                f"TrainingSession without a cluster, or a tfl.LocalRowSource); fix: drop the "
+                f"call in a cluster"
+            )
+        create(self.spec().name)
 
     def extra_repr(self) -> str:
         hashing = f", hash_ids=True (seed {self.hash_seed})" if self.hash_ids else ""
@@ -405,11 +444,42 @@ class LocalRowSource:
             shard.create(table, partition, rule)
 
     def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``table`` on ``shard``, the ids checked as a ps checks a pull."""
         return self.shards[shard].pull(table, ids)
 
+    def pull_own_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` that :meth:`EmbeddingTable.forward` looks up: their range was
+        checked by :meth:`EmbeddingTable.rows_of` (or hashing put them in range) and the
+        partition put them on ``shard``, so they are not scanned again."""
+        return self.shards[shard].store(table).pull(ids, trusted=True)
+
+    def create_all_rows(self, table: str) -> None:
+        """Create every row of ``table`` on every shard now, as ``nn.Embedding`` does in its
+        constructor (see :meth:`EmbeddingTable.create_all_rows`)."""
+        for shard in self.shards:
+            store = shard.store(table)
+            if not isinstance(store, RowStore):
+                raise ConfigError(
+                    f"table {table!r} has ids='raw': it has no fixed set of rows to create "
+                    f"ahead (a row is created per id seen); fix: leave its rows lazy"
+                )
+            store.create_all()
+
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
+        """Apply ``parts`` (one per shard), each checked as a ps checks a worker's push."""
         for shard, part in zip(self.shards, parts, strict=True):
             shard.apply(table, part)
+
+    def push_own_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
+        """Apply the parts :meth:`EmbeddingTable.push_gradient` made of the table's own
+        gradient in this process, without the checks of a gradient's contents
+        (:meth:`tensorfleet.ps.row_store.RowStore.apply` with ``trusted=True``): its ids
+        were checked at the lookup, are unique and ascending (``torch.unique``, coalesced)
+        and on the shard the partition gives, its values are autograd's gradient of rows of
+        the table's dtype and dim. Non-finite values are applied as torch's optimizers apply
+        them to an ``nn.Embedding``'s weight (``tfl.NanGuard`` vetoes such steps)."""
+        for shard, part in zip(self.shards, parts, strict=True):
+            shard.apply(table, part, trusted=True)
 
     def save(self, tables_since: Sequence[dict] | None = None) -> list[dict[str, bytes]]:
         """Each shard's tables as row store documents (:meth:`ShardTables.save`), by shard;

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -147,15 +147,16 @@ class _NoTimeline(Timeline):
     def __init__(self) -> None:
         super().__init__("none", max_events=1)
 
-    @contextmanager
-    def span(self, name: str, **args: Any) -> Iterator[None]:
-        yield
+    def span(self, name: str, **args: Any) -> AbstractContextManager[None]:  # type: ignore[override]
+        return _NOTHING  # one shared no-op context: no generator built per span, per step
 
     def add(
         self, name: str, start_ns: int, end_ns: int, track: str | None = None, **args: Any
     ) -> None:
         return None
 
+
+_NOTHING: AbstractContextManager[None] = nullcontext()
 
 #: The timeline of a task that records none.
 NO_TIMELINE: Timeline = _NoTimeline()
