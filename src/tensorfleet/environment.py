@@ -69,6 +69,11 @@ def ps_update_log_dir(environ_: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+#: ``tuned`` (or unset): a ps process keeps its update's temporaries on the heap
+#: (``tensorfleet.ps.heap_settings``); ``default``: glibc's own malloc settings.
+PS_HEAP_VAR = "TENSORFLEET_PS_HEAP"
+
+
 #: Set to "1" by a launcher in the environment of a task it restarts after the task's
 #: previous process died (it saw it exit): the task's hello then asks the ps to let it take
 #: over its identity at once (``"takeover": true``) instead of after the liveness timeout.

@@ -18,6 +18,7 @@ from tensorfleet import environment
 from tensorfleet.cluster.resources import TaskResources
 from tensorfleet.cluster.spec import ClusterSpec, TaskId
 from tensorfleet.errors import ClusterConfigError, DeadlineExceeded, Preempted, TensorfleetError
+from tensorfleet.ps.heap_settings import apply_ps_heap_settings
 from tensorfleet.ps.model_router import ModelRouter
 from tensorfleet.ps.service import ServiceConfig, ServiceOutcome
 from tensorfleet.ps.service_settings import ServiceSettings
@@ -124,6 +125,9 @@ class Server:
 
     def _start_parameter_service(self) -> None:
         started = threading.Event()
+        heap = apply_ps_heap_settings()  # before the first update's temporaries
+        if heap:
+            log.debug("%s: malloc settings for the ps: %s", self.task, heap)
         config = ServiceConfig.for_shard(
             self.task.index, [str(t) for t in self.worker_tasks], self.config
         )
