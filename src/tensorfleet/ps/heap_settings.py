@@ -14,10 +14,15 @@ threshold rises to the largest block freed so far, the trim threshold is twice t
 2 MiB freed at the top of the heap after each piece goes back to the operating system and
 comes back at the next piece as fresh pages, each one a page fault and a page of zeros.
 Measured on this project's 2-vCPU machine for the shard of the BERT-base-sized model
-(108.5 M float32 parameters, Adam in pieces, 2 threads, 4 updates in one process each way,
-under load 2-3): 70,000-118,000 minor faults and 700-1,060 ms of CPU per update with the
-defaults, 0-500 faults and 430-480 ms with these settings (wall 352-538 ms against
-218-240 ms). A ps does that update for every push it receives.
+(108.5 M float32 parameters, Adam in pieces, 2 threads). In a fresh process, 4 updates each
+way under load 2-3: 70,000-118,000 minor faults and 700-1,060 ms of CPU per update with the
+defaults, 0-500 faults and 430-480 ms with these settings. In the ps of a real 1 ps + 1
+worker run, where earlier big frees have already raised glibc's thresholds part of the way
+(``benchmarks/big_model.py --runs ps1 --steps 8 --warmup 2 --profile DIR`` with
+``TENSORFLEET_PS_HEAP=default`` and ``tuned`` alternated, two runs each, quiet machine,
+2026-11-27 03:17): the ps's apply 341 / 406 ms a step with the defaults, 302 / 278 ms with
+these settings; its CPU 0.69 / 0.83 s against 0.67 / 0.61 s a step; its minor faults
+28,000-36,000 against 0-1,000 a step; its peak RSS 2.75 GiB either way.
 
 **The cost.** Up to 128 MiB of freed memory stays resident in the ps process; blocks of
 1-64 MiB (messages of that size, a variable's temporaries) are carved from the heap, where
