@@ -46,7 +46,7 @@ the pieces' slots are views (made so at the first checkpoint: no second copy of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +57,8 @@ from tensorfleet.ps.update_rules import UpdateRule
 #: The most elements of one piece: 262,144 (1 MiB of float32), the fastest of the sizes
 #: measured (module docstring).
 PIECE_ELEMENTS = 1 << 18
+#: What a caller applies to each state tensor it is given (e.g. ``Tensor.clone``).
+Take = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class VariablePieces:
             piece.grad = None
 
     def joined_state(
-        self, optimizer: torch.optim.Optimizer, take: object = None
+        self, optimizer: torch.optim.Optimizer, take: Take | None = None
     ) -> dict[str, torch.Tensor]:
         """The optimizer's state of this variable, one tensor per key: an elementwise slot
         (Adam's moments, a momentum buffer) shaped as the variable, of which every piece's
@@ -184,10 +186,10 @@ def optimizer_params(variables: Sequence[VariablePieces]) -> list[torch.Tensor]:
     return [piece for variable in variables for piece in variable.pieces]
 
 
-def _tensor(value: object, take: object) -> torch.Tensor:
+def _tensor(value: object, take: Take | None) -> torch.Tensor:
     """A state value as a tensor (a plain-number step counter becomes a 0-d tensor),
     passed through ``take`` when given."""
     if not isinstance(value, torch.Tensor):
         return torch.tensor(float(value))
     value = value.detach()
-    return take(value) if callable(take) else value
+    return value if take is None else take(value)
