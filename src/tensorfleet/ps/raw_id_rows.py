@@ -218,10 +218,7 @@ class RawIdRowStore(SaveClock):
         at ``admit_after``), their gradient dropped; then expiry (module docstring).
         ``trusted``: made in this process by the table itself, only its shape and dtype are
         checked (as :meth:`tensorfleet.ps.row_store.RowStore.apply`)."""
-        if trusted:
-            check_row_shapes(self.table.name, gradient, self.table.dim, self.table.torch_dtype)
-        else:
-            self.check(gradient)
+        self.check(gradient, trusted=trusted)
         self.step += 1
         ids = gradient.indices
         index, found = self._find(ids)
@@ -247,9 +244,14 @@ class RawIdRowStore(SaveClock):
             self._marks[index] = self._change_clock()
         self._expire()
 
-    def check(self, gradient: SparseRows) -> None:
+    def check(self, gradient: SparseRows, *, trusted: bool = False) -> None:
         """Refuse (SparseGradientError) a gradient that does not fit: shape, dtype, ids
-        unique and of this shard, finite values. Nothing changes before it passes."""
+        unique and of this shard, finite values; ``trusted`` (made in this process by the
+        table itself, :meth:`apply`): its shape and dtype only. Nothing changes before it
+        passes."""
+        if trusted:
+            check_row_shapes(self.table.name, gradient, self.table.dim, self.table.torch_dtype)
+            return
         check_sparse_rows(
             self.table.name,
             gradient,

@@ -194,12 +194,7 @@ class RowStore(SaveClock):
         its shape and dtype are checked (no scan of its ids for range, shard and uniqueness,
         nor of its values for NaN): the checks that exist because a peer's bytes cannot be
         trusted. A gradient received from a worker is always checked in full."""
-        if trusted:
-            check_row_shapes(self.table.name, gradient, self.table.dim, self.table.torch_dtype)
-            if self.given and gradient.num_rows:
-                self._require_complete()
-        else:
-            self.check(gradient)
+        self.check(gradient, trusted=trusted)
         positions = self._pulled_positions(gradient.indices)
         if positions is None:
             positions = self._positions(gradient.indices, create=True)
@@ -261,17 +256,22 @@ class RowStore(SaveClock):
         self._changed_at[positions] = self.version
         self._touched_at[positions] = self._change_clock()
 
-    def check(self, gradient: SparseRows) -> None:
+    def check(self, gradient: SparseRows, *, trusted: bool = False) -> None:
         """Refuse (SparseGradientError) a gradient that does not fit this shard's part of
-        the table: its shape, dtype, ids (in range, unique, of this shard), finite values."""
-        check_sparse_rows(
-            self.table.name,
-            gradient,
-            num_rows=self.table.num_rows,
-            dim=self.table.dim,
-            dtype=self.table.torch_dtype,
-        )
-        self._check_ids(gradient.indices)
+        the table: its shape, dtype, ids (in range, unique, of this shard), finite values;
+        ``trusted`` (made in this process by the table itself, :meth:`apply`): its shape
+        and dtype only."""
+        if trusted:
+            check_row_shapes(self.table.name, gradient, self.table.dim, self.table.torch_dtype)
+        else:
+            check_sparse_rows(
+                self.table.name,
+                gradient,
+                num_rows=self.table.num_rows,
+                dim=self.table.dim,
+                dtype=self.table.torch_dtype,
+            )
+            self._check_ids(gradient.indices)
         if self.given and gradient.num_rows:
             self._require_complete()
 
