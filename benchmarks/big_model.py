@@ -281,7 +281,8 @@ def phases(worker: list[dict], ps: dict[str, list[dict]], warmup: int) -> dict[s
 def worker_flags(args: argparse.Namespace) -> list[str]:
     """The model, data and loop flags every run's program gets."""
     flags = []
-    for option in ("layers", "hidden", "vocab", "seq", "batch", "head", "steps", "warmup", "lr"):
+    for option in ("layers", "hidden", "vocab", "seq", "batch", "head", "steps", "warmup", "lr",
+                   "device"):  # fmt: skip
         flags += [f"--{option}", str(getattr(args, option))]
     return flags
 
@@ -568,6 +569,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12, help="steps of every run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--device", default="cpu",
+                        help="where the worker (and one process) computes: cpu or cuda")  # fmt: skip
     parser.add_argument("--runs", nargs="+", choices=tuple(RUNS), default=list(DEFAULT_RUNS))
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds (medians)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
@@ -627,7 +630,8 @@ def main() -> int:
         f"{shape['heads']} heads, FFN {shape['ffn']}, vocabulary {shape['vocab']}, "
         f"{shape['head']} head, {first['parameters']:,} parameters "
         f"({first['parameter_bytes'] / 1e6:.0f} MB), batch {shape['batch']} x {shape['seq']} "
-        f"tokens; {args.steps} steps per run, the first {args.warmup} not timed; "
+        f"tokens, computed on {first.get('device_name', 'cpu')}; "
+        f"{args.steps} steps per run, the first {args.warmup} not timed; "
         f"{args.repeats} round(s); {os.cpu_count()} CPUs, load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after; {result['date']}"
         + ("; PROFILED (cProfile in the workers): the times include its cost" if args.profile

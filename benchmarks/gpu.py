@@ -4,7 +4,9 @@ Parts, each with its own time limit, the results rewritten after each one (so a 
 hangs or a machine that is taken back still leaves what was measured):
 
 1. **tests**: pytest on the test files that touch CUDA (every ``tests/**/test_*.py`` whose
-   text mentions ``cuda``), passed / failed / skipped counts and the summary line;
+   text mentions ``cuda``), passed / failed / skipped counts and the summary line; the
+   ``cpu`` cases of ``test_mode_on_device`` are left out (they start a cluster each and run
+   wherever the suite runs; the ``cuda`` cases compare with one CPU process themselves);
 2. **rows**: ``benchmarks/cnn_training.py`` (the example's CNN, Fashion-MNIST) on the GPU,
    steady-state global steps/s from its ``--metrics-json``:
 
@@ -14,11 +16,16 @@ hangs or a machine that is taken back still leaves what was measured):
    - all-reduce, 3 workers sharing one GPU (gloo between them: NCCL refuses that);
    - all-reduce, one GPU per worker (NCCL), where the host has 2 or more GPUs.
 
+3. **big model**: ``benchmarks/big_model.py --device cuda --runs torch ps1``: the
+   BERT-base-sized encoder (108.5 M parameters, Adam) in one process on the GPU against
+   1 ps + 1 worker computing on the GPU (the ps updates in host memory), s/step; its own
+   JSON and table in ``big_model_gpu/`` beside this one's.
+
    The sharing rows run the launcher with ``CUDA_VISIBLE_DEVICES`` set to the first GPU, so
    that its default assignment puts every worker on that one. A global step of all-reduce is
    one batch per worker, so the table gives batches/s too and compares those.
 
-    python benchmarks/gpu.py [--data-dir DIR] [--only tests|rows] [--out-dir DIR]
+    python benchmarks/gpu.py [--data-dir DIR] [--only tests|rows|big_model] [--out-dir DIR]
 
 Writes ``gpu.json`` and ``gpu.md`` (the card from ``torch.cuda.get_device_name``). Without a
 CUDA GPU it prints ``gpu: not run: <reason>`` and exits with the benchmarks' skip status (77:
@@ -45,12 +52,21 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from results_writer import add_out_dir_option, not_run, write_results  # noqa: E402
+from results_writer import (  # noqa: E402
+    OUT_ENV,
+    add_out_dir_option,
+    not_run,
+    results_dir,
+    write_results,
+)
 
 NAME = "gpu"
 #: Seconds each part may take (the tests; each row).
 TESTS_LIMIT_S = 240
 ROW_LIMIT_S = 100
+BIG_MODEL_LIMIT_S = 150
+#: The tests left out here: the CPU cases of the modes (a cluster each; the suite runs them).
+SKIPPED_HERE = "not (test_mode_on_device and cpu)"
 #: Seconds a part past its limit has to stop its tasks after SIGINT, before SIGKILL.
 STOP_GRACE_S = 30
 
@@ -68,7 +84,8 @@ def gpu_test_files(root: Path = ROOT) -> list[str]:
 def run_tests(limit_s: float) -> dict:
     """pytest on :func:`gpu_test_files`: its counts and summary line, or why it stopped."""
     files = gpu_test_files()
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+               SKIPPED_HERE, *files]  # fmt: skip
     started = time.perf_counter()
     output, status = run_limited(command, _child_env(), limit_s)
     lines = [line for line in output.splitlines() if line.strip()]
@@ -169,6 +186,39 @@ def run_row(
         return result
 
 
+def run_big_model(limit_s: float, out_dir: Path) -> dict:
+    """``benchmarks/big_model.py`` on the GPU (one process, 1 ps + 1 worker): its rows, or
+    why there are none. Its JSON and table go to ``out_dir``."""
+    command = [sys.executable, str(HERE / "big_model.py"), "--device", "cuda", "--runs",
+               "torch", "ps1", "--steps", "10", "--warmup", "3", "--timeout", str(limit_s)]  # fmt: skip
+    env = _child_env()
+    env[OUT_ENV] = str(out_dir)
+    started = time.perf_counter()
+    output, status = run_limited(command, env, limit_s)
+    result: dict = {
+        "command": " ".join(["python", *command[1:]]),
+        "status": status,
+        "seconds": time.perf_counter() - started,
+    }
+    produced = out_dir / "big_model.json"
+    if status == 0 and produced.exists():
+        rows = json.loads(produced.read_text())["rows"]
+        result["rows"] = {
+            name: {
+                "what": row["what"],
+                "s_per_step": row["s_per_step"],
+                "vs_one_process": row.get("steps_per_s_vs_baseline"),
+                "worker_peak_rss_kib": row["worker_peak_rss_kib"],
+            }
+            for name, row in rows.items()
+        }
+    else:
+        why = "timed out" if status is None else f"exit status {status}"
+        result["error"] = f"{why} after {result['seconds']:.0f} s"
+        result["tail"] = [line for line in output.splitlines() if line.strip()][-30:]
+    return result
+
+
 def table(result: dict) -> list[str]:
     """The markdown table: one line for the tests, one per row with its ratio."""
     lines = ["| run | global steps/s | batches/s | vs one process (batches/s) | chief ms per local step |",
@@ -186,6 +236,15 @@ def table(result: dict) -> list[str]:
         lines.append(
             f"| {row['name']} | {row['steady_global_steps_per_s']:.1f} | "
             f"{row['batches_per_s']:.1f} | {ratio} | {row['steady_local_ms_per_step']:.2f} |"
+        )
+    big = result.get("big_model")
+    if big is not None and "error" in big:
+        lines.append(f"| BERT-base-sized model (big_model.py) | {big['error']} | | | |")
+    for name, row in (big or {}).get("rows", {}).items():
+        ratio = "" if row["vs_one_process"] is None else f"{row['vs_one_process']:.2f}"
+        lines.append(
+            f"| BERT-base-sized model, {name}: {row['what']} | {1 / row['s_per_step']:.2f} | "
+            f"{1 / row['s_per_step']:.2f} | {ratio} | {1000 * row['s_per_step']:.0f} |"
         )
     return lines
 
@@ -230,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST's four .gz files")
-    parser.add_argument("--only", choices=("tests", "rows"), default=None, help="one part")
+    parser.add_argument("--only", choices=("tests", "rows", "big_model"), default=None,
+                        help="one part")  # fmt: skip
     parser.add_argument("--tests-limit", type=float, default=TESTS_LIMIT_S, metavar="S")
     parser.add_argument("--row-limit", type=float, default=ROW_LIMIT_S, metavar="S")
+    parser.add_argument("--big-model-limit", type=float, default=BIG_MODEL_LIMIT_S, metavar="S")
     parser.add_argument("--steps", type=int, default=1500, help="global steps of the ps rows")
     add_out_dir_option(parser)
     args = parser.parse_args(argv)
@@ -275,8 +336,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu: {row['name']} ({args.row_limit:.0f} s at most)", flush=True)
             result["rows"].append(run_row(row, args.data_dir, first_gpu, args.row_limit))
             save()
-    failed = ("tests" in result and result["tests"]["status"] != 0) or any(
-        "error" in row for row in result.get("rows", [])
+    if args.only in (None, "big_model"):
+        print(f"gpu: the BERT-base-sized model ({args.big_model_limit:.0f} s at most)", flush=True)
+        result["big_model"] = run_big_model(args.big_model_limit, results_dir() / "big_model_gpu")
+        save()
+    failed = (
+        ("tests" in result and result["tests"]["status"] != 0)
+        or any("error" in row for row in result.get("rows", []))
+        or "error" in result.get("big_model", {})
     )
     return 1 if failed else 0
 

@@ -3,7 +3,7 @@ synthetic tokens, in one of three ways, writing what it measured to ``--report``
 
     big_model_worker.py --mode torch|local|cluster --report PATH [--layers 12 --hidden 768
         --heads 12 --ffn 3072 --vocab 30522 --seq 32 --batch 4 --head cls|lm --steps 12
-        --warmup 3 --lr 1e-4 --timeline FILE --cprofile FILE]
+        --warmup 3 --lr 1e-4 --device cpu|cuda --timeline FILE --cprofile FILE]
 
 * ``torch``: the plain PyTorch loop (``torch.optim.Adam``): the baseline;
 * ``local``: ``tfl.TrainingSession(None, model, tfl.optim.Adam(...))``, one process;
@@ -18,7 +18,9 @@ LayerNorm and a head: ``cls`` (default) a linear classifier of the mean of the s
 +``vocab x hidden`` parameters and that many more FLOPs). The defaults are BERT-base's shape:
 108.9 M parameters with ``cls``, 132.4 M with ``lm``. The data: a pool of 8 batches of
 uniform random tokens (and labels) from a generator seeded with ``--seed``, the same in every
-mode: no data loading is measured.
+mode: no data loading is measured. ``--device cuda`` puts the model and the batches on the
+GPU (in a cluster, the worker's: the ps keeps the variables in host memory), so each step's
+``loss.item()`` waits for the GPU and the step times are the GPU's.
 
 The report (JSON): every step's end on ``time.perf_counter`` (``step_ends_s``), the seconds
 per step over the steps after ``--warmup`` (the first ``--warmup`` steps are not timed), the
@@ -222,6 +224,9 @@ def main() -> int:
         "session's own default overlap)",
     )
     parser.add_argument("--cprofile", type=Path, default=None)
+    parser.add_argument(
+        "--device", default="cpu", help="where the model computes: cpu (default) or cuda"
+    )
     args = parser.parse_args()
     args.heads = args.heads or max(1, args.hidden // 64)
     args.ffn = args.ffn or 4 * args.hidden
@@ -232,8 +237,9 @@ def main() -> int:
         )
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not a multiple of --heads {args.heads}")
-    model = build_model(args)
-    batches = make_batches(args)
+    device = torch.device(args.device)
+    model = build_model(args).to(device)
+    batches = [(tokens.to(device), targets.to(device)) for tokens, targets in make_batches(args)]
     parameters = sum(p.numel() for p in model.parameters())
     built = memory_kib()
     ends: list[float] = []  # time.perf_counter() (CLOCK_MONOTONIC: one clock for every process)
@@ -262,6 +268,8 @@ def main() -> int:
         "parameters": parameters,
         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "threads": torch.get_num_threads(),
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "steps": len(ends),
         "warmup": args.warmup,
         "started_perf_counter_s": started,
