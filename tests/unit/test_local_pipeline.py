@@ -303,3 +303,68 @@ def test_a_pipelined_module_reports_the_bubble_of_its_forward_and_backward():
         report = pipe.last_bubble
     assert report is not None and len(report.busy_s) == 2
     assert report.step_s >= max(report.busy_s) > 0
+
+
+def _record_backward_threads(modules) -> list[str]:
+    """The names of the threads that run each module's backward (a hook on every parameter)."""
+    threads: list[str] = []
+    for module in modules:
+        for p in module.parameters():
+            p.register_hook(lambda g: threads.append(threading.current_thread().name))
+    return threads
+
+
+@pytest.mark.parametrize("boundaries", [[4], [2, 5]], ids=["2-stages", "3-stages"])
+def test_stages_on_the_device_of_the_loss_run_their_backward_in_autograds_own_thread(
+    monkeypatch, boundaries
+):
+    """On a GPU autograd runs the pipeline's backward on that device's one thread, so the
+    stages on the same device must run their backward there, downstream first: queued from a
+    stage thread they would wait for that thread forever (two stages on one H200 hung). The
+    CPU stands in for the GPU: the wrapper is told its backward runs on the CPU's device
+    thread. (Upstream first would fail at the deadline: stage 0 would wait for gradients no
+    one computes.)"""
+    from tensorfleet.parallel import local_pipeline
+    from tensorfleet.parallel.local_pipeline import PipelinedModule
+
+    torch.manual_seed(4)
+    batches = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(2)]
+    model, reference = mlp(), mlp()
+    ref_outs, ref_grads = train_reference(reference, batches, lr=0.1)
+    pipe = LocalPipeline(
+        split_stages(model, boundaries=boundaries), n_microbatches=4, loss_fn=None, timeout_s=30
+    )
+    wrapper = PipelinedModule(model, pipe)
+    threads = _record_backward_threads(pipe.stages)
+    monkeypatch.setattr(local_pipeline, "backward_thread_device", lambda grad: grad.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pipe:
+        for step, (x, y) in enumerate(batches):
+            opt.zero_grad()
+            out = wrapper(x)
+            F.cross_entropy(out, y).backward()
+            assert (out.detach() - ref_outs[step]).abs().max() < 1e-5
+            for name, p in model.named_parameters():
+                assert (p.grad - ref_grads[step][name]).abs().max() < 1e-5, (step, name)
+            opt.step()
+    assert threads and set(threads) == {threading.current_thread().name}
+    assert pipe.last_bubble is not None and all(busy > 0 for busy in pipe.last_bubble.busy_s)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_stages_on_one_gpu_in_a_step_closure_match():  # pragma: no cover - GPU only
+    """The closure API with both stages on the GPU of the loss (it hung before)."""
+    from tensorfleet.parallel.local_pipeline import PipelinedModule
+
+    torch.manual_seed(5)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    model, reference = mlp(), mlp()
+    _, ref_grads = train_reference(reference, [(x, y)], lr=0.1)
+    pipe = LocalPipeline(
+        split_stages(model, 2), ["/gpu:0", "/gpu:0"], n_microbatches=4, loss_fn=None, timeout_s=60
+    )
+    with pipe:
+        F.cross_entropy(PipelinedModule(model, pipe)(x.cuda()), y.cuda()).backward()
+    for name, p in model.named_parameters():
+        assert (p.grad.cpu() - ref_grads[0][name]).abs().max() < 1e-5, name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -178,3 +179,60 @@ def test_replicated_module_in_a_step_closure_matches_one_replica(replicas):
     assert [n for n, _ in wrapper.named_parameters()] == [
         f"module.{n}" for n, _ in model.named_parameters()
     ]
+
+
+def _record_backward_threads(modules) -> list[str]:
+    """The names of the threads that run each module's backward (a hook on every parameter)."""
+    threads: list[str] = []
+    for module in modules:
+        for p in module.parameters():
+            p.register_hook(lambda g: threads.append(threading.current_thread().name))
+    return threads
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_on_the_device_of_the_loss_run_their_backward_in_autograds_own_thread(
+    monkeypatch, replicas
+):
+    """On a GPU autograd runs the wrapper's backward on that device's one thread, so a replica
+    on the same device must run its backward there: queued from a replica thread it would
+    wait for that thread forever (two replicas on one H200 hung). The CPU stands in for the
+    GPU: the wrapper is told its backward runs on the CPU's device thread."""
+    from tensorfleet.parallel import replicas as replicas_module
+    from tensorfleet.parallel.replicas import ReplicatedModule
+
+    torch.manual_seed(8)
+    x, y = torch.randn(9, 1, 8, 8), torch.randint(0, 3, (9,))
+    model = cnn()
+    loss_ref, grads_ref = reference_grads(model, ce, x, y)
+    with InGraphReplicas(model, replicas) as engine:
+        wrapper = ReplicatedModule(engine)
+        in_pool = _record_backward_threads(engine.replicas)
+        F.cross_entropy(wrapper(x), y).backward()
+        assert in_pool and all(name.startswith("replica") for name in in_pool)  # the CPU's way
+
+        monkeypatch.setattr(replicas_module, "backward_thread_device", lambda grad: grad.device)
+        in_pool.clear()
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapper(x), y)
+        loss.backward()
+        assert in_pool and set(in_pool) == {threading.current_thread().name}
+        assert abs(loss.item() - loss_ref) < 1e-5
+        for (name, p), g in zip(model.named_parameters(), grads_ref, strict=True):
+            assert (p.grad - g).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_replicas_on_one_gpu_in_a_step_closure_match():  # pragma: no cover - GPU only
+    """The closure API with both replicas on the GPU of the loss (it hung before)."""
+    from tensorfleet.parallel.replicas import ReplicatedModule
+
+    torch.manual_seed(9)
+    x, y = torch.randn(32, 20).cuda(), torch.randint(0, 5, (32,)).cuda()
+    model = mlp().cuda()
+    loss_ref, grads_ref = reference_grads(model, ce, x, y)
+    with InGraphReplicas(model, ["/gpu:0", "/gpu:0"]) as engine:
+        F.cross_entropy(ReplicatedModule(engine)(x), y).backward()
+    for p, g in zip(model.parameters(), grads_ref, strict=True):
+        assert (p.grad - g).abs().max().item() < 1e-5

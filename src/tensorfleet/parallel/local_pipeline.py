@@ -7,7 +7,9 @@ each stage runs autograd on its own piece of the graph, so stages overlap in bac
 Every micro-batch loss is ``loss_fn(output, target) / n`` (``loss_reduction="mean"``), so
 the gradients equal those of the whole batch through the unsplit model.
 
-On GPUs, stages on different devices overlap for real. On one CPU the stages share the
+On GPUs, stages on different devices overlap for real (in the backward behind
+:class:`PipelinedModule`, the stages on the device of the loss run in autograd's own thread of
+that device, downstream first: :mod:`~tensorfleet.parallel.autograd_threads`). On one CPU the stages share the
 cores: the task's intra-op thread budget is divided among the stage threads while the
 pipeline is open (restored by :meth:`LocalPipeline.close`); expect no speed-up there, only
 the same numbers as the unsplit model (it is how the pipeline is tested on this machine).
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from tensorfleet.cluster.device import DeviceSpec
+from tensorfleet.parallel.autograd_threads import backward_thread_device, same_device
 from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed
 from tensorfleet.parallel.schedule import SCHEDULES, bubble_fraction, stage_order
 from tensorfleet.parallel.stages import check_microbatches
@@ -239,19 +242,38 @@ class LocalPipeline:
             deadline=time.monotonic() + self.timeout_s,
         )
 
-    def _run_phase(self, run: _Step, orders: list[list[tuple[str, int]]]) -> None:
-        """Every stage runs its ``orders[s]`` in its thread; the first failure is raised."""
+    def _run_phase(
+        self,
+        run: _Step,
+        orders: list[list[tuple[str, int]]],
+        inline_on: torch.device | None = None,
+    ) -> None:
+        """Every stage runs its ``orders[s]`` in its thread, except the stages on
+        ``inline_on``: a backward phase run by autograd's thread of that device runs them in
+        that thread, downstream first, since a stage's backward needs its downstream
+        neighbour's gradients (:mod:`~tensorfleet.parallel.autograd_threads`). The first
+        failure is raised."""
         count = len(self.stages)
         started = time.perf_counter()
         if run.started_ns is None:
             run.started_ns = time.perf_counter_ns()
         run.deadline = time.monotonic() + self.timeout_s
-        futures = [self._pool.submit(self._run_stage, s, run, orders[s]) for s in range(count)]
+        here = [same_device(d, inline_on) for d in self.devices]
+        futures = [
+            self._pool.submit(self._run_stage, s, run, orders[s])
+            for s in range(count)
+            if not here[s]
+        ]
+        for s in reversed(range(count)):
+            if here[s] and run.failure is None:
+                try:
+                    self._run_stage(s, run, orders[s])
+                except Exception:  # recorded in run.failure (or another stage's abort)
+                    break
         # Return as soon as a stage fails: a stage stuck in its own computation cannot be
         # interrupted, but it must not hold the caller (it finds the abort when it resumes).
-        _, pending = wait(
-            futures, timeout=self.timeout_s + _REPORT_GRACE_S, return_when=FIRST_EXCEPTION
-        )
+        remaining = max(0.0, run.deadline - time.monotonic())
+        _, pending = wait(futures, timeout=remaining + _REPORT_GRACE_S, return_when=FIRST_EXCEPTION)
         if run.failure is None and pending:
             _, pending = wait(pending, timeout=_REPORT_GRACE_S)  # a failure being recorded
         run.wall_s += time.perf_counter() - started
@@ -265,7 +287,8 @@ class LocalPipeline:
             ) from exc
         if pending:
             self._broken = True
-            stuck = [s for s, f in enumerate(futures) if f in pending]
+            pooled = [s for s in range(count) if not here[s]]
+            stuck = [s for s, f in zip(pooled, futures, strict=True) if f in pending]
             raise PipelineFailed(
                 f"pipeline stage(s) {stuck} still running {self.timeout_s:g} s after the step "
                 f"started, at {[run.position.get(s, 'its start') for s in stuck]}: stuck or too "
@@ -478,7 +501,12 @@ class _PipelineFunction(torch.autograd.Function):
         count, n = len(pipeline.stages), pipeline.n_microbatches
         for m, piece in enumerate(torch.chunk(grad_out, n)):
             run.backward_in[count - 1].put((m, piece))
-        pipeline._run_phase(run, [[("B", m) for m in range(n)] for _ in range(count)])
+        # The stages on this node's own device run in this thread (autograd_threads).
+        pipeline._run_phase(
+            run,
+            [[("B", m) for m in range(n)] for _ in range(count)],
+            inline_on=backward_thread_device(grad_out),
+        )
         pipeline._finish(run)
         ctx.run = None
         return (None, None, *([None] * ctx.n_params))

@@ -21,7 +21,10 @@ runs each thread's ``backward()`` on that thread and ops release the GIL, so on 
 replicas in two threads with one intra-op thread each use two cores (measured 25 steps/s vs
 16 for one single-threaded replica, batch 256 MLP). Hence on CPU the task's intra-op thread
 budget is divided among the replicas while the engine is open, and restored by
-:meth:`InGraphReplicas.close`. On GPUs each replica's kernels run on its own device.
+:meth:`InGraphReplicas.close`. On GPUs each replica's kernels run on its own device; in the
+backward behind :class:`ReplicatedModule`, the replicas on the device of the loss run in
+autograd's own thread of that device (:mod:`~tensorfleet.parallel.autograd_threads`: queued
+from another thread they would wait for it forever).
 
 BatchNorm in train mode normalizes each shard with its own statistics, as TensorFlow's towers
 do; the gradients then differ from one replica on the whole batch (by design, not rounding).
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from tensorfleet.cluster.device import DeviceSpec
+from tensorfleet.parallel.autograd_threads import backward_thread_device, same_device
 from tensorfleet.parallel.errors import ParallelConfigError, ReplicaFailed
 from tensorfleet.worker.device import torch_device
 
@@ -154,20 +158,26 @@ class InGraphReplicas:
             torch.zeros((), device=master_device),
         )
 
-    def _run_all(self, fn: Callable[[int], Any], sizes: list[int]) -> list[Any]:
-        """``fn(i)`` for every replica at once, in the replica threads; the first failure is
-        raised as :class:`ReplicaFailed` naming the replica, its device and shard size."""
-        futures = [self._pool.submit(fn, i) for i in range(len(self.replicas))]
-        results = []
-        for i, future in enumerate(futures):
+    def _run_all(
+        self, fn: Callable[[int], Any], sizes: list[int], inline_on: torch.device | None = None
+    ) -> list[Any]:
+        """``fn(i)`` for every replica at once, in the replica threads, except the replicas on
+        ``inline_on``, run here one after the other (a backward on an autograd device thread:
+        :mod:`~tensorfleet.parallel.autograd_threads`); the first failure is raised as
+        :class:`ReplicaFailed` naming the replica, its device and shard size."""
+        here = [same_device(d, inline_on) for d in self.devices]
+        futures = {i: self._pool.submit(fn, i) for i in range(len(self.replicas)) if not here[i]}
+        results: dict[int, Any] = {}
+        # Those of this thread first, while the pool's run; then the pool's, in order.
+        for i in [i for i in range(len(self.replicas)) if here[i]] + list(futures):
             try:
-                results.append(future.result())
+                results[i] = fn(i) if here[i] else futures[i].result()
             except Exception as exc:
                 raise ReplicaFailed(
                     f"in-graph replica {i} on {self.specs[i].to_string()} failed on its shard of "
                     f"{sizes[i]} samples: {type(exc).__name__}: {exc}"
                 ) from exc
-        return results
+        return [results[i] for i in range(len(self.replicas))]
 
     def _summed_grads(self) -> list[torch.Tensor | None]:
         """Each master parameter's gradient: the sum of the replicas' (None if none has one)."""
@@ -300,7 +310,8 @@ class _ReplicaFunction(torch.autograd.Function):
             inp, out = ctx.results[i]
             torch.autograd.backward(out, pieces[i].to(out.device))
 
-        engine._run_all(run, ctx.sizes)
+        # The replicas on this node's own device run in this thread (autograd_threads).
+        engine._run_all(run, ctx.sizes, inline_on=backward_thread_device(grad_out))
         grads = engine._summed_grads()
         input_grad = None
         if ctx.needs_input_grad[1]:
