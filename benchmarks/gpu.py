@@ -6,7 +6,8 @@ hangs or a machine that is taken back still leaves what was measured):
 1. **tests**: pytest on the test files that touch CUDA (every ``tests/**/test_*.py`` whose
    text mentions ``cuda``), passed / failed / skipped counts and the summary line; the
    ``cpu`` cases of ``test_mode_on_device`` are left out (they start a cluster each and run
-   wherever the suite runs; the ``cuda`` cases compare with one CPU process themselves);
+   wherever the suite runs; the ``cuda`` cases compare with one CPU process themselves); in
+   4 processes where pytest-xdist is installed and the host has 16 cores or more;
 2. **rows**: ``benchmarks/cnn_training.py`` (the example's CNN, Fashion-MNIST) on the GPU,
    steady-state global steps/s from its ``--metrics-json``:
 
@@ -36,6 +37,7 @@ machine (wheels and data carried from here) and runs this.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -65,6 +67,8 @@ NAME = "gpu"
 TESTS_LIMIT_S = 240
 ROW_LIMIT_S = 100
 BIG_MODEL_LIMIT_S = 150
+#: pytest-xdist processes for the tests, where it is installed (and 4 cores for each).
+TEST_PROCESSES = 4
 #: The tests left out here: the CPU cases of the modes (a cluster each; the suite runs them).
 SKIPPED_HERE = "not (test_mode_on_device and cpu)"
 #: Seconds a part past its limit has to stop its tasks after SIGINT, before SIGKILL.
@@ -84,8 +88,7 @@ def gpu_test_files(root: Path = ROOT) -> list[str]:
 def run_tests(limit_s: float) -> dict:
     """pytest on :func:`gpu_test_files`: its counts and summary line, or why it stopped."""
     files = gpu_test_files()
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-               SKIPPED_HERE, *files]  # fmt: skip
+    command = pytest_command(files, has_xdist=importlib.util.find_spec("xdist") is not None)
     started = time.perf_counter()
     output, status = run_limited(command, _child_env(), limit_s)
     lines = [line for line in output.splitlines() if line.strip()]
@@ -102,8 +105,21 @@ def run_tests(limit_s: float) -> dict:
         "seconds": time.perf_counter() - started,
         "summary": summary if status is not None else f"timed out after {limit_s:.0f} s",
         **counts,
-        "tail": lines[-40:],
+        "tail": lines[-80:],
     }
+
+
+def pytest_command(files: list[str], has_xdist: bool, cpus: int | None = None) -> list[str]:
+    """pytest on ``files``, one line per test (``-v``: a part stopped at its limit still says
+    which tests passed and which one it was in), in :data:`TEST_PROCESSES` processes where
+    pytest-xdist is installed and the host has the cores (each cluster case starts its own
+    processes; on 16 cores four at once take a quarter of the time)."""
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k",
+               SKIPPED_HERE]  # fmt: skip
+    processes = min(TEST_PROCESSES, (cpus or os.cpu_count() or 1) // 4)
+    if has_xdist and processes > 1:
+        command += ["-n", str(processes)]
+    return [*command, *files]
 
 
 def rows_to_run(gpus: int, steps: dict[str, int]) -> list[dict]:

@@ -440,6 +440,28 @@ def test_gpu_check_table_gives_ratios_in_batches_and_names_failures() -> None:
         lines[4] == "| all-reduce, 3 workers sharing one GPU (gloo) | 50.0 | 150.0 | 0.38 | 2.50 |"
     )
     assert lines[5] == "| 1 ps + 1 worker, async | timed out after 100 s | | | |"
+    result["big_model"] = {
+        "rows": {
+            "torch": {"what": "one process", "s_per_step": 0.04, "vs_one_process": 1.0},
+            "ps1": {"what": "1 ps + 1 worker", "s_per_step": 0.5, "vs_one_process": 0.08},
+        }
+    }
+    lines = gpu.table(result)
+    assert lines[-1] == "| BERT-base-sized model, ps1: 1 ps + 1 worker | 2.00 | 2.00 | 0.08 | 500 |"
+    result["big_model"] = {"error": "exit status 1 after 12 s"}
+    assert gpu.table(result)[-1] == (
+        "| BERT-base-sized model (big_model.py) | exit status 1 after 12 s | | | |"
+    )
+
+
+def test_gpu_check_runs_the_tests_in_processes_where_xdist_and_the_cores_allow() -> None:
+    import gpu
+
+    parallel = gpu.pytest_command(["tests/a.py"], has_xdist=True, cpus=16)
+    assert parallel[-3:] == ["-n", "4", "tests/a.py"] and "-v" in parallel
+    assert "-n" not in gpu.pytest_command(["tests/a.py"], has_xdist=False, cpus=16)
+    assert "-n" not in gpu.pytest_command(["tests/a.py"], has_xdist=True, cpus=4)
+    assert gpu.SKIPPED_HERE in parallel  # the cpu cases of the modes: the suite runs them
 
 
 @pytest.mark.timeout(200)
