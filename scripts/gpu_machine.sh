@@ -10,8 +10,11 @@
 # safetensors, rich, pytest and pytest-timeout, but not pyzmq, cryptography, cffi and
 # pycparser: `prepare` downloads those four as CPython 3.12 x86-64 wheels, `run` installs
 # them with `pip install --no-index --no-deps --target .gpu-site` (nothing leaves the
-# machine; a Python that already imports zmq and cryptography installs nothing). `run` writes the results to $OUT when set (else benchmarks/results/gpu-run) and
-# exits with benchmarks/gpu.py's status (77: no CUDA GPU there, with the reason printed).
+# machine; a Python that already imports zmq and cryptography installs nothing). `run` writes
+# the results to $OUT when set (else benchmarks/results/gpu-run), then (unless
+# CPU_BIG_MODEL=0) runs benchmarks/big_model.py on the host's CPU cores into
+# big_model_cpu/ there (one process, 1 ps, 2 ps; 5 minutes at most), and exits with
+# benchmarks/gpu.py's status (77: no CUDA GPU there, with the reason printed).
 #
 # Environment: PYTHON (default python3), DATA_SOURCE for prepare (default
 # /usr/share/datasets/fashion-mnist: the four idx .gz files).
@@ -68,7 +71,17 @@ run() {
     local out="${OUT:-$ROOT/benchmarks/results/gpu-run}"
     cd "$ROOT"
     nvidia-smi -L 2>/dev/null || true
-    "$PYTHON" benchmarks/gpu.py --data-dir "$DATA" --out-dir "$out" "$@"
+    local status=0
+    "$PYTHON" benchmarks/gpu.py --data-dir "$DATA" --out-dir "$out" "$@" || status=$?
+    if [[ "$status" -ne 77 && "${CPU_BIG_MODEL:-1}" != 0 ]]; then
+        # The data plane's big model on this host's cores (no GPU): one process, 1 ps, 2 ps,
+        # two interleaved rounds; at most 5 minutes.
+        echo "gpu_machine.sh: the BERT-base-sized model on the CPU cores (300 s at most)"
+        timeout 300 "$PYTHON" benchmarks/big_model.py --runs torch ps1 ps2 --steps 8 --warmup 2 \
+            --repeats 2 --timeout 90 --out-dir "$out/big_model_cpu" \
+            || echo "gpu_machine.sh: the CPU big-model run failed or timed out (status $?)" >&2
+    fi
+    return "$status"
 }
 
 usage() {
@@ -81,9 +94,10 @@ The GPU check on a bare GPU machine without internet, in two steps:
             .gpu-data/ (from $DATA_SOURCE, default /usr/share/datasets/fashion-mnist)
   run       there, from a copy of the repository carrying both folders: install the
             wheels offline into .gpu-site/, then run benchmarks/gpu.py (options after
-            'run' go to it); results in $OUT, else benchmarks/results/gpu-run; exits
-            with its status (77: no CUDA GPU there)
-Environment: PYTHON (default python3), DATA_SOURCE, OUT. See docs/gpu.md.
+            'run' go to it), then benchmarks/big_model.py on the CPU cores (one process,
+            1 ps, 2 ps; skipped with CPU_BIG_MODEL=0); results in $OUT, else
+            benchmarks/results/gpu-run; exits with gpu.py's status (77: no CUDA GPU there)
+Environment: PYTHON (default python3), DATA_SOURCE, OUT, CPU_BIG_MODEL. See docs/gpu.md.
 USAGE
 }
 
