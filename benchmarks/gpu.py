@@ -12,10 +12,14 @@ hangs or a machine that is taken back still leaves what was measured):
    steady-state global steps/s from its ``--metrics-json``:
 
    - one process (the baseline of every ratio, measured in the same run);
-   - 1 ps + 1 worker, async;
+   - 1 ps + 1 worker, async; the same with ``--intra-op-threads 4`` and ``1`` (every task's
+     torch threads: where a ps beside a GPU worker spends its step);
    - 1 ps + 3 workers sharing one GPU, async;
    - all-reduce, 3 workers sharing one GPU (gloo between them: NCCL refuses that);
-   - all-reduce, one GPU per worker (NCCL), where the host has 2 or more GPUs.
+   - all-reduce, one GPU per worker (NCCL), where the host has 2 or more GPUs;
+   - with ``--profile``: 1 ps + 1 worker under ``py-spy record --subprocesses`` (raw stacks
+     in ``gpu_profile_1ps_1worker.raw.txt``, each process's top frames in ``.md`` and the
+     JSON), to see where the ps's and the worker's time goes.
 
 3. **big model**: ``benchmarks/big_model.py --device cuda --runs torch ps1``: the
    BERT-base-sized encoder (108.5 M parameters, Adam) in one process on the GPU against
@@ -41,6 +45,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,6 +74,10 @@ ROW_LIMIT_S = 100
 BIG_MODEL_LIMIT_S = 150
 #: pytest-xdist processes for the tests, where it is installed (and 4 cores for each).
 TEST_PROCESSES = 4
+#: The row ``--profile`` adds: 1 ps + 1 worker, every process sampled by py-spy.
+PROFILED_ROW = "1 ps + 1 worker, async, under py-spy (its figures include the sampling)"
+#: Where the profile goes (in the results directory): py-spy's raw stacks, and the top frames.
+PROFILE_FILE = "gpu_profile_1ps_1worker"
 #: The tests left out here: the CPU cases of the modes (a cluster each; the suite runs them).
 SKIPPED_HERE = "not (test_mode_on_device and cpu)"
 #: Seconds a part past its limit has to stop its tasks after SIGINT, before SIGKILL.
@@ -122,13 +131,24 @@ def pytest_command(files: list[str], has_xdist: bool, cpus: int | None = None) -
     return [*command, *files]
 
 
-def rows_to_run(gpus: int, steps: dict[str, int]) -> list[dict]:
+def rows_to_run(gpus: int, steps: dict[str, int], profile: bool = False) -> list[dict]:
     """The rows for a host with ``gpus`` GPUs: name, launcher arguments (None: one process),
-    worker arguments, whether every worker shares the first GPU."""
+    worker arguments, whether every worker shares the first GPU; with ``profile``, also
+    1 ps + 1 worker under py-spy (:data:`PROFILED_ROW`)."""
     rows = [
         {"name": "one process", "launch": None, "mode": "async", "steps": steps["one"]},
         {"name": "1 ps + 1 worker, async", "launch": ["--ps", "1", "--workers", "1"],
          "mode": "async", "steps": steps["ps"]},
+        # The ps's threads: with the default budget a ps beside one GPU worker gets every
+        # core (they take turns), and its update's many small parallel regions then wait on
+        # cores the GPU worker's thread holds; the same run with 4 and 1 thread per task says
+        # whether that is where a step goes.
+        {"name": "1 ps + 1 worker, async, --intra-op-threads 4",
+         "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "4"], "mode": "async",
+         "steps": steps["ps"]},
+        {"name": "1 ps + 1 worker, async, --intra-op-threads 1",
+         "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "1"], "mode": "async",
+         "steps": steps["ps"]},
         {"name": "1 ps + 3 workers sharing one GPU, async",
          "launch": ["--ps", "1", "--workers", "3"], "mode": "async", "steps": steps["ps3"],
          "share": True},
@@ -136,6 +156,11 @@ def rows_to_run(gpus: int, steps: dict[str, int]) -> list[dict]:
          "launch": ["--ps", "0", "--workers", "3"], "mode": "allreduce",
          "steps": steps["allreduce"], "share": True},
     ]  # fmt: skip
+    if profile:
+        rows.append(
+            {"name": PROFILED_ROW, "launch": ["--ps", "1", "--workers", "1"], "mode": "async",
+             "steps": steps["ps"], "profile": True}
+        )  # fmt: skip
     if gpus >= 2:
         workers = min(gpus, 8)
         rows.append(
@@ -180,6 +205,14 @@ def run_row(
             command += [*row["launch"], "--", *program]
             if row.get("share"):
                 env["CUDA_VISIBLE_DEVICES"] = first_gpu  # the launcher puts every worker on it
+        raw_profile = results_dir() / f"{PROFILE_FILE}.raw.txt"
+        if row.get("profile"):
+            spy = shutil.which("py-spy")
+            if spy is None:
+                return {"name": row["name"], "error": "py-spy is not on PATH (pip install py-spy)"}
+            raw_profile.parent.mkdir(parents=True, exist_ok=True)
+            command = [spy, "record", "--subprocesses", "--native", "--nonblocking", "--format", "raw",
+                       "--rate", "100", "-o", str(raw_profile), "--", *command]  # fmt: skip
         started = time.perf_counter()
         output, status = run_limited(command, env, limit_s)
         result: dict = {
@@ -190,6 +223,10 @@ def run_row(
             "status": status,
             "seconds": time.perf_counter() - started,
         }
+        if row.get("profile") and raw_profile.exists():
+            top = top_frames(raw_profile.read_text())
+            (results_dir() / f"{PROFILE_FILE}.md").write_text("\n".join(top) + "\n")
+            result["profile"] = {"raw": raw_profile.name, "top": top}
         if status == 0 and metrics.exists():
             figures = json.loads(metrics.read_text())
             result.update(figures)
@@ -233,6 +270,30 @@ def run_big_model(limit_s: float, out_dir: Path) -> dict:
         result["error"] = f"{why} after {result['seconds']:.0f} s"
         result["tail"] = [line for line in output.splitlines() if line.strip()][-30:]
     return result
+
+
+def top_frames(raw: str, count: int = 15) -> list[str]:
+    """py-spy's raw stacks (``frame;frame;... samples`` per line; with ``--subprocesses``, a
+    child's frames follow its ``process N:"command"`` frame, under its parents') as a markdown
+    list per process: its samples and the ``count`` innermost frames holding most of them
+    (where its CPU time goes: py-spy leaves idle waits out unless ``--idle``)."""
+    by_process: dict[str, dict[str, int]] = {}
+    for line in raw.splitlines():
+        stack, _, number = line.rpartition(" ")
+        if not stack or not number.isdigit():
+            continue
+        frames = stack.split(";")
+        # with --subprocesses a child's stack hangs under its parents' ("process N:...")
+        own = max((i for i, frame in enumerate(frames) if frame.startswith("process ")), default=0)
+        leaves = by_process.setdefault(frames[own], {})
+        leaves[frames[-1]] = leaves.get(frames[-1], 0) + int(number)
+    lines = []
+    for process, leaves in sorted(by_process.items(), key=lambda item: -sum(item[1].values())):
+        total = sum(leaves.values())
+        lines.append(f"- {process[:160]}: {total} samples")
+        for frame, samples in sorted(leaves.items(), key=lambda item: -item[1])[:count]:
+            lines.append(f"  - {100 * samples / total:.1f}% {frame[:160]}")
+    return lines
 
 
 def table(result: dict) -> list[str]:
@@ -311,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row-limit", type=float, default=ROW_LIMIT_S, metavar="S")
     parser.add_argument("--big-model-limit", type=float, default=BIG_MODEL_LIMIT_S, metavar="S")
     parser.add_argument("--steps", type=int, default=1500, help="global steps of the ps rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="also 1 ps + 1 worker under py-spy: where each process's time goes")  # fmt: skip
     add_out_dir_option(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -348,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "allreduce": args.steps // 2,
         }
         result["rows"] = []
-        for row in rows_to_run(gpus, steps):
+        for row in rows_to_run(gpus, steps, profile=args.profile):
             print(f"gpu: {row['name']} ({args.row_limit:.0f} s at most)", flush=True)
             result["rows"].append(run_row(row, args.data_dir, first_gpu, args.row_limit))
             save()

@@ -409,6 +409,8 @@ def test_gpu_check_finds_its_test_files_and_plans_its_rows() -> None:
     assert one_gpu == [
         "one process",
         "1 ps + 1 worker, async",
+        "1 ps + 1 worker, async, --intra-op-threads 4",
+        "1 ps + 1 worker, async, --intra-op-threads 1",
         "1 ps + 3 workers sharing one GPU, async",
         "all-reduce, 3 workers sharing one GPU (gloo)",
     ]
@@ -452,6 +454,26 @@ def test_gpu_check_table_gives_ratios_in_batches_and_names_failures() -> None:
     assert gpu.table(result)[-1] == (
         "| BERT-base-sized model (big_model.py) | exit status 1 after 12 s | | | |"
     )
+
+
+def test_gpu_check_profile_gives_each_processs_top_frames() -> None:
+    import gpu
+
+    raw = (
+        "process 10:python -m tensorfleet server;serve (service.py:1);poll (libc.so.6) 30\n"
+        "process 10:python -m tensorfleet server;serve (service.py:1);apply (store.py:2) 10\n"
+        "process 9:launch;process 11:python cnn_training.py;step (session.py:3);poll (libc.so.6) 5\n"
+        "not a stack line\n"
+    )
+    assert gpu.top_frames(raw) == [
+        "- process 10:python -m tensorfleet server: 40 samples",
+        "  - 75.0% poll (libc.so.6)",
+        "  - 25.0% apply (store.py:2)",
+        "- process 11:python cnn_training.py: 5 samples",
+        "  - 100.0% poll (libc.so.6)",
+    ]
+    rows = gpu.rows_to_run(1, {"one": 4, "ps": 2, "ps3": 2, "allreduce": 1}, profile=True)
+    assert [r for r in rows if r.get("profile")][0]["name"] == gpu.PROFILED_ROW
 
 
 def test_gpu_check_runs_the_tests_in_processes_where_xdist_and_the_cores_allow() -> None:
