@@ -6,11 +6,11 @@ Why. A worker that gets SIGTERM finishes its step (its push applied), the chief 
 checkpoint, the worker tells the ps shards it left, and then its process ends with status
 143 (:mod:`tensorfleet.session.preemption`). Measured on the loaded 2-core test machine
 (1 ps + 3 workers of the CNN example, a warm spare): the step's end and the leaving took
-0.1-0.8 s after the SIGTERM (the chief's checkpoint included), the interpreter's teardown
+0.01-0.8 s after the SIGTERM (the chief's checkpoint included), the interpreter's teardown
 after that (torch's modules and the process's heap; the session had already released
-everything) 1.8-2.9 s, and the warm spare's first step another 0.6-1.3 s. The launcher
+everything) 1.4-2.9 s, and the warm spare's first step another 0.5-1.3 s. The launcher
 restarted the task only once it had reaped the exit, so the teardown was most of a
-preemption's recovery (4.4 s p50 for the chief).
+preemption's recovery (2.5-4.4 s p50 before, 1.0-1.2 s after; docs/reliability.md).
 
 How. The preempted worker leaves the marker ``task_markers.LEFT`` with its process id once
 it is done with the cluster (nothing is sent after it). The supervising loop looks at the
@@ -20,12 +20,13 @@ preemption, as the process is about to report), and the restart is scheduled as 
 exit (the same count, back-off and warm spare). The old process, in its own process group,
 ends its interpreter meanwhile; it is one of the task's previous processes, and:
 
-- its exit is reported when it comes (a line; a warning with its last lines when it is not
-  the 143 it promised), and does not count as the task's exit;
+- its exit is reported when it comes (a line; a warning when it is not the 143 it promised:
+  its lines are shown under the task's prefix as they come), and is not the task's exit;
 - it gets the launcher's ``kill_timeout`` (15 s by default) from the marker to exit; then its
   group gets SIGKILL, and a process that even then does not go within another
   ``kill_timeout`` is given up on with an error, as a task stuck in the kernel is;
-- the run does not end while such a process is still exiting.
+- the run does not end while such a process is still exiting (an interrupt of the launcher
+  does not shorten its deadline: it already had its SIGTERM).
 
 What does not change: a worker the launcher itself stopped (SIGTERM to every task), a run
 that no longer restarts (draining, failing, interrupted), or a restart the policy refuses:
