@@ -42,7 +42,8 @@ any task or spare ever had). It passes when the run exits 0 with its accuracy li
     .venv/bin/python benchmarks/chaos.py --storm --steps 40000 [--interval 10] [--duration 600]
 
 A storm that outlasts training fails the "storm during training" check and says to pass
-more ``--steps``. Writes ``chaos_storm`` (``chaos_storm_seed<N>`` for a seed other than 5).
+more ``--steps``. Writes ``chaos_storm`` (``chaos_storm_seed<N>`` for a seed other than 5;
+``--results-name NAME`` writes ``NAME`` instead, in either mode).
 
 Writes benchmarks/results/chaos.json and .md for the default seed (5: the run whose table
 the docs cite) and ``chaos_seed<N>.json`` and ``.md`` for any other seed, so that a run with
@@ -327,7 +328,8 @@ class Fault:
     #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
     #: first one after (what the restore from the newest checkpoint gave back)
     steps_lost: int | None = None
-    #: kill/term of the ps: seconds from the fault to each phase of its recovery (PS_PHASES)
+    #: kill/term of the ps: seconds from the fault to each phase of its recovery (PS_PHASES);
+    #: term of a worker: the same with WORKER_TERM_PHASES
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -362,6 +364,35 @@ def ps_phases(watch: Watch, at: float, until: float) -> dict[str, float]:
                 phases[name] = max(recovered.values()) - at
             continue
         found = [t for t, task, text in events if task == who and text.startswith(start)]
+        if found:
+            phases[name] = found[0] - at
+    return phases
+
+
+#: The phases of a worker's recovery from SIGTERM, in order: the name, and how the line that
+#: marks its end starts (``{task}`` filled in; the launcher's lines, except "saved"): the
+#: worker finished its step (and, the chief, wrote its checkpoint) and is about to leave; the
+#: launcher scheduled its restart (at its exit, or once it left: launch/preempted_handover.py);
+#: the launcher restarted it.
+WORKER_TERM_PHASES = (
+    ("saved", "{task}: preempted (SIGTERM)"),
+    ("restart scheduled", ("{task} failed with", "{task} left the cluster")),
+    ("restarted", "restarted {task} "),
+)
+
+
+def worker_term_phases(watch: Watch, task: str, at: float, until: float) -> dict[str, float]:
+    """Seconds from a worker SIGTERM at ``at`` to the first line of each of
+    :data:`WORKER_TERM_PHASES` before ``until`` (its first step after it)."""
+    with watch._watch_lock:
+        events = [e for e in watch.events if at < e[0] <= until]
+    phases: dict[str, float] = {}
+    for name, starts in WORKER_TERM_PHASES:
+        who = task if name == "saved" else "launcher"
+        prefixes = tuple(
+            p.format(task=task) for p in (starts if isinstance(starts, tuple) else (starts,))
+        )
+        found = [t for t, by, text in events if by == who and text.startswith(prefixes)]
         if found:
             phases[name] = found[0] - at
     return phases
@@ -509,6 +540,9 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         fault.recovered_s = after[0][0] - (back if fault.kind == "stop" else at)
         if fault.task.startswith("ps:") and fault.kind != "stop":
             fault.phases = {**ps_phases(watch, at, after[0][0]), "first step": fault.recovered_s}
+        elif fault.kind == "term":
+            phases = worker_term_phases(watch, fault.task, at, after[0][0])
+            fault.phases = {**phases, "first step": fault.recovered_s}
 
 
 def storm_main(args: argparse.Namespace, workdir: Path) -> int:
@@ -607,7 +641,7 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
         "",
     ]
-    phased = [f for f in faults if f.phases]
+    phased = [f for f in faults if f.phases and f.task.startswith("ps:")]
     if phased:
         table += [
             "Where each ps fault's recovery went (seconds from the fault to the end of each "
@@ -628,6 +662,23 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
             for f in phased
         ]
         table.append("")
+    terms = [f for f in faults if f.phases and f.task.startswith("worker:")]
+    if terms:
+        names = [name for name, _ in WORKER_TERM_PHASES] + ["first step"]
+        table += [
+            "Where each worker SIGTERM's recovery went (seconds from the SIGTERM to the end of "
+            "each phase):",
+            "",
+            "| fault | at step | " + " | ".join(names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
+        table += [
+            f"| {f.kind} {f.task} | {f.global_step} | "
+            + " | ".join(f"{f.phases[n]:.1f}" if n in f.phases else "" for n in names)
+            + " |"
+            for f in terms
+        ]
+        table.append("")
     table += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks.items()]
     heading = (
         f"Storm: 1 ps + 3 workers, {args.steps} steps, {'/'.join(args.faults)} on a random task "
@@ -636,7 +687,9 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         "ps), default launcher settings otherwise; "
         "measured under whatever else the machine ran"
     )
-    name = "chaos_storm" if args.seed == DEFAULT_SEED else f"chaos_storm_seed{args.seed}"
+    name = args.results_name or (
+        "chaos_storm" if args.seed == DEFAULT_SEED else f"chaos_storm_seed{args.seed}"
+    )
     write_results(name, result, heading, table)
     return 0 if all(checks.values()) else 1
 
@@ -707,6 +760,13 @@ def main() -> int:
     )
     storm.add_argument(
         "--no-baseline", action="store_true", help="skip the undisturbed run (no accuracy check)"
+    )
+    parser.add_argument(
+        "--results-name",
+        metavar="NAME",
+        default=None,
+        help="write NAME.json and NAME.md (default: chaos / chaos_storm, with _seed<N> for a "
+        "seed other than 5), e.g. chaos_term_worker for a run of worker SIGTERMs",
     )
     add_out_dir_option(parser)
     args = parser.parse_args()
@@ -781,7 +841,7 @@ def main() -> int:
         f"{args.min_interval:g}-{args.max_interval:g} s (seed {args.seed}), default launcher "
         "settings; measured under whatever else the machine ran"
     )
-    write_results(results_name(args.seed), result, heading, table)
+    write_results(args.results_name or results_name(args.seed), result, heading, table)
     return 0 if all(checks.values()) else 1
 
 

@@ -17,6 +17,15 @@ dies before it gets anywhere; a process that got to work and was then killed (a 
 kills a ps 20 s after its last restart) is restarted at once, however short its run. The
 marker holds the process id, so a marker of an earlier process of the task says nothing.
 
+The third: **this process of the task left the cluster** (:data:`LEFT`: a worker preempted
+by SIGTERM whose last push was applied, whose checkpoint (the chief's) was written and whose
+shards were told it left; :mod:`tensorfleet.session.preemption`). All that process still does
+is end its interpreter, which took 1.8-2.9 s on the loaded 2-core test machine (torch's
+teardown), twice the rest of its recovery with a warm spare; the launcher hands the task's
+identity to its restart as soon as it sees this marker instead of after the exit
+(:mod:`tensorfleet.launch.preempted_handover`). The marker holds the process id, as
+:data:`SERVING` does.
+
 The choice: one empty file per fact and task in a directory the launcher creates for the run
 and names in ``TENSORFLEET_TASK_MARKERS`` (removed when the run ends). The alternatives: a
 line on the task's output, which the user's own output could imitate or interleave with; the
@@ -41,12 +50,21 @@ MARKERS_VAR = environment.TASK_MARKERS_VAR
 COLLECTIVE_END = "collective-end"
 #: This process of the task got to work (its text: the process id).
 SERVING = "serving"
+#: This process of the task left the cluster and only ends its interpreter now (its text: the
+#: process id).
+LEFT = "left"
 
 
 def mark_serving(task_name: str) -> None:
     """Leave :data:`SERVING` for ``task_name`` with this process's id (see the module's
     docstring)."""
     mark(SERVING, task_name, text=str(os.getpid()))
+
+
+def mark_left(task_name: str) -> None:
+    """Leave :data:`LEFT` for ``task_name`` with this process's id (see the module's
+    docstring): call it once the process is done with the cluster, nothing sent after it."""
+    mark(LEFT, task_name, text=str(os.getpid()))
 
 
 def _file(directory: Path, task_name: str, fact: str) -> Path:

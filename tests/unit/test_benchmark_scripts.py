@@ -321,6 +321,35 @@ def test_chaos_names_its_results_by_seed() -> None:
     assert chaos.results_name(2) == "chaos_seed2"
 
 
+def test_chaos_splits_a_worker_sigterm_recovery_into_its_phases(tmp_path: Path) -> None:
+    """The storm's phases of a worker SIGTERM: the worker's own 'preempted' line, the
+    launcher's restart announcement (at the exit, or once the worker left), its restart."""
+    import chaos
+
+    watch = chaos.Watch(tmp_path / "log")
+    try:
+        watch.events = [
+            (10.0, "worker:0", "Worker: 0, Step: 5, Accuracy (batch): 0.8"),
+            (10.3, "worker:1", "worker:1: preempted (SIGTERM) at global step 6; exiting"),
+            (10.4, "worker:0", "worker:0: preempted (SIGTERM) at global step 7; checkpoint"),
+            (10.5, "launcher", "worker:0 left the cluster (preempted: ...); restarting it"),
+            (10.6, "launcher", "restarted worker:0 (restart 1 of 10) as pid 7: warm spare 1"),
+            (11.2, "worker:0", "Worker: 0, Step: 9, Accuracy (batch): 0.8"),
+        ]
+        phases = chaos.worker_term_phases(watch, "worker:0", 10.0, 11.2)
+        assert {k: round(v, 1) for k, v in phases.items()} == {
+            "saved": 0.4,
+            "restart scheduled": 0.5,
+            "restarted": 0.6,
+        }
+        watch.events[3] = (10.7, "launcher", "worker:0 failed with exit code 143; restarting it")
+        at_exit = chaos.worker_term_phases(watch, "worker:0", 10.0, 11.2)
+        assert round(at_exit["restart scheduled"], 1) == 0.7
+        assert chaos.worker_term_phases(watch, "worker:0", 10.0, 10.35) == {}  # before its lines
+    finally:
+        watch.close_log()
+
+
 def test_a_partial_devices_run_has_its_own_file() -> None:
     import devices
 

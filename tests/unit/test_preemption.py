@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import tensorfleet as tfl
+from tensorfleet import task_markers
 from tensorfleet.errors import PREEMPTED_EXIT_STATUS, ConfigError, Preempted
 from tensorfleet.launch.ports import free_port
 from tensorfleet.preemption_event import preempted
@@ -289,6 +290,48 @@ def test_a_session_saves_at_the_end_of_the_step_and_exits_with_143(tmp_path: Pat
         for name, value in resumed.state_dict().items():
             assert torch.equal(value, saved[name]), name
         again.request_stop()
+
+
+def test_a_preempted_session_leaves_the_left_marker_once_its_checkpoint_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a launcher (its marker directory in the environment), a preempted session leaves
+    ``task_markers.LEFT`` with its pid, after its checkpoint (the launcher hands the task's
+    identity to a restart as soon as it sees it: launch/preempted_handover.py)."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    monkeypatch.setenv(task_markers.MARKERS_VAR, str(markers))
+    checkpoints = tmp_path / "ckpt"
+    saved_at_mark: list[list[str]] = []
+    mark_left = task_markers.mark_left
+
+    def recording(task_name: str) -> None:
+        saved_at_mark.append(sorted(p.name for p in checkpoints.glob("step-*")))
+        mark_left(task_name)
+
+    monkeypatch.setattr(task_markers, "mark_left", recording)
+    model = nn.Linear(4, 1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def loss() -> torch.Tensor:
+        if sess.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return nn.functional.mse_loss(model(x), y)
+
+    leaked: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: leaked.append(signum))
+    try:
+        with pytest.raises(Preempted):
+            with tfl.TrainingSession(
+                None, model, optimizer=tfl.optim.SGD(lr=0.1), checkpoint_dir=checkpoints
+            ) as sess:
+                while not sess.should_stop() and sess.global_step < 20:
+                    sess.step(loss)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not leaked, "the session did not take the SIGTERM"
+    assert saved_at_mark == [["step-00000003"]], "the marker came before the checkpoint"
+    assert (markers / "local.left").read_text() == str(os.getpid())
 
 
 # -- a worker preempted while the parameter servers are unreachable ------------------------

@@ -6,8 +6,8 @@ does it.
 Rule. Every task runs in a process group of its own; a signal meant for a task goes to its
 whole group (children included). A task's output lines go to the current process's
 ``recent`` deque (a late line of a process that was replaced stays out of the new one's
-failure report) and to the output; its exit arrives as an ``("exit", task)`` event on the
-supervisor's queue.
+failure report) and to the output; its exit arrives as an ``("exit", (task, process))``
+event on the supervisor's queue.
 
 Invariant. Nothing a task started outlives the run: the final sweep SIGKILLs the group of
 every task's current process and of every process it had before a restart.
@@ -25,7 +25,7 @@ from tensorfleet.launch.restart_policy import describe_returncode
 from tensorfleet.launch.task import Task
 
 if TYPE_CHECKING:
-    from tensorfleet.launch.backends.base import Backend
+    from tensorfleet.launch.backends.base import Backend, TaskProcess
     from tensorfleet.launch.output import Output
 
 
@@ -72,6 +72,11 @@ class ProcessGroups:
         """Start ``task`` through the backend, its lines to ``task.recent`` and the output."""
         recent = task.recent  # this process's deque: a late line of an old one stays out
 
+        # the exit event names the process too: one that left the cluster and still ended
+        # after its task was restarted is not the task's exit (launch/preempted_handover.py);
+        # an exit before spawn() returned is the current process's (None)
+        spawned: list[TaskProcess] = []
+
         def on_line(text: str) -> None:
             recent.append(text)
             self.output.line(task.name, text)
@@ -82,8 +87,9 @@ class ProcessGroups:
             self.task_variables(task, restarted),
             self._cwd,
             on_line,
-            lambda: self._events.put(("exit", task)),
+            lambda: self._events.put(("exit", (task, spawned[0] if spawned else None))),
         )
+        spawned.append(process)
         task.process, task.started_at = process, time.monotonic()
         self.output.task_started(task.name, process.pid)
 

@@ -70,6 +70,7 @@ from tensorfleet.launch.backends.process_group import READER_DRAIN_TIMEOUT
 from tensorfleet.launch.failure_grace import FailureGrace
 from tensorfleet.launch.output import Output, PlainOutput
 from tensorfleet.launch.peak_memory import peak_memory_line
+from tensorfleet.launch.preempted_handover import PreemptedHandover
 from tensorfleet.launch.process_groups import ProcessGroups
 from tensorfleet.launch.restart_policy import (
     PREDECESSOR_DEAD_VAR,
@@ -108,7 +109,9 @@ def default_ps_command() -> list[str]:
     return [sys.executable, "-m", "tensorfleet", "server"]
 
 
-class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, FailureGrace, WarmSpares):
+class ClusterSupervisor(
+    ProcessGroups, TaskRestarts, TrainingCompletion, FailureGrace, WarmSpares, PreemptedHandover
+):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
     supervise them.
 
@@ -194,6 +197,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         self.secret = generate_secret() if secret is None else secret
         self.backend = backend
         self._init_spares(spares, spare_wait_s, history, ps_spares)
+        self._init_handover()
         self._env = dict(env or {})
         self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
         self._cwd = None if cwd is None else os.fspath(cwd)
@@ -343,11 +347,16 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         while self._result is None:
             now = time.monotonic()
             self._start_spares_when_at_work(now)
+            self._hand_over_left_workers(now)  # a preempted worker's restart is due at once
             # restarts first: a cancelled one lets the deadline see no worker is left, at once
             self._on_restarts_due(now)
             self._on_spare_deadlines(now)
+            self._on_departing_deadlines(now)
             self._on_deadline(now)
-            if self._abandoned or all(not (t.running or t.restart_pending) for t in self._tasks):
+            if self._abandoned or (
+                not self._departing
+                and all(not (t.running or t.restart_pending) for t in self._tasks)
+            ):
                 return self._finish()
             if deadline is not None and now >= deadline:
                 running = ", ".join(
@@ -361,7 +370,7 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
                 )
             deadlines = [self._phase_deadline, deadline]
             deadlines += [t.restart_at for t in self._tasks] + self._spare_deadlines()
-            deadlines += self._spare_start_deadlines(now)
+            deadlines += self._spare_start_deadlines(now) + self._handover_deadlines(now)
             wake = min((d for d in deadlines if d is not None), default=None)
             try:
                 event = self._events.get(timeout=None if wake is None else max(0.0, wake - now))
@@ -427,14 +436,19 @@ class ClusterSupervisor(ProcessGroups, TaskRestarts, TrainingCompletion, Failure
         # a task that got to work and exited at once: its marker is seen before its exit
         self._start_spares_when_at_work(time.monotonic())
         if kind == "exit":
-            assert isinstance(payload, Task)
-            self._on_exit(payload)
+            assert isinstance(payload, tuple)
+            task, process = payload
+            if not self._departed_exit(process):  # a process that left is not its task's exit
+                self._on_exit(task)
         elif kind == "signal":
             assert isinstance(payload, int)
             self._on_interrupt(payload)
         elif kind == "spare-exit":
             assert isinstance(payload, Spare)
-            self._on_spare_exit(payload)
+            if self._departed_exit(payload.process):
+                payload.close_pipe()
+            else:
+                self._on_spare_exit(payload)
 
     def _on_exit(self, task: Task) -> None:
         assert task.process is not None

@@ -69,26 +69,32 @@ class TaskRestarts:
         decision = self._decide_restart(task)
         return decision.delay_s if decision.restart else None
 
-    def _schedule_restart(self, task: Task, delay: float) -> None:
+    def _schedule_restart(self, task: Task, delay: float, left: str | None = None) -> None:
         """Announce the failure of ``task``, kill what its process group left behind (it
         could hold the task's port or files), and set the restart's deadline: the supervising
-        loop wakes up for it like for a phase deadline."""
+        loop wakes up for it like for a phase deadline.
+
+        ``left``: the task's process left the cluster and is still ending its interpreter
+        (:mod:`tensorfleet.launch.preempted_handover`); its group is not killed, and ``left``
+        says so in the announcement instead of the exit status."""
         assert task.process is not None and task.returncode is not None
-        if task.process.signal_group(0):
-            self.output.message(
-                f"{task.name} left processes behind in its process group; killing them "
-                "before restarting it",
-                "warning",
-            )
-        task.process.signal_group(signal.SIGKILL)
+        if left is None:
+            if task.process.signal_group(0):
+                self.output.message(
+                    f"{task.name} left processes behind in its process group; killing them "
+                    "before restarting it",
+                    "warning",
+                )
+            task.process.signal_group(signal.SIGKILL)
         decision = self._decide_restart(task)
         # the crash streak: quick deaths in a row double the back-off; a long run ends it
         task.quick_deaths = task.quick_deaths + 1 if decision.crash_loop else 0
         task.restart_at, task.pending_restart = time.monotonic() + delay, decision
         lines = list(task.recent)
         last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
+        ended = left or f"failed with {describe_returncode(task.returncode)}"
         self.output.message(
-            f"{task.name} failed with {describe_returncode(task.returncode)}; restarting it "
+            f"{task.name} {ended}; restarting it "
             f"({decision.describe_count()}) {decision.describe_wait()} "
             f"(pid {task.pid}).{last}",
             "warning",

@@ -15,7 +15,10 @@ restart will come:
   **chief** then writes a checkpoint (in ``allreduce`` mode a collective one, at the next
   ``should_stop()``, with every worker); the worker tells the ps shards it *left* (it counts as
   lost at once: sync steps stop waiting for it, and its restarted process takes over its
-  identity at once), and :class:`~tensorfleet.errors.Preempted` ends the process;
+  identity at once), leaves the marker ``task_markers.LEFT`` for a launcher that supervises it
+  (the launcher then hands its identity to the restart, a warm spare, without waiting for this
+  interpreter's teardown: :mod:`tensorfleet.launch.preempted_handover`), and
+  :class:`~tensorfleet.errors.Preempted` ends the process;
 * a **ps** asks the chief for a checkpoint and keeps serving until it is written (or the grace
   period ``preempt_grace_s`` passes), then exits (:mod:`tensorfleet.ps.preemption_drain`).
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorfleet import task_markers
 from tensorfleet.errors import (
     CheckpointError,
     ConfigError,
@@ -454,6 +455,8 @@ class TrainingSession:
             self._updater.leave()
         finally:
             self._release()
+        if not self._updater.collective:  # nothing sent from here on: a launcher restarts it now
+            task_markers.mark_left(self.task_name)
         raise Preempted(f"{self.task_name}: preempted at global step {self._global_step}")
 
     # -- checkpoints ----------------------------------------------------------------------------
