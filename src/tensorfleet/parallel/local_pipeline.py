@@ -8,11 +8,12 @@ Every micro-batch loss is ``loss_fn(output, target) / n`` (``loss_reduction="mea
 the gradients equal those of the whole batch through the unsplit model.
 
 On GPUs, stages on different devices overlap for real (in the backward behind
-:class:`PipelinedModule`, the stages on the device of the loss run in autograd's own thread of
-that device, downstream first: :mod:`~tensorfleet.parallel.autograd_threads`). On one CPU the stages share the
-cores: the task's intra-op thread budget is divided among the stage threads while the
-pipeline is open (restored by :meth:`LocalPipeline.close`); expect no speed-up there, only
-the same numbers as the unsplit model (it is how the pipeline is tested on this machine).
+:class:`PipelinedModule`, the stages on the device of the loss run in autograd's own thread
+of that device, downstream first: :mod:`~tensorfleet.parallel.autograd_threads`). On one CPU
+the stages share the cores: the task's intra-op thread budget is divided among the stage
+threads while the pipeline is open (restored by :meth:`LocalPipeline.close`); expect no
+speed-up there, only the same numbers as the unsplit model (it is how the pipeline is tested
+on this machine).
 
 The bubble, measured: every step records how long each stage computed (its forwards and
 backwards, not its waits for a neighbour) against the step's wall time, and
