@@ -12,7 +12,7 @@ DEMO_STEPS ?= 3000
 MODE ?= async
 DEMO_PS := $(if $(filter allreduce,$(MODE)),0,1)
 
-.PHONY: setup data demo test test-fast lint bench tf-reference fuzz docs clean
+.PHONY: setup data bytecode demo test test-fast lint bench tf-reference fuzz docs clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[test,plot,docs,sweep,rl]'
 	touch $@
+
+# Bytecode of the project's own modules, written once here: where PYTHONDONTWRITEBYTECODE is
+# set (the environment of this project's machines sets it), no process writes it, and every
+# process the tests start (hundreds of tasks, trials and workers) compiled tensorfleet's
+# modules again from source: 0.25 s of CPU in a worker's imports (2.47 -> 2.21 s, torch
+# included). pip compiled the installed packages; Python recompiles a stale file on import
+# as usual, so this never changes what runs.
+bytecode:
+	@$(PY) -m compileall -q src tests examples
 
 data:
 	@if [ -f $(DATA_DIR)/train-images-idx3-ubyte.gz ]; then :; \
@@ -39,13 +48,13 @@ data:
 DEMO_LOGDIR ?= runs/demo
 FRESH ?=
 
-demo: setup data
+demo: setup data bytecode
 	$(VENV)/bin/tensorfleet launch --ps $(DEMO_PS) --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS) --mode $(MODE) --logdir $(DEMO_LOGDIR) $(if $(FRESH),--fresh)
 
-test: setup data
+test: setup data bytecode
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: setup
+test-fast: setup bytecode
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
 lint: setup

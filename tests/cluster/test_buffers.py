@@ -30,6 +30,8 @@ def _program():
 
 
 def _run(tmp_path, mode: str, num_ps: int):
+    """Train STEPS steps of bn_worker.py on ``num_ps`` ps and WORKERS workers; returns the
+    run, every worker's result and the checkpoint directory."""
     out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
     command = [
         sys.executable, str(PROGRAMS / "bn_worker.py"), str(out), mode, str(STEPS), str(checkpoints),
@@ -40,10 +42,20 @@ def _run(tmp_path, mode: str, num_ps: int):
     return run, results, checkpoints
 
 
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    """The sync run on 2 ps, once per module: both tests of sync mode only read its result
+    (each run starts 4 processes)."""
+    return _run(tmp_path_factory.mktemp("sync"), "sync", 2)
+
+
 @pytest.mark.parametrize(("mode", "num_ps"), [("async", 1), ("sync", 2), ("allreduce", 0)])
-def test_buffers_are_trained_checkpointed_and_load_strictly(tmp_path, mode, num_ps):
+def test_buffers_are_trained_checkpointed_and_load_strictly(request, tmp_path, mode, num_ps):
     program = _program()
-    run, results, checkpoints = _run(tmp_path, mode, num_ps)
+    if mode == "sync":
+        run, results, checkpoints = request.getfixturevalue("sync_run")
+    else:
+        run, results, checkpoints = _run(tmp_path, mode, num_ps)
     chief = results[0]["trained"]
     fresh = program.make_model()
     loaded = tfl.load_checkpoint(checkpoints, fresh)  # strict: every key, nothing more
@@ -100,9 +112,9 @@ def _sync_reference(program):
     return {k: v for k, v in model.state_dict().items() if k != "scratch"}
 
 
-def test_sync_with_mean_buffers_matches_one_process_simulation(tmp_path):
+def test_sync_with_mean_buffers_matches_one_process_simulation(sync_run):
     program = _program()
-    run, results, _ = _run(tmp_path, "sync", 2)
+    run, results, _ = sync_run
     reference = _sync_reference(program)
     chief = results[0]["trained"]
     for name, expected in reference.items():
