@@ -526,6 +526,7 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
             )
         )
     rows += _big_model_headlines(results.get("big_model"))
+    rows += _gpu_headlines(results.get("gpu"))
     for rule, row in ((results.get("ps_update") or {}).get("rows") or {}).items():
         rows.append(
             (
@@ -567,6 +568,47 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
                 "every check",
             )
         )
+    return rows
+
+
+#: The GPU check's targets (the GPU and data-plane issues), by row name.
+GPU_TARGETS = {
+    "1 ps + 1 worker, async": ">= 0.6x",
+    "1 ps + 3 workers sharing one GPU, async": ">= 0.6x",
+    "all-reduce, 3 workers sharing one GPU (gloo)": ">= 0.8x",
+}
+
+
+def _gpu_headlines(gpu: dict | None) -> list[tuple[str, str, str, str]]:
+    """The GPU check's rows against one process on the same GPU (batches/s), its tests."""
+    if not gpu:
+        return []
+    card = gpu.get("card", "a GPU")
+    rows = []
+    tests = gpu.get("tests")
+    if tests is not None:
+        rows.append(("gpu", f"the CUDA tests on {card}", tests["summary"], "all pass"))
+    base = next(
+        (r.get("batches_per_s") for r in gpu.get("rows", []) if r["name"] == "one process"), None
+    )
+    for row in gpu.get("rows", []):
+        if row["name"] == "one process":
+            continue
+        value = row.get("error") or (
+            f"{row['batches_per_s'] / base:.2f}x ({row['batches_per_s']:.0f} batches/s)"
+            if base
+            else f"{row['batches_per_s']:.0f} batches/s"
+        )
+        rows.append(
+            ("gpu", f"CNN on {card}, {row['name']}, vs one process", value,
+             GPU_TARGETS.get(row["name"], ""))
+        )  # fmt: skip
+    for name, row in (gpu.get("big_model") or {}).get("rows", {}).items():
+        if row.get("vs_one_process") is not None and name != "torch":
+            rows.append(
+                ("gpu", f"BERT-base-sized model on {card}, {name}: {row['what']}, vs one process",
+                 f"{row['vs_one_process']:.2f}x ({row['s_per_step']:.3f} s/step)", "")
+            )  # fmt: skip
     return rows
 
 
