@@ -44,10 +44,13 @@ Every wait has a deadline. Process exits and interrupts arrive on one queue (a
 ``SimpleQueue``, whose ``put`` is safe in signal handlers) from the backend's threads, so the
 supervising thread sleeps until something happens or a deadline passes.
 
-This module holds the phases and the decisions; starting and signalling the tasks' processes
-is :mod:`tensorfleet.launch.process_groups`'s, restarting a failed task in place
+This module holds the supervising loop and the decisions on each task's exit; moving a
+stopping run from phase to phase (an interrupt, each phase's deadline) is
+:mod:`tensorfleet.launch.run_phases`'s, starting and signalling the tasks' processes
+:mod:`tensorfleet.launch.process_groups`'s, restarting a failed task in place
 :mod:`tensorfleet.launch.task_restarts`'s, keeping warm spare workers
-:mod:`tensorfleet.launch.warm_spares`' (all mixed into :class:`ClusterSupervisor`).
+:mod:`tensorfleet.launch.warm_spares`', handing a preempted worker's identity to its restart
+:mod:`tensorfleet.launch.preempted_handover`'s (all mixed into :class:`ClusterSupervisor`).
 """
 
 from __future__ import annotations
@@ -79,6 +82,15 @@ from tensorfleet.launch.restart_policy import (
     signal_name,
 )
 from tensorfleet.launch.run_outcome import ending_line, run_status
+from tensorfleet.launch.run_phases import (
+    DONE,
+    DRAINING,
+    FAILING,
+    KILLING,
+    RUNNING,
+    TERMINATING,
+    RunPhases,
+)
 from tensorfleet.launch.supervisor_options import DEFAULT_KILL_TIMEOUT, check_timings, chosen_policy
 from tensorfleet.launch.task import Task, as_argv
 from tensorfleet.launch.task_restarts import TaskRestarts
@@ -95,14 +107,6 @@ DEFAULT_GRACE_PERIOD = 15.0
 #: takes SIGTERM as a preemption and saves what it can first (session/preemption.py): a ps
 #: waits up to its ``preempt_grace_s`` (10 s) for the chief's checkpoint, so this must be longer.
 
-# Phases of a run. Each phase after RUNNING ends at a deadline (``_phase_deadline``).
-_RUNNING = "running"
-_DRAINING = "draining"  # every worker exited 0; the ps tasks are expected to exit
-_FAILING = "failing"  # a task failed; the others get the grace period
-_TERMINATING = "terminating"  # SIGTERM sent
-_KILLING = "killing"  # SIGKILL sent
-_DONE = "done"
-
 
 def default_ps_command() -> list[str]:
     """The command of a ps task by default: the built-in parameter server, no user code."""
@@ -110,7 +114,13 @@ def default_ps_command() -> list[str]:
 
 
 class ClusterSupervisor(
-    ProcessGroups, TaskRestarts, TrainingCompletion, FailureGrace, WarmSpares, PreemptedHandover
+    ProcessGroups,
+    TaskRestarts,
+    TrainingCompletion,
+    FailureGrace,
+    WarmSpares,
+    PreemptedHandover,
+    RunPhases,
 ):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
     supervise them.
@@ -224,7 +234,7 @@ class ClusterSupervisor(
         #: What tasks tell the launcher (on this host only: a directory the tasks can reach).
         self._markers = TaskMarkers()
         self._started = False
-        self._phase = _RUNNING
+        self._phase = RUNNING
         self._phase_deadline: float | None = None
         self._failure: Task | None = None
         self._interrupt: int | None = None
@@ -397,9 +407,9 @@ class ClusterSupervisor(
             self.backend.close()
             return None
         if self._result is None:
-            if self._phase not in (_TERMINATING, _KILLING):
+            if self._phase not in (TERMINATING, KILLING):
                 self._signal_running(signal.SIGTERM)
-                self._enter(_TERMINATING, self.kill_timeout)
+                self._enter(TERMINATING, self.kill_timeout)
             try:
                 self.wait()
             finally:
@@ -426,7 +436,7 @@ class ClusterSupervisor(
     # ------------------------------------------------------------------ supervision
 
     def _enter(self, phase: str, seconds: float | None) -> None:
-        if phase != _RUNNING:
+        if phase != RUNNING:
             self._close_spares()  # the run is ending: no worker will be restarted
         self._phase = phase
         self._phase_deadline = None if seconds is None else time.monotonic() + seconds
@@ -480,8 +490,8 @@ class ClusterSupervisor(
             self._schedule_restart(task, restart_delay)
         elif failed:
             self._on_failure(task)
-        elif self._phase == _RUNNING and self._run_is_over():
-            self._enter(_DRAINING, self.grace_period)
+        elif self._phase == RUNNING and self._run_is_over():
+            self._enter(DRAINING, self.grace_period)
 
     def _on_failure(self, task: Task) -> None:
         assert task.returncode is not None
@@ -508,80 +518,14 @@ class ClusterSupervisor(
             self.output.message(head + f"Its last {len(lines)} line(s):\n{tail}", "error")
         else:
             self.output.message(head + "It printed nothing.", "error")
-        if self._phase in (_RUNNING, _DRAINING):
+        if self._phase in (RUNNING, DRAINING):
             self._announce_grace_period()
-            self._enter(_FAILING, self.grace_period)
+            self._enter(FAILING, self.grace_period)
 
     def _restarts_allowed(self) -> bool:
         """Tasks are restarted only while the run is running: not once every worker is done
         (draining), a task failed for good, or the run is being stopped or interrupted."""
-        return self._phase == _RUNNING and self._interrupt is None and self._failure is None
-
-    def _on_interrupt(self, signum: int) -> None:
-        name = signal_name(signum)
-        if self._interrupt is None:
-            self._interrupt = signum
-            if self._phase in (_TERMINATING, _KILLING):
-                return
-            self.output.message(
-                f"received {name}: stopping every task (SIGTERM, SIGKILL after "
-                f"{self.kill_timeout:g} s; {name} again kills them at once)",
-                "warning",
-            )
-            self._signal_running(signal.SIGTERM)
-            self._enter(_TERMINATING, self.kill_timeout)
-        else:
-            self.output.message(f"received {name} again: killing every task now", "warning")
-            self._signal_running(signal.SIGKILL)
-            self._enter(_KILLING, self.kill_timeout)
-
-    def _on_deadline(self, now: float) -> None:
-        """Move to the next phase when the current one's deadline has passed."""
-        if self._phase == _FAILING and self._skip_grace_period():
-            self._phase_deadline = now  # the grace period is the workers'; none is left
-        if self._phase_deadline is None or now < self._phase_deadline:
-            return
-        running = [t for t in self._tasks if t.running]
-        if self._phase == _DRAINING:
-            for task in running:
-                why = (
-                    "a ps task should learn from the chief that training is over and exit by itself"
-                    if task.job == "ps"
-                    else "training was complete"
-                )
-                self.output.message(
-                    f"{task.name} did not exit within {self.grace_period:g} s after "
-                    f"{'all workers finished' if task.job == 'ps' else 'training was complete'}"
-                    f"; stopping it with SIGTERM ({why})",
-                    "warning",
-                )
-            self._signal_running(signal.SIGTERM)
-            self._enter(_TERMINATING, self.kill_timeout)
-        elif self._phase == _FAILING:
-            if running:
-                self.output.message(
-                    f"stopping {', '.join(t.name for t in running)} with SIGTERM",
-                    "warning",
-                )
-            self._signal_running(signal.SIGTERM)
-            self._enter(_TERMINATING, self.kill_timeout)
-        elif self._phase == _TERMINATING:
-            for task in running:
-                self.output.message(
-                    f"{task.name} did not exit within {self.kill_timeout:g} s of SIGTERM; "
-                    "killing it with SIGKILL",
-                    "warning",
-                )
-            self._signal_running(signal.SIGKILL)
-            self._enter(_KILLING, self.kill_timeout)
-        elif self._phase == _KILLING:
-            names = ", ".join(f"{t.name} (pid {t.pid})" for t in running)
-            self.output.message(
-                f"{names} did not exit within {self.kill_timeout:g} s of SIGKILL (stuck in the "
-                "kernel?); giving up on them",
-                "error",
-            )
-            self._abandoned = True
+        return self._phase == RUNNING and self._interrupt is None and self._failure is None
 
     def _finish(self) -> int:
         """Compute the run's status once every task has exited (or been given up on)."""
@@ -596,7 +540,7 @@ class ClusterSupervisor(
         failed = self._failure.returncode if self._failure is not None else None
         result = run_status(workers, failed, self._interrupt)
         self.output.message(ending_line(result, workers, time.monotonic() - self._start_time))
-        self._phase, self._phase_deadline, self._result = _DONE, None, result
+        self._phase, self._phase_deadline, self._result = DONE, None, result
         memory = peak_memory_line([t.name for t in self._tasks], self._markers)
         if memory is not None:
             self.output.message(memory)
