@@ -16,6 +16,7 @@ from tensorfleet.parallel.errors import ParallelConfigError, PipelineFailed
 from tensorfleet.parallel.local_pipeline import LocalPipeline
 from tensorfleet.parallel.schedule import bubble_fraction, stage_order
 from tensorfleet.parallel.stages import split_microbatches, split_stages, stage_boundaries
+from tests.backward_threads import record_backward_threads
 
 
 def mlp() -> nn.Sequential:
@@ -220,6 +221,20 @@ def test_two_stages_on_one_gpu_match_and_report_the_gpus_time():  # pragma: no c
     assert all(0.0 <= share <= 1.0 for share in result.bubble.idle_shares)
 
 
+def train_through(wrapper: nn.Module, model: nn.Module, batches, ref_outs, ref_grads) -> None:
+    """SGD steps of ``model`` through ``wrapper`` (a closure's loss on its output), each step's
+    output and gradients checked against the unsplit model's (``train_reference``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        out = wrapper(x)
+        F.cross_entropy(out, y).backward()
+        assert (out.detach() - ref_outs[step]).abs().max() < 1e-5
+        for name, p in model.named_parameters():
+            assert (p.grad - ref_grads[step][name]).abs().max() < 1e-5, (step, name)
+        opt.step()
+
+
 @pytest.mark.parametrize("boundaries", [[4], [2, 5]], ids=["2-stages", "3-stages"])
 def test_pipelined_module_in_a_step_closure_matches_the_unsplit_model(boundaries):
     from tensorfleet.parallel.local_pipeline import PipelinedModule
@@ -230,16 +245,8 @@ def test_pipelined_module_in_a_step_closure_matches_the_unsplit_model(boundaries
     ref_outs, ref_grads = train_reference(reference, batches, lr=0.1)
     pipe = LocalPipeline(split_stages(model, boundaries=boundaries), n_microbatches=4, loss_fn=None)
     wrapper = PipelinedModule(model, pipe)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pipe:
-        for step, (x, y) in enumerate(batches):
-            opt.zero_grad()
-            out = wrapper(x)
-            F.cross_entropy(out, y).backward()
-            assert (out.detach() - ref_outs[step]).abs().max() < 1e-5
-            for name, p in model.named_parameters():
-                assert (p.grad - ref_grads[step][name]).abs().max() < 1e-5, (step, name)
-            opt.step()
+        train_through(wrapper, model, batches, ref_outs, ref_grads)
         with torch.no_grad():
             assert torch.allclose(wrapper(batches[0][0]), reference(batches[0][0]), atol=1e-5)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
@@ -305,15 +312,6 @@ def test_a_pipelined_module_reports_the_bubble_of_its_forward_and_backward():
     assert report.step_s >= max(report.busy_s) > 0
 
 
-def _record_backward_threads(modules) -> list[str]:
-    """The names of the threads that run each module's backward (a hook on every parameter)."""
-    threads: list[str] = []
-    for module in modules:
-        for p in module.parameters():
-            p.register_hook(lambda g: threads.append(threading.current_thread().name))
-    return threads
-
-
 @pytest.mark.parametrize("boundaries", [[4], [2, 5]], ids=["2-stages", "3-stages"])
 def test_stages_on_the_device_of_the_loss_run_their_backward_in_autograds_own_thread(
     monkeypatch, boundaries
@@ -335,18 +333,10 @@ def test_stages_on_the_device_of_the_loss_run_their_backward_in_autograds_own_th
         split_stages(model, boundaries=boundaries), n_microbatches=4, loss_fn=None, timeout_s=30
     )
     wrapper = PipelinedModule(model, pipe)
-    threads = _record_backward_threads(pipe.stages)
+    threads = record_backward_threads(pipe.stages)
     monkeypatch.setattr(local_pipeline, "backward_thread_device", lambda grad: grad.device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pipe:
-        for step, (x, y) in enumerate(batches):
-            opt.zero_grad()
-            out = wrapper(x)
-            F.cross_entropy(out, y).backward()
-            assert (out.detach() - ref_outs[step]).abs().max() < 1e-5
-            for name, p in model.named_parameters():
-                assert (p.grad - ref_grads[step][name]).abs().max() < 1e-5, (step, name)
-            opt.step()
+        train_through(wrapper, model, batches, ref_outs, ref_grads)
     assert threads and set(threads) == {threading.current_thread().name}
     assert pipe.last_bubble is not None and all(busy > 0 for busy in pipe.last_bubble.busy_s)
 

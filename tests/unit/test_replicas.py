@@ -12,6 +12,7 @@ from torch import nn
 
 from tensorfleet.parallel.errors import ParallelConfigError, ReplicaFailed
 from tensorfleet.parallel.replicas import InGraphReplicas
+from tests.backward_threads import record_backward_threads
 
 
 def mlp() -> nn.Module:
@@ -181,15 +182,6 @@ def test_replicated_module_in_a_step_closure_matches_one_replica(replicas):
     ]
 
 
-def _record_backward_threads(modules) -> list[str]:
-    """The names of the threads that run each module's backward (a hook on every parameter)."""
-    threads: list[str] = []
-    for module in modules:
-        for p in module.parameters():
-            p.register_hook(lambda g: threads.append(threading.current_thread().name))
-    return threads
-
-
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_replicas_on_the_device_of_the_loss_run_their_backward_in_autograds_own_thread(
     monkeypatch, replicas
@@ -207,7 +199,7 @@ def test_replicas_on_the_device_of_the_loss_run_their_backward_in_autograds_own_
     loss_ref, grads_ref = reference_grads(model, ce, x, y)
     with InGraphReplicas(model, replicas) as engine:
         wrapper = ReplicatedModule(engine)
-        in_pool = _record_backward_threads(engine.replicas)
+        in_pool = record_backward_threads(engine.replicas)
         F.cross_entropy(wrapper(x), y).backward()
         assert in_pool and all(name.startswith("replica") for name in in_pool)  # the CPU's way
 
