@@ -41,6 +41,7 @@ machine (wheels and data carried from here) and runs this.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -68,6 +69,8 @@ from results_writer import (  # noqa: E402
 )
 
 NAME = "gpu"
+#: The parts, in the order they run.
+PARTS = ("tests", "rows", "big_model")
 #: Seconds each part may take (the tests; each row).
 TESTS_LIMIT_S = 240
 ROW_LIMIT_S = 100
@@ -82,6 +85,12 @@ PROFILE_FILE = "gpu_profile_1ps_1worker"
 SKIPPED_HERE = "not (test_mode_on_device and cpu)"
 #: Seconds a part past its limit has to stop its tasks after SIGINT, before SIGKILL.
 STOP_GRACE_S = 30
+#: Seconds one test may take where pytest-timeout is installed: a test past it is stopped with
+#: every thread's stack printed (the ``thread`` method: a hang inside autograd's C++ never
+#: returns to Python, where the ``signal`` method would wait), and the other tests go on.
+TEST_TIMEOUT_S = 60
+#: Where the tests' whole output goes (in the results directory); the JSON keeps its tail.
+TESTS_LOG = "gpu_tests.log"
 
 
 def gpu_test_files(root: Path = ROOT) -> list[str]:
@@ -94,12 +103,22 @@ def gpu_test_files(root: Path = ROOT) -> list[str]:
     return found
 
 
-def run_tests(limit_s: float) -> dict:
-    """pytest on :func:`gpu_test_files`: its counts and summary line, or why it stopped."""
+def run_tests(limit_s: float, select: str | None = None) -> dict:
+    """pytest on :func:`gpu_test_files` (``select``: a ``-k`` expression narrowing them): its
+    counts and summary line, or why it stopped; the whole output in :data:`TESTS_LOG`."""
     files = gpu_test_files()
-    command = pytest_command(files, has_xdist=importlib.util.find_spec("xdist") is not None)
+    command = pytest_command(
+        files,
+        has_xdist=importlib.util.find_spec("xdist") is not None,
+        has_timeout=importlib.util.find_spec("pytest_timeout") is not None,
+        select=select,
+        has_worksteal=_version_at_least("pytest-xdist", (3, 2)),
+    )
     started = time.perf_counter()
     output, status = run_limited(command, _child_env(), limit_s)
+    log = results_dir() / TESTS_LOG
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(output)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next(
         (line for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), ""
@@ -118,23 +137,51 @@ def run_tests(limit_s: float) -> dict:
     }
 
 
-def pytest_command(files: list[str], has_xdist: bool, cpus: int | None = None) -> list[str]:
+def pytest_command(
+    files: list[str],
+    has_xdist: bool,
+    cpus: int | None = None,
+    has_timeout: bool = False,
+    select: str | None = None,
+    has_worksteal: bool = False,
+) -> list[str]:
     """pytest on ``files``, one line per test (``-v``: a part stopped at its limit still says
     which tests passed and which one it was in), in :data:`TEST_PROCESSES` processes where
     pytest-xdist is installed and the host has the cores (each cluster case starts its own
-    processes; on 16 cores four at once take a quarter of the time)."""
-    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k",
-               SKIPPED_HERE]  # fmt: skip
+    processes; on 16 cores four at once take a quarter of the time; with ``worksteal``,
+    pytest-xdist 3.2 or later, an idle process takes queued tests from a busy one, so the
+    cluster cases of one file do not all wait behind each other in one process), each test stopped after :data:`TEST_TIMEOUT_S`
+    with every thread's stack where pytest-timeout is installed. ``select`` narrows the tests
+    with ``-k`` (the ``cpu`` cases of the modes stay out either way)."""
+    expression = SKIPPED_HERE if select is None else f"({SKIPPED_HERE}) and ({select})"
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", expression]
+    if has_timeout:
+        command += ["--timeout", str(TEST_TIMEOUT_S), "--timeout-method", "thread"]
     processes = min(TEST_PROCESSES, (cpus or os.cpu_count() or 1) // 4)
     if has_xdist and processes > 1:
         command += ["-n", str(processes)]
+        if has_worksteal:
+            command += ["--dist", "worksteal"]
     return [*command, *files]
 
 
-def rows_to_run(gpus: int, steps: dict[str, int], profile: bool = False) -> list[dict]:
+def _version_at_least(distribution: str, least: tuple[int, ...]) -> bool:
+    """Whether ``distribution`` is installed at version ``least`` or later."""
+    try:
+        found = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    numbers = tuple(int(part) for part in re.findall(r"\d+", found)[: len(least)])
+    return numbers >= least
+
+
+def rows_to_run(
+    gpus: int, steps: dict[str, int], profile: bool = False, matching: list[str] | None = None
+) -> list[dict]:
     """The rows for a host with ``gpus`` GPUs: name, launcher arguments (None: one process),
     worker arguments, whether every worker shares the first GPU; with ``profile``, also
-    1 ps + 1 worker under py-spy (:data:`PROFILED_ROW`)."""
+    1 ps + 1 worker under py-spy (:data:`PROFILED_ROW`); with ``matching``, only the rows whose
+    name contains one of its texts, and one process (every ratio's baseline)."""
     rows = [
         {"name": "one process", "launch": None, "mode": "async", "steps": steps["one"]},
         {"name": "1 ps + 1 worker, async", "launch": ["--ps", "1", "--workers", "1"],
@@ -171,6 +218,9 @@ def rows_to_run(gpus: int, steps: dict[str, int], profile: bool = False) -> list
                 "steps": steps["allreduce"],
             }
         )
+    if matching is not None:
+        rows = [row for row in rows if row["launch"] is None
+                or any(text in row["name"] for text in matching)]  # fmt: skip
     return rows
 
 
@@ -211,7 +261,9 @@ def run_row(
             if spy is None:
                 return {"name": row["name"], "error": "py-spy is not on PATH (pip install py-spy)"}
             raw_profile.parent.mkdir(parents=True, exist_ok=True)
-            command = [spy, "record", "--subprocesses", "--native", "--nonblocking", "--format", "raw",
+            # Python frames only: py-spy 0.4.3 with --native ended with SIGSEGV on the H200
+            # machine (2026-11-27) after the run, leaving no profile.
+            command = [spy, "record", "--subprocesses", "--format", "raw",
                        "--rate", "100", "-o", str(raw_profile), "--", *command]  # fmt: skip
         started = time.perf_counter()
         output, status = run_limited(command, env, limit_s)
@@ -366,8 +418,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST's four .gz files")
-    parser.add_argument("--only", choices=("tests", "rows", "big_model"), default=None,
-                        help="one part")  # fmt: skip
+    parser.add_argument("--only", choices=PARTS, nargs="+", default=list(PARTS), metavar="PART",
+                        help="the parts to run (tests, rows, big_model; default all)")  # fmt: skip
+    parser.add_argument("--tests-k", default=None, metavar="EXPR",
+                        help="a pytest -k expression narrowing the tests")  # fmt: skip
+    parser.add_argument("--rows-matching", nargs="+", default=None, metavar="TEXT",
+                        help="only the rows whose name contains one of these (and one process, "
+                        "every ratio's baseline)")  # fmt: skip
     parser.add_argument("--tests-limit", type=float, default=TESTS_LIMIT_S, metavar="S")
     parser.add_argument("--row-limit", type=float, default=ROW_LIMIT_S, metavar="S")
     parser.add_argument("--big-model-limit", type=float, default=BIG_MODEL_LIMIT_S, metavar="S")
@@ -399,11 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         write_results(NAME, result, heading, table(result))
 
-    if args.only in (None, "tests"):
+    if "tests" in args.only:
         print(f"gpu: the CUDA tests ({args.tests_limit:.0f} s at most)", flush=True)
-        result["tests"] = run_tests(args.tests_limit)
+        result["tests"] = run_tests(args.tests_limit, select=args.tests_k)
         save()
-    if args.only in (None, "rows"):
+    if "rows" in args.only:
         steps = {
             "one": 2 * args.steps,
             "ps": args.steps,
@@ -411,11 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             "allreduce": args.steps // 2,
         }
         result["rows"] = []
-        for row in rows_to_run(gpus, steps, profile=args.profile):
+        for row in rows_to_run(gpus, steps, profile=args.profile, matching=args.rows_matching):
             print(f"gpu: {row['name']} ({args.row_limit:.0f} s at most)", flush=True)
             result["rows"].append(run_row(row, args.data_dir, first_gpu, args.row_limit))
             save()
-    if args.only in (None, "big_model"):
+    if "big_model" in args.only:
         print(f"gpu: the BERT-base-sized model ({args.big_model_limit:.0f} s at most)", flush=True)
         result["big_model"] = run_big_model(args.big_model_limit, results_dir() / "big_model_gpu")
         save()

@@ -513,6 +513,25 @@ def test_gpu_check_runs_the_tests_in_processes_where_xdist_and_the_cores_allow()
     assert "-n" not in gpu.pytest_command(["tests/a.py"], has_xdist=False, cpus=16)
     assert "-n" not in gpu.pytest_command(["tests/a.py"], has_xdist=True, cpus=4)
     assert gpu.SKIPPED_HERE in parallel  # the cpu cases of the modes: the suite runs them
+    stealing = gpu.pytest_command(["tests/a.py"], True, 16, has_timeout=True, has_worksteal=True)
+    assert stealing[-3:] == ["--dist", "worksteal", "tests/a.py"]
+    assert stealing[stealing.index("--timeout") + 1] == str(gpu.TEST_TIMEOUT_S)
+    assert stealing[stealing.index("--timeout-method") + 1] == "thread"  # stacks of a hang
+    narrowed = gpu.pytest_command(["tests/a.py"], False, select="bn and cuda")
+    assert narrowed[narrowed.index("-k") + 1] == f"({gpu.SKIPPED_HERE}) and (bn and cuda)"
+
+
+def test_gpu_check_runs_the_rows_asked_for_and_always_its_baseline() -> None:
+    import gpu
+
+    steps = {"one": 4, "ps": 2, "ps3": 2, "allreduce": 1}
+    rows = gpu.rows_to_run(1, steps, profile=True, matching=["under py-spy", "3 workers"])
+    assert [row["name"] for row in rows] == [
+        "one process",
+        "1 ps + 3 workers sharing one GPU, async",
+        "all-reduce, 3 workers sharing one GPU (gloo)",
+        gpu.PROFILED_ROW,
+    ]
 
 
 @pytest.mark.timeout(200)
