@@ -10,8 +10,10 @@ ps of ``big_model.py``'s ``ps1`` run holds them. Each row applies the same seede
   one-process loop steps them): **the baseline**;
 * ``whole``: ``VariableStore(piece_elements=<more than any variable>)``, every variable one
   tensor of the optimizer (the ps before pieces);
-* ``pieces``: ``VariableStore()``: the default, variables of more than 262,144 elements in
-  pieces of at most that many.
+* ``pieces``: ``VariableStore()`` with the rule in torch's default kernel (``fused=False``):
+  variables of more than 262,144 elements in pieces of at most that many;
+* ``fused``: ``VariableStore()`` with the rule by name, for Adam and Adagrad: torch's fused
+  kernel over whole variables, their default (``tensorfleet.ps.update_rules``, "Kernels").
 
 Rows are interleaved over ``--rounds`` rounds of ``--updates`` updates (the first update of
 each store allocates the optimizer's state and is not timed), ms per update median. After the
@@ -50,11 +52,14 @@ from tensorfleet.ps.optimizer_pieces import PIECE_ELEMENTS  # noqa: E402
 from tensorfleet.ps.store import VariableStore  # noqa: E402
 from tensorfleet.ps.update_rules import SGD, Adagrad, Adam, UpdateRule  # noqa: E402
 
+#: The rules in torch's default kernel: the baseline's arithmetic, and what pieces step.
 RULES: dict[str, UpdateRule] = {
-    "adam": Adam(lr=1e-4),
+    "adam": Adam(lr=1e-4, fused=False),
     "momentum": SGD(lr=0.01, momentum=0.9),
-    "adagrad": Adagrad(lr=0.01),
+    "adagrad": Adagrad(lr=0.01, fused=False),
 }
+#: The same rules by name where that means the fused kernel (their default).
+BY_NAME: dict[str, UpdateRule] = {"adam": Adam(lr=1e-4), "adagrad": Adagrad(lr=0.01)}
 WHOLE = 1 << 62
 
 
@@ -80,12 +85,17 @@ def measure_rule(
     initial: torch.Tensor,
     gradients: list[torch.Tensor],
     args: argparse.Namespace,
+    by_name: UpdateRule | None = None,
 ) -> dict:
-    """The three rows of one rule, interleaved over the rounds, and whether the two stores
-    ended bit for bit equal."""
+    """The rows of one rule (and of ``by_name``, the same rule by name when that means the
+    fused kernel, in a store of its own), interleaved over the rounds, and whether pieces and
+    whole ended bit for bit equal."""
     stores = {"whole": VariableStore(piece_elements=WHOLE), "pieces": VariableStore()}
-    for store in stores.values():
-        store.create(layout, rule, [initial])
+    rules = {"whole": rule, "pieces": rule}
+    if by_name is not None:
+        stores["fused"], rules["fused"] = VariableStore(), by_name
+    for name, store in stores.items():
+        store.create(layout, rules[name], [initial])
         store.apply([gradients[0]])  # allocates the optimizer's state: not timed
     params = [t.clone() for _, t in named]
     optimizer = torch_optimizer(rule, params)
@@ -103,6 +113,8 @@ def measure_rule(
         "whole": lambda index: stores["whole"].apply([gradients[index % 2]]),
         "pieces": lambda index: stores["pieces"].apply([gradients[index % 2]]),
     }
+    if "fused" in stores:
+        runs["fused"] = lambda index: stores["fused"].apply([gradients[index % 2]])
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_index in range(args.rounds):
         print(f"{rule.name}: round {round_index + 1} of {args.rounds}", flush=True)
@@ -153,13 +165,16 @@ def main() -> int:
     generator = torch.Generator().manual_seed(1)
     gradients = [torch.randn(group.numel, generator=generator) * 1e-2 for _ in range(2)]
     rows = {
-        rule_name: measure_rule(RULES[rule_name], named, layout, initial, gradients, args)
+        rule_name: measure_rule(
+            RULES[rule_name], named, layout, initial, gradients, args, BY_NAME.get(rule_name)
+        )
         for rule_name in args.rules
     }
     table = [
         "| rule | one process: torch.optim (baseline) ms | ps, whole variables ms (vs torch) "
-        "| ps, pieces ms (vs torch) | pieces vs whole | pieces = whole bit for bit |",
-        "|---|---|---|---|---|---|",
+        "| ps, pieces ms (vs torch) | pieces vs whole | pieces = whole bit for bit "
+        "| ps, by name: fused kernel ms (vs torch) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for rule_name, row in rows.items():
         table.append(
@@ -167,10 +182,16 @@ def main() -> int:
             f"| {row['whole']['ms_per_update']:.0f} ({row['whole']['vs_torch']:.2f}x) "
             f"| {row['pieces']['ms_per_update']:.0f} ({row['pieces']['vs_torch']:.2f}x) "
             f"| {row['whole']['ms_per_update'] / row['pieces']['ms_per_update']:.2f}x "
-            f"| {'yes' if row['pieces_equal_whole_bit_for_bit'] else 'NO'} |"
+            f"| {'yes' if row['pieces_equal_whole_bit_for_bit'] else 'NO'} "
+            + (
+                f"| {row['fused']['ms_per_update']:.0f} ({row['fused']['vs_torch']:.2f}x) |"
+                if "fused" in row
+                else "| (torch's default kernel by name) |"
+            )
         )
     result = {
-        "benchmark": "the ps's update of a big model: whole variables vs pieces vs one process",
+        "benchmark": "the ps's update of a big model: whole variables vs pieces vs the fused "
+        "kernel vs one process",
         "parameters": group.numel,
         "variables": len(named),
         "piece_elements": PIECE_ELEMENTS,

@@ -540,6 +540,16 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
                 "",
             )
         )
+        if "fused" in row:  # the rule by name: torch's fused kernel, its default
+            rows.append(
+                (
+                    "ps_update",
+                    f"the ps's {rule} update of the BERT-base-sized shard by name (fused kernel) "
+                    "vs one process's torch.optim",
+                    f"{row['fused']['vs_torch']:.2f}x ({row['fused']['ms_per_update']:.0f} ms)",
+                    "",
+                )
+            )
     storm = results.get("chaos_storm")
     if storm:
         kills = storm["recovery"].get("kill worker (spare)") or storm["recovery"].get(

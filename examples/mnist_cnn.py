@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--channels-last", action="store_true", help="compute in channels-last memory order")
     add("--compile", action="store_true", help="torch.compile the model (slower here: see docs)")
     add("--autocast", choices=("bf16",), default=None, help="forward pass in bf16 autocast")
-    add("--fused-optimizer", action="store_true", help="torch's fused Adam kernel")
+    add(
+        "--fused-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch's fused Adam kernel: the default where torch has it (--no-fused-optimizer: "
+        "torch's default kernel, bit for bit a plain torch.optim.Adam)",
+    )
     add("--wire-dtype", choices=("bf16",), default=None, help="gradients sent as bf16 (ps modes)")
     add(
         "--values-wire-dtype",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tensorfleet.ps.layout import FusedLayout, StoredVariable
+from tensorfleet.ps.optimizer_pieces import steps_in_pieces
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.update_rules import SGD, Adam, UpdateRule, register_update_rule
 
@@ -43,16 +44,21 @@ RULES = {
     "sgd_dampening_foreach": UpdateRule(
         "sgd", {"lr": 0.05, "momentum": 0.8, "dampening": 0.1, "foreach": True}
     ),
-    "adam": Adam(lr=0.01),
+    # torch's default kernel (fused=False): Adam's and Adagrad's default is the fused one,
+    # which steps whole variables (steps_in_pieces)
+    "adam": Adam(lr=0.01, fused=False),
     "adam_amsgrad_decay": UpdateRule(
-        "adam", {"lr": 0.01, "amsgrad": True, "weight_decay": 0.02, "betas": (0.8, 0.95)}
+        "adam",
+        {"lr": 0.01, "amsgrad": True, "weight_decay": 0.02, "betas": (0.8, 0.95), "fused": False},
     ),
+    "adam_by_name": Adam(lr=0.01),
     "adam_fused": Adam(lr=0.01, fused=True),
     "registered_rmsprop": UpdateRule(
         "rmsprop_for_pieces_test", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5}
     ),
     "adagrad": UpdateRule(
-        "adagrad", {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}
+        "adagrad",
+        {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1, "fused": False},
     ),
 }
 
@@ -239,3 +245,13 @@ def test_a_checkpoint_of_pieces_holds_each_slot_once_and_stepping_goes_on_exactl
     for store in (pieces, whole):
         store.apply(third)
     _assert_same_state(pieces, whole)
+
+
+def test_only_rules_in_torchs_default_kernel_are_stepped_in_pieces() -> None:
+    """Adam and Adagrad by name step whole variables with the fused kernel; with
+    ``fused=False`` (torch's default kernel) and for SGD, in pieces."""
+    floats = [torch.float32]
+    assert not steps_in_pieces(Adam(lr=0.01), floats)
+    assert not steps_in_pieces(UpdateRule("adagrad", {"lr": 0.1}), floats)
+    assert steps_in_pieces(RULES["adam"], floats) and steps_in_pieces(RULES["adagrad"], floats)
+    assert steps_in_pieces(RULES["momentum_nesterov_decay"], floats)

@@ -59,11 +59,15 @@ RULES: list[tuple[str, UpdateRule, ReferenceFactory]] = [
         UpdateRule("sgd", {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.02}),
         lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.02),
     ),
-    ("adam", Adam(), lambda ps: torch.optim.Adam(ps)),
+    # Adam and Adagrad by name: torch's fused kernel on the CPU (update_rules, "Kernels")
+    ("adam", Adam(), lambda ps: torch.optim.Adam(ps, fused=True)),
+    ("adam-default-kernel", Adam(fused=False), lambda ps: torch.optim.Adam(ps)),
     (
         "adam-weight-decay",
         Adam(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
-        lambda ps: torch.optim.Adam(ps, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(
+            ps, lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, fused=True
+        ),
     ),
     (
         "adam-amsgrad-foreach",
@@ -76,7 +80,12 @@ RULES: list[tuple[str, UpdateRule, ReferenceFactory]] = [
         Momentum(lr=0.1, momentum=0.9, fused=True),
         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
     ),
-    ("adagrad", Adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+    ("adagrad", Adagrad(lr=0.1), lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True)),
+    (
+        "adagrad-default-kernel",
+        Adagrad(lr=0.1, fused=False),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    ),
     (
         "adagrad-fused",
         Adagrad(lr=0.1, fused=True),
@@ -85,12 +94,14 @@ RULES: list[tuple[str, UpdateRule, ReferenceFactory]] = [
     (
         "adagrad-accumulator",
         Adagrad(lr=0.1, initial_accumulator_value=0.1, eps=1e-6),
-        lambda ps: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.1, eps=1e-6),
+        lambda ps: torch.optim.Adagrad(
+            ps, lr=0.1, initial_accumulator_value=0.1, eps=1e-6, fused=True
+        ),
     ),
     (
         "adagrad-weight-decay",
         UpdateRule("adagrad", {"lr": 0.1, "weight_decay": 0.01, "lr_decay": 0.05}),
-        lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.01, lr_decay=0.05),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, weight_decay=0.01, lr_decay=0.05, fused=True),
     ),
 ]
 
@@ -311,3 +322,35 @@ def test_betas_must_be_a_pair(betas):
 def test_non_finite_hyperparameters_are_refused(lr):
     with pytest.raises(ValueError, match="finite"):
         UpdateRule("sgd", {"lr": lr})
+
+
+def test_adam_and_adagrad_pick_the_fused_kernel_where_torch_has_it() -> None:
+    """By name, Adam and Adagrad step with torch's fused kernel where it exists for the
+    variables (Adam: CPU and CUDA, Adagrad: CPU only; floating dtypes); an explicit
+    ``fused`` or ``foreach`` is obeyed; SGD keeps torch's default."""
+    floats = [torch.float32, torch.bfloat16]
+    assert Adam().uses_fused_kernel({"cpu"}, floats)
+    assert Adam().uses_fused_kernel({"cuda"}, floats)
+    assert Adagrad().uses_fused_kernel({"cpu"}, floats)
+    assert not Adagrad().uses_fused_kernel({"cuda"}, floats)  # torch has none there
+    assert not Adam().uses_fused_kernel({"cpu", "mps"}, floats)
+    assert not Adam().uses_fused_kernel({"cpu"}, [torch.float32, torch.int64])
+    assert not Adam(fused=False).uses_fused_kernel({"cpu"}, floats)
+    assert not UpdateRule("adam", {"foreach": True}).uses_fused_kernel({"cpu"}, floats)
+    assert Momentum(fused=True).uses_fused_kernel({"cpu"}, floats)
+    assert not SGD().uses_fused_kernel({"cpu"}, floats)
+    param = torch.nn.Parameter(torch.zeros(3))
+    assert Adam().build([param]).defaults["fused"] is True
+    assert Adam(fused=False).build([param]).defaults["fused"] is False
+    assert not SGD().build([param]).defaults.get("fused")
+
+
+def test_the_documented_kernel_example_prints_what_the_page_says(capsys) -> None:
+    """docs/compute.md's example of the kernels, as written, prints its comments' values."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "compute.md").read_text()
+    section = text.split("## On the ps: Adam and Adagrad in torch's fused kernel\n", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/compute.md", "exec"), {})  # noqa: S102 - our own document
+    assert capsys.readouterr().out.split() == ["True", "True", "False", "False"]

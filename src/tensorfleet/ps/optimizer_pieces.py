@@ -26,11 +26,12 @@ variable gets its gradient in the same update, so their step counts stay equal. 
 are a multiple of every vector width, so a vectorised kernel treats each element of a
 piece as it treats it in the whole variable, tail included; the test's pieces of 7 elements
 (every element on another path) show that torch's default kernels do not depend on it
-either. Its fused kernels do (``fused=True`` is stepped whole: :func:`steps_in_pieces`).
+either. Its fused kernels do (they step whole variables: :func:`steps_in_pieces`).
 
-**The alternative** was torch's fused kernels (``fused=True``: one pass, but different
-rounding, so offered as a rule's option and not the default, :mod:`tensorfleet.ps.update_rules`).
-Pieces keep torch's default arithmetic exactly.
+**The alternative**, torch's fused kernels (one pass, different rounding), is now Adam's and
+Adagrad's default where torch has it (:mod:`tensorfleet.ps.update_rules`, "Kernels": 3-6x
+faster than these pieces); pieces serve the rules and options that keep torch's default
+arithmetic (SGD, momentum, ``fused=False``), bit for bit.
 
 Only on the ps: a shard owns its variables' memory (flat, contiguous, on CPU) for the life
 of the store. A one-process or all-reduce replica steps the model's own parameters, whose
@@ -160,12 +161,13 @@ class VariablePieces:
         return pieces
 
 
-def steps_in_pieces(rule: UpdateRule) -> bool:
-    """Whether a shard steps ``rule``'s big variables in pieces: for an elementwise rule in
-    torch's default arithmetic. Not with ``fused=True``: the fused kernel is one pass over
-    memory already, and its results depend on where a tensor starts (measured: pieces of 7
-    elements differ from whole variables in the last bit)."""
-    return rule.elementwise and not rule.hyperparameters.get("fused", False)
+def steps_in_pieces(rule: UpdateRule, dtypes: Sequence[torch.dtype]) -> bool:
+    """Whether a shard steps ``rule``'s big variables (CPU tensors of ``dtypes``) in pieces:
+    for an elementwise rule in torch's default arithmetic. Not with the fused kernel (Adam's
+    and Adagrad's default, :meth:`~tensorfleet.ps.update_rules.UpdateRule.uses_fused_kernel`):
+    it is one pass over memory already, and its results depend on where a tensor starts
+    (measured: pieces of 7 elements differ from whole variables in the last bit)."""
+    return rule.elementwise and not rule.uses_fused_kernel({"cpu"}, dtypes)
 
 
 def cut_variable(

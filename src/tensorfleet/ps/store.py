@@ -65,7 +65,7 @@ class VariableStore:
             flats.append(value.detach().clone().reshape(-1))
         _check_applicable(rule, [DTYPES[group.dtype] for group in layout.groups])
         views, variables, aliases = [], [], []
-        in_pieces = steps_in_pieces(rule)
+        in_pieces = steps_in_pieces(rule, [DTYPES[group.dtype] for group in layout.groups])
         for flat, group in zip(flats, layout.groups, strict=True):
             group_views, group_aliases = [], []
             for var, offset in group.members:

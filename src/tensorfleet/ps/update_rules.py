@@ -12,19 +12,33 @@ may step a big variable in cache-sized pieces (:mod:`tensorfleet.ps.optimizer_pi
 registered rule says whether it is elementwise (``elementwise=True``); one that is not (a
 rule that takes a norm over a whole tensor, as LARS does) steps whole variables.
 
-``fused=True`` (SGD, Adam, Adagrad) selects torch's fused kernel: one pass over the
-variables instead of several. Measured on this project's machine for the CNN's 1.66 M
-float32 variables, one thread: Adam 0.94 ms per update against 3.3 ms for torch's default
-implementation (docs/compute.md). It is not the default because its results differ from the
-default implementation's by rounding (2.4e-7 at most after 200 Adam steps, in 0.3 % of the
-elements), and a rule by name means torch's default arithmetic bit for bit; with
-``fused=True`` it means ``torch.optim.Adam(..., fused=True)`` bit for bit.
+**Kernels.** torch has two implementations of these rules on the CPU: its default, one
+pass over memory per operation (Adam: ``lerp_``, ``mul_``, ``addcmul_``, ``sqrt``, ``div_``,
+``add_``, ``addcdiv_``), and a fused kernel that reads and writes each element once
+(``fused=True``). **Adam and Adagrad use the fused kernel by default** wherever torch has it
+for the variables' device and dtype (Adam: CPU and CUDA; Adagrad: CPU; float16, bfloat16,
+float32, float64): :data:`FUSED_BY_DEFAULT`, :meth:`UpdateRule.uses_fused_kernel`. The
+measured reason: on the lent GPU machine (one H200, 16 cores, 2026-11-27) a sampling profile
+of 1 ps + 1 GPU worker training the CNN found the ps in torch's default Adam for 57 % of its
+CPU samples, and on this project's 2-vCPU machine one Adam step of 1.6 M float32 parameters
+took 3.75-4.36 ms with the default kernel stepped in cache-sized pieces
+(:mod:`tensorfleet.ps.optimizer_pieces`) against 1.20-1.27 ms fused, 27 M parameters 73-140
+ms against 22.5-25.5 ms (1 and 2 threads). That update is what a worker waits for every step.
+
+The price is rounding: the fused kernel's results differ from the default kernel's in the last
+bits (2.4e-7 at most after 200 Adam steps of the CNN, in 0.3 % of the elements). Every path of
+this project builds its optimizers here, so a sync cluster still equals a tensorfleet
+process bit for bit; against a plain PyTorch loop the rule by name equals
+``torch.optim.Adam(params, fused=True)`` bit for bit. ``fused=False`` asks for torch's
+default implementation (then ``torch.optim.Adam(params)`` bit for bit, and a shard steps big
+variables in pieces); giving ``foreach`` also leaves the choice to torch. SGD keeps torch's
+default (without momentum it is one pass already; ``fused=True`` is offered).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +47,15 @@ import torch
 from tensorfleet.errors import ConfigError
 
 OptimizerFactory = Callable[[Sequence[torch.Tensor], dict[str, Any]], torch.optim.Optimizer]
+
+#: The built-in rules stepped with torch's fused kernel when they leave ``fused`` (and
+#: ``foreach``) unset, and the device types torch has that kernel for (module docstring).
+FUSED_BY_DEFAULT: dict[str, frozenset[str]] = {
+    "adam": frozenset({"cpu", "cuda"}),
+    "adagrad": frozenset({"cpu"}),
+}
+#: The dtypes torch's fused kernels take.
+FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 @dataclass(frozen=True)
@@ -74,12 +97,35 @@ class UpdateRule:
         and state) and the step count: then the rule may step any slice of a variable."""
         return _RULES[self.name].elementwise
 
+    def uses_fused_kernel(self, devices: Iterable[str], dtypes: Iterable[torch.dtype]) -> bool:
+        """Whether :meth:`build` steps variables on these device types (``"cpu"``,
+        ``"cuda"``) and of these dtypes with torch's fused kernel: when the rule asks for it
+        (``fused=True``), or leaves ``fused`` and ``foreach`` unset and is one of
+        :data:`FUSED_BY_DEFAULT` whose kernel exists for every device type and dtype given."""
+        asked = self.hyperparameters.get("fused")
+        if asked is not None:
+            return bool(asked)
+        supported = FUSED_BY_DEFAULT.get(self.name)
+        if supported is None or "foreach" in self.hyperparameters:
+            return False
+        return all(device in supported for device in devices) and all(
+            dtype in FUSED_DTYPES for dtype in dtypes
+        )
+
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-        """The torch optimizer applying this rule to ``params`` (tensors updated in place).
+        """The torch optimizer applying this rule to ``params`` (tensors updated in place),
+        with the fused kernel where :meth:`uses_fused_kernel` says so.
 
         ValueError when torch refuses the hyperparameters."""
+        hyper = dict(self.hyperparameters)
+        if (
+            params
+            and "fused" not in hyper
+            and self.uses_fused_kernel({p.device.type for p in params}, {p.dtype for p in params})
+        ):
+            hyper["fused"] = True
         try:
-            return _RULES[self.name].factory(params, dict(self.hyperparameters))
+            return _RULES[self.name].factory(params, hyper)
         except (TypeError, IndexError, KeyError) as exc:
             # e.g. Adam(betas=(0.9,)) raises IndexError inside torch; a ps answers ValueError
             # with a refusal instead of letting it end the service loop.
@@ -198,9 +244,10 @@ register_update_rule(
 )
 
 
-def _fused(fused: bool) -> dict[str, Any]:
-    """The ``fused`` hyperparameter when asked for (absent otherwise: torch's default)."""
-    return {"fused": True} if fused else {}
+def _fused(fused: bool | None) -> dict[str, Any]:
+    """The ``fused`` hyperparameter as given (absent for None: :meth:`UpdateRule.build`
+    chooses)."""
+    return {} if fused is None else {"fused": fused}
 
 
 def SGD(
@@ -219,7 +266,7 @@ def SGD(
             "momentum": momentum,
             "weight_decay": weight_decay,
             "nesterov": nesterov,
-            **_fused(fused),
+            **_fused(fused or None),
         },
     )
 
@@ -236,10 +283,12 @@ def Adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    fused: bool = False,
+    fused: bool | None = None,
 ) -> UpdateRule:
-    """Adam (``torch.optim.Adam``). ``fused``: torch's fused kernel, one pass over the
-    variables (3.5x faster for the CNN here; rounding differs: see the module docstring)."""
+    """Adam (``torch.optim.Adam``). ``fused``: None (the default) steps with torch's fused
+    kernel wherever torch has it for the variables (one pass over memory: 3-6x faster on the
+    CPU), True always (torch refuses devices without it), False with torch's default
+    implementation, ``torch.optim.Adam(params)`` bit for bit (module docstring, "Kernels")."""
     return UpdateRule(
         "adam",
         {
@@ -256,9 +305,11 @@ def Adagrad(
     lr: float = 0.01,
     initial_accumulator_value: float = 0.0,
     eps: float = 1e-10,
-    fused: bool = False,
+    fused: bool | None = None,
 ) -> UpdateRule:
-    """Adagrad (``torch.optim.Adagrad``). ``fused``: torch's fused kernel."""
+    """Adagrad (``torch.optim.Adagrad``). ``fused``: None (the default) steps with torch's
+    fused kernel where torch has it (CPU variables), True always, False with torch's default
+    implementation (module docstring, "Kernels")."""
     return UpdateRule(
         "adagrad",
         {
