@@ -87,6 +87,8 @@ DEFAULT_BUCKET_BYTES = 1 << 20
 RUNS = {
     "torch": "one process, plain PyTorch loop, torch.optim.Adam (baseline)",
     "torch_1thread": "one process, plain PyTorch loop, 1 thread",
+    "torch_fused": "one process, plain PyTorch loop, torch.optim.Adam(fused=True) (the kernel "
+    "the ps's Adam uses by default)",
     "local": "one process, TrainingSession(None, ...)",
     "ps1": "tensorfleet launch --ps 1 --workers 1 (async, defaults)",
     "ps2": "tensorfleet launch --ps 2 --workers 1 (async, defaults)",
@@ -300,6 +302,8 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         command = [*program, "--mode", "torch"]
         if name == "torch_1thread":
             env["OMP_NUM_THREADS"] = "1"
+        if name == "torch_fused":
+            command.append("--torch-fused")
     elif name == "local":
         command = [*program, "--mode", "local", "--timeline", str(timeline)]
     else:
@@ -313,7 +317,7 @@ def run_one(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         command += ["--", *program, "--mode", "cluster", "--timeline", str(timeline)]
         if name == SHARED_CORES:
             command += ["--bucket-bytes", str(DEFAULT_BUCKET_BYTES)]
-    if profile is not None and name != "torch" and name != "torch_1thread":
+    if profile is not None and not name.startswith("torch"):
         command += ["--cprofile", str(profile / "worker.prof")]
     lines: list[str] = []
     started = time.perf_counter()

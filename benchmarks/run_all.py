@@ -633,6 +633,13 @@ def _big_model_headlines(big: dict | None) -> list[tuple[str, str, str, str]]:
             continue
         # Against one thread too: on a busy 2-core machine torch's two threads lose most.
         same = row.get("steps_per_s_vs_torch_1thread")
+        # And against the plain loop with the fused Adam, the kernel the ps uses by default.
+        fused = big["rows"].get("torch_fused")
+        against_fused = (
+            ""
+            if fused is None
+            else f"; {fused['s_per_step'] / row['s_per_step']:.2f}x the loop with the fused Adam"
+        )
         rows.append(
             (
                 "big_model",
@@ -640,6 +647,7 @@ def _big_model_headlines(big: dict | None) -> list[tuple[str, str, str, str]]:
                 f"{big['baseline']}: steps/s; worker peak RSS",
                 f"{row['steps_per_s_vs_baseline']:.2f}x ({row['s_per_step']:.2f} s/step"
                 + ("" if same is None else f"; {same:.2f}x the one-thread loop")
+                + against_fused
                 + f"); {row['worker_peak_rss_vs_baseline']:.2f}x "
                 f"({row['worker_peak_rss_kib'] / 2**20:.2f} GiB)",
                 f">= {targets['steps_per_s']}x; <= {targets['worker_peak_rss']}x",

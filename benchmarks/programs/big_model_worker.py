@@ -3,9 +3,10 @@ synthetic tokens, in one of three ways, writing what it measured to ``--report``
 
     big_model_worker.py --mode torch|local|cluster --report PATH [--layers 12 --hidden 768
         --heads 12 --ffn 3072 --vocab 30522 --seq 32 --batch 4 --head cls|lm --steps 12
-        --warmup 3 --lr 1e-4 --device cpu|cuda --timeline FILE --cprofile FILE]
+        --warmup 3 --lr 1e-4 --torch-fused --device cpu|cuda --timeline FILE --cprofile FILE]
 
-* ``torch``: the plain PyTorch loop (``torch.optim.Adam``): the baseline;
+* ``torch``: the plain PyTorch loop (``torch.optim.Adam``; with ``--torch-fused``, its fused
+  kernel, which ``tfl.optim.Adam`` uses by default): the baseline;
 * ``local``: ``tfl.TrainingSession(None, model, tfl.optim.Adam(...))``, one process;
 * ``cluster``: a worker of a cluster started by ``tensorfleet launch`` (async, every
   session setting at its default: buckets on, prefetch off); its ps tasks run the built-in
@@ -127,8 +128,9 @@ def say_step(ends: list[float]) -> None:
 def train_torch(
     args: argparse.Namespace, model: Encoder, batches, ends: list[float], cpu: list[float]
 ) -> list:
-    """The baseline: the plain loop, ``torch.optim.Adam``."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    """The baseline: the plain loop, ``torch.optim.Adam`` (torch's default kernel, or with
+    ``--torch-fused`` its fused one)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, fused=args.torch_fused or None)
     losses = []
     for step in range(args.steps):
         tokens, targets = batches[step % len(batches)]
@@ -214,6 +216,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3, help="first steps not timed")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--torch-fused", action="store_true",
+                        help="mode torch: torch.optim.Adam(fused=True)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeline", type=Path, default=None)
     parser.add_argument(
