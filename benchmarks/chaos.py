@@ -71,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from results_writer import add_out_dir_option, write_results  # noqa: E402
+from silent_worker_dumps import SILENT_S, SilentWorkerDumps  # noqa: E402
 
 from tensorfleet import environment  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
@@ -112,6 +113,8 @@ class Watch(PlainOutput):
     restarted: dict[str, list[float]] = field(default_factory=dict)
     accuracy: float | None = None
     spare_pids: list[int] = field(default_factory=list)
+    #: py-spy dumps of workers silent during a storm (:mod:`silent_worker_dumps`)
+    silent_dumps: list[dict] = field(default_factory=list)
     #: (time, task, pid) of each restart, and whether a warm spare took it over
     restarts: list[tuple[float, str, int, bool]] = field(default_factory=list)
     #: (time, task or "launcher", text) of every line, for the phases of a ps's recovery
@@ -155,6 +158,11 @@ class Watch(PlainOutput):
             since = max(self.restarted.get("ps:0", [0.0]))
             after = [step for t, _, step in self.steps if t > since]
             return max(after or [step for _, _, step in self.steps] or [0])
+
+    def last_step_time(self, worker: int) -> float | None:
+        """When ``worker`` (its index) printed its latest step line, or None."""
+        with self._watch_lock:
+            return max((t for t, w, _ in self.steps if w == worker), default=None)
 
     def steps_since(self, t: float) -> list[tuple[float, int, int]]:
         with self._watch_lock:
@@ -434,7 +442,34 @@ def storm_run(
     faults: list[Fault] = []
     status: list[int] = []
     stopped: dict[str, tuple[threading.Timer, Fault]] = {}  # SIGSTOPped, awaiting SIGCONT
+    resumed: dict[str, float] = {}  # task -> when its latest SIGCONT came
     times: dict[str, float] = {}
+    dumps = SilentWorkerDumps()
+
+    def silent_workers() -> dict[str, tuple[int, float]]:
+        """Each worker that should be making steps: its pid and seconds without one (none
+        while the ps is stopped or restarting, or once training is over)."""
+        ps = cluster.task("ps:0")
+        if "ps:0" in stopped or ps.restart_pending or not ps.running:
+            return {}
+        if watch.training_over(args.steps):
+            return {}
+        now, found = time.monotonic(), {}
+        for task in cluster.tasks:
+            name = task.name
+            if not name.startswith("worker:") or not task.running or task.restart_pending:
+                continue
+            if name in stopped or task.pid is None:
+                continue
+            since = max(
+                watch.last_step_time(int(name.split(":")[1])) or started,
+                *watch.restarted.get(name, [started]),
+                *watch.restarted.get("ps:0", [started]),
+                resumed.get(name, started),
+                resumed.get("ps:0", started),
+            )
+            found[name] = (task.pid, now - since)
+        return found
 
     def supervise() -> None:
         status.append(cluster.wait())
@@ -444,6 +479,7 @@ def storm_run(
         if task.process is not None:
             task.process.signal_group(signal.SIGCONT)
         fault.resumed_at_s = time.monotonic() - started
+        resumed[name] = time.monotonic()
         stopped.pop(name, None)
 
     started = time.monotonic()
@@ -455,6 +491,7 @@ def storm_run(
         while not watch.steps and supervisor.is_alive() and time.monotonic() < deadline:
             supervisor.join(0.5)
         times["calm_start"] = time.monotonic()
+        dumps.start(silent_workers)
         supervisor.join(args.calm)
         times["storm_start"] = time.monotonic()
         storm_end = times["storm_start"] + args.duration
@@ -500,12 +537,14 @@ def storm_run(
             cluster.interrupt(signal.SIGTERM)
             supervisor.join(60)
     finally:
+        dumps.stop()
         for name, (timer, fault) in list(stopped.items()):
             timer.cancel()
             resume(name, fault)
         cluster.stop()
         watch.close_log()
     times["end"] = time.monotonic()
+    watch.silent_dumps = dumps.dumps
     for fault in faults:
         measure_storm_recovery(fault, started, watch)
     pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]
@@ -611,6 +650,7 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         "recovery": summary,
         "faults": [asdict(f) for f in faults],
         "processes_left": left,
+        "silent_worker_dumps": watch.silent_dumps,
         "checks": checks,
     }
     table = [
@@ -679,6 +719,16 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
             for f in terms
         ]
         table.append("")
+    if watch.silent_dumps:
+        dumped = ", ".join(
+            f"{d['task']} (pid {d['pid']}, {d['silent_s']:.0f} s)" for d in watch.silent_dumps
+        )
+        table += [
+            f"Workers without a step line for {SILENT_S:g} s or more while nothing of the storm "
+            f"held them, dumped with py-spy (their stacks: `silent_worker_dumps` in the JSON): "
+            f"{dumped}",
+            "",
+        ]
     table += [f"- [{'x' if ok else ' '}] {name}" for name, ok in checks.items()]
     heading = (
         f"Storm: 1 ps + 3 workers, {args.steps} steps, {'/'.join(args.faults)} on a random task "
