@@ -14,27 +14,39 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from tensorfleet.errors import Preempted
 
 log = logging.getLogger("tensorfleet.worker")
 
 _PREEMPTED = threading.Event()
+_PREEMPTED_AT: list[float] = []  # time.monotonic() of the preemption, while it is recorded
 
 
 def mark_preempted() -> None:
-    """Record that this task was preempted (called by the SIGTERM handler)."""
+    """Record that this task was preempted (called by the SIGTERM handler), and when."""
+    if not _PREEMPTED.is_set():
+        _PREEMPTED_AT[:] = [time.monotonic()]
     _PREEMPTED.set()
 
 
 def clear_preempted() -> None:
     """Forget a preemption (the handler that recorded it was removed)."""
     _PREEMPTED.clear()
+    _PREEMPTED_AT.clear()
 
 
 def preempted() -> bool:
     """Whether this task was preempted."""
     return _PREEMPTED.is_set()
+
+
+def seconds_since_preempted() -> float | None:
+    """Seconds since this task was preempted, or None when it was not."""
+    if not _PREEMPTED.is_set() or not _PREEMPTED_AT:
+        return None
+    return time.monotonic() - _PREEMPTED_AT[0]
 
 
 def wait_unless_preempted(seconds: float) -> bool:

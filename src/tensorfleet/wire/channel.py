@@ -283,6 +283,10 @@ class Channel:
             raise outcome
         return outcome
 
+    def pending_op(self, request_id: int) -> str | None:
+        """The op of a request sent and not yet waited for, or None."""
+        return self._pending.get(request_id)
+
     def _forget_request(self, request_id: int) -> None:
         self._sent_at_disconnects.pop(request_id, None)
         if self._handshake is not None:

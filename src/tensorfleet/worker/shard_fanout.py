@@ -14,6 +14,19 @@ nothing to save behind it (``interruptible``: the hello) ends with
 :class:`~tensorfleet.errors.Preempted` as soon as the task is preempted
 (:mod:`tensorfleet.preemption_event`).
 
+**A step's exchange after a preemption is bounded.** A preempted worker finishes the step
+it is in, its push included, then leaves; a push (or a row lookup or row push,
+:data:`STEP_EXCHANGE_OPS`) still unanswered :data:`EXCHANGE_GRACE_AFTER_PREEMPTION_S` after
+the SIGTERM is given up with :class:`~tensorfleet.errors.ConnectionLost` naming why, and the
+client's recovery then ends the task with status 143 (its hello is interruptible). The
+measured reason: in a 10-minute fault storm a worker whose ps had been SIGSTOPped at the same
+time waited 70 s for a push reply while the ps answered its heartbeats (so the silence rule
+never fired), ignored the SIGTERM that came meanwhile for 40 s, and took the storm's worker
+SIGTERM recovery p95 from about 1 s to 14 s (docs/reliability.md, seed 6). Nothing is lost
+by giving the push up: the ps applies it or not, never twice, as for a worker killed in the
+middle of a push. Other requests keep their deadlines: the chief's checkpoint after a
+preemption (``save``) must have the time it needs.
+
 A caller that keeps one request in flight per shard while it does other work (the pushes of
 gradient buckets during the backward pass, :mod:`tensorfleet.worker.bucketed_push`) uses the
 single-shard :meth:`ShardFanout.send`, :meth:`~ShardFanout.ready` and
@@ -26,13 +39,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.errors import UsageError
-from tensorfleet.preemption_event import raise_if_preempted
+from tensorfleet.preemption_event import raise_if_preempted, seconds_since_preempted
 from tensorfleet.wire.channel import Channel, Reply
 from tensorfleet.worker.heartbeat import Heartbeat
 from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
 
 #: Extra seconds a client waits beyond a request's own deadline for the server's explanation.
 ANSWER_MARGIN_S = 2.0
+#: The requests of a training step whose wait a preemption bounds (module docstring).
+STEP_EXCHANGE_OPS = frozenset({"push", "push_rows", "pull_rows"})
+#: Seconds after its SIGTERM that a preempted worker still waits for a step's exchange: well
+#: inside a launcher's (15 s) and Kubernetes' (30 s) grace periods, and many times the
+#: seconds a healthy ps takes to answer a push of a big model.
+EXCHANGE_GRACE_AFTER_PREEMPTION_S = 10.0
 
 
 class ShardFanout:
@@ -136,19 +155,32 @@ class ShardFanout:
     ) -> list[Reply]:
         """The replies to ``ids`` (sent to ``targets``), in that order."""
 
-        def abort(shard: int) -> str | None:
+        def abort(shard: int, name: str | None) -> str | None:
             if interruptible:
                 raise_if_preempted(f"ps:{shard} to answer {op!r}")
+            if name in STEP_EXCHANGE_OPS:
+                since = seconds_since_preempted()
+                if since is not None and since > EXCHANGE_GRACE_AFTER_PREEMPTION_S:
+                    return (
+                        f"this task was preempted (SIGTERM) {since:.0f} s ago and ps:{shard} "
+                        f"has not answered its {name!r} in that time (it answers heartbeats): "
+                        f"the exchange is given up after {EXCHANGE_GRACE_AFTER_PREEMPTION_S:g} "
+                        "s (the ps applies it or not, never twice), and the task leaves"
+                    )
             if not abort_when_silent:
                 return None
             return self._heartbeat.trouble(shard, self.channels[shard].server_session)
 
-        checks = abort_when_silent or interruptible
-        return [
-            self.channels[shard].wait(
-                request_id,
-                timeout_s + ANSWER_MARGIN_S,
-                abort=(lambda shard=shard: abort(shard)) if checks else None,
+        replies = []
+        for shard, request_id in zip(targets, ids, strict=True):
+            channel = self.channels[shard]
+            name = channel.pending_op(request_id)
+            checks = abort_when_silent or interruptible or name in STEP_EXCHANGE_OPS
+            replies.append(
+                channel.wait(
+                    request_id,
+                    timeout_s + ANSWER_MARGIN_S,
+                    abort=(lambda shard=shard, name=name: abort(shard, name)) if checks else None,
+                )
             )
-            for shard, request_id in zip(targets, ids, strict=True)
-        ]
+        return replies
