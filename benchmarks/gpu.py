@@ -190,6 +190,11 @@ def rows_to_run(
         # core (they take turns), and its update's many small parallel regions then wait on
         # cores the GPU worker's thread holds; the same run with 4 and 1 thread per task says
         # whether that is where a step goes.
+        # The ps's Adam in torch's default kernel (the default before 2026-11-27): beside the
+        # row above, what the fused kernel changed.
+        {"name": "1 ps + 1 worker, async, torch's default Adam kernel (--no-fused-optimizer)",
+         "launch": ["--ps", "1", "--workers", "1"], "mode": "async", "steps": steps["ps"],
+         "program": ["--no-fused-optimizer"]},
         {"name": "1 ps + 1 worker, async, --intra-op-threads 4",
          "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "4"], "mode": "async",
          "steps": steps["ps"]},
@@ -231,22 +236,26 @@ def run_row(
     the tests run a row on ``/cpu:0`` to check the plumbing.)"""
     with tempfile.TemporaryDirectory(prefix="tfl-gpu-") as scratch:
         metrics = Path(scratch) / "metrics.json"
-        program = [
-            sys.executable,
-            str(HERE / "cnn_training.py"),
-            "--device",
-            device,
-            "--mode",
-            row["mode"],
-            "--steps",
-            str(row["steps"]),
-            "--test-limit",
-            "1000",
-            "--log-every",
-            "1000000",
-            "--metrics-json",
-            str(metrics),
-        ] + (["--data-dir", data_dir] if data_dir else [])
+        program = (
+            [
+                sys.executable,
+                str(HERE / "cnn_training.py"),
+                "--device",
+                device,
+                "--mode",
+                row["mode"],
+                "--steps",
+                str(row["steps"]),
+                "--test-limit",
+                "1000",
+                "--log-every",
+                "1000000",
+                "--metrics-json",
+                str(metrics),
+            ]
+            + (["--data-dir", data_dir] if data_dir else [])
+            + list(row.get("program", []))
+        )
         env = _child_env()
         if row["launch"] is None:
             command = program

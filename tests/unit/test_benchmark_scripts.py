@@ -438,12 +438,15 @@ def test_gpu_check_finds_its_test_files_and_plans_its_rows() -> None:
     assert one_gpu == [
         "one process",
         "1 ps + 1 worker, async",
+        "1 ps + 1 worker, async, torch's default Adam kernel (--no-fused-optimizer)",
         "1 ps + 1 worker, async, --intra-op-threads 4",
         "1 ps + 1 worker, async, --intra-op-threads 1",
         "1 ps + 3 workers sharing one GPU, async",
         "all-reduce, 3 workers sharing one GPU (gloo)",
     ]
     assert gpu.rows_to_run(2, steps)[-1]["name"] == "all-reduce, 2 workers on a GPU each (nccl)"
+    default_kernel = gpu.rows_to_run(1, steps, matching=["default Adam kernel"])[-1]
+    assert default_kernel["program"] == ["--no-fused-optimizer"]  # passed to the example
 
 
 def test_gpu_check_table_gives_ratios_in_batches_and_names_failures() -> None:
@@ -537,10 +540,12 @@ def test_gpu_check_runs_the_rows_asked_for_and_always_its_baseline() -> None:
 @pytest.mark.timeout(200)
 def test_gpu_check_row_plumbing_on_the_cpu() -> None:
     """The one-process row on /cpu:0 (the GPU check's own rows need a GPU): the figures of
-    cnn_training's --metrics-json come back, with batches/s."""
+    cnn_training's --metrics-json come back, with batches/s; a row's own program arguments
+    reach the example (an unknown one would end it with status 2)."""
     import gpu
 
-    row = {"name": "one process", "launch": None, "mode": "async", "steps": 25}
+    row = {"name": "one process", "launch": None, "mode": "async", "steps": 25,
+           "program": ["--no-fused-optimizer"]}  # fmt: skip
     result = gpu.run_row(row, None, "0", 180, device="/cpu:0")  # the examples' data search
     assert "error" not in result, result
     assert result["chief_local_steps"] == 25 and result["batches_per_s"] > 0
