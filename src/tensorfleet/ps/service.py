@@ -308,11 +308,13 @@ class ParameterService(
         elif request.body.get("global_step") is not None:
             self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(
-            "%s: %d dense variables created (%s bytes), rule %s (dense variables)%s",
+            "%s: %d dense variables created (%s bytes), rule %s in torch's %s kernel (dense "
+            "variables)%s",
             self.config.name,
             len(layout.variables),
             sum(layout.group_bytes()),
             rule.name,
+            self.store.kernel,
             self.tables.summary(),  # tables created later log a line each
         )
         task_markers.mark_serving(self.config.name)  # no crash loop when killed from now on

@@ -32,6 +32,9 @@ class VariableStore:
     def __init__(self, piece_elements: int = PIECE_ELEMENTS) -> None:
         self.layout: FusedLayout | None = None
         self.rule: UpdateRule | None = None
+        self.kernel: str | None = None
+        """Which of torch's kernels steps the variables: ``"fused"`` or ``"default"`` (in
+        pieces), once created (:mod:`tensorfleet.ps.update_rules`, "Kernels")."""
         self.version = 0
         """How many updates have been applied since the variables were created."""
         self._flats: list[torch.Tensor] = []
@@ -65,7 +68,8 @@ class VariableStore:
             flats.append(value.detach().clone().reshape(-1))
         _check_applicable(rule, [DTYPES[group.dtype] for group in layout.groups])
         views, variables, aliases = [], [], []
-        in_pieces = steps_in_pieces(rule, [DTYPES[group.dtype] for group in layout.groups])
+        dtypes = [DTYPES[group.dtype] for group in layout.groups]
+        in_pieces = steps_in_pieces(rule, dtypes)
         for flat, group in zip(flats, layout.groups, strict=True):
             group_views, group_aliases = [], []
             for var, offset in group.members:
@@ -82,6 +86,7 @@ class VariableStore:
         self._optimizer = _build(rule, optimizer_params(variables))
         self.layout, self.rule, self._flats, self._views = layout, rule, flats, views
         self._variables, self._aliases = variables, aliases
+        self.kernel = "fused" if rule.uses_fused_kernel({"cpu"}, dtypes) else "default"
 
     def keep_moving_average(self, decay: float) -> None:
         """From now on, keep ``ema = decay * ema + (1 - decay) * value`` after every update,
