@@ -203,3 +203,26 @@ def test_a_task_killed_while_it_worked_is_restarted_whatever_the_count_and_not_c
     assert not uniform.restart and uniform.counted
     first = policy.decide(-9, [], now=100.0, ran_s=5.0, streak=0, served=True)
     assert first.counted and first.describe_count() == "restart 1 of 2"
+
+
+def test_a_worker_preempted_that_left_cleanly_is_restarted_at_once_and_not_counted() -> None:
+    """A process that handled its SIGTERM and left (task_markers.LEFT: push applied,
+    checkpoint written, shards told) was preempted, not crash-looping, however short its
+    run: restarted at once with the limit used up and not counted. Without the clean leave
+    the same short death counts; an error exit is never a preemption; --max-restarts counts
+    everything."""
+    policy = RestartPolicy(signal_restarts=2, crash_loop_s=30.0)
+    history = [(0.0, SIGNAL), (50.0, SIGNAL)]  # the limit is used up
+    left = policy.decide(143, history, now=100.0, ran_s=12.5, streak=3, served=True, left=True)
+    assert left.restart and not left.counted and left.delay_s == 0.0 and not left.crash_loop
+    assert left.history_kind == AT_WORK
+    assert (
+        left.describe_count() == "not counted: preempted, it left cleanly after 12.5 s; 2 of 2 used"
+    )
+    assert left.describe_wait() == "at once (preempted: no crash loop)"
+    killed = policy.decide(143, history, now=100.0, ran_s=12.5, streak=3, served=True)
+    assert not killed.restart and killed.counted  # no clean leave: a short death counts
+    error = RestartPolicy(error_restarts=1).decide(1, [(0.0, ERROR)], 100.0, 5.0, 0, left=True)
+    assert not error.restart and error.counted and not error.left
+    uniform = RestartPolicy.uniform(2).decide(143, history, 100.0, 12.5, 0, left=True)
+    assert not uniform.restart and uniform.counted

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from tensorfleet.launch.restart_policy import RestartDecision, describe_returncode
 from tensorfleet.launch.task import Task
-from tensorfleet.task_markers import SERVING
+from tensorfleet.task_markers import LEFT, SERVING
 
 if TYPE_CHECKING:
     from tensorfleet.launch.output import Output
@@ -48,10 +48,13 @@ class TaskRestarts:
     def _decide_restart(self, task: Task) -> RestartDecision:
         """The policy's decision for ``task``, which just ended with a failure: its run time
         (from its start to its exit), whether that process got to work (it left
-        ``task_markers.SERVING`` with its pid) and its crash streak decide the back-off."""
+        ``task_markers.SERVING`` with its pid), whether it was preempted and left cleanly
+        (``task_markers.LEFT`` with its pid) and its crash streak decide the back-off."""
         assert task.returncode is not None
         ran = (task.ended_at or task.started_at) - task.started_at
-        served = task.pid is not None and self._markers.read(task.name, SERVING) == str(task.pid)
+        pid = str(task.pid) if task.pid is not None else None
+        served = pid is not None and self._markers.read(task.name, SERVING) == pid
+        left = pid is not None and self._markers.read(task.name, LEFT) == pid
         return self.restart_policy.decide(
             task.returncode,
             task.restart_history,
@@ -59,6 +62,7 @@ class TaskRestarts:
             ran,
             task.quick_deaths,
             served=served,
+            left=left,
         )
 
     def _restart_delay(self, task: Task) -> float | None:
