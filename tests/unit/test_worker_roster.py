@@ -23,6 +23,15 @@ class FakeClock:
         return self.now
 
 
+def run_for(roster: WorkerRoster, clock: FakeClock, seconds: float) -> None:
+    """``seconds`` pass while the shard's loop runs: it checks liveness at least every 0.2 s,
+    here every second (a longer gap between checks is the shard's own stall)."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now = min(end, clock.now + 1.0)
+        roster.check_liveness()
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -86,8 +95,7 @@ def test_a_done_worker_is_never_lost_and_not_running(
     assert roster.departed(including_lost=True) == {"worker:0", "worker:2"}
     assert roster.all_done_or_lost is False  # worker:1 is neither
     roster.heard_from("worker:1")
-    clock.now += LIVENESS_S + 1
-    roster.check_liveness()
+    run_for(roster, clock, LIVENESS_S + 1)
     assert roster.all_done_or_lost is True and roster.all_done is False
     roster.mark_done("worker:1")
     roster.mark_done("worker:2")
@@ -190,3 +198,27 @@ def test_the_sessions_remembered_are_bounded(roster: WorkerRoster) -> None:
     roster.admit(b"first-session")  # forgotten: no longer refused (nor remembered)
     with pytest.raises(IdentityInUse):
         roster.admit(f"session-{MAX_SESSIONS - 1}".encode())
+
+
+def test_the_shards_own_stall_is_not_the_workers_silence(
+    roster: WorkerRoster, clock: FakeClock
+) -> None:
+    """A ps stopped for longer than the liveness timeout reads its queue after SIGCONT one
+    request at a time: the workers whose heartbeats it has not read yet are not lost, their
+    silence counts from the first check after the gap; one that then stays silent is; a
+    worker that left stays lost through the gap."""
+    for task in WORKERS:
+        roster.heard_from(task)
+    roster.check_liveness()
+    roster.mark_left("worker:2")
+    assert roster.check_liveness() == LivenessChange(newly_lost=("worker:2",))
+    clock.now += 40.0  # SIGSTOP of the ps: no check, no request read
+    roster.heard_from("worker:0")  # the first queued request read after SIGCONT
+    assert roster.check_liveness() == LivenessChange()  # worker:1 not blamed
+    assert roster.lost == {"worker:2"}  # the left one stays lost
+    run_for(roster, clock, 5.0)
+    roster.heard_from("worker:1")  # its queued heartbeat, read a few seconds later
+    run_for(roster, clock, LIVENESS_S - 5.0)
+    assert roster.lost == {"worker:2"}
+    run_for(roster, clock, 3.0)  # worker:0 silent past the timeout while the shard ran
+    assert roster.lost == {"worker:0", "worker:2"}

@@ -10,6 +10,14 @@ The rules (each one a method of :class:`WorkerRoster`):
   mark it heard (:meth:`WorkerRoster.heard_from`). A worker not heard from for
   ``liveness_timeout_s`` is *lost* (:meth:`WorkerRoster.check_liveness`); heard again, it is
   back. A worker that said ``done`` is never lost.
+* **The shard's own silence is not the workers'.** Silence is counted only over time this
+  shard's loop ran: when :meth:`WorkerRoster.check_liveness` comes :data:`STALL_S` or more
+  after the previous check (the ps process was stopped, its VM frozen, or one request held
+  the loop that long: a big restore), the workers' heartbeats of that time wait unread in
+  the socket, so silence counts from this check, not from their last request read. Otherwise
+  a ps SIGSTOPped for the liveness timeout would, on SIGCONT, declare every worker whose
+  queued heartbeat it had not read yet lost (and fail a sync step whose discipline is
+  ``fail``). A worker that said it left stays lost through such a gap.
 * **One process per identity.** A worker process says hello with an *instance* id (random,
   one per process) on each of its channels (the authenticated session of the request). The
   first instance holds the task's identity. Another instance is let in
@@ -54,6 +62,10 @@ from tensorfleet.errors import ConfigError, IdentityInUse, ProtocolError
 
 log = logging.getLogger("tensorfleet.ps")
 
+#: Seconds between two liveness checks after which the shard itself was stopped or held, and
+#: the workers' silence counts from the later check (module docstring). The loop checks at
+#: least every 0.2 s when idle and after every request.
+STALL_S = 5.0
 #: An instance id is a short string (the client sends 16 hex digits).
 MAX_INSTANCE_CHARS = 64
 #: Sessions remembered (two per worker process per shard: its channel and its heartbeat's).
@@ -94,6 +106,10 @@ class WorkerRoster:
     holders: dict[str, str] = field(default_factory=dict)
     """The instance (process) that holds each worker's identity."""
     _sessions: OrderedDict[bytes, tuple[str, str]] = field(default_factory=OrderedDict)
+    _last_check: float | None = None
+    """When :meth:`check_liveness` last ran (``clock`` seconds)."""
+    _resumed_at: float = float("-inf")
+    """When it ran after a gap of :data:`STALL_S` or more: silence counts from then."""
 
     def __post_init__(self) -> None:
         if not self.liveness_timeout_s > 0:
@@ -181,12 +197,18 @@ class WorkerRoster:
             self.heard[task] = self.clock()  # type: ignore[index]
 
     def check_liveness(self) -> LivenessChange:
-        """Mark workers silent for ``liveness_timeout_s`` lost, and heard ones back."""
+        """Mark workers silent for ``liveness_timeout_s`` lost, and heard ones back (silence
+        counted only over time the shard ran: the module docstring)."""
         now = self.clock()
+        if self._last_check is not None and now - self._last_check >= STALL_S:
+            self._resumed_at = now
+        self._last_check = now
         lost = {
             task
             for task, heard in self.heard.items()
-            if now - heard > self.liveness_timeout_s and task not in self.done
+            if task not in self.done
+            and now - (heard if task in self.left else max(heard, self._resumed_at))
+            > self.liveness_timeout_s
         }
         change = LivenessChange(
             newly_lost=tuple(sorted(lost - self.lost)), back=tuple(sorted(self.lost - lost))
