@@ -61,7 +61,7 @@ RUNNABLE = {
     "programs/sparse_table_worker.py",
 }
 #: Modules without a command line: imported only.
-HELPERS = {"results_writer.py", "programs/fixed_trial.py"}
+HELPERS = {"results_writer.py", "silent_worker_dumps.py", "programs/fixed_trial.py"}
 #: Run with TensorFlow's own venv (``make tf-reference``), never with the project's.
 TENSORFLOW_ONLY = {"tf_reference/classic_example_tf.py"}
 
