@@ -71,6 +71,8 @@ def _load_path(path: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # registered first, as importlib's recipe does: a dataclass looks its module up there
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
