@@ -393,3 +393,26 @@ def test_a_worker_preempted_while_saying_hello_exits_at_once_instead_of_waiting(
     # Not DeadlineExceeded after 60 s: the hello gave up on the signal.
     assert raised.value.code == PREEMPTED_EXIT_STATUS
     assert not preempted()
+
+
+def test_a_chief_lost_by_silence_is_waited_for_and_one_that_left_or_finished_is_not() -> None:
+    """The drain's question to one model's service: a chief silent past the liveness timeout
+    may come back within the grace (its SIGSTOP ends, its spare takes over) and then saves,
+    so the drain keeps waiting (False); a chief that finished or left (preempted, its own
+    checkpoint written) will not save again (None); a save after the notice drains (True)."""
+    from tensorfleet.ps.save_restore import SaveRestoreHandling
+
+    roster = WorkerRoster(("worker:0", "worker:1"), liveness_timeout_s=15.0)
+    service = type(
+        "Shard", (), {"checkpointing_chief": "worker:0", "roster": roster, "last_save_at": None}
+    )()
+    ask = SaveRestoreHandling.chief_saved_since
+    roster.lost = {"worker:0"}  # silent for the liveness timeout
+    assert ask(service, 100.0) is False  # wait: it may come back
+    service.last_save_at = 101.0
+    assert ask(service, 100.0) is True
+    service.last_save_at = None
+    roster.left = {"worker:0"}
+    assert ask(service, 100.0) is None
+    roster.left, roster.done = set(), {"worker:0"}
+    assert ask(service, 100.0) is None

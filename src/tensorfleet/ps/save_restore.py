@@ -129,9 +129,11 @@ class SaveRestoreHandling:
     def chief_saved_since(self, when: float) -> bool | None:
         """For a preemption drain: whether a checkpoint was saved after ``when``; None when
         none will come (no chief keeping checkpoints created the variables here, or it is
-        not running)."""
+        done, or it left: preempted, its own checkpoint written). A chief lost by silence may
+        come back within the drain's grace (a SIGSTOP ending, its warm spare taking over):
+        False, keep waiting (:mod:`tensorfleet.ps.preemption_drain`)."""
         chief = self.checkpointing_chief
-        if chief is None or chief not in self.roster.running():
+        if chief is None or chief in self.roster.done or chief in self.roster.left:
             return None
         return self.last_save_at is not None and self.last_save_at > when
 
