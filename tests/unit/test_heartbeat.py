@@ -66,9 +66,9 @@ def test_a_process_that_was_itself_stopped_blames_no_shard_for_the_silence() -> 
         heartbeat.start()
         # The state a SIGSTOP of 20 s leaves: no round and no answer for 20 s.
         stopped_at = time.monotonic() - 20.0
-        heartbeat._last_round = heartbeat._last_answer[0] = stopped_at
+        heartbeat._silence.last_ran = heartbeat._last_answer[0] = stopped_at
         assert heartbeat.trouble(0, None) is None  # the silence is ours
-        heartbeat._ran()  # the thread runs again (as its loop does at once after SIGCONT)
+        heartbeat._silence.ran()  # the thread runs again (as its loop does at once after SIGCONT)
         assert heartbeat.trouble(0, None) is None  # silence counts from the resumption
         deadline = time.monotonic() + 10.0
         while (reason := heartbeat.trouble(0, None)) is None:

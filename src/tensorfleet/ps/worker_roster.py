@@ -11,7 +11,7 @@ The rules (each one a method of :class:`WorkerRoster`):
   ``liveness_timeout_s`` is *lost* (:meth:`WorkerRoster.check_liveness`); heard again, it is
   back. A worker that said ``done`` is never lost.
 * **The shard's own silence is not the workers'.** Silence is counted only over time this
-  shard's loop ran: when :meth:`WorkerRoster.check_liveness` comes :data:`STALL_S` or more
+  shard's loop ran (:mod:`tensorfleet.silence_clock`): when :meth:`WorkerRoster.check_liveness` comes :data:`STALL_S` or more
   after the previous check (the ps process was stopped, its VM frozen, or one request held
   the loop that long: a big restore), the workers' heartbeats of that time wait unread in
   the socket, so silence counts from this check, not from their last request read. Otherwise
@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tensorfleet.errors import ConfigError, IdentityInUse, ProtocolError
+from tensorfleet.silence_clock import SilenceClock
 
 log = logging.getLogger("tensorfleet.ps")
 
@@ -106,14 +107,13 @@ class WorkerRoster:
     holders: dict[str, str] = field(default_factory=dict)
     """The instance (process) that holds each worker's identity."""
     _sessions: OrderedDict[bytes, tuple[str, str]] = field(default_factory=OrderedDict)
-    _last_check: float | None = None
-    """When :meth:`check_liveness` last ran (``clock`` seconds)."""
-    _resumed_at: float = float("-inf")
-    """When it ran after a gap of :data:`STALL_S` or more: silence counts from then."""
+    _silence: SilenceClock = field(init=False, repr=False)
+    """When :meth:`check_liveness` last ran: silence counts only over time the shard ran."""
 
     def __post_init__(self) -> None:
         if not self.liveness_timeout_s > 0:
             raise ConfigError(f"liveness_timeout_s must be > 0, got {self.liveness_timeout_s}")
+        self._silence = SilenceClock(STALL_S, self.clock)
 
     # -- who sent this ----------------------------------------------------------------------------
 
@@ -199,15 +199,12 @@ class WorkerRoster:
     def check_liveness(self) -> LivenessChange:
         """Mark workers silent for ``liveness_timeout_s`` lost, and heard ones back (silence
         counted only over time the shard ran: the module docstring)."""
-        now = self.clock()
-        if self._last_check is not None and now - self._last_check >= STALL_S:
-            self._resumed_at = now
-        self._last_check = now
+        now = self._silence.ran()
         lost = {
             task
             for task, heard in self.heard.items()
             if task not in self.done
-            and now - (heard if task in self.left else max(heard, self._resumed_at))
+            and (now - heard if task in self.left else self._silence.silent_for(heard, now))
             > self.liveness_timeout_s
         }
         change = LivenessChange(

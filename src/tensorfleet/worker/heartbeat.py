@@ -14,10 +14,10 @@ heartbeat interval plus one answer timeout.
 **Our own silence is not the ps's.** A worker that was itself stopped (SIGSTOP, a frozen VM,
 a debugger) resumes with every shard's last answer as old as the stop: counted naively, each
 shard would look silent, and the wait in progress would be given up and recovered from for
-nothing (a push dropped). So silence is counted only over time this thread was running:
-when it has not run for :data:`STALL_S` (its last round is that old), :meth:`Heartbeat.trouble`
-blames no shard, and after such a stall silence is counted from the moment the thread ran
-again. Measured reason: in a 10-minute fault storm, a worker SIGCONTed after a 15 s SIGSTOP
+nothing (a push dropped). So silence is counted only over time this thread was running
+(:mod:`tensorfleet.silence_clock`): when it has not run for :data:`STALL_S` (its last round
+is that old), :meth:`Heartbeat.trouble` blames no shard, and after such a stall silence is
+counted from the moment the thread ran again. Measured reason: in a 10-minute fault storm, a worker SIGCONTed after a 15 s SIGSTOP
 gave up its push at once with "ps:0 has not answered a heartbeat for 16 s" while the ps had
 been running all along.
 """
@@ -34,6 +34,7 @@ import zmq
 
 from tensorfleet.errors import ConfigError, TensorfleetError
 from tensorfleet.ps.model_namespace import ModelClaim
+from tensorfleet.silence_clock import SilenceClock
 from tensorfleet.version import __version__
 from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.message import PROTOCOL_VERSION
@@ -82,11 +83,9 @@ class Heartbeat:
         self.silence_s = silence_s
         now = time.monotonic()
         self._last_answer = [now] * len(self._addresses)
-        self._last_round = now
-        """When this thread last ran a step of its loop (:meth:`_ran`)."""
-        self._resumed_at = now
-        """When it ran again after a stall of :meth:`stall_s` or more (silence counts from
-        then)."""
+        self._silence = SilenceClock(max(STALL_S, interval_s + 2 * self._answer_s() + 1.0))
+        """When this thread last ran a step of its loop: silence counts only over time it
+        ran (:data:`STALL_S`, or more when one round's answer timeouts take longer)."""
         self._sessions: list[bytes | None] = [None] * len(self._addresses)
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -95,27 +94,11 @@ class Heartbeat:
 
     def start(self) -> None:
         """Start beating; silence is counted from now."""
-        now = time.monotonic()
-        self._last_answer = [now] * len(self._addresses)
-        self._last_round = self._resumed_at = now
+        self._last_answer = [self._silence.ran()] * len(self._addresses)
         self._thread.start()
-
-    @property
-    def stall_s(self) -> float:
-        """Seconds without a step of this thread's loop after which this process, not a
-        shard, is taken to have been silent: :data:`STALL_S`, or more when one round's
-        answer timeouts take longer."""
-        return max(STALL_S, self.interval_s + 2 * self._answer_s() + 1.0)
 
     def _answer_s(self) -> float:
         return min(2.0, self.interval_s * 2)
-
-    def _ran(self) -> None:
-        """Note that this thread runs now; after a stall, silence counts from now."""
-        now = time.monotonic()
-        if now - self._last_round > self.stall_s:
-            self._resumed_at = now
-        self._last_round = now
 
     def stop(self) -> None:
         """Stop the thread (at most one interval plus one answer timeout)."""
@@ -139,10 +122,9 @@ class Heartbeat:
         restarted). None while the heartbeat is not running (before the first hello)."""
         if self._thread.ident is None or self._stop.is_set():
             return None
-        now = time.monotonic()
-        if now - self._last_round > self.stall_s:
+        if self._silence.stalled():
             return None  # this process was stopped or starved: the silence is ours
-        silent = now - max(self._last_answer[shard], self._resumed_at)
+        silent = self._silence.silent_for(self._last_answer[shard])
         if silent > self.silence_s:
             return f"ps:{shard} has not answered a heartbeat for {silent:.0f} s"
         seen = self._sessions[shard]
@@ -165,7 +147,7 @@ class Heartbeat:
         beat = {"task": self._task, **self._model.request_fields()}
         try:
             while not self._stop.is_set():
-                self._ran()
+                self._silence.ran()
                 for shard, channel in enumerate(channels):
                     answer_s = self._answer_s()
                     try:
@@ -177,11 +159,11 @@ class Heartbeat:
                     except TensorfleetError as exc:
                         channel.server_session = None  # say hello again next time
                         log.debug("%s: heartbeat to ps:%d failed: %s", self._task, shard, exc)
-                        self._ran()
+                        self._silence.ran()
                         continue
                     self._last_answer[shard] = time.monotonic()
                     self._sessions[shard] = channel.server_session
-                    self._ran()
+                    self._silence.ran()
                 self._stop.wait(self.interval_s)
         finally:
             for channel in channels:
