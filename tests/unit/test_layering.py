@@ -5,7 +5,7 @@ launch > patterns > session > parallel > worker > ps > wire > cluster. ``paralle
 cross-validation, broadcast, actor/learner) composes sessions and the wire, and sits below
 ``launch`` so that the launcher's CLI can register ``tensorfleet sweep``; a sweep whose trials
 are clusters runs the ``tensorfleet launch`` command as a child process, not launch's code. Modules at the package top (errors,
-environment, version, preemption_event, and the facades __init__ / optim / __main__) are shared by all layers.
+environment, version, preemption_event, silence_clock, task_markers, task_memory, and the facades __init__ / optim / __main__) are shared by all layers.
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "tensorfleet"
 LAYERS = ["cluster", "wire", "ps", "worker", "parallel", "session", "patterns", "launch"]
-SHARED = {"errors", "environment", "version", "preemption_event", "task_markers", "task_memory"}
+SHARED = {
+    "errors",
+    "environment",
+    "version",
+    "preemption_event",
+    "silence_clock",
+    "task_markers",
+    "task_memory",
+}
 #: Side packages that only the top layers may use (data for examples, not the runtime).
 SIDE = {"datasets": 0}
 #: Leaf packages that import nothing of tensorfleet but SHARED, each usable by the layers from
