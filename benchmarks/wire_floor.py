@@ -41,6 +41,23 @@ what an application-level encryption would cost per direction and per end),
 ``aes_gcm_encrypt_into`` (the same into a buffer reused across calls, no page faults) and
 ``gmac`` (the MAC tensorfleet computes on every payload, see ``wire/auth.py``).
 
+Last, the hand-over of values across processes, in milliseconds on the reading side: a
+writer process holds the values in a shared-memory file and rewrites them (an update)
+before every round; this process then makes them its own and reads them once (as a forward
+pass would), three ways: ``handover_copy`` copies them out of a mapping kept open into
+memory of its own (what a reply region costs today, the copy made by the reader instead
+of the ps); ``handover_fresh_private_map`` maps the file afresh with ``MAP_PRIVATE`` (no
+copy: a write of the reader's lands in its own page, never in the writer's) and reads it
+there, paying the page-table set-up; ``handover_kept_map_read`` reads in place through a
+mapping kept open (no copy, no set-up: correct only for a reader that never writes the
+values, since a shared mapping would carry its writes back to the writer);
+``handover_kept_private_map_checked`` reads through a ``MAP_PRIVATE`` mapping kept open,
+after checking in ``/proc/self/pagemap`` that none of its pages was written here (a written
+page is the reader's own copy and would show stale values: a reader that may write its
+values can keep such a mapping only with that check). Whether the
+values a ps keeps in shared memory can be *lent* to a worker instead of copied into its
+reply region turns on the second row against the first.
+
     .venv/bin/python benchmarks/wire_floor.py [--megabytes 8 32 --batches 10 --per-batch 10]
 
 Writes benchmarks/results/wire_floor.json and .md.
@@ -49,6 +66,7 @@ Writes benchmarks/results/wire_floor.json and .md.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import socket
 import statistics
@@ -442,6 +460,118 @@ class SameHostFloor:
             self._verify(self.private, 2, tags)
 
 
+HANDOVER_WRITER = r"""
+import mmap, os, sys, torch
+torch.set_num_threads(1)  # no idle OpenMP threads spinning on the reader's cores
+size = int(sys.argv[1])
+fd = os.memfd_create("tensorfleet-handover")
+os.ftruncate(fd, size)
+values = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.float32)
+step = torch.full((size // 4,), 1e-7)
+print(os.getpid(), fd, flush=True)
+for _ in sys.stdin:  # one line per round: update the values, then say so
+    values.add_(step)
+    print("updated", flush=True)
+"""
+
+
+def handover_times(model_bytes: int, repeats: int) -> dict[str, float]:
+    """Milliseconds (medians) for this process to make ``model_bytes`` that another process
+    just rewrote in a shared-memory file its own and read them once (see the module
+    docstring): a copy out of a kept mapping, a fresh private mapping, a read through a kept
+    mapping. Both ends on one thread (an idle OpenMP pool of either spins on the cores the
+    other needs: with torch's default threads the read through a kept mapping of 8 MB took
+    3.8 ms instead of 0.2 ms here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HANDOVER_WRITER, str(model_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid, fd = (int(v) for v in writer.stdout.readline().split())
+        path = f"/proc/{pid}/fd/{fd}"
+
+        def mapped(flags: int) -> mmap.mmap:
+            opened = os.open(path, os.O_RDWR)
+            try:
+                return mmap.mmap(opened, model_bytes, flags=flags)
+            finally:
+                os.close(opened)
+
+        kept = mapped(mmap.MAP_SHARED)
+        kept_values = [torch.frombuffer(kept, dtype=torch.float32)]  # dropped before the unmap
+        own = torch.empty(model_bytes // 4)
+
+        def copy() -> None:
+            own.copy_(kept_values[0])
+            own.sum()
+
+        def fresh_private_map() -> None:
+            private = mapped(mmap.MAP_PRIVATE)
+            values = torch.frombuffer(private, dtype=torch.float32)
+            values.sum()
+            del values
+            private.close()
+
+        def kept_map_read() -> None:
+            kept_values[0].sum()
+
+        private = mapped(mmap.MAP_PRIVATE)
+        private_values = [torch.frombuffer(private, dtype=torch.float32)]
+        pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+
+        def kept_private_map_checked() -> None:
+            # One 64-bit entry per page: bit 63 present, 62 swapped, 61 the file's page. A
+            # present page that is not the file's, or a swapped one, was written here: stale.
+            values = private_values[0]
+            first, pages = values.data_ptr() // mmap.PAGESIZE, -(-model_bytes // mmap.PAGESIZE)
+            entries = torch.frombuffer(
+                bytearray(os.pread(pagemap, pages * 8, first * 8)), dtype=torch.int64
+            )
+            present, swapped, file_page = (
+                (entries >> 63) & 1,
+                (entries >> 62) & 1,
+                (entries >> 61) & 1,
+            )
+            if bool(((present & (1 - file_page)) | swapped).any()):
+                raise RuntimeError("a page of the kept private mapping was written here")
+            values.sum()
+
+        kinds = {
+            "handover_copy": copy,
+            "handover_fresh_private_map": fresh_private_map,
+            "handover_kept_map_read": kept_map_read,
+            "handover_kept_private_map_checked": kept_private_map_checked,
+        }
+        times: dict[str, list[float]] = {name: [] for name in kinds}
+        for round_ in range(repeats + 1):
+            for name, call in kinds.items():
+                writer.stdin.write("update\n")
+                writer.stdin.flush()
+                writer.stdout.readline()
+                start = time.perf_counter()
+                call()
+                if round_ > 0:  # the first round warms up
+                    times[name].append(time.perf_counter() - start)
+        kept_values.clear()
+        private_values.clear()
+        kept.close()
+        private.close()
+        os.close(pagemap)
+    finally:
+        torch.set_num_threads(threads)
+        writer.stdin.close()
+        try:
+            writer.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            writer.kill()
+            writer.wait()
+    return {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
+
+
 def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, list[float]]:
     """Seconds per round trip of each echo, in alternating batches (the first warms up)."""
     payload = os.urandom(model_bytes)
@@ -516,6 +646,9 @@ def main() -> int:
         for name, rate in crypto_rates(os.urandom(model_bytes), 15).items():
             rows[name] = {"gb_per_s": rate}
             table.append(f"| {megabytes:g} | {name} (one thread) | | | {rate:.2f} | |")
+        for name, milliseconds in handover_times(model_bytes, 30).items():
+            rows[name] = {"median_ms": milliseconds}
+            table.append(f"| {megabytes:g} | {name} (reading side) | {milliseconds:.2f} | | | |")
         sizes[f"{megabytes:g}"] = rows
     result = {
         "benchmark": (
