@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 from silent_worker_dumps import SILENT_S, SilentWorkerDumps  # noqa: E402
+from storm_outages import split_table  # noqa: E402
 
 from tensorfleet import environment  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
@@ -719,6 +720,13 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
             for f in terms
         ]
         table.append("")
+    table += [
+        "Worker recoveries split by whether their ps was out at the time (a worker makes no "
+        "step while its ps is stopped or restarting; `benchmarks/storm_outages.py`):",
+        "",
+        *split_table(result["faults"], args.stop_seconds),
+        "",
+    ]
     if watch.silent_dumps:
         dumped = ", ".join(
             f"{d['task']} (pid {d['pid']}, {d['silent_s']:.0f} s)" for d in watch.silent_dumps

@@ -50,6 +50,7 @@ RUNNABLE = {
     "recovery.py",
     "run_all.py",
     "sparse_tables.py",
+    "storm_outages.py",
     "throughput.py",
     "timeline_picture.py",
     "wire.py",
