@@ -44,7 +44,7 @@ what an application-level encryption would cost per direction and per end),
 Last, the hand-over of values across processes, in milliseconds on the reading side: a
 writer process holds the values in a shared-memory file and rewrites them (an update)
 before every round; this process then makes them its own and reads them once (as a forward
-pass would), three ways: ``handover_copy`` copies them out of a mapping kept open into
+pass would), four ways: ``handover_copy`` copies them out of a mapping kept open into
 memory of its own (what a reply region costs today, the copy made by the reader instead
 of the ps); ``handover_fresh_private_map`` maps the file afresh with ``MAP_PRIVATE`` (no
 copy: a write of the reader's lands in its own page, never in the writer's) and reads it
@@ -479,7 +479,7 @@ def handover_times(model_bytes: int, repeats: int) -> dict[str, float]:
     """Milliseconds (medians) for this process to make ``model_bytes`` that another process
     just rewrote in a shared-memory file its own and read them once (see the module
     docstring): a copy out of a kept mapping, a fresh private mapping, a read through a kept
-    mapping. Both ends on one thread (an idle OpenMP pool of either spins on the cores the
+    mapping, a read through a kept private mapping checked in ``/proc/self/pagemap``. Both ends on one thread (an idle OpenMP pool of either spins on the cores the
     other needs: with torch's default threads the read through a kept mapping of 8 MB took
     3.8 ms instead of 0.2 ms here)."""
     threads = torch.get_num_threads()
@@ -491,7 +491,10 @@ def handover_times(model_bytes: int, repeats: int) -> dict[str, float]:
         text=True,
     )
     try:
-        pid, fd = (int(v) for v in writer.stdout.readline().split())
+        first_line = writer.stdout.readline()
+        if not first_line:
+            raise RuntimeError(f"the hand-over writer ended at start (exit {writer.wait()})")
+        pid, fd = (int(v) for v in first_line.split())
         path = f"/proc/{pid}/fd/{fd}"
 
         def mapped(flags: int) -> mmap.mmap:
@@ -551,7 +554,8 @@ def handover_times(model_bytes: int, repeats: int) -> dict[str, float]:
             for name, call in kinds.items():
                 writer.stdin.write("update\n")
                 writer.stdin.flush()
-                writer.stdout.readline()
+                if not writer.stdout.readline():
+                    raise RuntimeError(f"the hand-over writer ended (exit {writer.wait()})")
                 start = time.perf_counter()
                 call()
                 if round_ > 0:  # the first round warms up
