@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 from silent_worker_dumps import SILENT_S, SilentWorkerDumps  # noqa: E402
-from storm_outages import split_table  # noqa: E402
+from storm_outages import percentile, split_table  # noqa: E402
 
 from tensorfleet import environment  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
@@ -405,17 +405,6 @@ def worker_term_phases(watch: Watch, task: str, at: float, until: float) -> dict
         if found:
             phases[name] = found[0] - at
     return phases
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``values``, interpolated between the nearest ranks."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    rank = q * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def step_lines_between(watch: Watch, start: float, end: float) -> int:

@@ -73,8 +73,8 @@ def split_worker_recoveries(
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``values``, interpolated between the nearest ranks (as
-    ``chaos.py`` computes its table)."""
+    """The ``q`` quantile (0..1) of ``values``, interpolated between the nearest ranks (the
+    one ``chaos.py``'s tables use too)."""
     ordered = sorted(values)
     rank = q * (len(ordered) - 1)
     low = int(rank)

@@ -15,14 +15,16 @@ the flag). The task keeps serving until every model it holds is *drained*:
 * its chief is done, or left (preempted itself, its own checkpoint written);
 
 or until ``preempt_grace_s`` has passed since the notice (a warning names the models not
-saved). A chief lost by silence is waited for within that grace: it may come back (a SIGSTOP
-ends, its warm spare takes over in about a second) and then saves. Measured reason: in the
-10-minute storm of seed 7 a ps SIGTERMed 10 s into a 15 s SIGSTOP of the chief found it
-lost 5 s later, exited without a checkpoint and lost 499 steps, though the chief was running
-again by then, well within the 10 s grace. It then ends with the outcome ``preempted``, and the process exits with status 143
+saved). It then ends with the outcome ``preempted``, and the process exits with status 143
 (128 + SIGTERM), which a launcher or cluster manager that restarts tasks treats as a kill by
 a signal: it restarts the task, and the chief restores the restarted shard from that
 checkpoint.
+
+A chief lost by silence is waited for within the grace: it may come back (a SIGSTOP ends,
+its warm spare takes over in about a second) and then saves. Measured reason: in the
+10-minute storm of seed 7 a ps SIGTERMed 10 s into a 15 s SIGSTOP of the chief found it
+lost 5 s later, exited without a checkpoint and lost 499 steps, though the chief was running
+again by then, well within the 10 s grace.
 
 The ps cannot tell who sent the SIGTERM: a cluster manager reclaiming the machine, the
 launcher stopping the whole cluster after an error (it restarts nothing then), or a user's
