@@ -12,8 +12,9 @@ The rules (each one a method of :class:`WorkerRoster`):
   back. A worker that said ``done`` is never lost.
 * **The shard's own silence is not the workers'.** Silence is counted only over time this
   shard's loop ran (:mod:`tensorfleet.silence_clock`): when
-  :meth:`WorkerRoster.check_liveness` comes :data:`STALL_S` or more after the previous check (the ps process was stopped, its VM frozen, or one request held
-  the loop that long: a big restore), the workers' heartbeats of that time wait unread in
+  :meth:`WorkerRoster.check_liveness` comes :data:`STALL_S` or more after the previous check
+  (the ps process was stopped, its VM frozen, or one request held the loop that long: a big
+  restore), the workers' heartbeats of that time wait unread in
   the socket, so silence counts from this check, not from their last request read. Otherwise
   a ps SIGSTOPped for the liveness timeout would, on SIGCONT, declare every worker whose
   queued heartbeat it had not read yet lost (and fail a sync step whose discipline is
