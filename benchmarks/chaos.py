@@ -84,6 +84,7 @@ from tensorfleet.session.checkpoints import CheckpointDirectory, read_checkpoint
 EXAMPLE = ROOT / "examples" / "mnist_cnn.py"
 STEP_LINE = re.compile(r"^Worker: (\d+), Step: (\d+)")
 ACCURACY_LINE = re.compile(r"^Test accuracy: (\d\.\d+)")
+STALE_DROP_LINE = re.compile(r"dropped (worker:\d+)'s push: .* on values (\d+) updates old")
 TASKS = ("ps:0", "worker:0", "worker:1", "worker:2")
 #: The seed of the run whose table is ``benchmarks/results/chaos.md`` (docs/reliability.md
 #: cites it); every other seed writes ``chaos_seed<N>``.
@@ -120,6 +121,8 @@ class Watch(PlainOutput):
     restarts: list[tuple[float, str, int, bool]] = field(default_factory=list)
     #: (time, task or "launcher", text) of every line, for the phases of a ps's recovery
     events: list[tuple[float, str, str]] = field(default_factory=list)
+    #: (time, worker, age) of each push a ps dropped as too old (tensorfleet.ps.gradient_age)
+    stale_drops: list[tuple[float, str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._file = self.log_path.open("w")
@@ -137,6 +140,9 @@ class Watch(PlainOutput):
                 self.steps.append((time.monotonic(), int(match.group(1)), int(match.group(2))))
         if task == "worker:0" and (match := ACCURACY_LINE.match(text)):
             self.accuracy = float(match.group(1))
+        if task.startswith("ps:") and (match := STALE_DROP_LINE.search(text)):
+            with self._watch_lock:
+                self.stale_drops.append((time.monotonic(), match.group(1), int(match.group(2))))
 
     def message(self, text: str, level: str = "info") -> None:
         super().message(text, level)
@@ -182,6 +188,7 @@ def example_command(args: argparse.Namespace, logdir: Path) -> list[str]:
         sys.executable, str(EXAMPLE), "--steps", str(args.steps), "--log-every", "1",
         "--logdir", str(logdir), "--checkpoint-steps", str(args.checkpoint_steps),
         "--progress-secs", "10", "--seed", str(args.seed),
+        *(["--max-gradient-age", args.max_gradient_age] if args.max_gradient_age else []),
     ]  # fmt: skip
 
 
@@ -473,6 +480,7 @@ def storm_run(
         stopped.pop(name, None)
 
     started = time.monotonic()
+    times["run_start"] = started
     cluster.start()
     supervisor = threading.Thread(target=supervise, daemon=True)
     supervisor.start()
@@ -641,6 +649,10 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         "faults": [asdict(f) for f in faults],
         "processes_left": left,
         "silent_worker_dumps": watch.silent_dumps,
+        "max_gradient_age": args.max_gradient_age or "auto",
+        "stale_pushes_dropped": [
+            {"at_s": t - times["run_start"], "worker": w, "age": a} for t, w, a in watch.stale_drops
+        ],
         "checks": checks,
     }
     table = [
@@ -669,6 +681,14 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         f"exit {status}; {len(left)} process(es) left"
         + (f"; not recovered: {', '.join(unrecovered)}" if unrecovered else "")
         + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
+        "",
+        f"Pushes the ps dropped as computed on values too old (max_gradient_age="
+        f"{args.max_gradient_age or 'auto'}): {len(watch.stale_drops)}"
+        + (
+            f", ages {', '.join(str(a) for _, _, a in watch.stale_drops)} updates"
+            if watch.stale_drops
+            else ""
+        ),
         "",
     ]
     phased = [f for f in faults if f.phases and f.task.startswith("ps:")]
@@ -804,6 +824,13 @@ def main() -> int:
         metavar="DIR",
         help="the ps keeps its update log in DIR (tensorfleet launch --ps-update-log): a ps "
         "SIGKILL then loses no acknowledged step (default: none, the launcher's default)",
+    )
+    parser.add_argument(
+        "--max-gradient-age",
+        default=None,
+        metavar="N|auto|off",
+        help="the example's --max-gradient-age in the disturbed and the undisturbed run "
+        "(default: the example's, auto)",
     )
     storm.add_argument(
         "--no-baseline", action="store_true", help="skip the undisturbed run (no accuracy check)"

@@ -65,6 +65,11 @@ class ClassicCNN(nn.Module):
         return self.fc2(x)
 
 
+def gradient_age(text: str) -> int | str:
+    """``--max-gradient-age``: ``auto``, ``off`` or a whole number (the session checks it)."""
+    return text if text in ("auto", "off") else int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--mode", choices=("async", "sync", "allreduce"), default="async")
     add("--replicas-to-aggregate", type=int, default=None, help="sync: gradients per step")
     add("--max-staleness", type=int, default=None, help="async: bound on the fastest's lead")
+    add(
+        "--max-gradient-age",
+        type=gradient_age,
+        default=None,
+        help="async: drop a push computed on values more than N updates old; 'auto' (the "
+        "default: 16 per worker, at least 64) or 'off'",
+    )
     add("--placement", choices=("greedy", "round_robin"), default="greedy")
     add("--log-placement", action="store_true", help="print where each variable lives")
     add("--logdir", type=Path, default=None, help="checkpoints, summaries, curves; resumes")
@@ -221,6 +233,7 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
         server, model, optimizer=tfl.optim.Adam(lr=args.lr, fused=args.fused_optimizer),
         mode=args.mode, hooks=hooks, replicas_to_aggregate=args.replicas_to_aggregate,
         max_staleness=args.max_staleness, placement=args.placement,
+        max_gradient_age=args.max_gradient_age if args.mode == "async" else None,
         log_placement=args.log_placement, timeline=args.timeline, wire_dtype=args.wire_dtype,
         values_wire_dtype=args.values_wire_dtype,
         compute=tfl.ComputeOptions(args.channels_last, args.compile, args.autocast),

@@ -289,7 +289,12 @@ def test_sync_and_async_sessions_describe_their_discipline_without_connecting() 
             ema_decay=0.9,
         ),
         TrainingSession(
-            _server(ps=2, index=1), _model(), SGD(lr=0.1), max_staleness=3, clip_grad_norm=2.0
+            _server(ps=2, index=1),
+            _model(),
+            SGD(lr=0.1),
+            max_staleness=3,
+            clip_grad_norm=2.0,
+            max_gradient_age=200,
         ),
     ]
     try:
@@ -301,6 +306,7 @@ def test_sync_and_async_sessions_describe_their_discipline_without_connecting() 
             "clip_norm": 2.0,  # clipped on the ps
             "ema_decay": 0.9,
             "lost_worker": "shrink",  # the default, in the one mode that takes it
+            "max_gradient_age": "auto",  # the default; a sync shard does not use it
         }
         assert async_ == {
             "mode": "async",
@@ -309,6 +315,7 @@ def test_sync_and_async_sessions_describe_their_discipline_without_connecting() 
             "clip_norm": None,  # clipped on each worker
             "ema_decay": None,
             "lost_worker": "shrink",
+            "max_gradient_age": 200,
         }
         assert (sessions[0].is_chief, sessions[1].is_chief) == (True, False)
         assert sessions[1].task_name == "worker:1"

@@ -22,6 +22,7 @@ def test_the_default_is_plain_async() -> None:
         "clip_norm": None,
         "ema_decay": None,
         "lost_worker": "shrink",
+        "max_gradient_age": "auto",
     }
 
 
@@ -45,6 +46,9 @@ def test_it_is_immutable() -> None:
         ({"ema_decay": 0.0}, "ema_decay must be in (0, 1), got 0.0"),
         ({"ema_decay": 1.0}, "ema_decay must be in (0, 1), got 1.0"),
         ({"ema_decay": float("nan")}, "got nan"),
+        ({"mode": "sync", "max_gradient_age": 5}, "max_gradient_age=5 needs mode 'async'"),
+        ({"max_gradient_age": 0}, "max_gradient_age must be 'auto', 'off' or a whole number"),
+        ({"max_gradient_age": "never"}, "got 'never'"),
     ],
 )
 def test_invalid_combinations_are_refused_by_name(kwargs: dict, message: str) -> None:
@@ -64,6 +68,8 @@ def test_invalid_combinations_are_refused_by_name(kwargs: dict, message: str) ->
         ("ema_decay", "0.9", "float"),
         ("mode", 1, "str"),
         ("lost_worker", 0, "str"),
+        ("max_gradient_age", 2.5, "int or str"),
+        ("max_gradient_age", True, "int or str"),
     ],
 )
 def test_a_field_of_the_wrong_type_is_refused_when_built_naming_it(
@@ -86,6 +92,8 @@ def test_a_field_of_the_wrong_type_is_refused_when_built_naming_it(
         {"mode": "sync", "replicas_to_aggregate": 1, "clip_norm": 0.5, "ema_decay": 0.99},
         {"mode": "async", "max_staleness": 0},
         {"mode": "async", "max_staleness": 3, "clip_norm": 2, "ema_decay": 0.5},
+        {"mode": "async", "max_gradient_age": "off"},
+        {"mode": "async", "max_gradient_age": 1},
     ],
 )
 def test_valid_combinations_are_accepted(kwargs: dict) -> None:
@@ -107,6 +115,7 @@ disciplines = st.one_of(
         UpdateDiscipline,
         mode=st.just("async"),
         max_staleness=st.none() | st.integers(0, 1000),
+        max_gradient_age=st.sampled_from(["auto", "off"]) | st.integers(1, 10**6),
         clip_norm=st.none() | st.floats(1e-6, 1e6),
         ema_decay=st.none() | st.floats(1e-6, 1 - 1e-6),
     ),

@@ -18,7 +18,10 @@ upcast here. Everything is checked before anything changes (never trust bytes): 
 must be two integers with ``0 <= start < stop <=`` the number of variables, the buffers one
 per dtype group, each exactly the bytes of its slice in the declared wire dtype, the push's
 wire dtype the one the worker declared; ``count_step`` only with ``last``. Anything else is
-refused with :class:`~tensorfleet.errors.ProtocolError` and the shard goes on serving.
+refused with :class:`~tensorfleet.errors.ProtocolError` and the shard goes on serving. A
+bucket whose gradient is too old (its ``based_on``, :mod:`tensorfleet.ps.gradient_age`) is
+judged like a whole push: answered ``dropped`` with the part's current values, nothing
+applied; a dropped ``last`` bucket leaves ``version`` and the global step where they are.
 
 Invariant. A worker step pushed in buckets that cover each variable once moves the shard
 exactly as the whole push would: the store steps only the part's variables (``torch.optim``
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorfleet.errors import ProtocolError, RequestRefused
+from tensorfleet.ps.gradient_age import read_based_on
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.shard_checkpoint import check_worker_data
 from tensorfleet.wire.gradient_encoding import travel_dtype
@@ -145,6 +149,9 @@ class PartialPushHandling:
                 raise ProtocolError("a data position goes with the last bucket of a step only")
             task = self._worker_of(request)  # type: ignore[attr-defined]
             self.worker_data[task] = check_worker_data(task, data)
+        if not self._young_enough(request, read_based_on(body)):  # type: ignore[attr-defined]
+            self._answer_part(request, layout.part_slices(start, stop), dropped=True)
+            return
         with self.spans.span("apply", variables=f"{start}-{stop}", task=str(body.get("task"))):
             self.store.apply(gradients, part=(start, stop), counts=last)
         self.stats["buckets"] += 1
@@ -156,9 +163,12 @@ class PartialPushHandling:
         with self.spans.span("reply", variables=f"{start}-{stop}"):
             self._answer_part(request, layout.part_slices(start, stop))
 
-    def _answer_part(self, request: Request, slices: list[tuple[int, int]]) -> None:
-        """The reply to a bucket: progress and, when asked, the part's new values."""
-        reply = {**self._progress(), "made_step": True, "dropped": False}  # type: ignore[attr-defined]
+    def _answer_part(
+        self, request: Request, slices: list[tuple[int, int]], dropped: bool = False
+    ) -> None:
+        """The reply to a bucket: progress and, when asked, the part's new values (``dropped``:
+        too old to apply, :mod:`tensorfleet.ps.gradient_age`)."""
+        reply = {**self._progress(), "made_step": not dropped, "dropped": dropped}  # type: ignore[attr-defined]
         if request.body.get("want_values") is not True:
             self.socket.reply(request, reply)
             return

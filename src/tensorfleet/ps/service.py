@@ -72,6 +72,7 @@ from tensorfleet.errors import (
 )
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.buffer_bank import BufferBank
+from tensorfleet.ps.gradient_age import GradientAge, read_based_on, resolve_limit
 from tensorfleet.ps.layout import FusedLayout, group_tensors
 from tensorfleet.ps.partial_push import PartialPushHandling
 from tensorfleet.ps.save_restore import SaveRestoreHandling
@@ -131,6 +132,8 @@ class ParameterService(
         self.discipline = UpdateDiscipline()
         self.aggregator: SyncAggregator | None = None
         self.gate: StalenessGate | None = None
+        self.gradient_age: GradientAge | None = None
+        """async: the ages of the pushes and the bound past which one is dropped."""
         self._held: list[tuple[Request, str, list[torch.Tensor]]] = []
         """async pushes held back by the staleness gate, in arrival order."""
         self.worker_data: dict[str, dict] = {}
@@ -299,6 +302,14 @@ class ParameterService(
                 raise
         # Only now: a create that is refused (a rule torch rejects) changes nothing.
         self.aggregator, self.gate = aggregator, gate
+        self.gradient_age = (
+            GradientAge(
+                resolve_limit(discipline.max_gradient_age, len(self.config.worker_tasks)),
+                shard=self.config.name,
+            )
+            if discipline.mode == "async"
+            else None
+        )
         self.checkpointing_chief = task if saves else None
         self.tables.follow(sync=aggregator is not None, gated=gate is not None)
         self.discipline = discipline
@@ -356,6 +367,7 @@ class ParameterService(
         self._require_initialized()
         body = request.body
         value_encoding.requested(body)  # a dtype it cannot answer in: refused, not applied
+        based_on = read_based_on(body)
         if body.get("part") is not None:
             self._push_part(request)
             return
@@ -366,6 +378,9 @@ class ParameterService(
         if data is not None:
             task = self._worker_of(request)
             self.worker_data[task] = check_worker_data(task, data)
+        if not self._young_enough(request, based_on):
+            self._answer_push(request, made_step=False, dropped=True)
+            return
         if self.aggregator is not None:
             self._push_sync(request, self._worker_of(request), gradients)
         elif self.gate is not None:
@@ -384,6 +399,15 @@ class ParameterService(
         self._log_push(gradients, request.body)
         self.stats["pushes"] += 1
         self._answer_push(request, made_step=True)
+
+    def _young_enough(self, request: Request, based_on: int | None) -> bool:
+        """async: whether the push's gradient is recent enough to apply (counted either way;
+        :mod:`tensorfleet.ps.gradient_age`). Checked after everything else about the push, so
+        that a push refused for its content is refused, not dropped."""
+        if self.gradient_age is None:
+            return True
+        task = "" if based_on is None else self._worker_of(request)  # named when it counts
+        return self.gradient_age.admit(self.store.version, based_on, task)
 
     def _answer_push(self, request: Request, made_step: bool, dropped: bool = False) -> None:
         extra = {"made_step": made_step, "dropped": dropped}
@@ -454,6 +478,7 @@ class ParameterService(
                 "done_workers": sorted(self.done_workers),
                 "dropped": dict(self.aggregator.dropped) if self.aggregator else {},
                 "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,
+                "gradient_age": self.gradient_age.stats() if self.gradient_age else None,
                 "mode": self.discipline.mode,
                 "lost_workers": sorted(self.lost_workers),
                 "tables": self.tables.stats(),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorfleet.errors import ConfigError, ConfigTypeError, ProtocolError
+from tensorfleet.ps.gradient_age import check_setting
 
 MODES = ("async", "sync")
 #: What a sync shard does when a worker stops sending heartbeats: go on with the live
@@ -25,6 +26,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "clip_norm": (int, float),
     "ema_decay": (float,),
     "lost_worker": (str,),
+    "max_gradient_age": (int, str),
 }
 
 
@@ -45,6 +47,10 @@ class UpdateDiscipline:
     lost_worker: str = "shrink"
     """sync: when a worker is lost (no heartbeat for the ps's liveness timeout), ``shrink``
     aggregates the live workers' gradients only; ``fail`` refuses the step naming it."""
+    max_gradient_age: int | str = "auto"
+    """async: a push whose gradient was computed on values more than this many updates
+    behind the shard is dropped (:mod:`tensorfleet.ps.gradient_age`); ``"auto"``: 16 per
+    worker, at least 64; ``"off"``: every push applied."""
 
     def __post_init__(self) -> None:
         for name, allowed in FIELD_TYPES.items():
@@ -71,6 +77,12 @@ class UpdateDiscipline:
             raise ConfigError(f"clip_norm must be > 0, got {self.clip_norm}")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+        check_setting(self.max_gradient_age)
+        if self.max_gradient_age != "auto" and self.mode != "async":
+            raise ConfigError(
+                f"max_gradient_age={self.max_gradient_age!r} needs mode 'async' (a sync step "
+                "drops the gradients of an older step already)"
+            )
         if self.lost_worker not in LOST_WORKER_POLICIES:
             raise ConfigError(
                 f"lost_worker must be one of {LOST_WORKER_POLICIES}, got {self.lost_worker!r}"
@@ -84,6 +96,7 @@ class UpdateDiscipline:
             "clip_norm": self.clip_norm,
             "ema_decay": self.ema_decay,
             "lost_worker": self.lost_worker,
+            "max_gradient_age": self.max_gradient_age,
         }
 
     @classmethod

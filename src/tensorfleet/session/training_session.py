@@ -5,7 +5,9 @@ the caller's closure, then the exchange that the mode calls for), keeps the glob
 runs the hooks, and says when to stop. One argument picks the update discipline:
 
 * ``async``: every push is applied by the parameter servers at once (optionally with
-  ``max_staleness``, the fastest worker at most that many steps ahead of the slowest);
+  ``max_staleness``, the fastest worker at most that many steps ahead of the slowest), but
+  one whose gradient was computed on values more than ``max_gradient_age`` updates old
+  (default ``"auto"``: 16 per worker, at least 64; ``"off"``: none dropped), which is dropped;
 * ``sync``: the parameter servers apply the mean of ``replicas_to_aggregate`` gradients per
   step (default: every worker); fewer than the number of workers makes the rest backups;
 * ``allreduce``: no parameter servers; the workers average gradients with torch.distributed
@@ -103,6 +105,13 @@ class TrainingSession:
     and to the embedding tables; default: ``optimizer``'s row-sparse twin (``sgd``,
     ``adagrad``; ``adam`` has none). See docs/sparse.md.
 
+    ``max_gradient_age`` (mode ``async`` only): a push whose gradient was computed on values
+    more than this many updates behind the shard (a worker that was stopped or paused while
+    the others trained) is dropped, answered with the current values, and logged by the ps;
+    ``"auto"`` (None, the default) is 16 updates per worker of the model, at least 64;
+    ``"off"`` applies every push. ``sess.cluster_stats()`` reports each shard's push ages
+    (``gradient_age``). See :mod:`tensorfleet.ps.gradient_age` and docs/reliability.md.
+
     ``lost_worker`` (mode ``sync`` only): when a worker stops sending heartbeats for the ps's
     liveness timeout, ``"shrink"`` (the default) goes on with the live workers, ``"fail"``
     stops training with an error naming it. See docs/reliability.md for what happens on each
@@ -157,6 +166,7 @@ class TrainingSession:
         hooks: Iterable[Hook] = (),
         replicas_to_aggregate: int | None = None,
         max_staleness: int | None = None,
+        max_gradient_age: int | str | None = None,
         clip_grad_norm: float | None = None,
         ema_decay: float | None = None,
         placement: str = "greedy",
@@ -189,6 +199,7 @@ class TrainingSession:
             mode=mode,
             replicas_to_aggregate=replicas_to_aggregate,
             max_staleness=max_staleness,
+            max_gradient_age=max_gradient_age,
             clip_grad_norm=clip_grad_norm,
             ema_decay=ema_decay,
             placement=placement,

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorfleet.errors import ClusterConfigError, ConfigError, ConfigTypeError
+from tensorfleet.ps.gradient_age import check_setting as check_gradient_age
 from tensorfleet.ps.model_namespace import ModelClaim, fingerprint, label, model_workers
 from tensorfleet.ps.placement import PlacementPlan, VariableSpec, plan_placement
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -50,6 +51,8 @@ class UpdateSettings:
     mode: str = "async"
     replicas_to_aggregate: int | None = None
     max_staleness: int | None = None
+    max_gradient_age: int | str | None = None
+    """Mode ``async`` only; None: ``"auto"`` there (:mod:`tensorfleet.ps.gradient_age`)."""
     clip_grad_norm: float | None = None
     ema_decay: float | None = None
     placement: str = "greedy"
@@ -120,6 +123,8 @@ def check_option_values(settings: UpdateSettings) -> None:
         0,
         "the steps the fastest worker may run ahead of the slowest; 0 is lockstep",
     )
+    if settings.max_gradient_age is not None:
+        check_gradient_age(settings.max_gradient_age)
     _check_real_number("clip_grad_norm", settings.clip_grad_norm, "1.0")
     if settings.clip_grad_norm is not None and not settings.clip_grad_norm > 0:
         raise ConfigError(
@@ -166,6 +171,7 @@ class UpdateMode:
 MODE_OPTIONS = (
     "replicas_to_aggregate",
     "max_staleness",
+    "max_gradient_age",
     "wire_dtype",
     "values_wire_dtype",
     "lost_worker",
@@ -287,6 +293,11 @@ def ps_updater(
         mode=mode,
         replicas_to_aggregate=settings.replicas_to_aggregate,
         max_staleness=settings.max_staleness,
+        max_gradient_age=(
+            settings.max_gradient_age
+            if mode == "async" and settings.max_gradient_age is not None
+            else "auto"
+        ),
         clip_norm=settings.clip_grad_norm if mode == "sync" else None,
         ema_decay=settings.ema_decay,
         lost_worker="shrink" if settings.lost_worker is None else settings.lost_worker,
@@ -389,7 +400,7 @@ register_update_mode(
     UpdateMode(
         "async",
         ps_updater,
-        options=frozenset({"max_staleness", "wire_dtype", "values_wire_dtype"}),
+        options=frozenset({"max_staleness", "max_gradient_age", "wire_dtype", "values_wire_dtype"}),
         clips_on_worker=True,
         uses_ps=True,
     )

@@ -360,6 +360,7 @@ class BucketedPush:
             "count_step": counting,
             "step": self._session_step,
             **self._client.push_fields(),
+            **self._client.based_on(shard),
         }
         if not whole:
             body.update(part=[bucket.start, bucket.stop], last=last)

@@ -107,6 +107,9 @@ class ParameterClient(ClientRecovery):
         self._last_global_step = 0
         """The global step of the last reply (a shard re-created without a checkpoint takes
         it, so the global step never goes back)."""
+        self._values_versions: list[int | None] = [None] * len(ps_addresses)
+        """Per shard, the version of the values the model last received from it (None: none
+        yet); every push names it as ``based_on`` (:mod:`tensorfleet.ps.gradient_age`)."""
         self.takeover = environment.predecessor_dead()
         """Whether the hello asks the ps to hand this process the identity at once (the
         launcher says the previous process of this task is dead)."""
@@ -388,6 +391,7 @@ class ParameterClient(ClientRecovery):
                 "task": self.task_name,
                 "step": step,
                 **self.push_fields(),
+                **self.based_on(i),
                 **({"data": data} if data is not None and i == 0 else {}),
             }
             for i in range(self.num_shards)
@@ -404,6 +408,12 @@ class ParameterClient(ClientRecovery):
             )
         self._scatter(replies, pushed=True)
         return self._progress(replies)
+
+    def based_on(self, shard: int) -> dict[str, int]:
+        """What a push to ``shard`` names of the values its gradient was computed on: their
+        version, as ``based_on`` (nothing before the model received any)."""
+        version = self._values_versions[shard]
+        return {} if version is None else {"based_on": version}
 
     def push_fields(self) -> dict[str, str]:
         """What every push names of how it travels: its gradients' and its values' dtypes."""
@@ -515,8 +525,15 @@ class ParameterClient(ClientRecovery):
         """Put the values of ``shard``'s reply (to a push when ``pushed``: in the values
         dtype asked for) into the model, once the reply is found to carry them so."""
         asked = self.values_dtype if pushed else None
-        value_encoding.check_reply(reply.body, asked, self._shards.channels[shard].peer_name)
+        peer = self._shards.channels[shard].peer_name
+        value_encoding.check_reply(reply.body, asked, peer)
+        version = reply.body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ProtocolError(
+                f"{peer}'s values came with version {version!r}, not a whole number >= 0"
+            )
         self._bound().scatter(shard, reply.buffers, part, asked)
+        self._values_versions[shard] = version
 
     def trace(self, timeline: Timeline) -> None:
         """Record this client's exchanges (pack, the sends by op, wait, unpack) in ``timeline``."""
