@@ -100,6 +100,21 @@ def test_points_at_crossings_with_averages_throughput_and_ps_stats(tmp_path: Pat
     assert [e.value for e in scalars.Scalars("global_steps_per_sec")] == [2.0, 2.25, 2.0]
 
 
+def test_async_pushes_dropped_as_too_old_are_the_most_any_shard_dropped(tmp_path: Path) -> None:
+    session = FakeSession(
+        stats=[
+            {"pushes": 9, "gradient_age": {"limit": 64, "dropped": 2}},
+            {"pushes": 9, "gradient_age": {"limit": 64, "dropped": 3}},
+        ]
+    )
+    hook = SummaryHook(tmp_path, every_n_steps=10, clock=FakeClock())
+    hook.begin(session)
+    session.global_step = 10
+    hook.after_step(session, StepResult(loss=1.0, global_step=10))
+    hook.end(session)
+    assert _values(tmp_path)[0]["stale_pushes_dropped"] == 3.0
+
+
 def test_without_ps_no_cluster_stats_and_a_resumed_start_counts_from_its_step(
     tmp_path: Path,
 ) -> None:

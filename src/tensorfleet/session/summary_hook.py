@@ -11,8 +11,11 @@ point at that global step with:
   point, i.e. the whole cluster's throughput;
 * from the parameter servers (one ``cluster_stats()`` call per point, not per step):
   ``dropped_gradients``, the sync-mode gradients that came too late, counted on ps shard 0
-  (where sync steps are decided), and ``max_staleness``, the largest staleness gap applied
-  (async mode with ``max_staleness``), over all shards. Absent without parameter servers.
+  (where sync steps are decided), ``max_staleness``, the largest staleness gap applied
+  (async mode with ``max_staleness``), over all shards, and ``stale_pushes_dropped``, the
+  async pushes dropped as computed on values too old (``max_gradient_age``,
+  :mod:`tensorfleet.ps.gradient_age`), the most any shard dropped (each shard judges its
+  part of a push). Absent without parameter servers.
 
 Crossing, not equality: other workers advance the global step too, so between two of the
 chief's steps it may jump past a multiple. ``end()`` writes a last point, so the curve
@@ -36,7 +39,15 @@ if TYPE_CHECKING:
     from tensorfleet.session.training_session import TrainingSession
 
 #: Tags the hook writes itself; ``metrics`` may not use them.
-BUILTIN_TAGS = frozenset({"loss", "global_steps_per_sec", "dropped_gradients", "max_staleness"})
+BUILTIN_TAGS = frozenset(
+    {
+        "loss",
+        "global_steps_per_sec",
+        "dropped_gradients",
+        "max_staleness",
+        "stale_pushes_dropped",
+    }
+)
 
 
 class SummaryHook(Hook):
@@ -144,6 +155,9 @@ class SummaryHook(Hook):
             ]
             if seen:
                 values["max_staleness"] = float(max(seen))
+            ages = [s["gradient_age"] for s in stats if isinstance(s.get("gradient_age"), Mapping)]
+            if ages:
+                values["stale_pushes_dropped"] = float(max(a.get("dropped", 0) for a in ages))
         self._writer.scalars(global_step, values)
         self._last_step = global_step
         self._last_time = now
