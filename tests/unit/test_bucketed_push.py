@@ -153,6 +153,13 @@ def test_buckets_pushed_during_the_backward_end_bit_for_bit_where_the_whole_push
     assert all(r.made_step for r in bucketed.results)
     assert sum(s["buckets"] for s in bucketed.stats) > sum(s["pushes"] for s in bucketed.stats)
     assert bucketed.stats[0]["pushes"] == 4  # the global step and its push count once a step
+    # Every push and every bucket named the version of the values it was computed on: with
+    # one worker and no prefetch, the newest (tensorfleet.ps.gradient_age).
+    for trained, requests in ((sequential, "pushes"), (bucketed, "buckets")):
+        for shard in trained.stats:
+            ages = shard["gradient_age"]
+            assert ages["unknown"] == 0 and ages["dropped"] == 0
+            assert ages["bins"] == {"0": shard[requests]}
 
 
 #: A sparse=True weight is updated by a row-sparse rule (lazy Adam beside the dense Adam).
@@ -247,6 +254,8 @@ def test_prefetch_leaves_the_last_reply_in_flight_and_the_model_ends_on_the_ps_v
     assert pulled["step"] == 12
     assert bits(torch.cat([v.flatten() for v in pulled["values"]])) == bits(pulled["store"])
     assert trained.results[-1].loss < trained.results[0].loss  # it trains
+    ages = trained.stats[0]["gradient_age"]  # prefetch: at most one step stale
+    assert ages["unknown"] == 0 and set(ages["bins"]) <= {"0", "1"} and ages["dropped"] == 0
     # The session's end settled the exchange: the model holds the ps's values.
     assert bits(torch.cat([p.flatten() for p in trained.params])) == bits(trained.stores[0][0])
 
