@@ -7,8 +7,10 @@ Operations (request body -> reply body [+ buffers]):
 ``create``     the chief's variables, update rule and initial values (idempotent)
 ``wait_ready`` the worker's expected variables -> held until the chief has created them
 ``pull``       -> current values (one buffer per dtype group), version, global step
-``push``       gradients (one buffer per group) -> applied at once (async); the reply carries
-               the global step and, when asked, the new values (a push+pull in one trip)
+``push``       gradients (one buffer per group) -> applied at once (async; one computed on
+               values more than ``max_gradient_age`` updates old is answered ``dropped``:
+               :mod:`tensorfleet.ps.gradient_age`); the reply carries the global step and,
+               when asked, the new values (a push+pull in one trip)
 ``done``       a worker has finished
 ``end``        the chief declares training over; pushes are answered with ``stop``
 ``wait_done``  (the chief, after ``end``) -> held until every other live worker is done
