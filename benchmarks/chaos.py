@@ -682,8 +682,9 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
         + (f"; not recovered: {', '.join(unrecovered)}" if unrecovered else "")
         + (f"; global steps lost by the ps faults: {', '.join(lost)}" if lost else ""),
         "",
-        f"Pushes the ps dropped as computed on values too old (max_gradient_age="
-        f"{args.max_gradient_age or 'auto'}): {len(watch.stale_drops)}"
+        f"Lines in which the ps said it dropped pushes computed on values too old "
+        f"(max_gradient_age={args.max_gradient_age or 'auto'}; at most one line per worker per "
+        f"10 s, so a line may stand for several buckets of one step): {len(watch.stale_drops)}"
         + (
             f", ages {', '.join(str(a) for _, _, a in watch.stale_drops)} updates"
             if watch.stale_drops

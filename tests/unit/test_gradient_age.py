@@ -92,8 +92,14 @@ def test_the_rule_drops_only_pushes_older_than_the_limit_and_counts_every_push(
         "current values (the worker stood still while the others trained: stopped, paused or "
         "cut off)"
     ]
+    assert ages.summary() == (
+        "pushes up to 4 updates old applied, 1 dropped as older (worker:1 1; max_gradient_age=4)"
+    )
     off = GradientAge(limit=None)
     assert off.admit(1000, 0, "worker:0") and off.dropped == 0
+    assert off.summary() == (
+        "pushes up to 1000 updates old applied, none dropped (max_gradient_age=off)"
+    )
 
 
 def test_the_drops_of_one_worker_are_logged_at_most_once_per_ten_seconds(

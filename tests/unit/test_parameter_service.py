@@ -927,6 +927,11 @@ def test_the_end_is_logged_with_the_global_step_only_where_the_shard_counts_it(
         "at global step 2" if owns_global_step else "after 2 pushes applied here (another shard"
     )
     assert ends and all(expected in line for line in ends), ends
+    # async: the push ages in a few words (tensorfleet.ps.gradient_age); these pushes named none
+    assert all(
+        line.endswith("; pushes up to 0 updates old applied, none dropped (max_gradient_age=64)")
+        for line in ends
+    ), ends
 
 
 def test_idle_timeout_ends_the_service_and_rejected_messages_do_not_count_as_activity(

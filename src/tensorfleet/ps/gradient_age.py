@@ -163,6 +163,18 @@ class GradientAge:
             f"; {unlogged} more of its pushes dropped since the last such line" if unlogged else "",
         )
 
+    def summary(self) -> str:
+        """The ages in a few words, for the shard's end-of-training line: the oldest push
+        applied and the drops (by worker), or that none was dropped, and the limit."""
+        limit = f"max_gradient_age={'off' if self.limit is None else self.limit}"
+        if not self.dropped:
+            return f"pushes up to {self.oldest_applied} updates old applied, none dropped ({limit})"
+        by_worker = ", ".join(f"{t} {n}" for t, n in sorted(self.dropped_by_worker.items()))
+        return (
+            f"pushes up to {self.oldest_applied} updates old applied, {self.dropped} dropped as "
+            f"older ({by_worker}; {limit})"
+        )
+
     def stats(self) -> dict[str, object]:
         """What ``stats`` reports: the limit, the bins in increasing age, the unknown, the
         oldest applied, the drops in all and by worker."""

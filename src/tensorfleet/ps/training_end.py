@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from tensorfleet.ps.gradient_age import GradientAge
     from tensorfleet.ps.service_settings import ServiceConfig
     from tensorfleet.ps.staleness_gate import StalenessGate
     from tensorfleet.ps.sync_aggregator import SyncAggregator
@@ -74,6 +75,7 @@ class TrainingEndHandling:
     roster: WorkerRoster
     aggregator: SyncAggregator | None
     gate: StalenessGate | None
+    gradient_age: GradientAge | None
     global_step: int
     owns_global_step: bool
     stats: Counter[str]
@@ -170,8 +172,9 @@ class TrainingEndHandling:
         if self.end_declared_at is None:
             self.end_declared_at = time.monotonic()
             log.info(
-                "%s: the chief declared training over %s",
+                "%s: the chief declared training over %s%s",
                 self.config.name,
                 self.where_training_is(),
+                "" if self.gradient_age is None else f"; {self.gradient_age.summary()}",
             )
         self.socket.reply(request, {"grace_s": self.config.end_grace_s})
