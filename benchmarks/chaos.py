@@ -503,7 +503,11 @@ def storm_run(
             if not supervisor.is_alive():
                 break
             if watch.training_over(args.steps):
-                print("chaos: training is over before the storm; pass more --steps", flush=True)
+                print(
+                    f"chaos: training is over {time.monotonic() - times['storm_start']:.0f} s "
+                    f"into the {args.duration:g} s storm; pass more --steps",
+                    flush=True,
+                )
                 break
             running = [
                 t.name
