@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorfleet.errors import ProtocolError, RequestRefused
-from tensorfleet.ps.gradient_age import read_based_on
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.shard_checkpoint import check_worker_data
 from tensorfleet.wire.gradient_encoding import travel_dtype
@@ -120,8 +119,9 @@ class PartialPushHandling:
     spans: SpanRecorder
     gradient_decoder: GradientDecoder
 
-    def _push_part(self, request: Request) -> None:
-        """Apply a bucket of a worker's step and answer with its new values."""
+    def _push_part(self, request: Request, based_on: int | None) -> None:
+        """Apply a bucket of a worker's step and answer with its new values (``based_on``: the
+        version its gradient was computed on, read and checked by the service's ``_push``)."""
         body = request.body
         if self.aggregator is not None or self.gate is not None:
             mode = "sync" if self.aggregator is not None else "async with max_staleness"
@@ -149,7 +149,7 @@ class PartialPushHandling:
                 raise ProtocolError("a data position goes with the last bucket of a step only")
             task = self._worker_of(request)  # type: ignore[attr-defined]
             self.worker_data[task] = check_worker_data(task, data)
-        if not self._young_enough(request, read_based_on(body)):  # type: ignore[attr-defined]
+        if not self._young_enough(request, based_on):  # type: ignore[attr-defined]
             self._answer_part(request, layout.part_slices(start, stop), dropped=True)
             return
         with self.spans.span("apply", variables=f"{start}-{stop}", task=str(body.get("task"))):

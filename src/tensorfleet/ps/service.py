@@ -371,7 +371,7 @@ class ParameterService(
         value_encoding.requested(body)  # a dtype it cannot answer in: refused, not applied
         based_on = read_based_on(body)
         if body.get("part") is not None:
-            self._push_part(request)
+            self._push_part(request, based_on)
             return
         gradients = self.gradient_decoder.decode(
             self.store.layout.groups, body.get("task"), body.get("gradient_dtype"), request.buffers

@@ -18,8 +18,8 @@ nothing (a push dropped). So silence is counted only over time this thread was r
 (:mod:`tensorfleet.silence_clock`): when it has not run for :data:`STALL_S` (its last round
 is that old), :meth:`Heartbeat.trouble` blames no shard, and after such a stall silence is
 counted from the moment the thread ran again. Measured reason: in a 10-minute fault storm, a
-worker SIGCONTed after a 15 s SIGSTOP gave up its push at once with "ps:0 has not answered a heartbeat for 16 s" while the ps had
-been running all along.
+worker SIGCONTed after a 15 s SIGSTOP gave up its push at once with "ps:0 has not answered a
+heartbeat for 16 s" while the ps had been running all along.
 """
 
 from __future__ import annotations
