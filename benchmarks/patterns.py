@@ -3,10 +3,13 @@
 * sweep throughput: the same trials (fixed work each) with ``--slots`` slots vs one slot
   (one after another), in trials per minute;
 * a search of short trials (``--search-trials`` TPE trials of ``--search-steps`` steps, about
-  1 s each) three ways in one run: an Optuna loop by hand in this process (the baseline),
-  ``tensorfleet sweep`` (:func:`run_sweep`, the function the command calls) with 1 slot and
-  with 2 slots; trials/min and their ratios to the hand loop, and each sweep's wall time
-  against the ideal (trials x the hand loop's mean trial time / slots);
+  1 s each) five ways in one run: an Optuna loop by hand in this process (the baseline, its
+  imports done before its clock), ``tensorfleet sweep`` (:func:`run_sweep`, the function the
+  command calls) with 1 slot and with 2 slots, each starting its executor (as a command
+  does), and the same two after ``preload()`` (the executor forked from the program's
+  preloaded interpreter, whose imports were done before the clock, as the hand loop's);
+  trials/min and their ratios to the hand loop, and each sweep's wall time against the
+  ideal (trials x the hand loop's mean trial time / slots);
 * actor/learner: CartPole samples per second with ``--actors`` actor processes and one
   learner vs one process that plays and learns in turn (the same PPO, the same steps);
 * broadcast: seconds from ``WeightPublisher.publish()`` of a ``--broadcast-mb`` model until
@@ -42,6 +45,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 
 from tensorfleet.patterns.broadcast import WeightPublisher, free_address  # noqa: E402
+from tensorfleet.patterns.preloaded_interpreter import preload, release_preloaded  # noqa: E402
 from tensorfleet.patterns.sweep import run_sweep  # noqa: E402
 from tensorfleet.patterns.sweep_config import SweepConfig  # noqa: E402
 from tensorfleet.patterns.sweep_report import PlainProgress  # noqa: E402
@@ -200,19 +204,27 @@ def search_row(trials: int, steps: int, repeats: int = 1, seed: int = 0) -> dict
         "hand_loop": lambda: hand_loop(trials, steps, seed),
         "one_slot": lambda: sweep_search(trials, steps, seed, 1),
         "two_slots": lambda: sweep_search(trials, steps, seed, 2),
+        "one_slot_preloaded": lambda: sweep_search(trials, steps, seed, 1),
+        "two_slots_preloaded": lambda: sweep_search(trials, steps, seed, 2),
     }
     runs: dict[str, list[dict]] = {name: [] for name in ways}
     imports = [fresh_import_s()]
     for round_ in range(repeats):
         for name in list(ways) if round_ % 2 == 0 else list(ways)[::-1]:
+            if name.endswith("_preloaded"):
+                # started, and its imports done, before the clock: as the hand loop's
+                preload(wait=True)
+            else:
+                release_preloaded()  # each sweep starts its executor, as a command does
             runs[name].append(ways[name]())
+        release_preloaded()
         imports.append(fresh_import_s())
     medians = {
         name: {key: statistics.median(run[key] for run in done) for key in done[0]}
         for name, done in runs.items()
     }
     hand = medians["hand_loop"]
-    for name in ("one_slot", "two_slots"):
+    for name in ("one_slot", "two_slots", "one_slot_preloaded", "two_slots_preloaded"):
         run = medians[name]
         run["ratio_to_hand_loop"] = run["trials_per_min"] / hand["trials_per_min"]
         run["between_ratio_to_hand_loop"] = run["between_trials_per_min"] / hand["trials_per_min"]
@@ -415,8 +427,14 @@ def main() -> int:
         search = result["search"] = search_row(
             args.search_trials, args.search_steps, args.search_repeats
         )
-        hand, one, two = search["hand_loop"], search["one_slot"], search["two_slots"]
-        for run, name in ((one, "1 slot"), (two, "2 slots")):
+        hand = search["hand_loop"]
+        for key, name in (
+            ("one_slot", "1 slot"),
+            ("two_slots", "2 slots"),
+            ("one_slot_preloaded", "1 slot, after preload()"),
+            ("two_slots_preloaded", "2 slots, after preload()"),
+        ):
+            run = search[key]
             table.append(
                 f"| search, {search['trials']} TPE trials of {hand['mean_trial_s']:.2f} s, "
                 f"median of {search['repeats']} "
@@ -434,7 +452,9 @@ def main() -> int:
             f"\n(a fresh interpreter importing torch, torch._dynamo, optuna and tensorfleet took "
             f"{search['fresh_import_s']:.1f} s in this run: what a hand-written loop started as a "
             "script pays once, and each sweep executor once; the hand loop above ran in a warm "
-            "process)"
+            "process, its imports done before its clock started; the sweeps 'after preload()' "
+            "forked their executors from the preloaded interpreter, started and ready before "
+            "their clock)"
         )
     if "actor_learner" in rows:
         table.append(actor_learner_row(args, result))

@@ -57,3 +57,24 @@ def test_the_cross_validation_example_runs(tmp_path):
     document = json.loads((tmp_path / "cv" / "cross_validation.json").read_text())
     assert document["metric"] == "accuracy" and len(document["folds"]) == 3, document
     assert (tmp_path / "cv" / "trials" / "0001" / "validation_indices.safetensors").exists()
+
+
+def test_the_two_sweeps_example_forks_both_executors_from_the_preloaded_interpreter(tmp_path):
+    out = run_example(
+        "sweeps_in_one_program.py", "--steps", "60", "--trials", "3", "--dir", str(tmp_path / "s")
+    )
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("coarse search: best lr "), out
+    assert lines[1].startswith("fine grid: best lr "), out
+    assert all(
+        line.endswith("executor forked from the preloaded interpreter: True)") for line in lines
+    ), out
+    assert len(list((tmp_path / "s" / "fine" / "trials").iterdir())) == 5, out
+
+
+def test_the_two_sweeps_example_without_preload_starts_each_executor(tmp_path):
+    out = run_example(
+        "sweeps_in_one_program.py",
+        *("--steps", "60", "--trials", "2", "--no-preload", "--dir", str(tmp_path / "s")),
+    )
+    assert out.count("executor forked from the preloaded interpreter: False)") == 2, out

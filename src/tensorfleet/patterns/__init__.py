@@ -11,7 +11,9 @@
 * :mod:`~tensorfleet.patterns.actor_learner`: actors produce samples into a learner's
   bounded queue and follow its weights;
 * :mod:`~tensorfleet.patterns.pbt`: population-based training, the members in their own
-  namespaces on one ps task, the worst copying the best on the ps (``tensorfleet pbt CONFIG``).
+  namespaces on one ps task, the worst copying the best on the ps (``tensorfleet pbt CONFIG``);
+* :mod:`~tensorfleet.patterns.preloaded_interpreter`: ``preload()``, one interpreter that
+  imported torch once and forks the executor of every later sweep of the program.
 
 The layer sits above ``session`` (it composes training sessions and the wire) and below
 ``launch`` (whose CLI registers ``tensorfleet sweep``); see docs/patterns.md.

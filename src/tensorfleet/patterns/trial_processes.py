@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tensorfleet.patterns.preloaded_interpreter import current_preloaded
 from tensorfleet.patterns.search import PlannedTrial
 from tensorfleet.patterns.search_space import SweepConfigError
 from tensorfleet.patterns.sweep_config import SweepConfig
@@ -57,6 +58,9 @@ class TrialProcesses:
         self._shared = shared_executor_possible()
         self._executors: dict[int, WarmExecutor] = {}
         self._check: subprocess.Popen[str] | None = None  # the entry's check, under way
+        #: How many of this sweep's executors were forked from the preloaded interpreter.
+        self.executors_forked_from_preloaded = 0
+        self._preloaded_note_said = False
         self._warm = (
             config.entry is not None and config.workers_per_trial == 1 and config.executor == "warm"
         )
@@ -128,8 +132,22 @@ class TrialProcesses:
         return notes
 
     def _new_executor(self) -> WarmExecutor:
+        """A new executor: forked from the program's preloaded interpreter when one runs and
+        can serve this sweep (:func:`~tensorfleet.patterns.preloaded_interpreter.preload`),
+        else a fresh interpreter; why not, said once, when one runs and cannot."""
         assert self.config.entry is not None
-        return WarmExecutor(self.config.entry, self.config.metric, self.env())
+        executor = WarmExecutor(
+            self.config.entry, self.config.metric, self.env(), preloaded=current_preloaded()
+        )
+        if executor.forked_from_preloaded and not self.executors_forked_from_preloaded:
+            self.progress.message(
+                f"executor forked from the preloaded interpreter (pid {executor.process.pid})"
+            )
+        self.executors_forked_from_preloaded += executor.forked_from_preloaded
+        if executor.preloaded_note is not None and not self._preloaded_note_said:
+            self.progress.message(executor.preloaded_note)
+            self._preloaded_note_said = True
+        return executor
 
     def _slots_of(self, slot: int) -> list[int]:
         """The slots served by ``slot``'s executor (every slot when it is shared)."""

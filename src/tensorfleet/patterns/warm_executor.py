@@ -90,6 +90,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from tensorfleet.patterns.preloaded_interpreter import (
+    READY_TIMEOUT_S,
+    ForkedExecutorProcess,
+    PreloadedInterpreter,
+    environment_difference,
+)
+
 _PR_SET_PDEATHSIG = 1
 #: Imported by every executor before the entry's module, so that no trial pays for them.
 #: ``torch._dynamo`` (with sympy and about 800 other modules) is what torch's optimizers
@@ -178,17 +185,32 @@ def start_process_trial(
 class WarmExecutor:
     """A preloaded executor (serving every slot, or one), seen from the sweep."""
 
-    def __init__(self, entry: str, metric: str, env: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        entry: str,
+        metric: str,
+        env: Mapping[str, str],
+        preloaded: PreloadedInterpreter | None = None,
+    ) -> None:
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tensorfleet.patterns.warm_executor", entry, metric],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=dict(env),
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
+        #: Forked from the program's preloaded interpreter (``preloaded``), or why not.
+        self.forked_from_preloaded = False
+        self.preloaded_note: str | None = None
+        process: subprocess.Popen[bytes] | ForkedExecutorProcess | None = None
+        if preloaded is not None:
+            process, self.preloaded_note = _fork_from(preloaded, entry, metric, env, self._stderr)
+            self.forked_from_preloaded = process is not None
+        if process is None:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tensorfleet.patterns.warm_executor", entry, metric],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=dict(env),
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGKILL),
+            )
+        self.process = process
         assert self.process.stdout is not None and self.process.stdin is not None
         os.set_blocking(self.process.stdout.fileno(), False)
         self._buffer = b""
@@ -369,6 +391,40 @@ class WarmTrial:
         return None if self.executor.dead else self.executor.fileno()
 
 
+def _fork_from(
+    preloaded: PreloadedInterpreter,
+    entry: str,
+    metric: str,
+    env: Mapping[str, str],
+    stderr: IO[bytes],
+) -> tuple[ForkedExecutorProcess | None, str | None]:
+    """An executor forked from ``preloaded``, or None and why it could not be (then the
+    caller starts a fresh one)."""
+    differ = environment_difference(preloaded.env, env)
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        return None, (
+            f"the preloaded interpreter was started with other values of {shown} than this "
+            "sweep's trials have (see preload(env=...)); this sweep's executor imports torch itself"
+        )
+    if not preloaded.wait_ready(READY_TIMEOUT_S):
+        return None, f"{preloaded.describe_death()}; this sweep's executor imports torch itself"
+    commands_read, commands_write = os.pipe()
+    events_read, events_write = os.pipe()
+    pid, why = preloaded.fork_executor(
+        entry, metric, env, (commands_read, events_write, stderr.fileno())
+    )
+    os.close(commands_read)
+    os.close(events_write)
+    if pid is None:
+        os.close(commands_write)
+        os.close(events_read)
+        return None, f"{why}; this sweep's executor imports torch itself"
+    stdin = os.fdopen(commands_write, "wb")
+    stdout = os.fdopen(events_read, "rb")
+    return ForkedExecutorProcess(preloaded, pid, stdin, stdout), None
+
+
 def shared_executor_possible() -> bool:
     """Whether one executor can serve every slot: it waits for several trials at once
     through their pidfds (``os.pidfd_open``: Linux 5.3 and later, Python 3.9 and later)."""
@@ -405,7 +461,10 @@ def _threads() -> set[str]:
         return {"unknown"}
 
 
-def _serve(entry: str, metric: str) -> int:
+def serve(entry: str, metric: str) -> int:
+    """Be the executor of ``entry`` (a fresh interpreter's, or one forked from the preloaded
+    interpreter, where the imports below are already done): say ready, then fork the trials
+    the sweep sends until it closes the channel and they have ended."""
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     commands = os.dup(0)  # read whole chunks (os.read), never through a buffer select misses
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -587,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return _serve(*args)
+    return serve(*args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,16 @@ IMPORTED_BY = os.getpid()
 STATE = {"touched_by": None}
 
 
+def _parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (the executor's: the sweep, or the preloaded
+    interpreter that forked it), from /proc; None when it is gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])
+
+
 def where(trial: Trial) -> float:
     """Record the trial's pid, its parent, the importing process; misbehave on request."""
     seen = dict(STATE)
@@ -25,6 +35,10 @@ def where(trial: Trial) -> float:
         "imported_by": IMPORTED_BY,
         "state_seen": seen["touched_by"],
         "slot": os.environ.get("TENSORFLEET_TRIAL_SLOT"),
+        "executor_parent": _parent_of(os.getppid()),
+        "flag": os.environ.get("TENSORFLEET_TEST_FLAG"),
+        "runtime_flag": os.environ.get("SWEEP_RUNTIME_FLAG"),
+        "cwd": os.getcwd(),
     }
     (trial.directory / "where.json").write_text(json.dumps(record))
     mode = trial.params["mode"]
