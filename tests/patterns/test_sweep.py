@@ -272,9 +272,11 @@ def test_an_optuna_sweep_with_a_median_pruner_prunes_and_resumes_from_its_study(
     assert all(r.step is not None and r.step < 14 for r in pruned), "a pruned trial stops early"
     import optuna
 
-    study = optuna.load_study(
-        study_name="sweep", storage=f"sqlite:///{tmp_path / 'sweep' / 'study.db'}"
-    )
+    from tensorfleet.patterns.study_storage import open_study_storage
+
+    storage, _ = open_study_storage(optuna, tmp_path / "sweep")
+    study = optuna.load_study(study_name="sweep", storage=storage)
+    assert (tmp_path / "sweep" / "study.journal").exists(), "a new sweep keeps a journal"
     assert len(study.trials) == 6
     assert sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials) == len(pruned)
     # Running the finished sweep again starts nothing.

@@ -10,6 +10,7 @@ import pytest
 
 from tensorfleet.patterns.search import COMPLETE, OptunaSearch, resumed_sampler_seed
 from tensorfleet.patterns.search_space import SweepConfigError, grid_summary, parse_space
+from tensorfleet.patterns.study_storage import open_study_storage
 from tensorfleet.patterns.sweep_config import SweepConfig, load_config
 from tensorfleet.patterns.sweep_report import PlainProgress, TrialRecord, why_no_plot
 
@@ -55,7 +56,8 @@ def test_a_resumed_optuna_study_runs_no_configuration_twice(tmp_path, sampler):
     assert [_key(t.params) for t in started[:2]] == [_key(t.params) for t in planned[2:]], (
         "the interrupted configurations run again first"
     )
-    study = optuna.load_study(study_name="sweep", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    storage, _ = open_study_storage(optuna, tmp_path)
+    study = optuna.load_study(study_name="sweep", storage=storage)
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 6
     keys = [_key(t.params) for t in complete]

@@ -6,8 +6,9 @@ values (an Optuna pruner may answer "stop it") and their end, and knows how to r
 * grid and random: trial ``n``'s configuration is a pure function of the config (the n-th
   grid point; random draws seeded by ``(seed, n)``), so a resumed sweep reruns exactly the
   numbers that have no recorded result and nothing else;
-* optuna: the study lives in Optuna's SQLite storage in the sweep directory
-  (``study.db``, ``load_if_exists``); trials the killed sweep left RUNNING are marked FAIL
+* optuna: the study lives in the sweep directory (Optuna's journal, ``study.journal``, or
+  the SQLite ``study.db`` of a sweep begun before it: :mod:`~tensorfleet.patterns.study_storage`
+  says why; ``load_if_exists``); trials the killed sweep left RUNNING are marked FAIL
   (tagged ``interrupted``, not counted) and their configurations enqueued again, so each is
   rerun once and no finished trial runs twice. A resumed study's sampler is seeded with
   :func:`resumed_sampler_seed` (``seed`` mixed with the number of trials the study already
@@ -15,9 +16,9 @@ values (an Optuna pruner may answer "stop it") and their end, and knows how to r
   run the finished configurations again. A fresh study uses ``seed`` as given, so a fresh run
   is reproducible.
 
-Why SQLite is enough here: one sweep process writes the study (trials are processes that
-report through files), so none of SQLite's multi-writer locking problems arise; a second
-sweep on the same directory is refused by the sweep's lock.
+One sweep process writes the study (trials are processes that report through files), so
+no multi-writer locking is needed: a second sweep on the same directory is refused by the
+sweep's lock.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tensorfleet.patterns.search_space import SweepConfigError, grid, random_configuration
+from tensorfleet.patterns.study_storage import close_study_storage, open_study_storage
 from tensorfleet.patterns.sweep_config import PRUNER_CLASSES, SweepConfig
 
 COMPLETE, PRUNED, FAILED = "complete", "pruned", "failed"
@@ -105,7 +107,8 @@ class IndexedSearch:
 
 
 class OptunaSearch:
-    """Optuna's samplers and pruners over a study kept in ``directory/study.db``."""
+    """Optuna's samplers and pruners over the study kept in the sweep directory
+    (:mod:`~tensorfleet.patterns.study_storage`)."""
 
     def __init__(self, config: SweepConfig, directory: Path) -> None:
         try:
@@ -118,7 +121,8 @@ class OptunaSearch:
         self._optuna = optuna
         self._config = config
         self.prunes = config.pruner != "none"
-        storage = self._storage = study_storage(optuna, directory / "study.db")
+        storage, self.storage_note = open_study_storage(optuna, directory)
+        self._storage = storage
         try:
             held = len(
                 storage.get_all_trials(storage.get_study_id_from_name(config.name), deepcopy=False)
@@ -198,29 +202,7 @@ class OptunaSearch:
             self._study.tell(trial.handle, state=states.FAIL)
 
     def close(self) -> None:
-        self._storage.engine.dispose()
-
-
-def study_storage(optuna: Any, path: Path) -> Any:
-    """Optuna's SQLite storage at ``path``, in write-ahead-log mode with ``synchronous=NORMAL``.
-
-    Why: the study commits a dozen times per trial (ask, parameters, intermediate values,
-    tell), and SQLite's default (a rollback journal synced at every commit) took about 7 ms a
-    commit on this project's loaded 2-core machine: about 0.1 s per trial, a third of a short
-    trial's time. In WAL mode with NORMAL a commit is an append to the log, synced at
-    checkpoints: a killed sweep (SIGKILL, the case resuming is for) loses nothing committed;
-    only a power loss or an OS crash may lose the last commits, which a resume then treats
-    as trials that did not finish (they run again).
-    """
-    import sqlite3
-
-    def connect() -> sqlite3.Connection:
-        connection = sqlite3.connect(str(path), check_same_thread=False)
-        connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute("PRAGMA synchronous=NORMAL")
-        return connection
-
-    return optuna.storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"creator": connect})
+        close_study_storage(self._storage)
 
 
 def resumed_sampler_seed(seed: int, trials_held: int) -> int:
