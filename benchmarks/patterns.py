@@ -9,7 +9,8 @@
   does), and the same two after ``preload()`` (the executor forked from the program's
   preloaded interpreter, whose imports were done before the clock, as the hand loop's);
   trials/min and their ratios to the hand loop, and each sweep's wall time against the
-  ideal (trials x the hand loop's mean trial time / slots);
+  ideal (trials x the hand loop's mean trial time / slots); and what 2 slots can get on the
+  machine: two copies of the hand loop side by side, in processes of their own;
 * actor/learner: CartPole samples per second with ``--actors`` actor processes and one
   learner vs one process that plays and learns in turn (the same PPO, the same steps);
 * broadcast: seconds from ``WeightPublisher.publish()`` of a ``--broadcast-mb`` model until
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import json
 import math
 import os
 import resource
@@ -129,6 +131,72 @@ def hand_loop(trials: int, steps: int, seed: int) -> dict:
     }
 
 
+_SIDE_BY_SIDE_CHILD = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, {benchmarks!r})
+import patterns, optuna, torch._dynamo  # noqa: E401 (the imports, before the clock)
+sys.path.insert(0, {programs!r})
+import fixed_trial  # noqa: F401
+print("ready", flush=True)
+go = Path({go!r})
+deadline = time.monotonic() + 300
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.005)
+print(json.dumps(patterns.hand_loop({trials}, {steps}, {seed})), flush=True)
+"""
+
+
+def hand_loops_side_by_side(trials: int, steps: int, seed: int, processes: int = 2) -> dict:
+    """What the machine gives two slots: ``processes`` copies of the hand loop, each in a
+    process of its own with its imports done, started at the same moment; their trials
+    together per minute of the slowest one's wall time. The sweep with 2 slots cannot beat
+    it (it runs the same trials side by side, plus its own work)."""
+    with tempfile.TemporaryDirectory() as directory:
+        go = Path(directory) / "go"
+        code = _SIDE_BY_SIDE_CHILD.format(
+            benchmarks=str(ROOT / "benchmarks"),
+            programs=str(ROOT / "benchmarks" / "programs"),
+            go=str(go),
+            trials=trials,
+            steps=steps,
+            seed=seed,
+        )
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+            )
+            for _ in range(processes)
+        ]
+        try:
+            for child in children:
+                assert child.stdout is not None
+                line = child.stdout.readline()
+                if line.strip() != "ready":
+                    raise RuntimeError(f"a side-by-side hand loop did not start: {line!r}")
+            started = time.monotonic()
+            go.touch()
+            results = []
+            for child in children:  # each prints its result when its last trial ended
+                assert child.stdout is not None
+                results.append(json.loads(child.stdout.readline()))
+            wall = time.monotonic() - started
+            for child in children:  # their exits (torch's teardown) are not on the clock
+                child.wait(timeout=600)
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+    return {
+        "processes": processes,
+        "wall_s": wall,
+        "trials_per_min": processes * trials / wall * 60,
+        "mean_trial_s": statistics.fmean(r["mean_trial_s"] for r in results),
+    }
+
+
 def sweep_search(trials: int, steps: int, seed: int, slots: int) -> dict:
     """The same search through ``tensorfleet sweep`` (its function, in this process)."""
     config = SweepConfig(
@@ -206,6 +274,7 @@ def search_row(trials: int, steps: int, repeats: int = 1, seed: int = 0) -> dict
         "two_slots": lambda: sweep_search(trials, steps, seed, 2),
         "one_slot_preloaded": lambda: sweep_search(trials, steps, seed, 1),
         "two_slots_preloaded": lambda: sweep_search(trials, steps, seed, 2),
+        "two_hand_loops": lambda: hand_loops_side_by_side(trials, steps, seed, 2),
     }
     runs: dict[str, list[dict]] = {name: [] for name in ways}
     imports = [fresh_import_s()]
@@ -230,6 +299,8 @@ def search_row(trials: int, steps: int, repeats: int = 1, seed: int = 0) -> dict
         run["between_ratio_to_hand_loop"] = run["between_trials_per_min"] / hand["trials_per_min"]
         run["ideal_wall_s"] = trials * hand["mean_trial_s"] / run["slots"]
         run["wall_to_ideal"] = run["wall_s"] / run["ideal_wall_s"]
+    two = medians["two_hand_loops"]
+    two["ratio_to_hand_loop"] = two["trials_per_min"] / hand["trials_per_min"]
     return {
         "trials": trials,
         "steps": steps,
@@ -448,6 +519,13 @@ def main() -> int:
                 f"{hand['overhead_cpu_per_trial_s'] * 1000:.0f} ms) | "
                 f"{run['ratio_to_hand_loop']:.2f}x |"
             )
+        two = search["two_hand_loops"]
+        table.append(
+            f"| what 2 slots can get on this machine: two hand loops side by side, each in its "
+            f"own process (trials/min together; a trial took {two['mean_trial_s']:.2f} s) | "
+            f"Optuna loop by hand: {hand['trials_per_min']:.1f} | two of them: "
+            f"{two['trials_per_min']:.1f} | {two['ratio_to_hand_loop']:.2f}x |"
+        )
         table.append(
             f"\n(a fresh interpreter importing torch, torch._dynamo, optuna and tensorfleet took "
             f"{search['fresh_import_s']:.1f} s in this run: what a hand-written loop started as a "

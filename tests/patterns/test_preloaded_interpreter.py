@@ -138,8 +138,15 @@ def test_a_killed_preloaded_interpreter_costs_only_the_warm_start(tmp_path, prel
     preloaded.process.wait(timeout=30)
     result, log = sweep(tmp_path / "s", ["ok", "ok"])
     assert [r.state for r in result.records] == ["complete"] * 2, log
-    assert current_preloaded() is None
+    assert (
+        f"sweep: the preloaded interpreter (pid {pid}) was killed by SIGKILL; this sweep's "
+        "executor imports torch itself" in log
+    ), log
+    assert current_preloaded() is None, "a dead interpreter is said once, then forgotten"
     assert where(tmp_path / "s", 0)["executor_parent"] == os.getpid(), log
+    result, log = sweep(tmp_path / "t", ["ok"])
+    assert result.records[0].state == "complete", log
+    assert "sweep: the preloaded interpreter" not in log, log
 
 
 def test_a_killed_forked_executor_costs_its_trial_and_is_forked_again(tmp_path, preloaded):

@@ -397,11 +397,20 @@ def release_preloaded() -> None:
 
 
 def current_preloaded() -> PreloadedInterpreter | None:
-    """The program's preloaded interpreter while it is alive, else None."""
+    """The program's preloaded interpreter (None when :func:`preload` was not called, or the
+    interpreter was released, or its death was already reported by :func:`forget`). A dead
+    one is still returned once, so that the sweep that finds it dead says so."""
     with _current_lock:
-        if _current is not None and not _current.alive():
-            return None
         return _current
+
+
+def forget(interpreter: PreloadedInterpreter) -> None:
+    """Drop ``interpreter`` (found dead, and said so) as the program's preloaded one."""
+    global _current
+    with _current_lock:
+        if _current is interpreter:
+            _current.close()
+            _current = None
 
 
 def _trial_environment(extra: Mapping[str, str] | None) -> dict[str, str]:
@@ -481,9 +490,10 @@ def _serve(channel: socket.socket) -> int:
         import gc
 
         gc.freeze()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _executor_child(request, fds, close=(channel.fileno(), *children))
+            _executor_child(request, fds, parent, close=(channel.fileno(), *children))
         for fd in fds:
             os.close(fd)
         say({"event": "forked", "pid": pid})
@@ -512,12 +522,16 @@ def _parse_fork_request(data: bytes, fds: list[int]) -> dict[str, Any] | str:
     return request
 
 
-def _executor_child(request: Mapping[str, Any], fds: list[int], close: tuple[int, ...]) -> None:
+def _executor_child(
+    request: Mapping[str, Any], fds: list[int], parent: int, close: tuple[int, ...]
+) -> None:
     """The forked executor: never returns (``os._exit`` with the executor's status)."""
     code = 1
     try:
         os.setsid()
         _die_with_parent()
+        if os.getppid() != parent:  # the interpreter died before the line above
+            os._exit(128 + int(signal.SIGKILL))
         for fd in close:
             os.close(fd)
         for target, fd in enumerate(fds):

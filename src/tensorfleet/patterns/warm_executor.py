@@ -95,6 +95,7 @@ from tensorfleet.patterns.preloaded_interpreter import (
     ForkedExecutorProcess,
     PreloadedInterpreter,
     environment_difference,
+    forget,
 )
 
 _PR_SET_PDEATHSIG = 1
@@ -408,7 +409,15 @@ def _fork_from(
             "sweep's trials have (see preload(env=...)); this sweep's executor imports torch itself"
         )
     if not preloaded.wait_ready(READY_TIMEOUT_S):
-        return None, f"{preloaded.describe_death()}; this sweep's executor imports torch itself"
+        if preloaded.alive():
+            why = (
+                f"the preloaded interpreter (pid {preloaded.process.pid}) has not finished "
+                f"importing torch in {READY_TIMEOUT_S:.0f} s"
+            )
+        else:
+            why = preloaded.describe_death()
+            forget(preloaded)  # said once; later sweeps start their executors quietly
+        return None, f"{why}; this sweep's executor imports torch itself"
     commands_read, commands_write = os.pipe()
     events_read, events_write = os.pipe()
     pid, why = preloaded.fork_executor(
@@ -419,6 +428,8 @@ def _fork_from(
     if pid is None:
         os.close(commands_write)
         os.close(events_read)
+        if not preloaded.alive():
+            forget(preloaded)  # its death is said now, once
         return None, f"{why}; this sweep's executor imports torch itself"
     stdin = os.fdopen(commands_write, "wb")
     stdout = os.fdopen(events_read, "rb")
