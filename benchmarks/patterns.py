@@ -11,6 +11,9 @@
   trials/min and their ratios to the hand loop, and each sweep's wall time against the
   ideal (trials x the hand loop's mean trial time / slots); and what 2 slots can get on the
   machine: two copies of the hand loop side by side, in processes of their own;
+* the same search as commands (``--only commands``), each from its start to its exit as a
+  user at a shell sees it: a hand-written Optuna script (``python -c``, paying its imports)
+  against ``tensorfleet sweep config.json`` with 1 and with 2 slots;
 * actor/learner: CartPole samples per second with ``--actors`` actor processes and one
   learner vs one process that plays and learns in turn (the same PPO, the same steps);
 * broadcast: seconds from ``WeightPublisher.publish()`` of a ``--broadcast-mb`` model until
@@ -21,6 +24,8 @@
     .venv/bin/python benchmarks/patterns.py --trials 8 --slots 2 --steps 400 --al-steps 30000
     .venv/bin/python benchmarks/patterns.py --only search --search-trials 20 --search-steps 1800 \
         --search-repeats 2
+    .venv/bin/python benchmarks/patterns.py --only commands --search-trials 20 --search-steps 1800 \
+        --search-repeats 3
     .venv/bin/python benchmarks/patterns.py --only broadcast --broadcast-mb 100 --subscribers 8
 """
 
@@ -264,6 +269,92 @@ def fresh_import_s() -> float:
     return time.monotonic() - started
 
 
+_HAND_SCRIPT = """
+import sys, time
+import optuna, torch
+sys.path.insert(0, {programs!r})
+from fixed_trial import search_train
+from tensorfleet.patterns.trial import Trial
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed={seed}))
+def objective(ot):
+    params = {{
+        "lr": ot.suggest_float("lr", 1e-3, 0.3, log=True),
+        "width": ot.suggest_categorical("width", [32, 64]),
+        "steps": ot.suggest_categorical("steps", [{steps}]),
+    }}
+    directory = {directory!r} + "/" + str(ot.number)
+    import os; os.makedirs(directory)
+    from pathlib import Path
+    return search_train(Trial(Path(directory), ot.number, params))
+study.optimize(objective, n_trials={trials})
+"""
+
+
+def commands_row(trials: int, steps: int, seed: int, repeats: int) -> dict:
+    """The same search as commands, each from its start to its exit, as a user at a shell
+    sees them: a hand-written Optuna script (``python search.py``, paying its own imports of
+    torch and optuna) against ``tensorfleet sweep config.json`` with 1 and with 2 slots
+    (whose executor imports torch once). Rounds alternate the order; medians."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    walls: dict[str, list[float]] = {"hand_script": [], "sweep_one_slot": [], "sweep_two_slots": []}
+
+    def hand(directory: Path) -> list[str]:
+        code = _HAND_SCRIPT.format(
+            programs=str(ROOT / "benchmarks" / "programs"),
+            seed=seed,
+            steps=steps,
+            trials=trials,
+            directory=str(directory),
+        )
+        return [sys.executable, "-c", code]
+
+    def sweep(directory: Path, slots: int) -> list[str]:
+        config = {
+            "entry": "fixed_trial:search_train",
+            "space": search_space(steps),
+            "search": "optuna",
+            "sampler": "tpe",
+            "trials": trials,
+            "seed": seed,
+            "metric": "loss",
+            "slots": slots,
+            "pythonpath": [str(ROOT / "benchmarks" / "programs")],
+        }
+        (directory / "config.json").write_text(json.dumps(config))
+        return [
+            sys.executable, "-m", "tensorfleet", "sweep", str(directory / "config.json"),
+            "--dir", str(directory / "sweep"), "--no-live",
+        ]  # fmt: skip
+
+    ways = {
+        "hand_script": hand,
+        "sweep_one_slot": lambda d: sweep(d, 1),
+        "sweep_two_slots": lambda d: sweep(d, 2),
+    }
+    for round_ in range(repeats):
+        for name in list(ways) if round_ % 2 == 0 else list(ways)[::-1]:
+            with tempfile.TemporaryDirectory() as directory:
+                argv = ways[name](Path(directory))
+                started = time.monotonic()
+                done = subprocess.run(
+                    argv, env=env, capture_output=True, text=True, timeout=900, check=False
+                )
+                walls[name].append(time.monotonic() - started)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{name} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    medians = {name: statistics.median(values) for name, values in walls.items()}
+    return {
+        "repeats": repeats,
+        "wall_s": medians,
+        "walls": walls,
+        "trials_per_min": {name: trials / wall * 60 for name, wall in medians.items()},
+        "ratio_to_hand_script": {
+            name: medians["hand_script"] / wall for name, wall in medians.items()
+        },
+    }
+
+
 def search_row(trials: int, steps: int, repeats: int = 1, seed: int = 0) -> dict:
     """The three ways, ``repeats`` rounds (every other round in reverse order, so that a
     change of the machine's load does not favour one way); the median of each figure over
@@ -483,17 +574,29 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("sweep", "search", "actor_learner", "broadcast"),
+        choices=("sweep", "search", "commands", "actor_learner", "broadcast"),
         action="append",
         help="run only these rows (repeatable; default: all)",
     )
     add_out_dir_option(parser)
     args = parser.parse_args()
-    rows = set(args.only or ("sweep", "search", "actor_learner", "broadcast"))
+    rows = set(args.only or ("sweep", "search", "commands", "actor_learner", "broadcast"))
     result: dict = {"cpus": os.cpu_count(), "load_avg_1min_at_start": os.getloadavg()[0]}
     table = ["| what | baseline | tensorfleet | ratio |", "|---|---|---|---|"]
     if "sweep" in rows:
         table.append(sweep_table_row(args, result))
+    if "commands" in rows:
+        commands = result["commands"] = commands_row(
+            args.search_trials, args.search_steps, 0, args.search_repeats
+        )
+        for name, label in (("sweep_one_slot", "1 slot"), ("sweep_two_slots", "2 slots")):
+            table.append(
+                f"| search as commands, {args.search_trials} TPE trials of "
+                f"{args.search_steps} steps, median of {commands['repeats']} (start to exit, "
+                f"imports included on both sides) | hand-written Optuna script: "
+                f"{commands['wall_s']['hand_script']:.1f} s | `tensorfleet sweep`, {label}: "
+                f"{commands['wall_s'][name]:.1f} s | {commands['ratio_to_hand_script'][name]:.2f}x |"
+            )
     if "search" in rows:
         search = result["search"] = search_row(
             args.search_trials, args.search_steps, args.search_repeats
