@@ -75,6 +75,8 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from tensorfleet.patterns.warm_executor import PRELOADED, serve
+
 #: How long :func:`preload`'s interpreter may take to import torch and tensorfleet before a
 #: sweep gives up on it (and starts its executor the usual way).
 READY_TIMEOUT_S = 300.0
@@ -342,6 +344,52 @@ class ForkedExecutorProcess:
             select.select([self._pidfd], [], [], 0.5 if left is None else min(left, 0.5))
 
 
+def fork_executor_process(
+    preloaded: PreloadedInterpreter,
+    entry: str,
+    metric: str,
+    env: Mapping[str, str],
+    stderr: IO[bytes],
+) -> tuple[ForkedExecutorProcess | None, str | None]:
+    """An executor for ``entry`` forked from ``preloaded`` (its stderr to ``stderr``), or
+    None and why it could not be (then the caller starts a fresh one): the sweep's trials
+    need other import-time variables, the interpreter died (said once, then forgotten) or
+    did not finish its imports in :data:`READY_TIMEOUT_S`, or it declined to fork."""
+    differ = environment_difference(preloaded.env, env)
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        return None, (
+            f"the preloaded interpreter was started with other values of {shown} than this "
+            "sweep's trials have (see preload(env=...)); this sweep's executor imports torch itself"
+        )
+    if not preloaded.wait_ready(READY_TIMEOUT_S):
+        if preloaded.alive():
+            why = (
+                f"the preloaded interpreter (pid {preloaded.process.pid}) has not finished "
+                f"importing torch in {READY_TIMEOUT_S:.0f} s"
+            )
+        else:
+            why = preloaded.describe_death()
+            forget(preloaded)  # said once; later sweeps start their executors quietly
+        return None, f"{why}; this sweep's executor imports torch itself"
+    commands_read, commands_write = os.pipe()
+    events_read, events_write = os.pipe()
+    pid, why = preloaded.fork_executor(
+        entry, metric, env, (commands_read, events_write, stderr.fileno())
+    )
+    os.close(commands_read)
+    os.close(events_write)
+    if pid is None:
+        os.close(commands_write)
+        os.close(events_read)
+        if not preloaded.alive():
+            forget(preloaded)  # its death is said now, once
+        return None, f"{why}; this sweep's executor imports torch itself"
+    stdin = os.fdopen(commands_write, "wb")
+    stdout = os.fdopen(events_read, "rb")
+    return ForkedExecutorProcess(preloaded, pid, stdin, stdout), None
+
+
 _current: PreloadedInterpreter | None = None
 _current_lock = threading.Lock()
 
@@ -444,8 +492,6 @@ def _serve(channel: socket.socket) -> int:
     import torch  # noqa: F401 (the point: imported once, for every executor it forks)
 
     allowed = _threads()  # torch's import starts numpy's OpenBLAS server: safe to fork
-    from tensorfleet.patterns.warm_executor import PRELOADED
-
     for name in PRELOADED:
         try:
             importlib.import_module(name)
@@ -539,8 +585,6 @@ def _executor_child(
             os.close(fd)
         os.chdir(request["cwd"])
         _take_environment(request["environ"], request["cwd"])
-        from tensorfleet.patterns.warm_executor import serve
-
         code = serve(request["entry"], request["metric"])
     except BaseException:
         import traceback

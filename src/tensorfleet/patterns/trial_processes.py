@@ -17,11 +17,12 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from tensorfleet.patterns.preloaded_interpreter import current_preloaded
+from tensorfleet.patterns.preloaded_interpreter import current_preloaded, fork_executor_process
 from tensorfleet.patterns.search import PlannedTrial
 from tensorfleet.patterns.search_space import SweepConfigError
 from tensorfleet.patterns.sweep_config import SweepConfig
@@ -136,18 +137,24 @@ class TrialProcesses:
         can serve this sweep (:func:`~tensorfleet.patterns.preloaded_interpreter.preload`),
         else a fresh interpreter; why not, said once, when one runs and cannot."""
         assert self.config.entry is not None
-        executor = WarmExecutor(
-            self.config.entry, self.config.metric, self.env(), preloaded=current_preloaded()
-        )
-        if executor.forked_from_preloaded and not self.executors_forked_from_preloaded:
+        entry, metric, env = self.config.entry, self.config.metric, self.env()
+        preloaded = current_preloaded()
+        if preloaded is None:
+            return WarmExecutor(entry, metric, env)
+        stderr = tempfile.TemporaryFile()  # noqa: SIM115 (the executor closes it)
+        process, note = fork_executor_process(preloaded, entry, metric, env, stderr)
+        if process is None:
+            stderr.close()
+            if note is not None and not self._preloaded_note_said:
+                self.progress.message(note)
+                self._preloaded_note_said = True
+            return WarmExecutor(entry, metric, env)
+        if not self.executors_forked_from_preloaded:
             self.progress.message(
-                f"executor forked from the preloaded interpreter (pid {executor.process.pid})"
+                f"executor forked from the preloaded interpreter (pid {process.pid})"
             )
-        self.executors_forked_from_preloaded += executor.forked_from_preloaded
-        if executor.preloaded_note is not None and not self._preloaded_note_said:
-            self.progress.message(executor.preloaded_note)
-            self._preloaded_note_said = True
-        return executor
+        self.executors_forked_from_preloaded += 1
+        return WarmExecutor(entry, metric, env, started=(process, stderr))
 
     def _slots_of(self, slot: int) -> list[int]:
         """The slots served by ``slot``'s executor (every slot when it is shared)."""

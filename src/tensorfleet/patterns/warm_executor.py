@@ -3,8 +3,9 @@ per trial.
 
 A trial whose program is a Python entry point (``entry: module:function``) of one worker runs
 in a child forked from the sweep's *executor*: a process started once per sweep
-(``python -m tensorfleet.patterns.warm_executor ENTRY METRIC``) that imported torch,
-tensorfleet and the entry's module, and then forks one child per trial, for every slot: it
+(``python -m tensorfleet.patterns.warm_executor ENTRY METRIC``, or, in a program that called
+``preload()``, a fork of its preloaded interpreter: :mod:`tensorfleet.patterns.preloaded_interpreter`)
+that imported torch, tensorfleet and the entry's module, and then forks one child per trial, for every slot: it
 waits for its commands and for the ends of its trials at once (each trial's pidfd), so two
 slots run two trials side by side. One executor rather than one per slot: a sweep of N slots
 imports torch once, not N times side by side on the same cores (measured with 2 slots at
@@ -89,14 +90,6 @@ from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
-
-from tensorfleet.patterns.preloaded_interpreter import (
-    READY_TIMEOUT_S,
-    ForkedExecutorProcess,
-    PreloadedInterpreter,
-    environment_difference,
-    forget,
-)
 
 _PR_SET_PDEATHSIG = 1
 #: Imported by every executor before the entry's module, so that no trial pays for them.
@@ -183,6 +176,20 @@ def start_process_trial(
     return ProcessTrial(process, log)
 
 
+class ExecutorProcess(Protocol):
+    """What the sweep uses of an executor's process: a :class:`subprocess.Popen` it started,
+    or one forked from the preloaded interpreter
+    (:class:`~tensorfleet.patterns.preloaded_interpreter.ForkedExecutorProcess`)."""
+
+    pid: int
+    stdin: IO[bytes] | None
+    stdout: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class WarmExecutor:
     """A preloaded executor (serving every slot, or one), seen from the sweep."""
 
@@ -191,17 +198,16 @@ class WarmExecutor:
         entry: str,
         metric: str,
         env: Mapping[str, str],
-        preloaded: PreloadedInterpreter | None = None,
+        started: tuple[ExecutorProcess, IO[bytes]] | None = None,
     ) -> None:
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        #: Forked from the program's preloaded interpreter (``preloaded``), or why not.
-        self.forked_from_preloaded = False
-        self.preloaded_note: str | None = None
-        process: subprocess.Popen[bytes] | ForkedExecutorProcess | None = None
-        if preloaded is not None:
-            process, self.preloaded_note = _fork_from(preloaded, entry, metric, env, self._stderr)
-            self.forked_from_preloaded = process is not None
-        if process is None:
+        """Start a fresh executor for ``entry``, or take one already ``started`` (its process
+        and the file its stderr goes to: one forked from the program's preloaded interpreter,
+        :func:`~tensorfleet.patterns.preloaded_interpreter.fork_executor_process`)."""
+        process: ExecutorProcess
+        if started is not None:
+            process, self._stderr = started
+        else:
+            self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
             process = subprocess.Popen(
                 [sys.executable, "-m", "tensorfleet.patterns.warm_executor", entry, metric],
                 stdin=subprocess.PIPE,
@@ -390,50 +396,6 @@ class WarmTrial:
 
     def fileno(self) -> int | None:
         return None if self.executor.dead else self.executor.fileno()
-
-
-def _fork_from(
-    preloaded: PreloadedInterpreter,
-    entry: str,
-    metric: str,
-    env: Mapping[str, str],
-    stderr: IO[bytes],
-) -> tuple[ForkedExecutorProcess | None, str | None]:
-    """An executor forked from ``preloaded``, or None and why it could not be (then the
-    caller starts a fresh one)."""
-    differ = environment_difference(preloaded.env, env)
-    if differ:
-        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
-        return None, (
-            f"the preloaded interpreter was started with other values of {shown} than this "
-            "sweep's trials have (see preload(env=...)); this sweep's executor imports torch itself"
-        )
-    if not preloaded.wait_ready(READY_TIMEOUT_S):
-        if preloaded.alive():
-            why = (
-                f"the preloaded interpreter (pid {preloaded.process.pid}) has not finished "
-                f"importing torch in {READY_TIMEOUT_S:.0f} s"
-            )
-        else:
-            why = preloaded.describe_death()
-            forget(preloaded)  # said once; later sweeps start their executors quietly
-        return None, f"{why}; this sweep's executor imports torch itself"
-    commands_read, commands_write = os.pipe()
-    events_read, events_write = os.pipe()
-    pid, why = preloaded.fork_executor(
-        entry, metric, env, (commands_read, events_write, stderr.fileno())
-    )
-    os.close(commands_read)
-    os.close(events_write)
-    if pid is None:
-        os.close(commands_write)
-        os.close(events_read)
-        if not preloaded.alive():
-            forget(preloaded)  # its death is said now, once
-        return None, f"{why}; this sweep's executor imports torch itself"
-    stdin = os.fdopen(commands_write, "wb")
-    stdout = os.fdopen(events_read, "rb")
-    return ForkedExecutorProcess(preloaded, pid, stdin, stdout), None
 
 
 def shared_executor_possible() -> bool:
