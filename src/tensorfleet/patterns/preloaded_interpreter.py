@@ -400,9 +400,10 @@ def preload(env: Mapping[str, str] | None = None, wait: bool = False) -> None:
     from it instead of starting an interpreter each.
 
     ``env``: variables to add to ``os.environ`` for it, as a sweep config's ``env`` adds them
-    for its trials (a sweep is served only when its trials' environment is the same,
-    ``PYTHONPATH`` aside). ``wait``: return only once it imported torch and tensorfleet
-    (raises RuntimeError, naming what it printed, when it could not).
+    for its trials (a sweep is served only when its trials' variables of
+    :data:`IMPORT_TIME_PREFIXES` have the values the interpreter started with; the others are
+    set in the fork). ``wait``: return only once it imported torch and tensorfleet (raises
+    RuntimeError, naming what it printed, when it could not).
 
     Example::
 
