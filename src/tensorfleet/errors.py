@@ -160,7 +160,8 @@ class DatasetError(TensorfleetError, FileNotFoundError):
 
 
 class LaunchError(TensorfleetError):
-    """The local launcher could not start or supervise the cluster."""
+    """The local launcher could not start or supervise the cluster, or another process
+    tensorfleet starts on this host could not be started (a sweep's preloaded interpreter)."""
 
 
 class LaunchConfigError(LaunchError, ValueError):

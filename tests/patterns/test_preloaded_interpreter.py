@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tensorfleet.errors import LaunchError
 from tensorfleet.patterns.preloaded_interpreter import (
     _parse_fork_request,
     current_preloaded,
@@ -159,6 +160,17 @@ def test_a_killed_forked_executor_costs_its_trial_and_is_forked_again(tmp_path, 
     before, after = where(tmp_path / "s", 0), where(tmp_path / "s", 2)
     assert before["ppid"] != after["ppid"], log
     assert after["executor_parent"] == preloaded.process.pid, (after, log)
+
+
+def test_preload_wait_says_why_the_interpreter_could_not_start():
+    try:
+        with pytest.raises(LaunchError) as raised:
+            preload(env={"PYTHONHOME": "/nonexistent-python-home"}, wait=True)
+    finally:
+        release_preloaded()
+    message = str(raised.value)
+    assert "the preloaded interpreter could not import torch and tensorfleet" in message
+    assert "exited with status 1" in message and "Error" in message, message
 
 
 def test_release_ends_the_interpreter(preloaded):

@@ -75,6 +75,7 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from tensorfleet.errors import LaunchError
 from tensorfleet.patterns.warm_executor import PRELOADED, serve
 
 #: How long :func:`preload`'s interpreter may take to import torch and tensorfleet before a
@@ -258,15 +259,24 @@ class PreloadedInterpreter:
         return -int(signal.SIGKILL)
 
     def stderr_tail(self, limit: int = 400) -> str:
+        """The end of what it printed: its last error line (an interpreter that cannot start
+        ends with the thread dump, not the error), then its last 3 lines."""
         try:
             self._stderr.seek(0)
             text = self._stderr.read().decode(errors="replace").strip().splitlines()
         except (OSError, ValueError):
             return ""
-        return " | ".join(line.strip() for line in text[-3:])[-limit:]
+        lines = [line.strip() for line in text if line.strip()]
+        errors = [line for line in lines if "Error" in line]
+        shown = ([errors[-1]] if errors and errors[-1] not in lines[-3:] else []) + lines[-3:]
+        return " | ".join(shown)[-limit:]
 
     def describe_death(self) -> str:
+        """What is known of why it ended: its exit status and the end of what it printed."""
         code = self.process.poll()
+        if code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.process.wait(timeout=1.0)
         how = (
             "closed its channel"
             if code is None
@@ -403,7 +413,7 @@ def preload(env: Mapping[str, str] | None = None, wait: bool = False) -> None:
     for its trials (a sweep is served only when its trials' variables of
     :data:`IMPORT_TIME_PREFIXES` have the values the interpreter started with; the others are
     set in the fork). ``wait``: return only once it imported torch and tensorfleet (raises
-    RuntimeError, naming what it printed, when it could not).
+    :class:`~tensorfleet.errors.LaunchError`, naming what it printed, when it could not).
 
     Example::
 
@@ -428,10 +438,14 @@ def preload(env: Mapping[str, str] | None = None, wait: bool = False) -> None:
             _current = PreloadedInterpreter(wanted)
         interpreter = _current
     if wait and not interpreter.wait_ready(READY_TIMEOUT_S):
-        raise RuntimeError(
-            f"the preloaded interpreter could not import torch and tensorfleet in "
-            f"{READY_TIMEOUT_S:.0f} s: {interpreter.describe_death()}; sweeps will start "
-            "their executors the usual way"
+        if interpreter.alive():
+            why = f"did not finish importing them in {READY_TIMEOUT_S:.0f} s"
+        else:
+            why = interpreter.describe_death()
+        raise LaunchError(
+            f"the preloaded interpreter could not import torch and tensorfleet: {why}; sweeps "
+            "will start their executors the usual way (check the environment given to "
+            "preload(), or call release_preloaded())"
         )
 
 
