@@ -13,12 +13,12 @@ import pytest
 
 from tensorfleet.errors import LaunchError
 from tensorfleet.patterns.preloaded_interpreter import (
-    _parse_fork_request,
     current_preloaded,
     environment_difference,
     preload,
     release_preloaded,
 )
+from tensorfleet.patterns.preloaded_interpreter_main import _parse_fork_request
 from tensorfleet.patterns.sweep import run_sweep
 from tensorfleet.patterns.sweep_config import SweepConfig
 from tensorfleet.patterns.sweep_report import PlainProgress

@@ -50,7 +50,8 @@ turn), or its own death (a sweep then starts its executor the usual way and says
 holds the memory of an interpreter that imported torch (about 300-400 MB resident) while idle.
 
 Protocol (no pickle): a Unix ``SOCK_SEQPACKET`` socket pair. The interpreter says
-``{"event": "ready", "pid": ...}`` once imported; a sweep asks ``{"fork": {"entry": ...,
+``{"event": "ready", "pid": ...}`` once imported (its code:
+:mod:`tensorfleet.patterns.preloaded_interpreter_main`); a sweep asks ``{"fork": {"entry": ...,
 "metric": ..., "environ": {...}, "cwd": ...}}`` with three descriptors attached (the
 executor's stdin, stdout and stderr) and gets ``{"event": "forked", "pid": ...}`` or
 ``{"event": "declined", "why": ...}``; ``{"event": "ended", "pid": ..., "returncode": ...}``
@@ -60,8 +61,6 @@ follows when an executor ends.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import importlib
 import json
 import os
 import select
@@ -76,15 +75,15 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from tensorfleet.errors import LaunchError
-from tensorfleet.patterns.warm_executor import PRELOADED, serve
+from tensorfleet.patterns.warm_executor import die_with_parent
 
 #: How long :func:`preload`'s interpreter may take to import torch and tensorfleet before a
 #: sweep gives up on it (and starts its executor the usual way).
 READY_TIMEOUT_S = 300.0
 #: How long a fork request may take to be answered.
 FORK_TIMEOUT_S = 30.0
-_PR_SET_PDEATHSIG = 1
-_MESSAGE_BYTES = 1 << 20
+#: The largest message either side sends (a fork request carries the sweep's environment).
+MESSAGE_BYTES = 1 << 20
 
 
 #: The variables Python, the C libraries and the modules the interpreter preloads (torch,
@@ -139,7 +138,7 @@ class PreloadedInterpreter:
                 [
                     sys.executable,
                     "-m",
-                    "tensorfleet.patterns.preloaded_interpreter",
+                    "tensorfleet.patterns.preloaded_interpreter_main",
                     str(theirs.fileno()),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -148,7 +147,7 @@ class PreloadedInterpreter:
                 env=self.env,
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         finally:
             theirs.close()
@@ -164,7 +163,7 @@ class PreloadedInterpreter:
         if not readable:
             return None
         try:
-            data, fds, _, _ = socket.recv_fds(self._socket, _MESSAGE_BYTES, 1)
+            data, fds, _, _ = socket.recv_fds(self._socket, MESSAGE_BYTES, 1)
         except OSError:
             data, fds = b"", []
         for fd in fds:  # the interpreter never sends descriptors: close what came
@@ -481,166 +480,3 @@ def _trial_environment(extra: Mapping[str, str] | None) -> dict[str, str]:
     env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"  # as every trial has it (it is read at start)
     return env
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-
-# --- the preloaded interpreter -------------------------------------------------------------
-
-
-def _threads() -> set[str]:
-    try:
-        return set(os.listdir("/proc/self/task"))
-    except OSError:
-        return {"unknown"}
-
-
-def _serve(channel: socket.socket) -> int:
-    os.dup2(2, 1)  # what imports print goes to the log, never anywhere else
-
-    def say(message: dict[str, Any]) -> None:
-        channel.send(json.dumps(message).encode())
-
-    import torch  # noqa: F401 (the point: imported once, for every executor it forks)
-
-    allowed = _threads()  # torch's import starts numpy's OpenBLAS server: safe to fork
-    for name in PRELOADED:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # an executor that needs it imports it, and fails, itself
-            print(f"preloaded interpreter: could not preload {name}: {exc!r}", file=sys.stderr)
-    say({"event": "ready", "pid": os.getpid()})
-    children: dict[int, int] = {}  # pidfd -> executor pid
-    while True:
-        readable, _, _ = select.select([channel, *children], [], [])
-        for pidfd in [fd for fd in readable if fd in children]:
-            pid = children.pop(pidfd)
-            os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
-            say({"event": "ended", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
-        if channel not in readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 3)
-        if not data:  # the program closed the channel (or ended): so do we
-            for fd in fds:
-                os.close(fd)
-            return 0
-        request = _parse_fork_request(data, fds)
-        if isinstance(request, str):
-            for fd in fds:
-                os.close(fd)
-            say({"event": "declined", "why": request})
-            continue
-        extra = _threads() - allowed
-        if extra:
-            for fd in fds:
-                os.close(fd)
-            say(
-                {
-                    "event": "declined",
-                    "why": f"the preloaded interpreter has {len(extra)} thread(s) more than "
-                    "after importing torch; forking it is unsafe",
-                }
-            )
-            continue
-        sys.stdout.flush()
-        sys.stderr.flush()
-        import gc
-
-        gc.freeze()
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            _executor_child(request, fds, parent, close=(channel.fileno(), *children))
-        for fd in fds:
-            os.close(fd)
-        say({"event": "forked", "pid": pid})
-        children[os.pidfd_open(pid)] = pid
-
-
-def _parse_fork_request(data: bytes, fds: list[int]) -> dict[str, Any] | str:
-    """The fork request in ``data``, checked; a string saying what is wrong otherwise."""
-    try:
-        message = json.loads(data)
-        request = message["fork"]
-        entry, metric, cwd = request["entry"], request["metric"], request["cwd"]
-        environ = request["environ"]
-    except (ValueError, KeyError, TypeError):
-        return f"a malformed request ({data[:200]!r})"
-    if len(fds) != 3:
-        return f"a fork request needs 3 descriptors (stdin, stdout, stderr), it had {len(fds)}"
-    if not (
-        isinstance(entry, str)
-        and isinstance(metric, str)
-        and isinstance(cwd, str)
-        and isinstance(environ, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items())
-    ):
-        return "a fork request's entry, metric, cwd and environ must be strings"
-    return request
-
-
-def _executor_child(
-    request: Mapping[str, Any], fds: list[int], parent: int, close: tuple[int, ...]
-) -> None:
-    """The forked executor: never returns (``os._exit`` with the executor's status)."""
-    code = 1
-    try:
-        os.setsid()
-        _die_with_parent()
-        if os.getppid() != parent:  # the interpreter died before the line above
-            os._exit(128 + int(signal.SIGKILL))
-        for fd in close:
-            os.close(fd)
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.chdir(request["cwd"])
-        _take_environment(request["environ"], request["cwd"])
-        code = serve(request["entry"], request["metric"])
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _take_environment(environ: Mapping[str, str], cwd: str) -> None:
-    """Make this fork's ``os.environ`` and ``sys.path`` what a fresh ``python -m`` started in
-    ``cwd`` with ``environ`` would have: ``cwd``, then ``PYTHONPATH``'s entries, in front of
-    the rest of the path (the interpreter's own were those of its start)."""
-
-    def entries(pythonpath: str) -> list[str]:
-        return [os.path.abspath(p) for p in pythonpath.split(os.pathsep) if p]
-
-    started_front = {sys.path[0], *entries(os.environ.get("PYTHONPATH", ""))} if sys.path else set()
-    front = [cwd, *entries(environ.get("PYTHONPATH", ""))]
-    rest = [p for p in sys.path if p not in started_front and p not in front]
-    sys.path[:] = list(dict.fromkeys(front)) + rest
-    os.environ.clear()
-    os.environ.update(environ)
-    importlib.invalidate_caches()  # files written since the interpreter started
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not args[0].isdigit():
-        print(
-            "usage: python -m tensorfleet.patterns.preloaded_interpreter SOCKET_FD "
-            "(started by tensorfleet.patterns.preload())",
-            file=sys.stderr,
-        )
-        return 2
-    return _serve(socket.socket(fileno=int(args[0])))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,6 +11,7 @@ sweep's progress).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -19,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tensorfleet.patterns.preloaded_interpreter import current_preloaded, fork_executor_process
 from tensorfleet.patterns.search import PlannedTrial
@@ -43,9 +45,64 @@ from tensorfleet.patterns.trial_main import (
 from tensorfleet.patterns.warm_executor import (
     TrialProcess,
     WarmExecutor,
+    die_with_parent,
     shared_executor_possible,
-    start_process_trial,
+    signal_group,
 )
+
+
+class ProcessTrial:
+    """A trial in a fresh process (a command, a launched cluster, or ``executor: fresh``)."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+        self.process = process
+        self._log = log
+        self._pidfd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # Linux 5.3 and later
+            self._pidfd = os.pidfd_open(process.pid)
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def fileno(self) -> int | None:
+        return self._pidfd
+
+    def signal(self, sig: int) -> None:
+        signal_group(self.process.pid, sig)
+
+    def lost(self) -> str | None:
+        return None
+
+    def declined(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        self._log.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+def start_process_trial(
+    argv: list[str], env: Mapping[str, str], output: Path, sig: int
+) -> ProcessTrial:
+    """Start ``argv`` as a trial in a new session, its output in ``output``; it gets ``sig``
+    when the sweep dies. Raises OSError when the program cannot be started."""
+    log = open(output, "wb")  # noqa: SIM115 (closed when the trial ends)
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+            preexec_fn=die_with_parent(sig),
+        )
+    except OSError:
+        log.close()
+        raise
+    return ProcessTrial(process, log)
 
 
 class TrialProcesses:

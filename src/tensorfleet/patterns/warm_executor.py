@@ -16,7 +16,7 @@ trial: its own process group (the sweep signals it, as before), its output in th
 ``output.log``, its metrics and result in the trial's files (:mod:`tensorfleet.patterns.trial`)
 exactly as a fresh process writes them. A trial with a ``command`` (a program of the user's)
 or with ``workers_per_trial > 1`` (its own cluster, through ``tensorfleet launch``) runs in a
-fresh process as before (:class:`ProcessTrial`), and so does every trial with
+fresh process as before (:class:`~tensorfleet.patterns.trial_processes.ProcessTrial`), and so does every trial with
 ``executor: fresh``.
 
 The choice and its measured reason. Starting a fresh interpreter that imports torch and
@@ -120,60 +120,6 @@ class TrialProcess(Protocol):
         """A descriptor that becomes readable when there is news of the trial (it ended, its
         executor said something), for ``select``; None when there is none (then the sweep
         looks every :data:`~tensorfleet.patterns.sweep.POLL_S`)."""
-
-
-class ProcessTrial:
-    """A trial in a fresh process (a command, a launched cluster, or ``executor: fresh``)."""
-
-    def __init__(self, process: subprocess.Popen[bytes], log: IO[bytes]) -> None:
-        self.process = process
-        self._log = log
-        self._pidfd: int | None = None
-        with contextlib.suppress(AttributeError, OSError):  # Linux 5.3 and later
-            self._pidfd = os.pidfd_open(process.pid)
-
-    def poll(self) -> int | None:
-        return self.process.poll()
-
-    def fileno(self) -> int | None:
-        return self._pidfd
-
-    def signal(self, sig: int) -> None:
-        signal_group(self.process.pid, sig)
-
-    def lost(self) -> str | None:
-        return None
-
-    def declined(self) -> str | None:
-        return None
-
-    def close(self) -> None:
-        self._log.close()
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-
-def start_process_trial(
-    argv: list[str], env: Mapping[str, str], output: Path, sig: int
-) -> ProcessTrial:
-    """Start ``argv`` as a trial in a new session, its output in ``output``; it gets ``sig``
-    when the sweep dies. Raises OSError when the program cannot be started."""
-    log = open(output, "wb")  # noqa: SIM115 (closed when the trial ends)
-    try:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-            preexec_fn=die_with_parent(sig),
-        )
-    except OSError:
-        log.close()
-        raise
-    return ProcessTrial(process, log)
 
 
 class ExecutorProcess(Protocol):
@@ -427,7 +373,8 @@ def signal_group(pid: int, sig: int) -> None:
 # --- the executor process ------------------------------------------------------------------
 
 
-def _threads() -> set[str]:
+def current_threads() -> set[str]:
+    """The ids of this process's threads (a fork is safe only with the ones it started with)."""
     try:
         return set(os.listdir("/proc/self/task"))
     except OSError:  # not Linux: nothing to compare, so never fork
@@ -451,7 +398,7 @@ def serve(entry: str, metric: str) -> int:
 
     import torch  # noqa: F401 (the point: imported once, before any trial)
 
-    allowed = _threads()  # torch's import starts numpy's OpenBLAS server: safe (see above)
+    allowed = current_threads()  # torch's import starts numpy's OpenBLAS server: safe (see above)
     for name in PRELOADED:
         try:
             importlib.import_module(name)
@@ -466,7 +413,7 @@ def serve(entry: str, metric: str) -> int:
             function = load_entry_point(entry)
         except Exception as exc:  # find_entry_problem saw it fine; report, do not fork
             problem = {"missing": "", "message": f"loading {entry!r} raised {exc!r}"}
-    extra = _threads() - allowed
+    extra = current_threads() - allowed
     why_not = None
     if function is None:
         why_not = f"the entry could not be loaded in the executor ({problem['message']})"
@@ -515,7 +462,7 @@ def serve(entry: str, metric: str) -> int:
             except (ValueError, KeyError, TypeError):
                 print(f"warm executor: ignored a malformed command {line[:200]!r}", file=sys.stderr)
                 continue
-            now_extra = _threads() - allowed
+            now_extra = current_threads() - allowed
             if why_not is None and now_extra:
                 why_not = f"the executor has {len(now_extra)} thread(s) more than after importing torch; forking it is unsafe"
             if why_not is not None or function is None:
@@ -532,18 +479,23 @@ def serve(entry: str, metric: str) -> int:
     return 0
 
 
+def fork_frozen() -> int:
+    """``os.fork()`` after flushing Python's output buffers (else the child would print them
+    again) and moving every object imported so far to the collector's permanent generation:
+    a child's collections then neither walk them nor write to their pages (which would copy
+    them); measured 1.07-1.25 s against 1.15-1.29 s for a 1 s trial, in-process 1.16."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    gc.freeze()
+    return os.fork()
+
+
 def _fork_trial(
     command: Mapping[str, Any], function: Any, metric: str, close: tuple[int, ...]
 ) -> int:
     """Fork the trial of ``command``; its pid (the child never returns)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The imported objects move to the collector's permanent generation: a child's
-    # collections then neither walk them nor write to their pages (which would copy
-    # them); measured 1.07-1.25 s against 1.15-1.29 s for a 1 s trial, in-process 1.16.
-    gc.freeze()
     parent = os.getpid()
-    pid = os.fork()
+    pid = fork_frozen()
     if pid == 0:
         _trial_child(command, function, metric, parent=parent, close=close)
     with contextlib.suppress(OSError):
