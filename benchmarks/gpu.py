@@ -204,9 +204,14 @@ def rows_to_run(
         {"name": "1 ps + 3 workers sharing one GPU, async",
          "launch": ["--ps", "1", "--workers", "3"], "mode": "async", "steps": steps["ps3"],
          "share": True},
-        {"name": "all-reduce, 3 workers sharing one GPU (gloo)",
+        # Workers sharing a GPU average their gradients through shared memory
+        # (worker/host_allreduce.py); the same row over gloo's ring beside it.
+        {"name": "all-reduce, 3 workers sharing one GPU (shared memory)",
          "launch": ["--ps", "0", "--workers", "3"], "mode": "allreduce",
          "steps": steps["allreduce"], "share": True},
+        {"name": "all-reduce, 3 workers sharing one GPU (gloo: TENSORFLEET_SHARED_MEMORY=0)",
+         "launch": ["--ps", "0", "--workers", "3"], "mode": "allreduce",
+         "steps": steps["allreduce"], "share": True, "env": {"TENSORFLEET_SHARED_MEMORY": "0"}},
     ]  # fmt: skip
     if profile:
         rows.append(
@@ -256,7 +261,7 @@ def run_row(
             + (["--data-dir", data_dir] if data_dir else [])
             + list(row.get("program", []))
         )
-        env = _child_env()
+        env = {**_child_env(), **row.get("env", {})}
         if row["launch"] is None:
             command = program
         else:

@@ -57,15 +57,27 @@ def _max_difference(result: dict, reference: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    ("mode", "num_ps", "rule"),
-    [("sync", 2, "sgd"), ("sync", 2, "adam"), ("allreduce", 0, "sgd"), ("allreduce", 0, "adam")],
+    ("mode", "num_ps", "rule", "shared_memory"),
+    [
+        ("sync", 2, "sgd", "1"),
+        ("sync", 2, "adam", "1"),
+        ("allreduce", 0, "sgd", "0"),  # the gradients over gloo's ring
+        ("allreduce", 0, "adam", "1"),  # through shared memory (worker/host_allreduce.py)
+    ],
 )
-def test_n_workers_of_batch_b_equal_one_process_of_batch_nb(tmp_path, mode, num_ps, rule):
+def test_n_workers_of_batch_b_equal_one_process_of_batch_nb(
+    tmp_path, mode, num_ps, rule, shared_memory
+):
     program = _program()
     out = tmp_path / "result.json"
     command = [sys.executable, str(PROGRAMS / "exact_worker.py"), str(out), mode, rule, str(STEPS)]
-    run = run_local_cluster(num_ps, 3, command, timeout_s=200)
+    run = run_local_cluster(
+        num_ps, 3, command, timeout_s=200, env={"TENSORFLEET_SHARED_MEMORY": shared_memory}
+    )
     assert run.returncode == 0, str(run)
+    if mode == "allreduce":
+        how = "through shared memory" if shared_memory == "1" else "over the group's backend"
+        assert any(f"gradients averaged {how}" in line for line in run.output.of("worker:0"))
     result = json.loads(out.read_text())
     assert result["global_step"] == STEPS, str(run)
     reference, _ = _one_process_reference(program, rule, 3)

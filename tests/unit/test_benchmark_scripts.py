@@ -445,8 +445,11 @@ def test_gpu_check_finds_its_test_files_and_plans_its_rows() -> None:
         "1 ps + 1 worker, async, --intra-op-threads 4",
         "1 ps + 1 worker, async, --intra-op-threads 1",
         "1 ps + 3 workers sharing one GPU, async",
-        "all-reduce, 3 workers sharing one GPU (gloo)",
+        "all-reduce, 3 workers sharing one GPU (shared memory)",
+        "all-reduce, 3 workers sharing one GPU (gloo: TENSORFLEET_SHARED_MEMORY=0)",
     ]
+    over_gloo = gpu.rows_to_run(1, steps, matching=["(gloo"])[-1]
+    assert over_gloo["env"] == {"TENSORFLEET_SHARED_MEMORY": "0"}  # given to the launcher
     assert gpu.rows_to_run(2, steps)[-1]["name"] == "all-reduce, 2 workers on a GPU each (nccl)"
     default_kernel = gpu.rows_to_run(1, steps, matching=["default Adam kernel"])[-1]
     assert default_kernel["program"] == ["--no-fused-optimizer"]  # passed to the example
@@ -535,7 +538,8 @@ def test_gpu_check_runs_the_rows_asked_for_and_always_its_baseline() -> None:
     assert [row["name"] for row in rows] == [
         "one process",
         "1 ps + 3 workers sharing one GPU, async",
-        "all-reduce, 3 workers sharing one GPU (gloo)",
+        "all-reduce, 3 workers sharing one GPU (shared memory)",
+        "all-reduce, 3 workers sharing one GPU (gloo: TENSORFLEET_SHARED_MEMORY=0)",
         gpu.PROFILED_ROW,
     ]
 

@@ -92,8 +92,8 @@ class GpuAssignment:
         if self.shared:
             line += (
                 f".\n{len(self.per_worker)} workers share {len(self.workers_by_gpu())} GPU(s): "
-                "workers on one GPU split its compute and memory (mode 'allreduce' uses gloo "
-                "between workers on one GPU, since NCCL refuses that). "
+                "workers on one GPU split its compute and memory (mode 'allreduce' averages "
+                "their gradients through shared memory, since NCCL refuses two on one GPU). "
                 "--gpus-per-worker 0 keeps every task on the CPU"
             )
         return line

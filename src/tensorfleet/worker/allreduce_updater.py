@@ -42,6 +42,7 @@ from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.shard_checkpoint import MAX_WORKER_DATA_BYTES, check_worker_data
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.wire import shared_memory
 from tensorfleet.worker.collective_backend import (
     BackendChoice,
     DeviceIdentity,
@@ -49,6 +50,14 @@ from tensorfleet.worker.collective_backend import (
     decode_identity,
     device_identity,
     encode_identity,
+)
+from tensorfleet.worker.host_allreduce import (
+    BUCKET_CAP_MB,
+    HostAllReduce,
+    HostPathChoice,
+    choose_host_path,
+    decode_host,
+    encode_host,
 )
 from tensorfleet.worker.moving_average import MovingAverage
 from tensorfleet.worker.progress import Progress
@@ -124,14 +133,20 @@ class AllReduceUpdater:
         self._gradient_group: Any = None  # None: the default (gloo) group
         #: The gradients' backend and why (set by :meth:`connect`).
         self.backend_choice: BackendChoice | None = None
+        #: Whether the gradients are averaged through shared memory, and why (:meth:`connect`).
+        self.host_path_choice: HostPathChoice | None = None
+        self._host_allreduce: HostAllReduce | None = None
 
     def connect(self, device: torch.device | None = None) -> None:
         """Join the process group (waits up to ``connect_s`` for every worker to arrive) over
         gloo, exchange where each worker computes, and choose the gradients' backend
         (:func:`~tensorfleet.worker.collective_backend.choose_backend`): NCCL when every
         worker has a GPU of its own, gloo otherwise (workers sharing a GPU, or CPUs). The
-        chief prints the choice and its reason."""
+        chief prints the choice and its reason. Workers all on one host and not on NCCL then
+        average their gradients through shared memory (:mod:`~tensorfleet.worker.host_allreduce`;
+        ``TENSORFLEET_SHARED_MEMORY=0`` keeps them on gloo): the chief says which, and why."""
         self._device = device if device is not None else torch.device("cpu")
+        host_path_enabled = shared_memory.enabled()  # a malformed value fails before the group
         if dist.is_initialized():
             raise UsageError(
                 "a torch.distributed process group already exists in this process: one "
@@ -161,6 +176,17 @@ class AllReduceUpdater:
             print(self.backend_choice.describe(self.rank), flush=True)
         if self.backend_choice.backend == "nccl":  # pragma: no cover - needs several GPUs
             self._gradient_group = dist.new_group(backend="nccl")
+        mine = encode_host(shared_memory.host_identity(), host_path_enabled)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        hosts = [decode_host(t) for t in gathered]
+        self.host_path_choice = choose_host_path(
+            [host for host, _ in hosts],
+            [enabled for _, enabled in hosts],
+            nccl=self.backend_choice.backend == "nccl",
+        )
+        if self.rank == 0 and self.world_size > 1:
+            print(self.host_path_choice.describe(self.rank), flush=True)
 
     def wrap(self, model: nn.Module) -> DistributedDataParallel:
         """The model wrapped in DDP (rank 0's parameters are broadcast to every worker). The
@@ -183,9 +209,21 @@ class AllReduceUpdater:
                 model,
                 device_ids=[self._device.index or 0] if on_gpu else None,
                 process_group=self._gradient_group,
+                bucket_cap_mb=BUCKET_CAP_MB,
             )
         except RuntimeError as exc:  # NCCL's and gloo's failures (DistBackendError too)
             raise ClusterConfigError(self._collective_failure(exc)) from exc
+        if self.host_path_choice is not None and self.host_path_choice.use:
+            self._host_allreduce, problem = HostAllReduce.form(
+                self.rank, self.world_size, list(model.parameters()), self._device
+            )
+            if self._host_allreduce is None:
+                print(
+                    f"worker {self.rank}: gradients averaged over gloo after all: {problem}",
+                    flush=True,
+                )
+            else:
+                self._host_allreduce.attach(self._wrapped)
         self._wrapped.register_forward_pre_hook(self._note_forward)
         return self._wrapped
 
@@ -436,6 +474,9 @@ class AllReduceUpdater:
         no partial restart; the run is started again and resumes from the checkpoint)."""
 
     def close(self) -> None:
+        if self._host_allreduce is not None:
+            self._host_allreduce.close()
+            self._host_allreduce = None
         if self._own_group and dist.is_initialized():
             dist.destroy_process_group()
         self._own_group = False
