@@ -436,6 +436,7 @@ def test_gpu_check_finds_its_test_files_and_plans_its_rows() -> None:
 
     files = gpu.gpu_test_files()
     assert "tests/cluster/test_gpu_modes.py" in files and "tests/unit/test_device.py" in files
+    assert "tests/unit/test_benchmark_scripts.py" not in files  # mentions CUDA, runs on CPU
     steps = {"one": 40, "ps": 20, "ps3": 20, "allreduce": 10}
     one_gpu = [row["name"] for row in gpu.rows_to_run(1, steps)]
     assert one_gpu == [
