@@ -12,10 +12,13 @@ hangs or a machine that is taken back still leaves what was measured):
    steady-state global steps/s from its ``--metrics-json``:
 
    - one process (the baseline of every ratio, measured in the same run);
-   - 1 ps + 1 worker, async; the same with ``--intra-op-threads 4`` and ``1`` (every task's
-     torch threads: where a ps beside a GPU worker spends its step);
+   - 1 ps + 1 worker, async; the same with torch's default Adam on the ps, with
+     ``--prefetch`` (the round trip behind the next step's compute), and with
+     ``--intra-op-threads 4`` and ``1`` (every task's torch threads: where a ps beside a GPU
+     worker spends its step);
    - 1 ps + 3 workers sharing one GPU, async;
-   - all-reduce, 3 workers sharing one GPU (gloo between them: NCCL refuses that);
+   - all-reduce, 3 workers sharing one GPU, through shared memory and over gloo
+     (``TENSORFLEET_SHARED_MEMORY=0``; NCCL refuses two workers on one GPU);
    - all-reduce, one GPU per worker (NCCL), where the host has 2 or more GPUs;
    - with ``--profile``: 1 ps + 1 worker under ``py-spy record --subprocesses`` (raw stacks
      in ``gpu_profile_1ps_1worker.raw.txt``, each process's top frames in ``.md`` and the
@@ -204,6 +207,11 @@ def rows_to_run(
         {"name": "1 ps + 1 worker, async, torch's default Adam kernel (--no-fused-optimizer)",
          "launch": ["--ps", "1", "--workers", "1"], "mode": "async", "steps": steps["ps"],
          "program": ["--no-fused-optimizer"]},
+        # The exchange behind the next step's compute (at most one step stale): how much of
+        # a GPU worker's step is the round trip it waits for.
+        {"name": "1 ps + 1 worker, async, --prefetch",
+         "launch": ["--ps", "1", "--workers", "1"], "mode": "async", "steps": steps["ps"],
+         "program": ["--prefetch"]},
         {"name": "1 ps + 1 worker, async, --intra-op-threads 4",
          "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "4"], "mode": "async",
          "steps": steps["ps"]},

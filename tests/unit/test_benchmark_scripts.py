@@ -443,6 +443,7 @@ def test_gpu_check_finds_its_test_files_and_plans_its_rows() -> None:
         "one process",
         "1 ps + 1 worker, async",
         "1 ps + 1 worker, async, torch's default Adam kernel (--no-fused-optimizer)",
+        "1 ps + 1 worker, async, --prefetch",
         "1 ps + 1 worker, async, --intra-op-threads 4",
         "1 ps + 1 worker, async, --intra-op-threads 1",
         "1 ps + 3 workers sharing one GPU, async",
