@@ -4,6 +4,7 @@ failure message, every process gone afterwards."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ import pytest
 
 from tensorfleet.launch.local_cluster import LocalCluster
 from tensorfleet.launch.output import Output
+from tensorfleet.launch.ports import free_port
 from tests.processes import process_alive
 
 PROGRAMS = Path(__file__).parent / "programs"
@@ -112,3 +114,56 @@ def run_local_cluster(
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@dataclass
+class GlooRanks:
+    """The ranks' exit codes and outputs, by rank."""
+
+    codes: list[int | None]
+    outputs: list[str]
+
+    @property
+    def transcript(self) -> str:
+        return "\n".join(f"--- rank {k} ---\n{out}" for k, out in enumerate(self.outputs))
+
+
+def run_gloo_ranks(
+    program: Path, world: int, timeout_s: float, extra_env: dict[str, str] | None = None
+) -> GlooRanks:
+    """Run ``program`` as ``world`` ranks of a gloo group on a free loopback port (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_PORT`` in their environment, one thread each); their exit
+    codes and outputs. A rank still running after ``timeout_s`` is killed (its output reads
+    ``(timed out)``); none outlives the call."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world),
+        "OMP_NUM_THREADS": "1",
+        **(extra_env or {}),
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(program)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for proc in ranks:
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                out = "(timed out)"
+            outputs.append(out)
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    return GlooRanks([proc.returncode for proc in ranks], outputs)

@@ -4,18 +4,13 @@ DistributedDataParallel (which refuses torch's SyncBatchNorm on CPU)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
 
-from tensorfleet.launch.ports import free_port
 from tensorfleet.worker.sync_batch_norm import CpuSyncBatchNorm, convert_sync_batchnorm
 
-from .conftest import PROGRAMS
+from .conftest import PROGRAMS, run_gloo_ranks
 
 TIMEOUT_S = 120
 
@@ -23,39 +18,10 @@ TIMEOUT_S = 120
 @pytest.mark.cluster
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_two_cpu_processes_equal_one_process_on_the_whole_batch() -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(sys.path),
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": "2",
-        "OMP_NUM_THREADS": "1",
-    }
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(PROGRAMS / "sync_bn_rank.py")],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in ranks:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        outputs.append("(timed out)")
-    finally:
-        for proc in ranks:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
-    transcript = "\n".join(f"--- rank {k} ---\n{out}" for k, out in enumerate(outputs))
-    assert [proc.returncode for proc in ranks] == [0, 0], transcript
-    for out in outputs:
-        assert out.rstrip().endswith("OK"), transcript
+    ranks = run_gloo_ranks(PROGRAMS / "sync_bn_rank.py", 2, TIMEOUT_S)
+    assert ranks.codes == [0, 0], ranks.transcript
+    for out in ranks.outputs:
+        assert out.rstrip().endswith("OK"), ranks.transcript
         assert "MAXDIFF buffer 1.running_var" in out and "MAXDIFF ddp grad 1.weight" in out
 
 
