@@ -42,7 +42,8 @@ SPARE_LAUNCHER_VAR = "TENSORFLEET_SPARE_LAUNCHER_PID"
 
 
 #: "0" to send every payload through ZeroMQ, also between tasks on one host (the default
-#: uses shared memory there: tensorfleet.wire.shared_memory).
+#: uses shared memory there: tensorfleet.wire.shared_memory), and to keep all-reduce workers
+#: on one host on gloo (tensorfleet.worker.host_allreduce).
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
 #: "1" to encrypt all traffic between tasks (AES-256-GCM under per-connection keys; every
