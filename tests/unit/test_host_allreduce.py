@@ -56,3 +56,7 @@ def test_a_slot_holds_the_largest_bucket_ddp_can_cut_and_no_more_than_the_model(
 def test_the_host_exchange_round_trips_and_reads_anything_else_as_unknown() -> None:
     assert decode_host(encode_host("boot/4026531836/0", True)) == ("boot/4026531836/0", True)
     assert decode_host(encode_host(None, False)) == (None, False)
+    for junk in (b"\xff\xfe", b"[1, 2]", b'{"host": 7, "enabled": "yes"}'):
+        buffer = torch.zeros(512, dtype=torch.uint8)
+        buffer[: len(junk)] = torch.frombuffer(bytearray(junk), dtype=torch.uint8)
+        assert decode_host(buffer) == (None, False)

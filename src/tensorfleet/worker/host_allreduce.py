@@ -275,7 +275,13 @@ def encode_host(host: str | None, enabled: bool) -> torch.Tensor:
 
 
 def decode_host(buffer: torch.Tensor) -> tuple[str | None, bool]:
-    """The host identity and flag :func:`encode_host` wrote."""
-    fields = json.loads(buffer.numpy().tobytes().rstrip(b"\0"))
+    """The host identity and flag :func:`encode_host` wrote; anything else reads as an
+    unknown host with the path off (so the group stays on gloo)."""
+    try:
+        fields = json.loads(buffer.numpy().tobytes().rstrip(b"\0"))
+    except ValueError:
+        return None, False
+    if not isinstance(fields, dict):
+        return None, False
     host = fields.get("host")
     return (host if isinstance(host, str) else None), fields.get("enabled") is True
