@@ -74,6 +74,12 @@ BENCHMARKS: dict[str, Benchmark] = {
     "wire_profile": Benchmark(
         "wire_profile", (), ("--megabytes", "1", "--rounds", "10"), "wire_profile_push_pull"
     ),
+    "host_allreduce": Benchmark(
+        "host_allreduce",
+        (),
+        ("--megabytes", "1", "--calls", "3", "--rounds", "1"),
+        "host_allreduce",
+    ),
     "ps_capacity": Benchmark(
         "ps_capacity", (), ("--workers", "1", "4", "--duration", "1"), "ps_capacity"
     ),
@@ -424,6 +430,16 @@ def _modes_headlines(modes: dict | None) -> list[tuple[str, str, str, str]]:
 def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]]:
     """One or two figures of each remaining benchmark (their tables hold the rest)."""
     rows = []
+    for size, row in ((results.get("host_allreduce") or {}).get("sizes") or {}).items():
+        rows.append(
+            (
+                "host_allreduce",
+                f"all-reduce of a {float(size):g} MB bucket over 3 processes on one host, "
+                "through shared memory vs over gloo",
+                f"{row['ratio']:.2f}x ({row['shared_memory_ms']:.2f} vs {row['gloo_ms']:.2f} ms)",
+                "> 1x",
+            )
+        )
     profile = results.get("wire_profile")
     if profile:
         rows.append(

@@ -38,6 +38,7 @@ RUNNABLE = {
     "delta_checkpoints.py",
     "devices.py",
     "gpu.py",
+    "host_allreduce.py",
     "modes.py",
     "overlap.py",
     "patterns.py",
