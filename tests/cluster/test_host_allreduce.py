@@ -2,7 +2,8 @@
 varying sizes through the two slots give every rank the rank-order mean bit for bit (one
 larger than a slot goes over gloo), DDP's gradients through the hook equal gloo's, and a
 worker that dies mid-run makes the others fail at the barrier with an error naming the
-bucket, within the group's deadline, instead of waiting."""
+bucket, within the group's deadline, instead of waiting; a worker that cannot map the
+others' memory keeps the whole group on gloo, each saying why."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_a_rank_that_dies_makes_the_others_fail_at_the_barrier_naming_the_bucket
     assert codes == [4, 4, 3], transcript
     assert transcript.count("DEADLINE worker ") == 2, transcript
     assert "the same-host all-reduce of gradient bucket 4 found a worker missing" in transcript
+
+
+def test_a_rank_that_cannot_map_the_others_keeps_the_whole_group_on_gloo_and_says_why() -> None:
+    ranks = run_gloo_ranks(PROGRAM, WORLD, TIMEOUT_S, {"REFUSE_MAP": "1"})
+    assert ranks.codes == [0] * WORLD, ranks.transcript
+    assert ranks.outputs[1].startswith(
+        "GLOO worker 1 could not map the others' shared memory: /proc/PID/fd/N cannot be opened"
+    ), ranks.transcript
+    for rank in (0, 2):
+        assert ranks.outputs[rank].startswith(
+            "GLOO another worker could not map the shared memory (its output says why)"
+        ), ranks.transcript

@@ -6,7 +6,9 @@ through the hook equal those of ``TENSORFLEET_SHARED_MEMORY=0``'s gloo within 1e
 
 Prints ``CALLS <n> OVERSIZED <k>`` then ``OK``; exits 1 with the reason on a mismatch. With
 ``DIE_AT=<call>`` in its environment, rank 2 exits at that call (the others must fail with the
-barrier's error, naming the bucket, within the group's 5 s deadline)."""
+barrier's error, naming the bucket, within the group's 5 s deadline). With
+``REFUSE_MAP=<rank>``, that rank cannot map the others' segments (as under a hardened
+``/proc``): every rank must stay on gloo, print ``GLOO <its reason>`` and exit 0."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tensorfleet.errors import DeadlineExceeded
+from tensorfleet.errors import DeadlineExceeded, ProtocolError
+from tensorfleet.wire.shared_memory import PeerSegments
 from tensorfleet.worker.host_allreduce import HostAllReduce
 
 #: Bucket sizes (elements) in call order: different sizes reuse the two slots, the last is
@@ -43,10 +46,21 @@ def main() -> int:
         world_size=world,
         timeout=datetime.timedelta(seconds=5),
     )
+    if os.environ.get("REFUSE_MAP") == str(rank):  # as a hardened /proc would refuse it
+        refused = ProtocolError("/proc/PID/fd/N cannot be opened (refused for the test)")
+
+        def refuse(self: PeerSegments, description: object) -> torch.Tensor:
+            raise refused
+
+        PeerSegments.bytes_of = refuse  # type: ignore[method-assign]
     host, problem = HostAllReduce.form(
         rank, world, [torch.zeros(2000, requires_grad=True)], torch.device("cpu")
     )
     if host is None:
+        if "REFUSE_MAP" in os.environ:
+            print(f"GLOO {problem}", flush=True)
+            dist.destroy_process_group()
+            return 0
         print(f"FAIL: the path was not formed: {problem}", flush=True)
         return 1
     try:
