@@ -12,6 +12,7 @@ from tensorfleet.patterns.search_space import SweepConfigError
 from tensorfleet.patterns.sweep import run_sweep
 from tensorfleet.patterns.sweep_config import SweepConfig
 from tensorfleet.patterns.sweep_report import PlainProgress
+from tensorfleet.patterns.trial_processes import TrialProcesses
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(150)]
 
@@ -134,3 +135,22 @@ def test_executor_fresh_runs_each_trial_in_a_new_interpreter(tmp_path):
         assert seen["imported_by"] == seen["pid"], seen
     with pytest.raises(SweepConfigError, match=r"executor must be one of warm, fresh; got 'hot'"):
         SweepConfig(entry="a:b", space={"x": [1]}, metric="m", executor="hot")
+
+
+def test_the_sweep_knows_while_its_first_trial_waits_for_the_executors_import(tmp_path):
+    """What the sweep imports its plotting library during (a core the import leaves free):
+    from the executor's start until it says it is ready, never after."""
+    go = tmp_path / "go"
+    cfg = SweepConfig(
+        entry="gated_entry:trial", space={}, configurations=[{"n": 0}], search="list",
+        metric="value", pythonpath=[PROGRAMS], env={"GATED_ENTRY_GO": str(go)},
+    )  # fmt: skip
+    processes = TrialProcesses(cfg, PlainProgress(cfg.metric, io.StringIO()))
+    try:
+        processes.start_executors()
+        assert processes.still_importing()  # its module's import waits for the file
+        go.touch()
+        assert processes.check_entry() == []  # waits for the executor's ready event
+        assert not processes.still_importing()
+    finally:
+        processes.close()

@@ -259,6 +259,12 @@ class Sweep:
             created = self._prepare()
             self._records = self._finished_trials()
             search = self._search()
+            if self._processes.still_importing():
+                # The first trial waits for the executor's import of torch (seconds, on one
+                # core): import the plotting library now, on a core that is free, rather
+                # than while the last trials run on every core (measured with the command:
+                # benchmarks/patterns.py --only commands, docs/patterns.md).
+                prepare_plot()
             try:
                 notes = self._processes.check_entry()
             except SweepConfigError:  # a missing entry: refused, and nothing left behind

@@ -189,6 +189,17 @@ class TrialProcesses:
             self._warm = False
         return notes
 
+    def still_importing(self) -> bool:
+        """Whether the first trial must still wait for an import: slot 0's executor (or the
+        entry's check process) has not yet said it is ready. Never blocks."""
+        if self._check is not None:
+            return self._check.poll() is None
+        first = self._executors.get(0)
+        if first is None:
+            return False
+        first.pump()
+        return first.ready is None and not first.dead
+
     def _new_executor(self) -> WarmExecutor:
         """A new executor: forked from the program's preloaded interpreter when one runs and
         can serve this sweep (:func:`~tensorfleet.patterns.preloaded_interpreter.preload`),
