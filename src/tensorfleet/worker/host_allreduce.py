@@ -37,8 +37,10 @@ the group has two workers or more, the gradients do not go over NCCL, and
 The alternative kept for other cases: gloo (several hosts, or the path turned off). The
 measured reason (``benchmarks/gpu.py``, docs/gpu.md): the example's CNN with 3 workers
 sharing one H200 ran at 0.90x one process through this path, 0.68x over gloo in the same
-run. On this project's 2-core CPU machine the CNN's step is its compute (about 0.4 s), and
-the two ways ran alike (2.53 and 2.47 steps/s, one run each while the machine was busy).
+run. On this project's 2-core CPU machine, one bucket over 3 processes
+(``benchmarks/host_allreduce.py``): 1.66x gloo's speed at 1 MB, 1.39x at 8 MB, 1.42x at
+32 MB; all-reduce mode on the CNN 1.12x DDP used directly (``benchmarks/modes.py``), where
+the step is mostly its compute.
 Not chosen: a reduce-scatter, each worker summing a third and copying the result back after
 a second barrier; it does a third of the additions but adds a barrier and a copy per
 bucket, and on a GPU the additions are the GPU's, not the CPU's.
