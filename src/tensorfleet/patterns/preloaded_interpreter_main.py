@@ -14,7 +14,6 @@ Why a preloaded interpreter, and its protocol: that module's docstring.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -30,6 +29,8 @@ from tensorfleet.patterns.warm_executor import (
     PRELOADED,
     current_threads,
     die_with_parent,
+    end_fork,
+    failed_in_fork,
     fork_frozen,
     serve,
 )
@@ -134,15 +135,9 @@ def _executor_child(
         _take_environment(request["environ"], request["cwd"])
         code = serve(request["entry"], request["metric"])
     except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
+        code = failed_in_fork()
     finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        end_fork(code)
 
 
 def _take_environment(environ: Mapping[str, str], cwd: str) -> None:

@@ -89,7 +89,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, NoReturn, Protocol
 
 _PR_SET_PDEATHSIG = 1
 #: Imported by every executor before the entry's module, so that no trial pays for them.
@@ -490,6 +490,24 @@ def fork_frozen() -> int:
     return os.fork()
 
 
+def failed_in_fork() -> int:
+    """A forked child's exception before (or around) its work: its traceback to the child's
+    output, and the status it ends with (1)."""
+    import traceback
+
+    traceback.print_exc()
+    return 1
+
+
+def end_fork(code: int) -> NoReturn:
+    """End a forked child with ``code``: its output flushed, then ``os._exit`` (no atexit
+    handler and no finalizer of what it inherited from its parent runs twice)."""
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 def _fork_trial(
     command: Mapping[str, Any], function: Any, metric: str, close: tuple[int, ...]
 ) -> int:
@@ -540,15 +558,9 @@ def _trial_child(
         except BaseException as exc:  # run_entry records the entry's; this is ours
             code = record_error(trial, exc)
     except BaseException:  # before the trial could run: to its output, then fail
-        import traceback
-
-        traceback.print_exc()
-        code = 1
+        code = failed_in_fork()
     finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        end_fork(code)
 
 
 def _reseed() -> None:
