@@ -80,6 +80,7 @@ BENCHMARKS: dict[str, Benchmark] = {
         ("--megabytes", "1", "--calls", "3", "--rounds", "1"),
         "host_allreduce",
     ),
+    "task_start": Benchmark("task_start", (), ("--repeats", "1", "--steps", "5"), "task_start"),
     "ps_capacity": Benchmark(
         "ps_capacity", (), ("--workers", "1", "4", "--duration", "1"), "ps_capacity"
     ),
@@ -438,6 +439,18 @@ def _other_headlines(results: dict[str, dict | None]) -> list[tuple[str, str, st
                 "through shared memory vs over gloo",
                 f"{row['ratio']:.2f}x ({row['shared_memory_ms']:.2f} vs {row['gloo_ms']:.2f} ms)",
                 "> 1x",
+            )
+        )
+    start = (results.get("task_start") or {}).get("medians") or {}
+    if start:
+        fresh, forked = start["fresh"]["first_step_s"], start["forked"]["first_step_s"]
+        rows.append(
+            (
+                "task_start",
+                "a local 1 ps + 3 worker cluster from start() to every worker's first step, "
+                "tasks forked from the task fork server vs fresh interpreters",
+                f"{forked / fresh:.2f}x ({forked:.1f} vs {fresh:.1f} s)",
+                "< 1x",
             )
         )
     profile = results.get("wire_profile")

@@ -36,6 +36,15 @@ FAKE = Path(__file__).parent / "programs" / "fake_task.py"
 SHORT = {"grace_period": 1.0, "kill_timeout": 1.0}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every task here starts fresh: the fake task imports nothing heavy, so a task fork
+    server would cost its own imports of torch (seconds) and save nothing; the supervision
+    these tests check is the same either way, and forked tasks have their own tests
+    (tests/e2e/test_task_forks.py)."""
+    monkeypatch.setenv("TENSORFLEET_TASK_FORKS", "0")
+
+
 def fake(*args: str) -> list[str]:
     """argv of the fake task program with ``args``."""
     return [sys.executable, str(FAKE), *args]

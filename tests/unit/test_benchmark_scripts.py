@@ -52,6 +52,7 @@ RUNNABLE = {
     "run_all.py",
     "sparse_tables.py",
     "storm_outages.py",
+    "task_start.py",
     "throughput.py",
     "timeline_picture.py",
     "wire.py",

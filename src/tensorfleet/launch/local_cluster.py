@@ -48,7 +48,9 @@ class LocalCluster(ClusterSupervisor):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks on this machine, supervise them.
 
     The arguments are those of :class:`~tensorfleet.launch.supervisor.ClusterSupervisor`
-    (without ``backend``), plus ``host``: the address every task listens on (loopback).
+    (without ``backend``), plus ``host``: the address every task listens on (loopback), and
+    ``fork_tasks``: whether tasks are forked from the run's task fork server (None, the default:
+    unless ``TENSORFLEET_TASK_FORKS=0``; :mod:`tensorfleet.launch.backends.task_forks`).
     """
 
     def __init__(
@@ -72,12 +74,13 @@ class LocalCluster(ClusterSupervisor):
         spares: int = 0,
         spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
         ps_spares: int = 0,
+        fork_tasks: bool | None = None,
     ):
         super().__init__(
             num_ps,
             num_workers,
             worker_command,
-            backend=LocalBackend(host),
+            backend=LocalBackend(host, fork_tasks=fork_tasks),
             ps_command=ps_command,
             env=env,
             task_env=task_env,

@@ -551,7 +551,7 @@ def _trial_child(
         os.environ[TRIAL_DIR_VAR] = str(directory)
         os.environ[TRIAL_PARAMS_VAR] = json.dumps(command["params"])
         os.environ[TRIAL_SLOT_VAR] = str(command["slot"])
-        _reseed()
+        reseed_generators()
         trial = current_trial()
         try:
             code = run_entry(function, trial, metric)
@@ -563,7 +563,7 @@ def _trial_child(
         end_fork(code)
 
 
-def _reseed() -> None:
+def reseed_generators() -> None:
     """A fresh interpreter seeds Python's (and numpy's) global generators from the OS; forked
     children would all share the executor's state, so reseed them the same way. Torch's
     default generator needs nothing: its seed is fixed at start, as in a fresh process."""
