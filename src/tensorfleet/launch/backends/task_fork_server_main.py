@@ -92,7 +92,7 @@ def _serve(channel: socket.socket) -> int:
     def say(message: dict[str, Any]) -> None:
         channel.send(json.dumps(message).encode())
 
-    import torch  # noqa: F401 (the point: imported once, for every task it forks)
+    import torch  # the point: imported once, for every task it forks
 
     allowed = current_threads()  # torch's import starts numpy's OpenBLAS server: safe to fork
     started_with = dict(os.environ)
@@ -131,6 +131,8 @@ def _serve(channel: socket.socket) -> int:
                     f"the fork server has {len(extra)} thread(s) more than after importing "
                     "torch; forking it is unsafe"
                 )
+            elif torch.cuda.is_initialized():  # a fork of it could not use CUDA
+                why = "CUDA was initialized in the fork server while it imported"
         if why is not None:
             for fd in fds:
                 os.close(fd)
