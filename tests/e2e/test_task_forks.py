@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorfleet.launch.backends.task_forks import TaskForkServer
+from tensorfleet.launch.backends.task_forks import ForkableCommand, TaskForkServer
 from tensorfleet.launch.local_cluster import LocalCluster
 from tests.cluster.conftest import RecordingOutput
 from tests.processes import process_alive
@@ -81,6 +81,30 @@ def test_forked_tasks_see_what_a_fresh_interpreter_would(tmp_path: Path) -> None
         assert lines[ended + 1 :] == ["THREAD done after the main code", "ATEXIT ran"], lines
     assert draws[0] != draws[1], "forked tasks share Python's generator state"
     assert _probes(output, "ps:0")[0]["torch_before"]
+
+
+def test_a_forked_tasks_output_is_unbuffered_as_the_launcher_asks(tmp_path: Path) -> None:
+    output = RecordingOutput()
+    cluster = LocalCluster(
+        1,
+        1,
+        [sys.executable, str(PROBE), "unflushed", "sleep", "60"],
+        ps_command=[sys.executable, str(PROBE), "sleep", "60"],
+        env=_env(),
+        output=output,
+        cwd=tmp_path,
+        kill_timeout=1.0,
+        fork_tasks=True,
+    )
+    try:
+        cluster.start()
+        for line in ("UNFLUSHED stdout line", "UNFLUSHED stderr line"):
+            output.wait_for(
+                lambda lines, line=line: ("worker:0", line) in lines, f"{line} (unflushed)", 60
+            )
+    finally:
+        cluster.stop()
+    assert _probes(output, "worker:0")[0]["torch_before"], output.transcript()
 
 
 def test_tasks_start_fresh_when_forks_are_off(
@@ -177,9 +201,7 @@ class _Server:
         read_end, write_end = os.pipe()
         done = threading.Event()
         pid = self.server.fork(
-            "script",
-            str(PROBE),
-            list(args),
+            ForkableCommand("script", str(PROBE), list(args)),
             {**os.environ, **_env(PYTHONUNBUFFERED="1")},
             os.getcwd(),
             write_end,
@@ -227,7 +249,9 @@ def test_a_killed_server_takes_its_tasks_and_reports_them_killed() -> None:
         returncode, _ = server.finish(pid, read_end)
         assert returncode == -signal.SIGKILL
         assert not process_alive(pid)
-        why = server.server.fork("script", str(PROBE), [], dict(os.environ), "/", 1, lambda: None)
+        why = server.server.fork(
+            ForkableCommand("script", str(PROBE)), dict(os.environ), "/", 1, lambda: None
+        )
         assert isinstance(why, str) and "task fork server" in why and "ended" in why, why
     finally:
         server.server.close()
@@ -236,7 +260,9 @@ def test_a_killed_server_takes_its_tasks_and_reports_them_killed() -> None:
 def test_a_malformed_request_is_declined_and_the_server_serves_on() -> None:
     server = _Server()
     try:
-        why = server.server.fork("shell", "rm -rf /", [], {"A": "1"}, "/", 1, lambda: None)
+        why = server.server.fork(
+            ForkableCommand("shell", "rm -rf /"), {"A": "1"}, "/", 1, lambda: None
+        )
         assert isinstance(why, str) and "documented types" in why, why
         pid, read_end = server.fork()
         assert server.finish(pid, read_end)[0] == 0

@@ -7,6 +7,7 @@ import os
 import sys
 
 from tensorfleet.launch.backends.task_forks import (
+    ForkableCommand,
     forkable,
     forks_enabled,
     import_time_difference,
@@ -14,22 +15,18 @@ from tensorfleet.launch.backends.task_forks import (
 
 
 def test_this_interpreter_with_a_script_or_a_module_is_forkable() -> None:
-    assert forkable([sys.executable, "train.py", "--steps", "3"]) == (
-        "script",
-        "train.py",
-        ["--steps", "3"],
+    assert forkable([sys.executable, "train.py", "--steps", "3"]) == ForkableCommand(
+        "script", "train.py", ["--steps", "3"]
     )
-    assert forkable([sys.executable, "-u", "-m", "tensorfleet", "server"]) == (
-        "module",
-        "tensorfleet",
-        ["server"],
+    assert forkable([sys.executable, "-u", "-m", "tensorfleet", "server"]) == ForkableCommand(
+        "module", "tensorfleet", ["server"], unbuffered=True
     )
 
 
 def test_a_bare_python_counts_only_when_path_finds_exactly_this_interpreter(tmp_path) -> None:
     name = os.path.basename(sys.executable)
     here = os.path.dirname(sys.executable)
-    assert forkable([name, "train.py"], path=here) == ("script", "train.py", [])
+    assert forkable([name, "train.py"], path=here) == ForkableCommand("script", "train.py")
     other = tmp_path / name
     other.write_text("#!/bin/sh\n")
     other.chmod(0o755)
@@ -41,7 +38,7 @@ def test_a_relative_program_path_is_the_tasks_working_directorys() -> None:
     here, name = os.path.split(sys.executable)
     up, last = os.path.split(here)
     relative = os.path.join(last, name)
-    assert forkable([relative, "t.py"], cwd=up) == ("script", "t.py", [])
+    assert forkable([relative, "t.py"], cwd=up) == ForkableCommand("script", "t.py")
     assert isinstance(forkable([relative, "t.py"], cwd="/"), str)
 
 

@@ -5,7 +5,8 @@ tests (tests/e2e/test_task_forks.py).
 forked from the fork server), ``__name__``, ``sys.argv``, ``sys.path[0]``, the working
 directory, ``PROBE_VALUE`` from the environment, a draw of Python's generator, the process
 group. Then, by argument: ``exit N``, ``raise``, ``thread`` (a non-daemon thread that prints
-after the main code ended), ``atexit`` (an exit handler that prints), ``sleep S``.
+after the main code ended), ``atexit`` (an exit handler that prints), ``unflushed`` (a line
+on stdout and one on stderr, neither flushed), ``sleep S``.
 """
 
 import atexit
@@ -50,6 +51,9 @@ while args:
         threading.Thread(target=late).start()
     if what == "atexit":
         atexit.register(lambda: print("ATEXIT ran", flush=True))
+    if what == "unflushed":
+        print("UNFLUSHED stdout line")
+        print("UNFLUSHED stderr line", file=sys.stderr)
     if what == "sleep":
         time.sleep(float(args.pop(0)))
 print("PROBE main code ended", flush=True)

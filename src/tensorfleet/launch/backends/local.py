@@ -154,12 +154,9 @@ class LocalBackend(Backend):
         unready = server.wait_ready(READY_TIMEOUT_S)
         if unready is not None:
             return unready
-        kind, script, args = target
         read_end, write_end = os.pipe()
         try:
-            pid = server.fork(
-                kind, script, args, env, os.path.abspath(cwd or os.getcwd()), write_end, on_exit
-            )
+            pid = server.fork(target, env, os.path.abspath(cwd or os.getcwd()), write_end, on_exit)
         finally:
             os.close(write_end)
         if isinstance(pid, str):

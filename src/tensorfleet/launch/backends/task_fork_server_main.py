@@ -155,7 +155,7 @@ def _parse_run_request(data: bytes, fds: list[int]) -> dict[str, Any] | str:
         message = json.loads(data)
         request = message["run"]
         kind, target, args = request["kind"], request["target"], request["args"]
-        environ, cwd = request["environ"], request["cwd"]
+        environ, cwd, unbuffered = request["environ"], request["cwd"], request["unbuffered"]
     except (ValueError, KeyError, TypeError):
         return f"a malformed request ({data[:200]!r})"
     if len(fds) != 1:
@@ -164,12 +164,16 @@ def _parse_run_request(data: bytes, fds: list[int]) -> dict[str, Any] | str:
         kind in ("script", "module")
         and isinstance(target, str)
         and isinstance(cwd, str)
+        and isinstance(unbuffered, bool)
         and isinstance(args, list)
         and all(isinstance(a, str) for a in args)
         and isinstance(environ, dict)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in environ.items())
     ):
-        return "a run request's kind, target, args, cwd and environ must be of the documented types"
+        return (
+            "a run request's kind, target, args, unbuffered, cwd and environ must be of the "
+            "documented types"
+        )
     return request
 
 
@@ -230,7 +234,7 @@ def _become(request: Mapping[str, Any]) -> None:
     sys.path[:] = list(dict.fromkeys(front)) + rest
     importlib.invalidate_caches()  # files written since the server started
     sys.argv = [request["target"], *request["args"]]
-    buffered = not environ.get("PYTHONUNBUFFERED")
+    buffered = not (request["unbuffered"] or environ.get("PYTHONUNBUFFERED"))
     encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(
         io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=encoding

@@ -55,7 +55,7 @@ The alternatives, and why not:
 
 Protocol (no pickle): a Unix ``SOCK_SEQPACKET`` socket pair. The server says ``{"event":
 "ready", "pid": ...}`` once imported; the launcher asks ``{"run": {"kind": "script" | "module",
-"target": ..., "args": [...], "environ": {...}, "cwd": ...}}`` with one descriptor attached
+"target": ..., "args": [...], "unbuffered": false, "environ": {...}, "cwd": ...}}`` with one descriptor attached
 (the write end of the task's output pipe) and gets ``{"event": "forked", "pid": ...}`` or
 ``{"event": "declined", "why": ...}``; ``{"event": "ended", "pid": ..., "returncode": ...}``
 follows when a task ends (negative: killed by that signal, as ``Popen.returncode``).
@@ -76,6 +76,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import environment
@@ -136,14 +137,25 @@ def import_time_difference(
     )
 
 
+@dataclass(frozen=True)
+class ForkableCommand:
+    """A task's command as the server runs it: ``python [-u] SCRIPT ARGS`` (``kind``
+    ``"script"``, ``target`` the script's path) or ``python [-u] -m MODULE ARGS`` (``"module"``,
+    the module's name); ``unbuffered``: ``-u`` was given."""
+
+    kind: str
+    target: str
+    args: list[str] = field(default_factory=list)
+    unbuffered: bool = False
+
+
 def forkable(
     command: Sequence[str], path: str | None = None, cwd: str | None = None
-) -> tuple[str, str, list[str]] | str:
-    """``(kind, target, args)`` for a command the server can run (``"script"`` with the
-    script's path, or ``"module"`` with the module's name), or a string saying why not.
-    ``path``: the ``PATH`` to find a bare ``python`` on (default: this process's); ``cwd``: the
-    task's working directory, which a relative program path is relative to (as for a fresh
-    process started there)."""
+) -> ForkableCommand | str:
+    """The command as the server would run it, or a string saying why it cannot. ``path``:
+    the ``PATH`` to find a bare ``python`` on (default: this process's); ``cwd``: the task's
+    working directory, which a relative program path is relative to (as for a fresh process
+    started there)."""
     if not command:
         return "an empty command"
     program = command[0]
@@ -154,17 +166,19 @@ def forkable(
     if found is None or not _is_this_interpreter(found):
         return f"its program {program!r} {NOT_THIS_INTERPRETER} ({sys.executable})"
     rest = list(command[1:])
+    unbuffered = False
     while rest and rest[0] == "-u":
+        unbuffered = True
         rest.pop(0)
     if not rest:
         return "it starts an interactive interpreter"
     if rest[0] == "-m":
         if len(rest) < 2 or not rest[1] or rest[1].startswith("-"):
             return "its -m names no module"
-        return "module", rest[1], rest[2:]
+        return ForkableCommand("module", rest[1], rest[2:], unbuffered)
     if rest[0].startswith("-"):
         return f"it passes the interpreter the option {rest[0]!r}"
-    return "script", rest[0], rest[1:]
+    return ForkableCommand("script", rest[0], rest[1:], unbuffered)
 
 
 def _is_this_interpreter(program: str) -> bool:
@@ -248,6 +262,9 @@ class TaskForkServer:
             if event == "ready":
                 self._ready = True
             elif event in ("forked", "declined"):
+                if event == "forked" and isinstance(pid, int):
+                    # a pid the kernel reused: what an earlier task of it left is not this one's
+                    self._returncodes.pop(pid, None)
                 self._reply = message
             self._changed.notify_all()
 
@@ -287,18 +304,19 @@ class TaskForkServer:
         return None
 
     def fork(
-        self, kind: str, target: str, args: Sequence[str], environ: Mapping[str, str],
-        cwd: str, output: int, on_exit: Callable[[], None],
+        self, command: ForkableCommand, environ: Mapping[str, str], cwd: str, output: int,
+        on_exit: Callable[[], None],
     ) -> int | str:  # fmt: skip
-        """Fork a task running ``target`` with ``args`` (``kind`` as :func:`forkable` says),
-        its stdout and stderr on ``output``: its pid, or why the server did not (it declined,
-        died or did not answer in :data:`FORK_TIMEOUT_S`). ``on_exit`` is called (from the
-        reader thread) once the task ended and :meth:`returncode` knows its status."""
+        """Fork a task running ``command`` (as :func:`forkable` made it) in ``environ`` and
+        ``cwd``, its stdout and stderr on ``output``: its pid, or why the server did not (it
+        declined, died or did not answer in :data:`FORK_TIMEOUT_S`). ``on_exit`` is called
+        (from the reader thread) once the task ended and :meth:`returncode` knows its status."""
         request = {
             "run": {
-                "kind": kind,
-                "target": target,
-                "args": list(args),
+                "kind": command.kind,
+                "target": command.target,
+                "args": list(command.args),
+                "unbuffered": command.unbuffered,
                 "environ": dict(environ),
                 "cwd": cwd,
             }
