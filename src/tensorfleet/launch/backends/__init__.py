@@ -2,7 +2,8 @@
 lines, reports its exit and signals it; the supervisor (:mod:`tensorfleet.launch.supervisor`)
 decides what to do about it, the same way for every backend.
 
-- :mod:`~tensorfleet.launch.backends.local`: processes on this machine (the default);
+- :mod:`~tensorfleet.launch.backends.local`: processes on this machine (the default), forked
+  from the run's task fork server (:mod:`~tensorfleet.launch.backends.task_forks`) or fresh;
 - :mod:`~tensorfleet.launch.backends.ray`: processes started by Ray actors on the nodes of an
   existing Ray cluster (``tensorfleet launch --backend ray``).
 
