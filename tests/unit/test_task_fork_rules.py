@@ -70,8 +70,9 @@ def test_only_variables_read_at_import_or_by_c_libraries_must_match() -> None:
     ) == ["SEEN"]
 
 
-def test_the_variable_turns_forks_off() -> None:
-    assert forks_enabled({})
-    assert forks_enabled({"TENSORFLEET_TASK_FORKS": "1"})
+def test_the_variable_turns_forks_off_and_they_are_off_but_on_linux() -> None:
+    assert not forks_enabled({}, platform="darwin")
+    assert forks_enabled({}, platform="linux")
+    assert forks_enabled({"TENSORFLEET_TASK_FORKS": "1"}, platform="linux")
     for off in ("0", "false", "No", " off "):
-        assert not forks_enabled({"TENSORFLEET_TASK_FORKS": off})
+        assert not forks_enabled({"TENSORFLEET_TASK_FORKS": off}, platform="linux")

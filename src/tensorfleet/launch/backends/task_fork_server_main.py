@@ -99,6 +99,11 @@ def _serve(channel: socket.socket) -> int:
     read_at_import = _preload()
     # what the imports set (torch sets TORCHINDUCTOR_CACHE_DIR): a fresh import would too
     set_by_import = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
+    try:  # each task's end is learned through its pidfd
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError) as exc:
+        print(f"task fork server: this system has no pidfd (Linux 5.3 or later): {exc}")
+        return 3
     say({"event": "ready", "pid": os.getpid()})
     children: dict[int, int] = {}  # pidfd -> task pid
     while True:

@@ -29,7 +29,9 @@ Which tasks it serves, and which start fresh as before:
   which the fork applies itself). The server starts with the first task's environment, so the
   usual run, whose tasks differ only in their identity (``TF_CONFIG``), is served whole; a task
   given other thread counts (``--intra-op-threads`` for the ps only) starts fresh;
-* ``TENSORFLEET_TASK_FORKS=0`` (or ``LocalCluster(..., fork_tasks=False)``) turns it off.
+* ``TENSORFLEET_TASK_FORKS=0`` (or ``LocalCluster(..., fork_tasks=False)``) turns it off; it
+  is off on systems other than Linux (the server needs ``prctl`` and pidfds: Linux 5.3 or
+  later; on an older kernel the server says so and every task starts fresh).
 
 A task that is not served starts in a fresh interpreter, and its first output line says why
 (once per reason and run).
@@ -115,9 +117,11 @@ C_LIBRARY_PREFIXES = (
 APPLIED_IN_FORK = ("PYTHONPATH", "PYTHONUNBUFFERED")
 
 
-def forks_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``TENSORFLEET_TASK_FORKS`` leaves task forks on (anything but ``0``/``false``/
-    ``no``/``off``)."""
+def forks_enabled(environ: Mapping[str, str] | None = None, platform: str | None = None) -> bool:
+    """Whether task forks are on: on Linux (the server needs ``prctl`` and pidfds) unless
+    ``TENSORFLEET_TASK_FORKS`` is ``0``/``false``/``no``/``off``."""
+    if (sys.platform if platform is None else platform) != "linux":
+        return False
     value = (environment.environ() if environ is None else environ).get(TASK_FORKS_VAR, "1")
     return value.strip().lower() not in ("0", "false", "no", "off")
 
