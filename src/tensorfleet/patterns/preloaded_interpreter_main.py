@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import select
 import signal
 import socket
 import sys
@@ -33,6 +32,7 @@ from tensorfleet.patterns.warm_executor import (
     failed_in_fork,
     fork_frozen,
     serve,
+    serve_fork_requests,
 )
 
 
@@ -51,47 +51,27 @@ def _serve(channel: socket.socket) -> int:
         except Exception as exc:  # an executor that needs it imports it, and fails, itself
             print(f"preloaded interpreter: could not preload {name}: {exc!r}", file=sys.stderr)
     say({"event": "ready", "pid": os.getpid()})
-    children: dict[int, int] = {}  # pidfd -> executor pid
-    while True:
-        readable, _, _ = select.select([channel, *children], [], [])
-        for pidfd in [fd for fd in readable if fd in children]:
-            pid = children.pop(pidfd)
-            os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
-            say({"event": "ended", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
-        if channel not in readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 3)
-        if not data:  # the program closed the channel (or ended): so do we
-            for fd in fds:
-                os.close(fd)
-            return 0
+
+    def fork_one(data: bytes, fds: list[int], close: tuple[int, ...]) -> dict[str, Any]:
         request = _parse_fork_request(data, fds)
-        if isinstance(request, str):
-            for fd in fds:
-                os.close(fd)
-            say({"event": "declined", "why": request})
-            continue
         extra = current_threads() - allowed
-        if extra:
+        if isinstance(request, str) or extra:
             for fd in fds:
                 os.close(fd)
-            say(
-                {
-                    "event": "declined",
-                    "why": f"the preloaded interpreter has {len(extra)} thread(s) more than "
-                    "after importing torch; forking it is unsafe",
-                }
-            )
-            continue
+            why = request if isinstance(request, str) else (
+                f"the preloaded interpreter has {len(extra)} thread(s) more than after "
+                "importing torch; forking it is unsafe"
+            )  # fmt: skip
+            return {"event": "declined", "why": why}
         parent = os.getpid()
         pid = fork_frozen()
         if pid == 0:
-            _executor_child(request, fds, parent, close=(channel.fileno(), *children))
+            _executor_child(request, fds, parent, close=close)
         for fd in fds:
             os.close(fd)
-        say({"event": "forked", "pid": pid})
-        children[os.pidfd_open(pid)] = pid
+        return {"event": "forked", "pid": pid}
+
+    return serve_fork_requests(channel, MESSAGE_BYTES, 3, fork_one)
 
 
 def _parse_fork_request(data: bytes, fds: list[int]) -> dict[str, Any] | str:

@@ -82,12 +82,13 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, NoReturn, Protocol
 
@@ -488,6 +489,49 @@ def fork_frozen() -> int:
     sys.stderr.flush()
     gc.freeze()
     return os.fork()
+
+
+#: What a fork request's handler answers: ``{"event": "forked", "pid": ...}`` or
+#: ``{"event": "declined", "why": ...}``.
+ForkReply = dict[str, Any]
+
+
+def serve_fork_requests(
+    channel: socket.socket,
+    message_bytes: int,
+    max_fds: int,
+    fork_one: Callable[[bytes, list[int], tuple[int, ...]], ForkReply],
+) -> int:
+    """The loop of a process that forks children on request over ``channel`` (a
+    ``SOCK_SEQPACKET`` socket): the sweeps' preloaded interpreter and the launcher's task fork
+    server. Each child's end is reaped and said (``{"event": "ended", "pid": ...,
+    "returncode": ...}``) as its pidfd reports it; each request (up to ``message_bytes``, with
+    up to ``max_fds`` descriptors) goes to ``fork_one(data, fds, close)``, which closes the
+    descriptors in this process and answers (:data:`ForkReply`), ``close`` being what a child
+    must close (the channel, the other children's pidfds). Returns 0 once the channel closed."""
+
+    def say(message: dict[str, Any]) -> None:
+        channel.send(json.dumps(message).encode())
+
+    children: dict[int, int] = {}  # pidfd -> child pid
+    while True:
+        readable, _, _ = select.select([channel, *children], [], [])
+        for pidfd in [fd for fd in readable if fd in children]:
+            pid = children.pop(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(pid, 0)
+            say({"event": "ended", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+        if channel not in readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(channel, message_bytes, max_fds)
+        if not data:  # the other side closed the channel (or ended): so do we
+            for fd in fds:
+                os.close(fd)
+            return 0
+        reply = fork_one(data, fds, (channel.fileno(), *children))
+        say(reply)
+        if reply.get("event") == "forked":
+            children[os.pidfd_open(reply["pid"])] = reply["pid"]
 
 
 def failed_in_fork() -> int:

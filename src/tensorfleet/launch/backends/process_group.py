@@ -41,11 +41,11 @@ def start_process_group(
         env=dict(env),
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
+        preexec_fn=set_parent_death_signal if die_with_parent and sys.platform == "linux" else None,
     )
 
 
-def _die_with_parent() -> None:
+def set_parent_death_signal() -> None:
     """In the child, before exec: ask for SIGKILL when the parent dies (prctl
     PR_SET_PDEATHSIG)."""
     import ctypes

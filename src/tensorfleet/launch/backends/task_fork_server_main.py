@@ -19,7 +19,6 @@ import io
 import json
 import os
 import runpy
-import select
 import signal
 import socket
 import sys
@@ -38,6 +37,7 @@ from tensorfleet.patterns.warm_executor import (
     failed_in_fork,
     fork_frozen,
     reseed_generators,
+    serve_fork_requests,
 )
 
 #: What every task would import anyway, imported once here: torch, what torch's optimizers
@@ -105,53 +105,42 @@ def _serve(channel: socket.socket) -> int:
         print(f"task fork server: this system has no pidfd (Linux 5.3 or later): {exc}")
         return 3
     say({"event": "ready", "pid": os.getpid()})
-    children: dict[int, int] = {}  # pidfd -> task pid
-    while True:
-        readable, _, _ = select.select([channel, *children], [], [])
-        for pidfd in [fd for fd in readable if fd in children]:
-            pid = children.pop(pidfd)
-            os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
-            say({"event": "ended", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
-        if channel not in readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 1)
-        if not data:  # the launcher closed the channel (or ended): so do we
-            for fd in fds:
-                os.close(fd)
-            return 0
+
+    def fork_one(data: bytes, fds: list[int], close: tuple[int, ...]) -> dict[str, Any]:
         request = _parse_run_request(data, fds)
-        why = request if isinstance(request, str) else None
-        if why is None:
-            assert isinstance(request, dict)
-            differing = import_time_difference(started_with, request["environ"], read_at_import)
-            extra = current_threads() - allowed
-            if differing:
-                why = (
-                    "its environment differs from the fork server's in variables read while "
-                    f"torch and tensorfleet were imported: {', '.join(differing[:8])}"
-                )
-            elif extra:
-                why = (
-                    f"the fork server has {len(extra)} thread(s) more than after importing "
-                    "torch; forking it is unsafe"
-                )
-            elif torch.cuda.is_initialized():  # a fork of it could not use CUDA
-                why = "CUDA was initialized in the fork server while it imported"
+        why = request if isinstance(request, str) else _refusal(request)
         if why is not None:
             for fd in fds:
                 os.close(fd)
-            say({"event": "declined", "why": why})
-            continue
+            return {"event": "declined", "why": why}
         assert isinstance(request, dict)
         parent = os.getpid()
         pid = fork_frozen()
         if pid == 0:
             request["environ"] = {**request["environ"], **set_by_import}
-            _task_child(request, fds[0], parent, close=(channel.fileno(), *children))
+            _task_child(request, fds[0], parent, close=close)
         os.close(fds[0])
-        say({"event": "forked", "pid": pid})
-        children[os.pidfd_open(pid)] = pid
+        return {"event": "forked", "pid": pid}
+
+    def _refusal(request: dict[str, Any]) -> str | None:
+        """Why this server must not fork the (well-formed) ``request`` now, or None."""
+        differing = import_time_difference(started_with, request["environ"], read_at_import)
+        extra = current_threads() - allowed
+        if differing:
+            return (
+                "its environment differs from the fork server's in variables read while "
+                f"torch and tensorfleet were imported: {', '.join(differing[:8])}"
+            )
+        if extra:
+            return (
+                f"the fork server has {len(extra)} thread(s) more than after importing "
+                "torch; forking it is unsafe"
+            )
+        if torch.cuda.is_initialized():  # a fork of it could not use CUDA
+            return "CUDA was initialized in the fork server while it imported"
+        return None
+
+    return serve_fork_requests(channel, MESSAGE_BYTES, 1, fork_one)
 
 
 def _parse_run_request(data: bytes, fds: list[int]) -> dict[str, Any] | str:

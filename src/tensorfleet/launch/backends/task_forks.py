@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import environment
+from tensorfleet.launch.backends.process_group import set_parent_death_signal
 
 #: "0" starts every task of a local cluster in a fresh interpreter (the default forks them
 #: from the run's task fork server).
@@ -222,7 +223,7 @@ class TaskForkServer:
                 env=dict(env),
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=set_parent_death_signal,
             )
         finally:
             theirs.close()
@@ -391,14 +392,6 @@ class TaskForkServer:
             self._socket.close()
         with contextlib.suppress(OSError):
             self._log.close()
-
-
-def _die_with_parent() -> None:
-    """In the server, before exec: SIGKILL when the launcher dies (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def group_has_live_member(pgid: int) -> bool:
