@@ -282,11 +282,49 @@ def test_a_payload_built_in_the_staging_buffers_goes_without_a_copy(service: Ech
             for view, payload in zip(staged, payloads, strict=True):
                 view[:] = payload
             request_id = channel.send("echo", {}, staged, timeout_s=TIMEOUT_S)
-            assert channel.staging(sizes) is None  # the segment is held until the answer
+            other = channel.staging(sizes)  # the segment is held until the answer: another one
+            assert other is not None and _address(other[0]) != _address(staged[0])
             reply = channel.wait(request_id, TIMEOUT_S)
             assert [bytes(b) for b in reply.buffers] == payloads
             assert service.requests[-1] == ("echo", True)
         assert channel.staging([100]) is None  # too small to go through shared memory
+    finally:
+        channel.close()
+
+
+def _address(view: memoryview) -> int:
+    return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+
+
+def test_requests_in_flight_together_each_hold_a_segment_of_their_own_up_to_the_limit(
+    service: EchoService,
+) -> None:
+    """A worker's buckets of one step are in flight together: each payload goes through a
+    request segment of its own (none written while the service may still read it), up to
+    MAX_REQUEST_SEGMENTS; one more goes through ZeroMQ; every answer is its own request's."""
+    channel = _connected(service.address)
+    try:
+        payloads = [os.urandom(BIG + i) for i in range(shm.MAX_REQUEST_SEGMENTS + 1)]
+        staged_addresses = set()
+        request_ids = []
+        for index, payload in enumerate(payloads):
+            staged = channel.staging([len(payload)])
+            if index < shm.MAX_REQUEST_SEGMENTS:
+                assert staged is not None
+                staged_addresses.add(_address(staged[0]))
+                staged[0][:] = payload
+                request_ids.append(channel.send("echo", {}, staged, timeout_s=TIMEOUT_S))
+            else:
+                assert staged is None  # every segment is held by a request in flight
+                request_ids.append(channel.send("echo", {}, [payload], timeout_s=TIMEOUT_S))
+        assert len(staged_addresses) == shm.MAX_REQUEST_SEGMENTS
+        for request_id, payload in zip(reversed(request_ids), reversed(payloads), strict=True):
+            assert bytes(channel.wait(request_id, TIMEOUT_S).buffers[0]) == payload
+        through_memory = [in_memory for _, in_memory in service.requests[-len(payloads) :]]
+        assert through_memory == [True] * shm.MAX_REQUEST_SEGMENTS + [False]
+        # Answered, the segments are free again, and one that fits is reused (no new one).
+        again = channel.staging([BIG])
+        assert again is not None and _address(again[0]) in staged_addresses
     finally:
         channel.close()
 
@@ -307,7 +345,10 @@ def test_buffers_already_in_place_are_not_copied_again(monkeypatch: pytest.Monke
         addresses = [memfd_segment.as_bytes_tensor(b).data_ptr() for b in (*staged, *placed)]
         assert addresses[:2] == addresses[2:]
         assert bytes(placed[0][:4]) == b"abcd" and bytes(placed[1]) == b"1234567"
-        assert segments.staging([BIG], {1: "echo"}) is None  # request 1 still in flight
+        # Request 1 still in flight: its segment is not offered, another one is.
+        other = segments.staging([BIG], {1: "echo"})
+        assert other is not None and _address(other[0]) != addresses[0]
+        assert segments.retired == 0
         assert segments.staging([BIG], {}) is not None  # abandoned: fresh segments
         assert segments.retired == 1
     finally:

@@ -43,8 +43,9 @@ class ReplyRegions:
     A region is carved (bump allocation) from the newest segment of at least
     :data:`REPLY_SEGMENT_BYTES`, and never returned to it: replies of one request kind have
     one size step after step (a bucket's values), so regions are reused by size. At the peak
-    the regions hold what the caller references (the parameters) plus the replies of one
-    step in flight; ``max_bytes`` (None: no limit) bounds them, beyond which a reply comes
+    the regions hold what the caller references (the parameters) plus the replies in flight
+    (one step's; two with prefetch, whose next step pushes while the replies of the one
+    before are still coming); ``max_bytes`` (None: no limit) bounds them, beyond which a reply comes
     in frames.
 
     Memory of sizes no longer asked for goes back to the OS: whenever a reply needs a new

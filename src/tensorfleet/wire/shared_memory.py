@@ -41,9 +41,10 @@ leak-free but needs a second socket per service and a handshake beside ZeroMQ; `
 needs neither, and works between any two processes of one user in one pid namespace (the
 host identity includes it, so containers with their own pid namespace use TCP).
 
-Lifetimes: a client writes a request payload only when no earlier request that used the
-request segment is still in flight; it offers a reply segment only when no request holds it
-and nothing references a payload handed out of it (torch's storage use count, as
+Lifetimes: a client writes a request payload only into a request segment that no request in
+flight holds (it keeps up to :data:`MAX_REQUEST_SEGMENTS`, so that the buckets of a step can
+be in flight together; a request that finds them all held goes through ZeroMQ); it offers a
+reply region only when no request holds it and nothing references a payload handed out of it (torch's storage use count, as
 :class:`~tensorfleet.wire.buffer_pool.BufferPool` tells), so the service never writes memory
 the caller still reads. A request abandoned in flight (a timeout, a lost connection)
 retires every segment (fresh ones next time), so a late answer or a held request never
@@ -75,6 +76,10 @@ from tensorfleet.wire.reply_regions import ReplyRegions
 #: Payloads smaller than this go in ZeroMQ frames (the copy into shared memory and the
 #: bookkeeping cost more than they save).
 MIN_BYTES = 64 << 10
+#: Requests of one client whose payloads may be in shared memory at once, each in a request
+#: segment of its own until it is answered (a worker's buckets of one step, sent without
+#: waiting for each other's replies); one more in flight goes through ZeroMQ.
+MAX_REQUEST_SEGMENTS = 4
 #: Requests whose reply's size a client remembers to learn (more: those no longer awaited go).
 MAX_ASKED = 256
 #: A service keeps at most this many peers' segments mapped (mapping one again costs its
@@ -114,11 +119,14 @@ def host_identity() -> str | None:
 
 
 class ClientSegments:
-    """A client's segments towards one service: one for request payloads, a pool for reply
-    payloads, and which request holds them.
+    """A client's segments towards one service: a few for request payloads, a pool for reply
+    payloads, and which request holds what.
 
-    One request at a time sends its payload through the request segment (``busy``; the
-    others go through ZeroMQ): the service reads it in place until it answers. A reply's
+    A request sends its payload through a request segment no request in flight holds (at
+    most :data:`MAX_REQUEST_SEGMENTS`; with all of them held it goes through ZeroMQ): the
+    service reads it in place until it answers. Of the free segments the smallest that
+    holds the payload is used (a step's buckets keep their sizes), else a new one, else the
+    largest grows. A reply's
     payload is written by the service into the reply region the request offered (a range of
     one of the client's reply segments, :class:`ReplyRegions`), and handed to the caller
     *where it lies*, without a copy (it often becomes the model's parameters,
@@ -129,12 +137,16 @@ class ClientSegments:
     """
 
     def __init__(self, max_reply_bytes: int | None = None) -> None:
-        self._request: Segment | None = None
+        self._requests: list[Segment] = []
         self._replies = ReplyRegions(max_reply_bytes)
         self._reply_sizes: dict[tuple[str, int], int] = {}
         """Reply payload bytes last seen for a request of (op, payload bytes)."""
         self._asked: dict[int, tuple[str, int]] = {}
-        self._busy: int | None = None
+        self._holders: dict[int, Segment | None] = {}
+        """Requests in flight that hold shared memory: the request segment (None: a reply
+        region only)."""
+        self._staged: Segment | None = None
+        """The request segment :meth:`staging` last offered, for the request built in it."""
         self.retired = 0
         """Segments retired because a request that used them was abandoned."""
 
@@ -149,48 +161,77 @@ class ClientSegments:
         if len(self._asked) > MAX_ASKED:  # requests abandoned without a retirement
             self._asked = {k: v for k, v in self._asked.items() if k in pending}
         self._asked[request_id] = asked  # its reply's size is learned, whichever way it comes
-        if self._busy is not None:
-            if self._busy in pending:
-                return {}, None  # the segments are in use: this one goes through ZeroMQ
-            self._retire()  # abandoned while in flight: a late answer must touch nothing
+        self._retire_abandoned(pending)
+        staged, self._staged = self._staged, None
         extra: dict[str, Any] = {}
         placed = None
+        segment = None
         if total >= MIN_BYTES:
-            if self._request is None or self._request.size < total:
-                if self._request is not None:
-                    self._request.close()
-                self._request = Segment(total)
-            placed = self._request.write(buffers)
-            extra["shm"] = self._request.describe()
+            if staged is not None and staged.size >= total and self._free(staged):
+                segment = staged  # the payload was built in it (staging): nothing to copy
+            else:
+                segment = self._request_segment(total)
+            if segment is None:
+                return {}, None  # every request segment is in use: this one goes through ZeroMQ
+            placed = segment.write(buffers)
+            extra["shm"] = segment.describe()
         wanted = self._reply_sizes.get(asked, total)
         if wanted >= MIN_BYTES:
             region = self._replies.take(wanted, request_id)
             if region is not None:
                 extra["shm_reply"] = region.describe()
         if extra:
-            self._busy = request_id
+            self._holders[request_id] = segment
         return extra, placed
 
     def staging(self, sizes: Sequence[int], pending: Any) -> list[memoryview] | None:
         """Writable views, at their :func:`offsets` in the request segment, where the caller
         may build the payload of its next request (buffers of ``sizes`` bytes) instead of in
         memory of its own: :meth:`headers` then finds them in place and copies nothing.
-        None when that request would not go through shared memory (too small, or the
-        segments are held by a request in ``pending``): build it elsewhere."""
-        if self._busy is not None and self._busy in pending:
-            return None
+        None when that request would not go through shared memory (too small, or every
+        request segment is held by a request in ``pending``): build it elsewhere."""
         total = offsets(sizes)[1]
         if total < MIN_BYTES:
             return None
-        if self._busy is not None:
-            self._retire()  # abandoned while in flight: a late answer must touch nothing
-        if self._request is None or self._request.size < total:
-            if self._request is not None:
-                self._request.close()
-            self._request = Segment(total)
+        self._retire_abandoned(pending)
+        segment = self._request_segment(total)
+        if segment is None:
+            return None
+        self._staged = segment
         starts, _ = offsets(sizes)
-        view = memoryview(self._request.bytes.numpy())
+        view = memoryview(segment.bytes.numpy())
         return [view[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+
+    def _free(self, segment: Segment) -> bool:
+        """Whether no request in flight holds ``segment`` (and it is still this client's)."""
+        return segment in self._requests and all(
+            held is not segment for held in self._holders.values()
+        )
+
+    def _request_segment(self, total: int) -> Segment | None:
+        """A request segment of at least ``total`` bytes that no request holds: the smallest
+        free one that fits, else a new one (below :data:`MAX_REQUEST_SEGMENTS`), else the
+        largest free one grown; None when every one is held."""
+        free = sorted((s for s in self._requests if self._free(s)), key=lambda s: s.size)
+        fitting = [s for s in free if s.size >= total]
+        if fitting:
+            return fitting[0]
+        if len(self._requests) < MAX_REQUEST_SEGMENTS:
+            segment = Segment(total)
+            self._requests.append(segment)
+            return segment
+        if not free:
+            return None
+        grown = Segment(total)
+        self._requests[self._requests.index(free[-1])] = grown
+        free[-1].close()
+        return grown
+
+    def _retire_abandoned(self, pending: Any) -> None:
+        """Retire every segment when a request that holds shared memory is no longer
+        awaited (abandoned while in flight: a late answer must touch nothing)."""
+        if any(request_id not in pending for request_id in self._holders):
+            self._retire()
 
     def arrived(self, header: dict[str, Any]) -> None:
         """A verified reply arrived: its request no longer holds the segments (its reply
@@ -201,15 +242,15 @@ class ClientSegments:
         if asked is not None:
             self._reply_sizes[asked] = offsets(header["sizes"])[1]
         self._replies.release(re)
-        if re == self._busy:
-            self._busy = None
+        if isinstance(re, int):
+            self._holders.pop(re, None)
 
     def resolve(self, header: dict[str, Any], sizes: list[int]) -> list[Buffer]:
         """The buffers of a reply, where the service wrote them in the reply segment that
         its request offered (no copy: the segment is not offered again while they are
         referenced); ProtocolError when this reply may not be there."""
         re = header.get("re")
-        region = self._replies.held_by(re) if re == self._busy else None
+        region = self._replies.held_by(re) if isinstance(re, int) and re in self._holders else None
         if region is None:
             raise ProtocolError("a reply in shared memory to a request that offered none")
         starts, end = offsets(sizes)
@@ -232,12 +273,13 @@ class ClientSegments:
         """Close every segment (a request that used them was abandoned: its late answer, or
         the service still reading, must find them gone). Memory the caller still references
         stays mapped until it lets go."""
-        if self._request is not None:
-            self._request.close()
+        for segment in self._requests:
+            segment.close()
         self._replies.close()
-        self._request = None
+        self._requests = []
         self._replies = ReplyRegions(self._replies.max_bytes)
-        self._busy = None
+        self._holders = {}
+        self._staged = None
         self.retired += 1
 
     def close(self) -> None:
