@@ -30,6 +30,9 @@ from tensorfleet.session.hooks import NanGuard
 from tensorfleet.session.server import Server
 from tensorfleet.session.training_session import TrainingSession
 from tensorfleet.wire.secret import load_secret
+from tensorfleet.wire.shared_memory import MAX_REQUEST_SEGMENTS
+from tensorfleet.worker import bucketed_push
+from tensorfleet.worker.bucketed_push import BucketedPush
 from tensorfleet.worker.push_overlap import DEFAULT_OVERLAP, Overlap, automatic_overlap
 from tensorfleet.worker.timeouts import ClientTimeouts
 
@@ -328,6 +331,158 @@ def test_a_ps_restart_during_a_prefetched_step_is_recovered_from_the_checkpoint(
         for thread in restarter:
             thread.join(35.0)
         stop_services(restarted)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_steps_buckets_are_in_flight_together_and_a_step_ends_owing_only_its_own(
+    cluster: Callable[..., list[RunningService]],
+    monkeypatch: pytest.MonkeyPatch,
+    prefetch: bool,
+) -> None:
+    """Every bucket goes as soon as it is complete, beside the requests still in flight;
+    a step returns having taken every reply of its own (no prefetch) or of the step before
+    (prefetch: at most one step stale). The step's last bucket is answered late, so the
+    next step's first buckets find it unanswered; the training still ends bit for bit where
+    the sequential one does when nothing is prefetched."""
+    apply = VariableStore.apply
+
+    def slow_last_bucket(
+        store: VariableStore,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        apply(store, gradients, part, counts)
+        if counts:
+            time.sleep(0.1)
+
+    sends: list[tuple[int, list[int]]] = []
+    settled: list[tuple[int, list[int]]] = []
+    send, exchange = BucketedPush._send, BucketedPush.exchange
+
+    def recorded_send(push: BucketedPush, shard: int, bucket: Any) -> None:
+        sends.append((push._step_serial, [f.step for f in push._shards[shard].flights]))
+        send(push, shard, bucket)
+
+    def recorded_exchange(push: BucketedPush, *args: Any) -> Any:
+        progress = exchange(push, *args)
+        exchanged = push._step_serial - 1  # the exchange ended the step
+        settled.append((exchanged, [f.step for s in push._shards for f in s.flights]))
+        return progress
+
+    monkeypatch.setattr(BucketedPush, "_send", recorded_send)
+    monkeypatch.setattr(BucketedPush, "exchange", recorded_exchange)
+    sequential = _train(cluster(), None, steps=5)
+    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    trained = _train(cluster(), Overlap(bucket_bytes=600, prefetch=prefetch), steps=5)
+    assert any(serial in in_flight for serial, in_flight in sends)  # several of one step
+    # Whatever is left in flight when a step returns is that step's own (prefetch), or
+    # nothing: the next forward is at most one step behind.
+    assert all(set(left) <= ({step} if prefetch else set()) for step, left in settled)
+    ages = trained.stats[0]["gradient_age"]
+    assert ages["unknown"] == 0 and ages["dropped"] == 0
+    assert set(ages["bins"]) <= ({"0", "1"} if prefetch else {"0"})
+    if not prefetch:
+        _same(sequential, trained)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_at_most_max_in_flight_requests_per_shard_and_the_rest_go_merged(
+    cluster: Callable[..., list[RunningService]],
+    monkeypatch: pytest.MonkeyPatch,
+    prefetch: bool,
+) -> None:
+    """A bucket per variable (six a step): at most MAX_IN_FLIGHT requests in flight to the
+    shard, as many as a same-host channel has request segments; what queues behind them goes
+    as one request with its adjacent buckets. The training ends where the sequential one
+    does (without prefetch)."""
+    in_flight_at_send: list[int] = []
+    sizes: list[int] = []
+    send = BucketedPush._send
+
+    def recorded_send(push: BucketedPush, shard: int, bucket: Any) -> None:
+        in_flight_at_send.append(len(push._shards[shard].flights))
+        sizes.append(bucket.stop - bucket.start)
+        send(push, shard, bucket)
+
+    apply = VariableStore.apply
+
+    def slow_apply(store: VariableStore, *args: Any, **kwargs: Any) -> None:
+        apply(store, *args, **kwargs)
+        time.sleep(0.05)  # the backward of this model is far quicker: buckets queue up
+
+    monkeypatch.setattr(BucketedPush, "_send", recorded_send)
+    sequential = _train(cluster(), None, steps=4)
+    in_flight_at_send.clear()
+    sizes.clear()
+    monkeypatch.setattr(VariableStore, "apply", slow_apply)
+    trained = _train(cluster(), Overlap(bucket_bytes=1, prefetch=prefetch), steps=4)
+    assert max(in_flight_at_send) == bucketed_push.MAX_IN_FLIGHT - 1
+    assert bucketed_push.MAX_IN_FLIGHT == MAX_REQUEST_SEGMENTS
+    assert max(sizes) > 1  # queued behind the full shard, adjacent buckets went as one
+    if not prefetch:
+        _same(sequential, trained)
+
+
+def _span(buffer: Any) -> tuple[int, int]:
+    start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr() if len(buffer) else 0
+    return start, start + memoryview(buffer).nbytes
+
+
+def test_no_payload_is_packed_into_memory_a_request_in_flight_still_holds(
+    cluster: Callable[..., list[RunningService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With prefetch the next step's buckets go while the step before is in flight. Over
+    ZeroMQ a payload is sent from the worker's own memory, later, on ZeroMQ's thread: a
+    bucket packed into the memory of a request still in flight would change that request's
+    bytes. Each payload's memory is checked against every request in flight when it is
+    sent. (Through shared memory a request segment is never offered while a request holds
+    it: tests/unit/test_shared_memory.py.)"""
+    monkeypatch.setenv(environment.SHARED_MEMORY_VAR, "0")
+    apply = VariableStore.apply
+
+    def slow_last_bucket(
+        store: VariableStore,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        apply(store, gradients, part, counts)
+        if counts:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    spans: dict[int, list[tuple[int, int]]] = {}
+    kept: list[list[memoryview]] = []  # so that no address is reused while it is compared
+    clashes: list[tuple[int, int]] = []
+    beside_the_step_before = []
+    pack, send = BucketedPush._pack, BucketedPush._send
+
+    def recorded_pack(push: BucketedPush, *args: Any) -> list[memoryview]:
+        buffers = pack(push, *args)
+        kept.append(buffers)
+        push._packed = [_span(b) for b in buffers if memoryview(b).nbytes]  # type: ignore[attr-defined]
+        return buffers
+
+    def recorded_send(push: BucketedPush, shard: int, bucket: Any) -> None:
+        in_flight = list(push._shards[shard].flights)
+        send(push, shard, bucket)
+        new = push._shards[shard].flights[-1]
+        spans[new.request_id] = push._packed  # type: ignore[attr-defined]
+        beside_the_step_before.append(any(f.step != new.step for f in in_flight))
+        for flight in in_flight:
+            for lo, hi in spans[flight.request_id]:
+                for other_lo, other_hi in spans[new.request_id]:
+                    if lo < other_hi and other_lo < hi:
+                        clashes.append((flight.request_id, new.request_id))
+
+    monkeypatch.setattr(BucketedPush, "_pack", recorded_pack)
+    monkeypatch.setattr(BucketedPush, "_send", recorded_send)
+    trained = _train(cluster(), Overlap(bucket_bytes=600, prefetch=True), steps=6)
+    assert any(beside_the_step_before)  # the case in question happened
+    assert clashes == []
+    ages = trained.stats[0]["gradient_age"]
+    assert ages["unknown"] == 0 and ages["dropped"] == 0 and set(ages["bins"]) <= {"0", "1"}
 
 
 def test_a_prefetched_reply_taken_during_the_next_backward_still_reaches_the_model(

@@ -1,6 +1,6 @@
-"""``BucketedPush``: a step's gradients pushed bucket by bucket during the backward pass, one
-request in flight per shard, and (with prefetch) the last replies left to arrive during the
-next step. The settings and where they apply are :mod:`tensorfleet.worker.push_overlap`'s;
+"""``BucketedPush``: a step's gradients pushed bucket by bucket during the backward pass, every
+bucket on its way as soon as it is complete, and (with prefetch) the step's replies left to
+arrive during the next step. The settings and where they apply are :mod:`tensorfleet.worker.push_overlap`'s;
 the buckets :mod:`tensorfleet.worker.gradient_buckets`'; the ps side
 :mod:`tensorfleet.ps.partial_push`'s.
 
@@ -9,14 +9,28 @@ registered parameter for the session's own ``loss.backward()`` only (never for a
 evaluation, nor for a backward the step closure runs itself, e.g. to accumulate gradients:
 a gradient accumulated there and completed in the session's backward fires its hook then).
 Each hook marks its parameter; a bucket whose parameters are all marked is queued for its
-shard, and every hook sends a shard's queued buckets once the shard has no request in
-flight (a reply that has arrived is taken without waiting), as one request when they are
-adjacent ranges (what queued up behind a request in flight goes in one round trip). :meth:`exchange` then queues
-every bucket not sent yet (a shard with none sent during the backward gets one whole push),
-and sends and waits until each shard's queue is empty; without prefetch it also waits for
-the last replies, and puts every reply's values into the model. The last bucket to shard 0
-carries ``count_step`` and the data position, and is sent by :meth:`exchange`, which
-knows them.
+shard, and every hook sends a shard's queued buckets at once, as one request when they are
+adjacent ranges: a shard may have several requests in flight (a channel keeps several, and
+the shard applies and answers them in order), none waits for the reply to another, up to
+:data:`MAX_IN_FLIGHT` (then the next bucket waits for the oldest reply, merged with the
+adjacent ones queued meanwhile).
+:meth:`exchange` then queues every bucket not sent yet (a shard with none sent during the
+backward gets one whole push) and sends it; without prefetch it waits for every reply of
+the step, with prefetch for every reply of the step before (still in flight when this step
+began), so that the next forward pass uses values at most one step behind the worker's own
+updates; and it puts every reply taken into the model. The last bucket to shard 0 carries
+``count_step`` and the data position, and is sent by :meth:`exchange`, which knows them.
+
+Why not one request in flight per shard (the rule before 2026-11-28): the next bucket then
+waited a whole round trip for the reply to the one before, though the shard applies a
+channel's requests in order anyway. On one H200 a 1 ps + 1 worker step of the example's CNN
+spent 2.2 ms of its 8.3 ms in that wait (``--prefetch``, worker timeline, 2026-11-28); over a
+1 Gbit/s link it held back the small last bucket for the 6.3 MB of ``fc1`` going up and
+coming back (``benchmarks/overlap.py --rate 1gbit --workers 1``). Why the next step's
+buckets do not wait for the step before either (a rule tried on the way): with prefetch the
+whole of the next backward's gradients then queued behind the last replies and left as one
+request after them, so their upload no longer overlapped the backward pass, and over that
+link the MLP with prefetch ran at 1.12x the sequential step against 1.44x without prefetch.
 
 Values. A reply's values go into the model only at a safe point: after the backward
 (:meth:`exchange`), before the next forward (:meth:`StepOverlap.before_forward`, prefetch),
@@ -24,7 +38,7 @@ or when the exchange is settled (:meth:`settle`). Never during a backward pass: 
 saved tensors would see them. Replies taken in between (a prefetched reply taken during the
 next backward) wait, in the order they arrived, and go in first at the next safe point, so
 each variable ends with the newest value it was sent. None is dropped: with prefetch the
-last request of every step is the one left in flight, and dropping its reply whenever it
+last requests of every step are the ones left in flight, and dropping a reply whenever it
 came during the next backward would leave its variables stale for as long as that kept
 happening (a cluster test under load caught it).
 
@@ -51,6 +65,7 @@ import torch
 
 from tensorfleet.errors import ConnectionLost, TensorfleetError
 from tensorfleet.wire.channel import Reply
+from tensorfleet.wire.shared_memory import MAX_REQUEST_SEGMENTS
 from tensorfleet.worker.client import RECOVERABLE, ParameterClient
 from tensorfleet.worker.gradient_buckets import Bucket, BucketFill, BucketPlan
 from tensorfleet.worker.progress import Progress
@@ -58,6 +73,13 @@ from tensorfleet.worker.push_overlap import Overlap
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 
 log = logging.getLogger("tensorfleet.worker")
+
+#: Requests a worker keeps in flight to one shard; more buckets queue (and go as one request
+#: with the adjacent ones queued beside them) until a reply frees a place. As many as a
+#: same-host channel has request segments, so that on one host every payload in flight is in
+#: shared memory (one more would go through ZeroMQ, a copy each way); it also bounds the
+#: messages and the memory of a model cut into many buckets.
+MAX_IN_FLIGHT = MAX_REQUEST_SEGMENTS
 _NOTHING: AbstractContextManager[None] = nullcontext()
 
 
@@ -70,6 +92,8 @@ class _Flight:
     whole: bool
     counting: bool
     sent_ns: int
+    step: int
+    """The :class:`BucketedPush`'s serial number of the step that sent it."""
 
 
 @dataclass
@@ -81,12 +105,13 @@ class _Shard:
     """Positions of the buckets queued or sent this step."""
     unsent: set[int] = field(default_factory=set)
     """Positions of the buckets not sent yet this step."""
-    flight: _Flight | None = None
+    flights: deque[_Flight] = field(default_factory=deque)
+    """Its requests awaiting their replies, oldest first (the order the shard answers)."""
 
 
 class BucketedPush:
     """The overlapped pushes of one worker (see the module). ``hooks``: push buckets during
-    the backward pass; ``prefetch``: leave each step's last replies in flight."""
+    the backward pass; ``prefetch``: leave each step's replies in flight."""
 
     def __init__(
         self,
@@ -107,6 +132,8 @@ class BucketedPush:
         )
         self.prefetch = prefetch
         self._shards = [_Shard(unsent=set(range(len(b)))) for b in self._plan.shards]
+        self._step_serial = 0
+        """Counts the steps (:meth:`_next_step`): a request of an earlier one holds a bucket."""
         self._fill: BucketFill | None = None
         self._replies: list[tuple[_Flight, Reply]] = []
         self._failure: BaseException | None = None
@@ -147,7 +174,7 @@ class BucketedPush:
         try:
             self._flush()
             for shard, state in enumerate(self._shards):
-                if state.flight is not None and self._ready(shard, state.flight):
+                while state.flights and self._ready(shard, state.flights[0]):
                     self._take(shard)
         finally:
             self._unpack_now = False
@@ -183,16 +210,18 @@ class BucketedPush:
                 self._pump()
                 if self._failure is not None:
                     break
+                # Without prefetch the step waits for its replies; with it, for those of the
+                # step before (so the next forward is at most one step behind).
                 waiting = [
                     shard
                     for shard, state in enumerate(self._shards)
-                    if state.queue or (state.flight is not None and not self.prefetch)
+                    if state.queue or self._owes(state)
                 ]
                 if not waiting:
                     break
                 oldest = min(
-                    (s for s in waiting if self._shards[s].flight is not None),
-                    key=lambda s: self._shards[s].flight.sent_ns,  # type: ignore[union-attr]
+                    (s for s in waiting if self._shards[s].flights),
+                    key=lambda s: self._shards[s].flights[0].sent_ns,
                 )
                 with self._timeline().span("wait"):
                     self._take(oldest)
@@ -230,7 +259,7 @@ class BucketedPush:
         after a failure of the caller, just forget them); recover from a failure."""
         if discard:
             for state in self._shards:
-                state.flight = None
+                state.flights.clear()
             self._failure = None
             self._replies = []
             self._next_step()
@@ -239,7 +268,7 @@ class BucketedPush:
         try:
             self._flush()
             for shard, state in enumerate(self._shards):
-                if state.flight is not None:
+                while state.flights:
                     with self._timeline().span("wait"):
                         self._take(shard)
         finally:
@@ -321,23 +350,33 @@ class BucketedPush:
             frozenset().union(*(b.params for b in buckets)),
         )
 
+    def _owes(self, state: _Shard) -> bool:
+        """Whether the shard owes a reply the exchange waits for: any, without prefetch;
+        with it, one to a request of the step before."""
+        if not state.flights:
+            return False
+        return not self.prefetch or state.flights[0].step != self._step_serial
+
     def _pump(self) -> None:
-        """Take the replies that have arrived (those that hold back a queued bucket, or all
-        of them when a timeline records when they arrive); send each idle shard its next
-        bucket."""
+        """Take the replies that have arrived (those that free a place for a queued bucket,
+        or all of them when a timeline records when they arrive); send every shard its
+        queued buckets, up to :data:`MAX_IN_FLIGHT` requests in flight."""
         looking = self._timeline().enabled
         for shard, state in enumerate(self._shards):
             if self._failure is not None:
                 return
-            flight = state.flight
-            if flight is not None and (state.queue or looking) and self._ready(shard, flight):
+            while (
+                state.flights
+                and (looking or (state.queue and len(state.flights) >= MAX_IN_FLIGHT))
+                and self._ready(shard, state.flights[0])
+            ):
                 self._take(shard)
-            if state.flight is None and state.queue and self._failure is None:
+            while state.queue and len(state.flights) < MAX_IN_FLIGHT and self._failure is None:
                 taken = self._adjacent(state.queue)
                 bucket = self._merged(taken)
                 last = not state.unsent - self._positions(bucket)
                 if last and shard == 0 and not self._in_exchange:
-                    continue  # shard 0's last request counts the step: the exchange sends it
+                    break  # shard 0's last request counts the step: the exchange sends it
                 for item in taken:
                     state.queue.remove(item)
                 self._send(shard, bucket)
@@ -372,7 +411,7 @@ class BucketedPush:
         densify_sparse_gradients([self._named_params[i] for i in sorted(bucket.params)])
         try:
             with timeline.span("pack", shard=shard, bucket=bucket.position, variables=span):
-                buffers = self._pack(shard, part)
+                buffers = self._pack(shard, part, self._held(shard, bucket))
             with timeline.span("push", shard=shard, bucket=bucket.position, variables=span):
                 request_id = self._client._shards.send(
                     shard, "push", body, self._client.timeouts.step_s, buffers
@@ -380,27 +419,52 @@ class BucketedPush:
         except RECOVERABLE as exc:  # the send queue stayed full: the ps is unreachable
             self._failure = exc
             return
-        state.flight = _Flight(request_id, bucket, whole, counting, time.perf_counter_ns())
+        state.flights.append(
+            _Flight(request_id, bucket, whole, counting, time.perf_counter_ns(), self._step_serial)
+        )
 
-    def _pack(self, shard: int, part: tuple[int, int] | None) -> list[memoryview]:
+    def _held(self, shard: int, bucket: Bucket) -> bool:
+        """Whether a request of an earlier step over some of ``bucket``'s variables is still
+        in flight to ``shard``: its payload, when it went through ZeroMQ, may still be read
+        from this worker's send buffers (ZeroMQ sends them without a copy, on its own
+        thread), so this one must be packed elsewhere."""
+        return any(
+            flight.step != self._step_serial
+            and flight.bucket.start < bucket.stop
+            and bucket.start < flight.bucket.stop
+            for flight in self._shards[shard].flights
+        )
+
+    @staticmethod
+    def _fresh(sizes: list[int]) -> list[memoryview]:
+        """Writable buffers of ``sizes`` bytes that nothing else references."""
+        return [memoryview(torch.empty(size, dtype=torch.uint8).numpy()) for size in sizes]
+
+    def _pack(self, shard: int, part: tuple[int, int] | None, held: bool) -> list[memoryview]:
         """The gradients of ``part`` of ``shard`` (all of them: None) for a push: straight
-        into the request segment where the channel offers one; with a bf16 wire, encoded
-        with the error feedback of their elements (``wire_dtype``)."""
-        staging = self._client._shards.channels[shard].staging
+        into the request segment where the channel offers one (a segment is never offered
+        while a request in flight holds it), else into the send buffers, or (``held``: a
+        request still in flight may read those) into fresh memory; with a bf16 wire,
+        encoded with the error feedback of their elements (``wire_dtype``)."""
+        offered = self._client._shards.channels[shard].staging
+
+        def staging(sizes: list[int]) -> list[memoryview] | None:
+            targets = offered(sizes)
+            return self._fresh(sizes) if targets is None and held else targets
+
         encoder = self._client._encoder
         if encoder is None:
             into = staging(self._fused.group_nbytes(shard, part))
             return self._fused.gather(shard, values=False, into=into, part=part)
         layout = self._fused.layouts[shard]
         slices = None if part is None else layout.part_slices(*part)
-        gradients = self._fused.gather(shard, values=False, part=part)
+        scratch = self._fresh(self._fused.group_nbytes(shard, part)) if held else None
+        gradients = self._fused.gather(shard, values=False, into=scratch, part=part)
         return encoder.encode(shard, layout.groups, gradients, staging, slices)
 
     def _take(self, shard: int) -> None:
-        """The reply of ``shard``'s request in flight (waiting for it if needed)."""
-        state = self._shards[shard]
-        flight, state.flight = state.flight, None
-        assert flight is not None
+        """The reply of ``shard``'s oldest request in flight (waiting for it if needed)."""
+        flight = self._shards[shard].flights.popleft()
         try:
             if not self._client._shards.channels[shard].knows(flight.request_id):
                 raise ConnectionLost(
@@ -447,6 +511,7 @@ class BucketedPush:
 
     def _next_step(self) -> None:
         """Start a new step: the requests still in flight belong to the one before."""
+        self._step_serial += 1
         for state, buckets in zip(self._shards, self._plan.shards, strict=True):
             state.queue.clear()
             state.queued.clear()
@@ -456,7 +521,7 @@ class BucketedPush:
         """After a failure: forget what is in flight, recover, pull; a dropped step."""
         failure, self._failure = self._failure, None
         for state in self._shards:
-            state.flight = None
+            state.flights.clear()
         self._replies = []
         self._counted = None
         self._next_step()

@@ -8,9 +8,10 @@ it is one slice of each dtype group's fused buffer on both ends
 the shard's variables, because the backward pass produces the gradients of the last layers
 first: bucket 0 holds the shard's last variables, and a bucket is closed as soon as it holds
 ``bucket_bytes`` or more (as ``DistributedDataParallel`` cuts its buckets), so a large
-variable joins the small ones after it instead of waiting behind a bucket of its own: with
-one request in flight per shard, a tiny bucket sent first would hold the large one back for
-a round trip. ``bucket_bytes`` None makes one bucket per shard (the whole push). A shard without dense variables (its part of the model is only table rows)
+variable joins the small ones after it instead of waiting behind a bucket of its own (the
+cut was chosen when one request was in flight per shard: a tiny bucket sent first held the
+large one back for a round trip; buckets now go beside each other, and fewer, larger
+requests still cost fewer messages). ``bucket_bytes`` None makes one bucket per shard (the whole push). A shard without dense variables (its part of the model is only table rows)
 still has one, empty bucket: its push carries the progress every shard answers with.
 
 :class:`BucketFill` follows one backward pass: told each parameter whose gradient is

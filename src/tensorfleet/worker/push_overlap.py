@@ -6,16 +6,18 @@ then the wait for the new values. Two settings change that:
 
 * **Buckets** (``bucket_bytes``): the gradients go out during the backward pass, one bucket
   (a range of a shard's variables, the model's last layers first, closed once it holds
-  ``bucket_bytes``) as soon as every gradient of the bucket is complete, from a post-accumulate-grad hook; one
-  request is in flight per shard, the next bucket waits for its reply. The ps applies each
-  bucket at once (:mod:`tensorfleet.ps.partial_push`), so the transfer *and* the update of
+  ``bucket_bytes``) as soon as every gradient of the bucket is complete, from a
+  post-accumulate-grad hook, beside the buckets still in flight (a shard applies one
+  worker's requests in order; until 2026-11-28 the next bucket waited for the reply to the
+  one before). The ps applies each bucket at once (:mod:`tensorfleet.ps.partial_push`), so the transfer *and* the update of
   the last layers overlap the backward pass of the first ones. A step pushed in buckets ends
   bit for bit where the whole push ends (each variable is in one bucket; Adam's per-variable
   step counts advance once). ``bucket_bytes=None``: one push per shard after the backward.
-* **Prefetch** (``prefetch``): the step returns without waiting for the reply to its last
-  push; the next step's forward pass uses the values already in the model (those of every
-  reply that has arrived by then), so the round trip and the ps's update overlap the next
-  batch's compute. This adds a *staleness of at most one step*: a step's gradient may be
+* **Prefetch** (``prefetch``): the step returns without waiting for its replies (it waits
+  for those of the step before instead); the next step's forward pass uses the values
+  already in the model (those of every reply that has arrived by then), and its buckets go
+  while the replies of this one are still coming, so the round trips and the ps's update
+  overlap the next batch's compute. This adds a *staleness of at most one step*: a step's gradient may be
   computed on parameters that do not yet hold this worker's previous update (as in async
   training another worker's update may not have arrived either), and the global step a
   step reports is the one of the newest reply received, one step behind. The model holds
@@ -96,8 +98,8 @@ class Overlap:
     ``bucket_bytes``: push the gradients during the backward pass in buckets, each closed
     once it holds this many bytes (the model's last layers first); None: one push per shard
     after the backward.
-    ``prefetch``: do not wait for the last reply of a step; the next forward uses the values
-    that have arrived (at most one step stale).
+    ``prefetch``: do not wait for a step's replies (only for those of the step before); the
+    next forward uses the values that have arrived (at most one step stale).
     """
 
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES

@@ -27,7 +27,7 @@ by giving the push up: the ps applies it or not, never twice, as for a worker ki
 middle of a push. Other requests keep their deadlines: the chief's checkpoint after a
 preemption (``save``) must have the time it needs.
 
-A caller that keeps one request in flight per shard while it does other work (the pushes of
+A caller that keeps requests in flight to a shard while it does other work (the pushes of
 gradient buckets during the backward pass, :mod:`tensorfleet.worker.bucketed_push`) uses the
 single-shard :meth:`ShardFanout.send`, :meth:`~ShardFanout.ready` and
 :meth:`~ShardFanout.wait`, which add the same namespace and wait the same way.
