@@ -8,12 +8,19 @@ hangs or a machine that is taken back still leaves what was measured):
    ``cpu`` cases of ``test_mode_on_device`` are left out (they start a cluster each and run
    wherever the suite runs; the ``cuda`` cases compare with one CPU process themselves); in
    4 processes where pytest-xdist is installed and the host has 16 cores or more;
-2. **rows**: ``benchmarks/cnn_training.py`` (the example's CNN, Fashion-MNIST) on the GPU,
+2. **transfers**: ``benchmarks/programs/gpu_transfers.py``, the pieces of a GPU worker's
+   exchange one at a time for the CNN's 6.5 MB: its gradients off the GPU and its values
+   back (one copy per tensor into or out of pageable memory, as today, against one flat
+   non-blocking copy through pinned memory), a host copy, the ps's Adam on the CPU by kernel
+   and thread count, and one step in one process (60 s at most);
+3. **rows**: ``benchmarks/cnn_training.py`` (the example's CNN, Fashion-MNIST) on the GPU,
    steady-state global steps/s from its ``--metrics-json``:
 
    - one process (the baseline of every ratio, measured in the same run);
    - 1 ps + 1 worker, async; the same with torch's default Adam on the ps, with
-     ``--prefetch`` (the round trip behind the next step's compute), and with
+     ``--prefetch`` (the round trip behind the next step's compute; this row also writes
+     the worker's timeline, summarised as the median milliseconds of each phase: where its
+     step goes), and with
      ``--intra-op-threads 4`` and ``1`` (every task's torch threads: where a ps beside a GPU
      worker spends its step);
    - 1 ps + 3 workers sharing one GPU, async;
@@ -24,7 +31,7 @@ hangs or a machine that is taken back still leaves what was measured):
      in ``gpu_profile_1ps_1worker.raw.txt``, each process's top frames in ``.md`` and the
      JSON), to see where the ps's and the worker's time goes.
 
-3. **big model**: ``benchmarks/big_model.py --device cuda --runs torch ps1``: the
+4. **big model**: ``benchmarks/big_model.py --device cuda --runs torch ps1``: the
    BERT-base-sized encoder (108.5 M parameters, Adam) in one process on the GPU against
    1 ps + 1 worker computing on the GPU (the ps updates in host memory), s/step; its own
    JSON and table in ``big_model_gpu/`` beside this one's.
@@ -33,7 +40,7 @@ hangs or a machine that is taken back still leaves what was measured):
    that its default assignment puts every worker on that one. A global step of all-reduce is
    one batch per worker, so the table gives batches/s too and compares those.
 
-    python benchmarks/gpu.py [--data-dir DIR] [--only tests|rows|big_model] [--out-dir DIR]
+    python benchmarks/gpu.py [--data-dir DIR] [--only tests|transfers|rows|big_model] [--out-dir DIR]
 
 Writes ``gpu.json`` and ``gpu.md`` (the card from ``torch.cuda.get_device_name``). Without a
 CUDA GPU it prints ``gpu: not run: <reason>`` and exits with the benchmarks' skip status (77:
@@ -51,6 +58,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,11 +81,12 @@ from results_writer import (  # noqa: E402
 
 NAME = "gpu"
 #: The parts, in the order they run.
-PARTS = ("tests", "rows", "big_model")
+PARTS = ("tests", "transfers", "rows", "big_model")
 #: Seconds each part may take (the tests; each row).
 TESTS_LIMIT_S = 240
 ROW_LIMIT_S = 100
 BIG_MODEL_LIMIT_S = 150
+TRANSFERS_LIMIT_S = 60
 #: pytest-xdist processes for the tests, where it is installed (and 4 cores for each).
 TEST_PROCESSES = 4
 #: The row ``--profile`` adds: 1 ps + 1 worker, every process sampled by py-spy.
@@ -211,7 +220,7 @@ def rows_to_run(
         # a GPU worker's step is the round trip it waits for.
         {"name": "1 ps + 1 worker, async, --prefetch",
          "launch": ["--ps", "1", "--workers", "1"], "mode": "async", "steps": steps["ps"],
-         "program": ["--prefetch"]},
+         "program": ["--prefetch"], "timeline": True},
         {"name": "1 ps + 1 worker, async, --intra-op-threads 4",
          "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "4"], "mode": "async",
          "steps": steps["ps"]},
@@ -277,6 +286,7 @@ def run_row(
             ]
             + (["--data-dir", data_dir] if data_dir else [])
             + list(row.get("program", []))
+            + (["--timeline", str(Path(scratch) / "trace.json")] if row.get("timeline") else [])
         )
         env = {**_child_env(), **row.get("env", {})}
         if row["launch"] is None:
@@ -310,6 +320,9 @@ def run_row(
             top = top_frames(raw_profile.read_text())
             (results_dir() / f"{PROFILE_FILE}.md").write_text("\n".join(top) + "\n")
             result["profile"] = {"raw": raw_profile.name, "top": top}
+        trace = Path(scratch) / "trace.worker-0.json"
+        if row.get("timeline") and trace.exists():
+            result["timeline"] = timeline_summary(json.loads(trace.read_text()))
         if status == 0 and metrics.exists():
             figures = json.loads(metrics.read_text())
             result.update(figures)
@@ -320,6 +333,40 @@ def run_row(
             result["error"] = f"{why} after {result['seconds']:.0f} s"
             result["tail"] = [line for line in output.splitlines() if line.strip()][-30:]
         return result
+
+
+def timeline_summary(trace: dict) -> dict[str, dict[str, float]]:
+    """A worker's Chrome trace (``--timeline``) as, per phase (span name, whichever thread
+    or track it is on): how many, the median and the total milliseconds; the longest total
+    first."""
+    durations: dict[str, list[float]] = {}
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") == "X":
+            durations.setdefault(event["name"], []).append(event["dur"] / 1000)
+    return {
+        name: {
+            "count": len(values),
+            "median_ms": round(statistics.median(values), 3),
+            "total_ms": round(sum(values), 1),
+        }
+        for name, values in sorted(durations.items(), key=lambda item: -sum(item[1]))
+    }
+
+
+def run_transfers(limit_s: float) -> dict:
+    """``benchmarks/programs/gpu_transfers.py`` on the GPU: its figures, or why there are
+    none."""
+    command = [sys.executable, str(HERE / "programs" / "gpu_transfers.py"), "--device", "cuda"]
+    started = time.perf_counter()
+    output, status = run_limited(command, _child_env(), limit_s)
+    lines = [line for line in output.splitlines() if line.strip()]
+    if status == 0 and lines and lines[-1].startswith("{"):
+        return json.loads(lines[-1])
+    why = "timed out" if status is None else f"exit status {status}"
+    return {
+        "error": f"{why} after {time.perf_counter() - started:.0f} s",
+        "tail": lines[-30:],
+    }
 
 
 def run_big_model(limit_s: float, out_dir: Path) -> dict:
@@ -406,6 +453,28 @@ def table(result: dict) -> list[str]:
             f"| BERT-base-sized model, {name}: {row['what']} | {1 / row['s_per_step']:.2f} | "
             f"{1 / row['s_per_step']:.2f} | {ratio} | {1000 * row['s_per_step']:.0f} |"
         )
+    transfers = result.get("transfers")
+    if transfers is not None:
+        lines += [
+            "",
+            "| the pieces of the exchange, the CNN's 6.5 MB (transfers) | ms |",
+            "|---|---|",
+        ]
+        if "error" in transfers:
+            lines.append(f"| gpu_transfers.py | {transfers['error']} |")
+        lines += [
+            f"| {name[: -len('_ms')].replace('_', ' ')} | {value:.3f} |"
+            for name, value in transfers.items()
+            if name.endswith("_ms") and isinstance(value, (int, float))
+        ]
+    for row in rows:
+        if "timeline" in row:
+            lines += ["", f"| {row['name']}: worker phase | count | median ms | total ms |",
+                      "|---|---|---|---|"]  # fmt: skip
+            lines += [
+                f"| {name} | {phase['count']} | {phase['median_ms']:.3f} | {phase['total_ms']:.1f} |"
+                for name, phase in row["timeline"].items()
+            ]
     return lines
 
 
@@ -450,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST's four .gz files")
     parser.add_argument("--only", choices=PARTS, nargs="+", default=list(PARTS), metavar="PART",
-                        help="the parts to run (tests, rows, big_model; default all)")  # fmt: skip
+                        help="the parts to run (tests, transfers, rows, big_model; default all)")  # fmt: skip
     parser.add_argument("--tests-k", default=None, metavar="EXPR",
                         help="a pytest -k expression narrowing the tests")  # fmt: skip
     parser.add_argument("--rows-matching", nargs="+", default=None, metavar="TEXT",
@@ -491,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu: the CUDA tests ({args.tests_limit:.0f} s at most)", flush=True)
         result["tests"] = run_tests(args.tests_limit, select=args.tests_k)
         save()
+    if "transfers" in args.only:
+        print(f"gpu: the exchange's pieces ({TRANSFERS_LIMIT_S} s at most)", flush=True)
+        result["transfers"] = run_transfers(TRANSFERS_LIMIT_S)
+        save()
     if "rows" in args.only:
         steps = {
             "one": 2 * args.steps,
@@ -511,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tests" in result and result["tests"]["status"] != 0)
         or any("error" in row for row in result.get("rows", []))
         or "error" in result.get("big_model", {})
+        or "error" in result.get("transfers", {})
     )
     return 1 if failed else 0
 

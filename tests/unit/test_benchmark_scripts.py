@@ -60,6 +60,7 @@ RUNNABLE = {
     "wire_profile.py",
     "programs/big_model_worker.py",
     "programs/click_speed.py",
+    "programs/gpu_transfers.py",
     "programs/overlap_worker.py",
     "programs/sparse_table_worker.py",
 }
@@ -497,6 +498,50 @@ def test_gpu_check_table_gives_ratios_in_batches_and_names_failures() -> None:
     assert gpu.table(result)[-1] == (
         "| BERT-base-sized model (big_model.py) | exit status 1 after 12 s | | | |"
     )
+
+
+def test_gpu_check_summarises_the_workers_timeline_and_tables_the_transfers() -> None:
+    import gpu
+
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "name": "wait", "dur": 2000, "tid": 1},
+            {"ph": "X", "name": "wait", "dur": 4000, "tid": 1},
+            {"ph": "X", "name": "wait", "dur": 3000, "tid": 1},
+            {"ph": "X", "name": "pack", "dur": 500, "tid": 2},
+            {"ph": "M", "name": "thread_name", "tid": 2},
+        ]
+    }
+    summary = gpu.timeline_summary(trace)
+    assert summary == {
+        "wait": {"count": 3, "median_ms": 3.0, "total_ms": 9.0},
+        "pack": {"count": 1, "median_ms": 0.5, "total_ms": 0.5},
+    }
+    row = {"name": "1 ps + 1 worker, async, --prefetch", "steady_global_steps_per_s": 100.0,
+           "batches_per_s": 100.0, "steady_local_ms_per_step": 10.0, "timeline": summary}  # fmt: skip
+    result = {"rows": [row], "transfers": {"numel": 5, "host_copy_ms": 0.106}}
+    lines = gpu.table(result)
+    assert "| host copy | 0.106 |" in lines and not any("numel" in line for line in lines)
+    assert lines[-2:] == ["| wait | 3 | 3.000 | 9.0 |", "| pack | 1 | 0.500 | 0.5 |"]
+    prefetched = gpu.rows_to_run(
+        1, {"one": 4, "ps": 2, "ps3": 2, "allreduce": 1}, matching=["--prefetch"]
+    )
+    assert prefetched[-1]["timeline"] is True  # the row whose phases are summarised
+
+
+def test_gpu_transfers_without_a_gpu_measures_the_ps_adam_and_names_what_it_left_out() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "programs" / "gpu_transfers.py"), "--device", "cpu",
+         "--repeats", "2"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["numel"] == 1_625_606 and figures["bytes"] == 4 * 1_625_606  # the CNN
+    assert (
+        figures["cpu_adam_fused_1_threads_ms"] > 0 and figures["cpu_adam_foreach_1_threads_ms"] > 0
+    )
+    assert "host_copy_ms" in figures["needs_cuda"] and "host_copy_ms" not in figures
 
 
 def test_gpu_check_profile_gives_each_processs_top_frames() -> None:
