@@ -224,6 +224,11 @@ def rows_to_run(
         {"name": "1 ps + 1 worker, async, --intra-op-threads 4",
          "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "4"], "mode": "async",
          "steps": steps["ps"]},
+        # The two together: what the exchange behind the compute (its buckets beside each
+        # other since 2026-11-28) and the threads give at once.
+        {"name": "1 ps + 1 worker, async, --prefetch --intra-op-threads 4",
+         "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "4"], "mode": "async",
+         "steps": steps["ps"], "program": ["--prefetch"]},
         {"name": "1 ps + 1 worker, async, --intra-op-threads 1",
          "launch": ["--ps", "1", "--workers", "1", "--intra-op-threads", "1"], "mode": "async",
          "steps": steps["ps"]},
