@@ -180,8 +180,9 @@ def test_pushes_during_the_backward_start_before_it_ends_and_the_ps_records_its_
         assert len(buckets) >= 3  # one stretch of the backward per bucket
     in_flight = [e for e in spans if e["name"] == "in flight"]
     assert in_flight and all(e["tid"] >= TRACK_TID_BASE for e in in_flight)
-    # Buckets queued behind one in flight go out together (as one request), so how many
-    # requests a step makes depends on timing; the first (bucket 0) always goes alone.
+    # Buckets queued behind a full shard (MAX_IN_FLIGHT requests) go out together (as one
+    # request), so how many requests a step makes depends on timing; the first (bucket 0)
+    # always goes alone.
     assert {e["args"]["bucket"] for e in in_flight} >= {0, 1}
     ps_spans = _check_trace(tmp_path / "t.ps-0.json", "ps:0")
     names = [e["name"] for e in ps_spans]

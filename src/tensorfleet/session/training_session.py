@@ -149,7 +149,7 @@ class TrainingSession:
     All are off by default; docs/compute.md says what each costs and gains.
     ``overlap`` (mode ``async`` without ``max_staleness``): push the gradients in buckets
     during the backward pass and, with ``Overlap(prefetch=True)``, let the next step's
-    forward start before the last reply (at most one step stale); None: the step is
+    forward start before the step's replies (at most one step stale); None: the step is
     sequential. By default buckets of 1 MiB, off when every ps is on this host and the
     worker's threads use every core (one push after the backward then lets each phase use
     all of them: :func:`~tensorfleet.worker.push_overlap.automatic_overlap`). See

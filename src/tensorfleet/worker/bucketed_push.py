@@ -1,8 +1,8 @@
-"""``BucketedPush``: a step's gradients pushed bucket by bucket during the backward pass, every
-bucket on its way as soon as it is complete, and (with prefetch) the step's replies left to
-arrive during the next step. The settings and where they apply are :mod:`tensorfleet.worker.push_overlap`'s;
-the buckets :mod:`tensorfleet.worker.gradient_buckets`'; the ps side
-:mod:`tensorfleet.ps.partial_push`'s.
+"""``BucketedPush``: a step's gradients pushed bucket by bucket during the backward pass,
+every bucket on its way as soon as it is complete, and (with prefetch) the step's replies
+left to arrive during the next step. The settings and where they apply are
+:mod:`tensorfleet.worker.push_overlap`'s; the buckets
+:mod:`tensorfleet.worker.gradient_buckets`'; the ps side :mod:`tensorfleet.ps.partial_push`'s.
 
 How a step goes. :meth:`StepOverlap.backward` arms a post-accumulate-grad hook on every
 registered parameter for the session's own ``loss.backward()`` only (never for an
@@ -133,7 +133,9 @@ class BucketedPush:
         self.prefetch = prefetch
         self._shards = [_Shard(unsent=set(range(len(b)))) for b in self._plan.shards]
         self._step_serial = 0
-        """Counts the steps (:meth:`_next_step`): a request of an earlier one holds a bucket."""
+        """Counts the steps (:meth:`_next_step`), so that a request in flight tells which
+        step sent it (what the exchange waits for with prefetch, :meth:`_owes`; whose memory
+        a bucket must not be packed into, :meth:`_held`)."""
         self._fill: BucketFill | None = None
         self._replies: list[tuple[_Flight, Reply]] = []
         self._failure: BaseException | None = None
