@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,19 +49,40 @@ def _run(cluster: LocalCluster, output: RecordingOutput, timeout_s: float = 90.0
         assert not left, f"processes left behind: {left}\n{output.transcript()}"
 
 
-def test_forked_tasks_see_what_a_fresh_interpreter_would(tmp_path: Path) -> None:
-    output = RecordingOutput()
-    cluster = LocalCluster(
+def _probe_cluster(
+    tmp_path: Path,
+    output: RecordingOutput,
+    workers: int,
+    worker_args: list[str],
+    fork_tasks: bool | None = True,
+    **options: Any,
+) -> LocalCluster:
+    """1 ps (the probe, sleeping) and ``workers`` workers running the probe with
+    ``worker_args``, in ``tmp_path``, forked from the task fork server unless ``fork_tasks``
+    says otherwise (None: as the launcher's environment says)."""
+    return LocalCluster(
         1,
-        2,
-        [sys.executable, str(PROBE), "thread", "atexit"],
+        workers,
+        [sys.executable, str(PROBE), *worker_args],
         ps_command=[sys.executable, str(PROBE), "sleep", "60"],
-        env=_env(PROBE_VALUE="shared"),
-        task_env={"worker:1": {"PROBE_VALUE": "own"}},
+        env=options.pop("env", None) or _env(),
         output=output,
         cwd=tmp_path,
+        fork_tasks=fork_tasks,
+        **options,
+    )
+
+
+def test_forked_tasks_see_what_a_fresh_interpreter_would(tmp_path: Path) -> None:
+    output = RecordingOutput()
+    cluster = _probe_cluster(
+        tmp_path,
+        output,
+        2,
+        ["thread", "atexit"],
+        env=_env(PROBE_VALUE="shared"),
+        task_env={"worker:1": {"PROBE_VALUE": "own"}},
         grace_period=2.0,
-        fork_tasks=True,
     )
     assert _run(cluster, output) == 0, output.transcript()
     draws = []
@@ -85,17 +107,7 @@ def test_forked_tasks_see_what_a_fresh_interpreter_would(tmp_path: Path) -> None
 
 def test_a_forked_tasks_output_is_unbuffered_as_the_launcher_asks(tmp_path: Path) -> None:
     output = RecordingOutput()
-    cluster = LocalCluster(
-        1,
-        1,
-        [sys.executable, str(PROBE), "unflushed", "sleep", "60"],
-        ps_command=[sys.executable, str(PROBE), "sleep", "60"],
-        env=_env(),
-        output=output,
-        cwd=tmp_path,
-        kill_timeout=1.0,
-        fork_tasks=True,
-    )
+    cluster = _probe_cluster(tmp_path, output, 1, ["unflushed", "sleep", "60"], kill_timeout=1.0)
     try:
         cluster.start()
         for line in ("UNFLUSHED stdout line", "UNFLUSHED stderr line"):
@@ -112,16 +124,7 @@ def test_tasks_start_fresh_when_forks_are_off(
 ) -> None:
     monkeypatch.setenv("TENSORFLEET_TASK_FORKS", "0")  # in the launcher's environment
     output = RecordingOutput()
-    cluster = LocalCluster(
-        1,
-        1,
-        [sys.executable, str(PROBE)],
-        ps_command=[sys.executable, str(PROBE), "sleep", "60"],
-        env=_env(),
-        output=output,
-        cwd=tmp_path,
-        grace_period=2.0,
-    )
+    cluster = _probe_cluster(tmp_path, output, 1, [], fork_tasks=None, grace_period=2.0)
     assert _run(cluster, output) == 0, output.transcript()
     assert not _probes(output, "worker:0")[0]["torch_before"]
     assert not _probes(output, "ps:0")[0]["torch_before"]
@@ -131,17 +134,13 @@ def test_a_task_whose_import_time_variables_differ_starts_fresh_and_says_why(
     tmp_path: Path,
 ) -> None:
     output = RecordingOutput()
-    cluster = LocalCluster(
-        1,
+    cluster = _probe_cluster(
+        tmp_path,
+        output,
         2,
-        [sys.executable, str(PROBE)],
-        ps_command=[sys.executable, str(PROBE), "sleep", "60"],
-        env=_env(),
+        [],
         task_env={"worker:1": {"OMP_NUM_THREADS": "1"}},
-        output=output,
-        cwd=tmp_path,
         grace_period=2.0,
-        fork_tasks=True,
     )
     assert _run(cluster, output) == 0, output.transcript()
     assert _probes(output, "worker:0")[0]["torch_before"]
@@ -154,17 +153,7 @@ def test_a_killed_fork_server_costs_its_tasks_a_restart_in_a_fresh_interpreter(
     tmp_path: Path,
 ) -> None:
     output = RecordingOutput()
-    cluster = LocalCluster(
-        1,
-        1,
-        [sys.executable, str(PROBE), "sleep", "4"],
-        ps_command=[sys.executable, str(PROBE), "sleep", "60"],
-        env=_env(),
-        output=output,
-        cwd=tmp_path,
-        grace_period=2.0,
-        fork_tasks=True,
-    )
+    cluster = _probe_cluster(tmp_path, output, 1, ["sleep", "4"], grace_period=2.0)
     try:
         cluster.start()
         output.wait_for(

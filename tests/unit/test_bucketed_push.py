@@ -97,6 +97,25 @@ def cluster() -> Iterator[Callable[..., list[RunningService]]]:
         stop_services(services)
 
 
+def _slow_down(
+    monkeypatch: pytest.MonkeyPatch, last_bucket_s: float = 0.0, every_bucket_s: float = 0.0
+) -> None:
+    """Make every ps of the test answer late: ``every_bucket_s`` after applying any push,
+    ``last_bucket_s`` more after a step's last bucket (the one that counts the step)."""
+    apply = VariableStore.apply
+
+    def slow_apply(
+        store: VariableStore,
+        gradients: list[torch.Tensor],
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> None:
+        apply(store, gradients, part, counts)
+        time.sleep(every_bucket_s + (last_bucket_s if counts else 0.0))
+
+    monkeypatch.setattr(VariableStore, "apply", slow_apply)
+
+
 def _train(
     services: list[RunningService],
     overlap: Overlap | None,
@@ -344,18 +363,6 @@ def test_a_steps_buckets_are_in_flight_together_and_a_step_ends_owing_only_its_o
     (prefetch: at most one step stale). The step's last bucket is answered late, so the
     next step's first buckets find it unanswered; the training still ends bit for bit where
     the sequential one does when nothing is prefetched."""
-    apply = VariableStore.apply
-
-    def slow_last_bucket(
-        store: VariableStore,
-        gradients: list[torch.Tensor],
-        part: tuple[int, int] | None = None,
-        counts: bool = True,
-    ) -> None:
-        apply(store, gradients, part, counts)
-        if counts:
-            time.sleep(0.1)
-
     sends: list[tuple[int, list[int]]] = []
     settled: list[tuple[int, list[int]]] = []
     send, exchange = BucketedPush._send, BucketedPush.exchange
@@ -373,7 +380,7 @@ def test_a_steps_buckets_are_in_flight_together_and_a_step_ends_owing_only_its_o
     monkeypatch.setattr(BucketedPush, "_send", recorded_send)
     monkeypatch.setattr(BucketedPush, "exchange", recorded_exchange)
     sequential = _train(cluster(), None, steps=5)
-    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    _slow_down(monkeypatch, last_bucket_s=0.1)
     trained = _train(cluster(), Overlap(bucket_bytes=600, prefetch=prefetch), steps=5)
     assert any(serial in in_flight for serial, in_flight in sends)  # several of one step
     # Whatever is left in flight when a step returns is that step's own (prefetch), or
@@ -405,17 +412,11 @@ def test_at_most_max_in_flight_requests_per_shard_and_the_rest_go_merged(
         sizes.append(bucket.stop - bucket.start)
         send(push, shard, bucket)
 
-    apply = VariableStore.apply
-
-    def slow_apply(store: VariableStore, *args: Any, **kwargs: Any) -> None:
-        apply(store, *args, **kwargs)
-        time.sleep(0.05)  # the backward of this model is far quicker: buckets queue up
-
     monkeypatch.setattr(BucketedPush, "_send", recorded_send)
     sequential = _train(cluster(), None, steps=4)
     in_flight_at_send.clear()
     sizes.clear()
-    monkeypatch.setattr(VariableStore, "apply", slow_apply)
+    _slow_down(monkeypatch, every_bucket_s=0.05)  # far slower than this model's backward
     trained = _train(cluster(), Overlap(bucket_bytes=1, prefetch=prefetch), steps=4)
     assert max(in_flight_at_send) == bucketed_push.MAX_IN_FLIGHT - 1
     assert bucketed_push.MAX_IN_FLIGHT == MAX_REQUEST_SEGMENTS
@@ -439,19 +440,7 @@ def test_no_payload_is_packed_into_memory_a_request_in_flight_still_holds(
     sent. (Through shared memory a request segment is never offered while a request holds
     it: tests/unit/test_shared_memory.py.)"""
     monkeypatch.setenv(environment.SHARED_MEMORY_VAR, "0")
-    apply = VariableStore.apply
-
-    def slow_last_bucket(
-        store: VariableStore,
-        gradients: list[torch.Tensor],
-        part: tuple[int, int] | None = None,
-        counts: bool = True,
-    ) -> None:
-        apply(store, gradients, part, counts)
-        if counts:
-            time.sleep(0.05)
-
-    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    _slow_down(monkeypatch, last_bucket_s=0.05)
     spans: dict[int, list[tuple[int, int]]] = {}
     kept: list[list[memoryview]] = []  # so that no address is reused while it is compared
     clashes: list[tuple[int, int]] = []
@@ -492,19 +481,7 @@ def test_a_prefetched_reply_taken_during_the_next_backward_still_reaches_the_mod
     Its values wait for the next safe point instead of being lost, or the first layer (the
     last bucket) would keep its old values for as long as that kept happening."""
     services = cluster()
-    apply = VariableStore.apply
-
-    def slow_last_bucket(
-        store: VariableStore,
-        gradients: list[torch.Tensor],
-        part: tuple[int, int] | None = None,
-        counts: bool = True,
-    ) -> None:
-        apply(store, gradients, part, counts)
-        if counts:  # the step's last bucket: its reply leaves 0.3 s later
-            time.sleep(0.3)
-
-    monkeypatch.setattr(VariableStore, "apply", slow_last_bucket)
+    _slow_down(monkeypatch, last_bucket_s=0.3)  # the step's last reply leaves 0.3 s later
     server = Server(
         {"ps": [services[0].address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
     )

@@ -75,7 +75,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from tensorfleet.errors import LaunchError
-from tensorfleet.patterns.warm_executor import die_with_parent
+from tensorfleet.process_forks import die_with_parent
 
 #: How long :func:`preload`'s interpreter may take to import torch and tensorfleet before a
 #: sweep gives up on it (and starts its executor the usual way).

@@ -24,14 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from tensorfleet.patterns.preloaded_interpreter import MESSAGE_BYTES
-from tensorfleet.patterns.warm_executor import (
-    PRELOADED,
+from tensorfleet.patterns.warm_executor import PRELOADED, serve
+from tensorfleet.process_forks import (
     current_threads,
     die_with_parent,
     end_fork,
     failed_in_fork,
     fork_frozen,
-    serve,
     serve_fork_requests,
 )
 

@@ -45,10 +45,10 @@ from tensorfleet.patterns.trial_main import (
 from tensorfleet.patterns.warm_executor import (
     TrialProcess,
     WarmExecutor,
-    die_with_parent,
     shared_executor_possible,
     signal_group,
 )
+from tensorfleet.process_forks import die_with_parent
 
 
 class ProcessTrial:

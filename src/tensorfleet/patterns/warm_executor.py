@@ -75,24 +75,30 @@ corrupt that channel.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import importlib
 import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any, NoReturn, Protocol
+from typing import IO, Any, Protocol
 
-_PR_SET_PDEATHSIG = 1
+from tensorfleet.process_forks import (
+    current_threads,
+    die_with_parent,
+    end_fork,
+    failed_in_fork,
+    fork_frozen,
+    reseed_generators,
+    set_parent_death_signal,
+)
+
 #: Imported by every executor before the entry's module, so that no trial pays for them.
 #: ``torch._dynamo`` (with sympy and about 800 other modules) is what torch's optimizers
 #: import at their first ``step()``: 1.7 s, once per process.
@@ -355,16 +361,6 @@ def shared_executor_possible() -> bool:
     return True
 
 
-def die_with_parent(sig: int) -> Any:
-    """A ``preexec_fn`` asking Linux to send ``sig`` to the child when its parent dies."""
-
-    def set_parent_death_signal() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-    return set_parent_death_signal
-
-
 def signal_group(pid: int, sig: int) -> None:
     """Send ``sig`` to the process group ``pid`` leads; nothing when it is gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -372,14 +368,6 @@ def signal_group(pid: int, sig: int) -> None:
 
 
 # --- the executor process ------------------------------------------------------------------
-
-
-def current_threads() -> set[str]:
-    """The ids of this process's threads (a fork is safe only with the ones it started with)."""
-    try:
-        return set(os.listdir("/proc/self/task"))
-    except OSError:  # not Linux: nothing to compare, so never fork
-        return {"unknown"}
 
 
 def serve(entry: str, metric: str) -> int:
@@ -480,78 +468,6 @@ def serve(entry: str, metric: str) -> int:
     return 0
 
 
-def fork_frozen() -> int:
-    """``os.fork()`` after flushing Python's output buffers (else the child would print them
-    again) and moving every object imported so far to the collector's permanent generation:
-    a child's collections then neither walk them nor write to their pages (which would copy
-    them); measured 1.07-1.25 s against 1.15-1.29 s for a 1 s trial, in-process 1.16."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    gc.freeze()
-    return os.fork()
-
-
-#: What a fork request's handler answers: ``{"event": "forked", "pid": ...}`` or
-#: ``{"event": "declined", "why": ...}``.
-ForkReply = dict[str, Any]
-
-
-def serve_fork_requests(
-    channel: socket.socket,
-    message_bytes: int,
-    max_fds: int,
-    fork_one: Callable[[bytes, list[int], tuple[int, ...]], ForkReply],
-) -> int:
-    """The loop of a process that forks children on request over ``channel`` (a
-    ``SOCK_SEQPACKET`` socket): the sweeps' preloaded interpreter and the launcher's task fork
-    server. Each child's end is reaped and said (``{"event": "ended", "pid": ...,
-    "returncode": ...}``) as its pidfd reports it; each request (up to ``message_bytes``, with
-    up to ``max_fds`` descriptors) goes to ``fork_one(data, fds, close)``, which closes the
-    descriptors in this process and answers (:data:`ForkReply`), ``close`` being what a child
-    must close (the channel, the other children's pidfds). Returns 0 once the channel closed."""
-
-    def say(message: dict[str, Any]) -> None:
-        channel.send(json.dumps(message).encode())
-
-    children: dict[int, int] = {}  # pidfd -> child pid
-    while True:
-        readable, _, _ = select.select([channel, *children], [], [])
-        for pidfd in [fd for fd in readable if fd in children]:
-            pid = children.pop(pidfd)
-            os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
-            say({"event": "ended", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
-        if channel not in readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(channel, message_bytes, max_fds)
-        if not data:  # the other side closed the channel (or ended): so do we
-            for fd in fds:
-                os.close(fd)
-            return 0
-        reply = fork_one(data, fds, (channel.fileno(), *children))
-        say(reply)
-        if reply.get("event") == "forked":
-            children[os.pidfd_open(reply["pid"])] = reply["pid"]
-
-
-def failed_in_fork() -> int:
-    """A forked child's exception before (or around) its work: its traceback to the child's
-    output, and the status it ends with (1)."""
-    import traceback
-
-    traceback.print_exc()
-    return 1
-
-
-def end_fork(code: int) -> NoReturn:
-    """End a forked child with ``code``: its output flushed, then ``os._exit`` (no atexit
-    handler and no finalizer of what it inherited from its parent runs twice)."""
-    with contextlib.suppress(BaseException):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
-
-
 def _fork_trial(
     command: Mapping[str, Any], function: Any, metric: str, close: tuple[int, ...]
 ) -> int:
@@ -572,8 +488,7 @@ def _trial_child(
     code = 1
     try:
         os.setpgid(0, 0)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != parent:  # the executor died before the line above
             os._exit(128 + int(signal.SIGKILL))
         for fd in close:
@@ -605,18 +520,6 @@ def _trial_child(
         code = failed_in_fork()
     finally:
         end_fork(code)
-
-
-def reseed_generators() -> None:
-    """A fresh interpreter seeds Python's (and numpy's) global generators from the OS; forked
-    children would all share the executor's state, so reseed them the same way. Torch's
-    default generator needs nothing: its seed is fixed at start, as in a fresh process."""
-    import random
-
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
 
 
 def main(argv: list[str] | None = None) -> int:

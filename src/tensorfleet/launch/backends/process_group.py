@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from tensorfleet import process_forks
+
 #: Longest chunk read as one line, so a child printing without newlines cannot eat memory.
 MAX_LINE_BYTES = 64 * 1024
 #: Seconds to wait for a reader thread to drain a pipe after its process exited. Short: a
@@ -41,17 +43,12 @@ def start_process_group(
         env=dict(env),
         cwd=cwd,
         start_new_session=True,
-        preexec_fn=set_parent_death_signal if die_with_parent and sys.platform == "linux" else None,
+        preexec_fn=(
+            process_forks.die_with_parent(signal.SIGKILL)
+            if die_with_parent and sys.platform == "linux"
+            else None
+        ),
     )
-
-
-def set_parent_death_signal() -> None:
-    """In the child, before exec: ask for SIGKILL when the parent dies (prctl
-    PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def pump_lines(pipe: IO[bytes], on_line: Callable[[str], None]) -> None:

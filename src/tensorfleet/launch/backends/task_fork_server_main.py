@@ -30,7 +30,7 @@ from tensorfleet.launch.backends.task_forks import (
     MESSAGE_BYTES,
     import_time_difference,
 )
-from tensorfleet.patterns.warm_executor import (
+from tensorfleet.process_forks import (
     current_threads,
     die_with_parent,
     end_fork,

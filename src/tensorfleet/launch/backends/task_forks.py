@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import environment
-from tensorfleet.launch.backends.process_group import set_parent_death_signal
+from tensorfleet.process_forks import die_with_parent
 
 #: "0" starts every task of a local cluster in a fresh interpreter (the default forks them
 #: from the run's task fork server).
@@ -223,7 +223,7 @@ class TaskForkServer:
                 env=dict(env),
                 pass_fds=(theirs.fileno(),),
                 start_new_session=True,
-                preexec_fn=set_parent_death_signal,
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         finally:
             theirs.close()
