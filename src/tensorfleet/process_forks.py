@@ -14,8 +14,9 @@ frozen (:func:`fork_frozen`), the check that no thread was started since the imp
 first and last (:func:`set_parent_death_signal`, :func:`reseed_generators`,
 :func:`failed_in_fork`, :func:`end_fork`).
 
-Why a module of its own: these lived in the warm executor, and the launcher's task fork
-server imported them from there, an arrow from the launcher into the patterns built on it.
+Why a module of its own: these lived in the warm executor, which came first, and grew it
+past 600 lines with a second role; the launcher's task fork server imported them from there,
+though it forks tasks, not trials.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ launch > patterns > session > parallel > worker > ps > wire > cluster. ``paralle
 cross-validation, broadcast, actor/learner) composes sessions and the wire, and sits below
 ``launch`` so that the launcher's CLI can register ``tensorfleet sweep``; a sweep whose trials
 are clusters runs the ``tensorfleet launch`` command as a child process, not launch's code. Modules at the package top (errors,
-environment, version, preemption_event, silence_clock, task_markers, task_memory, and the facades __init__ / optim / __main__) are shared by all layers.
+environment, version, preemption_event, silence_clock, task_markers, task_memory, process_forks, and the facades __init__ / optim / __main__) are shared by all layers.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ SHARED = {
     "silence_clock",
     "task_markers",
     "task_memory",
+    "process_forks",
 }
 #: Side packages that only the top layers may use (data for examples, not the runtime).
 SIDE = {"datasets": 0}
