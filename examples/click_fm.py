@@ -120,15 +120,21 @@ def main() -> int:
         hooks=[tfl.StopAtStep(last_step=args.steps)], log_placement=True,
     ) as sess:  # fmt: skip
         seed = 1000 + task.rank
+        batch = make_clicks(BATCH, seed)
         while not sess.should_stop():
-            ids, labels, _ = make_clicks(BATCH, seed)
             seed += task.num_workers
-            ids = ids_of(ids)
+            upcoming = make_clicks(BATCH, seed)
+            # The next batch's rows ride with this step's exchange (docs/sparse.md).
+            model.embedding.prefetch(ids_of(upcoming[0]))
+            ids, labels = ids_of(batch[0]), batch[1]
             sess.step(
                 lambda ids=ids, labels=labels: F.binary_cross_entropy_with_logits(
                     model(ids), labels
                 )
             )
+            batch = upcoming
+        ahead = model.embedding.lookups_ahead  # before the evaluation's lookup below
+        print(f"lookups sent ahead: {ahead['used']} used, {ahead['missed']} missed", flush=True)
         if sess.is_chief:
             sess.pull()
             ids, labels, probability = make_clicks(20_000, seed=7)  # held out

@@ -2,7 +2,7 @@
 ``benchmarks/sparse_tables.py``'s speed rows against a plain PyTorch loop.
 
     click_speed.py OUT --mode torch|local|cluster --optimizer adagrad|sparse_adam|sgd \
-        [--examples 200000] [--epochs 2] [--rows-ahead]
+        [--examples 200000] [--epochs 2] [--rows-ahead] [--prefetch]
 
 The data: ``--examples`` examples drawn once from the click model (``make_clicks``, seed 1),
 visited ``--epochs`` times in batches of 256, each epoch in its own fixed random order; a
@@ -20,7 +20,9 @@ same batches in the same order (cluster: worker ``r`` of ``W`` takes batches ``r
 ``--rows-ahead`` (``local``): the table creates all its rows before the loop
 (``EmbeddingTable.create_all_rows()``, as ``nn.Embedding`` initializes its weight in its
 constructor) instead of at each row's first lookup; the CPU seconds that took are reported
-as ``setup_cpu_s``, outside the loop's.
+as ``setup_cpu_s``, outside the loop's. ``--prefetch`` (``cluster``): before each step the
+table is told the next batch's ids (``EmbeddingTable.prefetch``), so that its lookup travels
+with this step's exchange; the chief reports ``lookups_ahead``.
 
 Each process writes ``OUT`` (``cluster``: ``OUT.<rank>``, JSON): the wall-clock start and end
 of its training loop (``time.time()``, comparable between the processes of one machine), the
@@ -112,6 +114,9 @@ def main() -> int:
     parser.add_argument(
         "--rows-ahead", action="store_true", help="local: create every row before the loop"
     )
+    parser.add_argument(
+        "--prefetch", action="store_true", help="cluster: each lookup sent with the step before"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -161,9 +166,11 @@ def main() -> int:
             started, cpu = time.time(), time.process_time()
             if profiler:
                 profiler.enable()
-            for rows in mine:
+            for k, rows in enumerate(mine):
                 if sess.should_stop():
                     break
+                if args.prefetch and k + 1 < len(mine):  # the next batch's rows ride ahead
+                    model.embedding.prefetch(ids[mine[k + 1]])
                 x, y = ids[rows], labels[rows]
                 sess.step(lambda x=x, y=y: F.binary_cross_entropy_with_logits(model(x), y))
                 trained += rows.numel()
@@ -171,6 +178,7 @@ def main() -> int:
                 profiler.disable()
             report.update(start=started, end=time.time(), cpu_s=time.process_time() - cpu)
             report["examples"] = trained
+            report["lookups_ahead"] = model.embedding.lookups_ahead
             if sess.is_chief:
                 sess.pull()
                 report["auc"] = held_out_auc(model)

@@ -124,19 +124,20 @@ def _one_process_sync_reference(steps: int, workers: int) -> tuple[torch.Tensor,
         return model.embedding(torch.arange(program.IDS)), list(model.out.parameters())
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_shard_holding_only_table_rows(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "prefetch"), [("async", False), ("sync", False), ("sync", True)])
+def test_a_shard_holding_only_table_rows(tmp_path, mode, prefetch):
     """3 ps and a model of one table and a linear head (weight and bias: 2 dense variables):
     one shard holds no dense variable, only its third of the table's rows. It trains, and
     the final checkpoint holds that shard's document (no variables, the table's rows).
 
     In sync mode the table's rows are averaged by the sync step (held per step, the mean over
     the union of the workers' rows): the trained table and head equal one process training
-    on the whole batch of each step."""
+    on the whole batch of each step. With ``prefetch`` each step's lookup was sent ahead
+    with the step before's exchange (``EmbeddingTable.prefetch``) and used: the same."""
     out, checkpoints = tmp_path / "result.json", tmp_path / "checkpoints"
     command = [
         sys.executable, str(PROGRAMS / "sparse_embedding_worker.py"), str(out), mode, str(STEPS),
-        "--table-only", "--checkpoint-dir", str(checkpoints),
+        "--table-only", "--checkpoint-dir", str(checkpoints), *(["--prefetch"] if prefetch else []),
     ]  # fmt: skip
     run = run_local_cluster(3, 2, command, timeout_s=200)
     assert run.returncode == 0, str(run)
@@ -153,6 +154,8 @@ def test_a_shard_holding_only_table_rows(tmp_path, mode):
     rows = RowStore.decode(documents[shard].tables["embedding"])
     assert rows.size > 0, str(run)  # it served and updated its rows
     assert set(rows.created_rows().tolist()) <= set(range(shard, 40, 3))
+    if prefetch:  # every step's lookup but the first came ahead; the last prefetch missed
+        assert result["lookups_ahead"]["used"] == result["global_step"] - 1, str(run)
     if mode == "sync":
         table, head = _one_process_sync_reference(result["global_step"], workers=2)
         got = torch.tensor(result["table"])

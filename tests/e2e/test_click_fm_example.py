@@ -1,5 +1,6 @@
 """The factorization-machine example end to end through the launcher: its 1M-row table on
-2 ps shards, 2 workers; the held-out AUC must be well above chance."""
+2 ps shards, 2 workers; the held-out AUC must be well above chance, and every step's lookup
+but the first was sent ahead with the step before's exchange."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def test_click_fm_learns_through_the_launcher():
     assert len(lines) == 1, str(run)
     auc = float(re.search(r"AUC ([0-9.]+) \(known", lines[0]).group(1))
     assert auc > 0.6, f"held-out AUC {auc} (0.5 is chance)\n{run}"
+    # Each worker's lookups after its first came ahead, with its step before's exchange.
+    for worker in ("worker:0", "worker:1"):
+        (ahead,) = [line for line in run.output.of(worker) if "lookups sent ahead" in line]
+        used, missed = map(int, re.search(r"(\d+) used, (\d+) missed", ahead).groups())
+        assert used > 100 and missed == 0, f"{worker}: {ahead}\n{run}"
 
 
 def test_click_fm_with_raw_ids_learns_and_admits_and_evicts_rows():

@@ -41,6 +41,7 @@ from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_tables import ShardTables
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
+from tensorfleet.worker.lookup_ahead import LookupAhead, LookupsAhead
 from tensorfleet.worker.sparse_gradient import coalesce_gradient, split_rows
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -166,6 +167,8 @@ class EmbeddingTable(nn.Module):
         self._partition: RowPartition | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._released: str | None = None
+        self._ahead = LookupsAhead()
+        """The lookups prefetched and sent ahead (:mod:`tensorfleet.worker.lookup_ahead`)."""
 
     def spec(self) -> TableSpec:
         """The table as the ps shards hold it (needs a name: given, or set by the session)."""
@@ -199,6 +202,7 @@ class EmbeddingTable(nn.Module):
         self._source = source
         self._pending = []
         self._released = None
+        self._ahead.clear()
 
     def release(self, where: str) -> None:
         """The rows' holder is gone (``where``: e.g. ``the ps shards``): the session that
@@ -207,6 +211,7 @@ class EmbeddingTable(nn.Module):
         self._source = None
         self._pending = []
         self._released = where
+        self._ahead.clear()
 
     @property
     def attached(self) -> bool:
@@ -263,6 +268,115 @@ class EmbeddingTable(nn.Module):
             )
         return ids
 
+    @property
+    def lookups_ahead(self) -> dict[str, int]:
+        """What became of the lookups :meth:`prefetch` sent ahead: ``used`` (the next lookup
+        took their rows), ``missed`` (it looked up other ids: dropped, asked again), ``lost``
+        (a recovery lost them: asked again)."""
+        return dict(self._ahead.counts)
+
+    def prefetch(self, ids: torch.Tensor | Sequence[str | bytes]) -> None:
+        """Say that this table's first lookup after the next step's exchange will be of
+        ``ids`` (the next batch's, as the forward will pass them): that exchange asks the
+        shards for their rows without waiting, and that lookup takes the answers instead of
+        asking and waiting (:mod:`tensorfleet.worker.lookup_ahead`). Call it before
+        ``sess.step(...)`` of the batch before, e.g.::
+
+            batch = next(batches)
+            while not sess.should_stop():
+                upcoming = next(batches)
+                model.items.prefetch(upcoming.ids)  # rides with this step's exchange
+                sess.step(lambda batch=batch: loss_of(model, batch))
+                batch = upcoming
+
+        The rows are those the lookup would have read (async: they carry this worker's
+        update of the step; sync and ``max_staleness``: bit for bit the same). A later call
+        before that exchange replaces the ids. The ids are checked now, as a lookup checks
+        them. In one process (``LocalRowSource``) the rows are in memory: nothing to do."""
+        if self._source is None:
+            self._refuse_released()
+            raise TableNotAttached(self._not_attached())
+        flat = self.rows_of(ids).reshape(-1).cpu()
+        if getattr(self._source, "send_rows_of", None) is None:
+            return  # a source in this process: a lookup waits for nothing
+        if flat.numel() == 0:
+            self._ahead.next = None
+            return
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        places, parts = self._split(unique)
+        self._ahead.next = LookupAhead(flat, unique, inverse, places, parts)
+
+    def send_ahead(self) -> None:
+        """Send the lookup :meth:`prefetch` named (the session calls this in a step's
+        exchange, :mod:`tensorfleet.worker.lookup_ahead` says where). A lookup sent by the
+        exchange before and taken by no lookup since (a step that did not look this table
+        up) is dropped first."""
+        ahead = self._ahead
+        if ahead.sent is not None:
+            self._source.receive_rows_of(ahead.sent.sent)  # type: ignore[union-attr]
+            ahead.sent = None
+            ahead.missed(self._label())
+        prefetched, ahead.next = ahead.next, None
+        if prefetched is None or self._source is None:
+            return
+        prefetched.sent = self._source.send_rows_of(self.spec().name, prefetched.parts)  # type: ignore[attr-defined]
+        if prefetched.sent is None:
+            ahead.counts["lost"] += 1
+        else:
+            ahead.sent = prefetched
+
+    def _arrived_ahead(self, flat: torch.Tensor) -> tuple[LookupAhead, dict] | None:
+        """The lookup sent ahead and its rows by shard, when it asked for exactly ``flat``
+        (the batch's ids, flattened; None: ask). A lookup sent ahead is taken by this lookup
+        whatever its ids; one only prefetched, of these ids, is dropped (this is its lookup,
+        and nothing was sent)."""
+        ahead = self._ahead
+        taken, ahead.sent = ahead.sent, None
+        if taken is None:
+            if ahead.next is not None and torch.equal(ahead.next.flat, flat):
+                ahead.next = None
+            return None
+        pulled = self._source.receive_rows_of(taken.sent)  # type: ignore[union-attr]
+        if not torch.equal(taken.flat, flat):
+            ahead.missed(self._label())
+            return None
+        if pulled is None:
+            ahead.counts["lost"] += 1
+            return None
+        ahead.used()
+        return taken, pulled
+
+    def _split(
+        self, unique: torch.Tensor
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Where each shard's rows sit among ``unique`` (positions), and its ids."""
+        partition = self.partition
+        if partition.num_shards == 1:
+            return {0: torch.arange(unique.numel())}, {0: unique}
+        shard_of = partition.shard_of(unique)
+        places = {}
+        for shard in range(partition.num_shards):
+            where = torch.nonzero(shard_of == shard).flatten()
+            if where.numel():
+                places[shard] = where
+        return places, {shard: unique.index_select(0, where) for shard, where in places.items()}
+
+    def _gathered(
+        self, places: dict[int, torch.Tensor], pulled: dict[int, torch.Tensor], count: int
+    ) -> torch.Tensor:
+        """The ``count`` unique rows, from each shard's answer ``pulled[k]`` (checked: one
+        row per id asked) put at its ``places[k]``."""
+        gathered = torch.empty((count, self.dim), dtype=self.dtype)
+        for shard, where in places.items():
+            if pulled[shard].shape != (where.numel(), self.dim):
+                raise ProtocolError(
+                    f"ps:{shard} answered the lookup of {where.numel()} rows of table "
+                    f"{self.spec().name!r} with rows of shape {tuple(pulled[shard].shape)}, "
+                    f"not ({where.numel()}, {self.dim})"
+                )
+            gathered.index_copy_(0, where, pulled[shard])
+        return gathered
+
     def forward(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
         if self._source is None:
             self._refuse_released()
@@ -271,42 +385,36 @@ class EmbeddingTable(nn.Module):
         # The rows live in host memory (the ps, or this process's store): ids on a GPU are
         # looked up on the CPU, and the batch's rows come to the ids' device for the lookup
         # (their gradient leaves it again in take_gradient).
-        device = rows.device
-        unique, inverse = torch.unique(rows.reshape(-1).cpu(), sorted=True, return_inverse=True)
-        name, partition = self.spec().name, self.partition
-        pull_own_rows = getattr(self._source, "pull_own_rows", None)
-        if partition.num_shards == 1:  # the shard's rows are the batch's rows, in order
-            if pull_own_rows is not None:  # a source in this process: ids checked above
-                gathered = pull_own_rows(name, 0, unique)
-            else:
-                gathered = self._source.pull_rows(name, 0, unique)
+        device, flat = rows.device, rows.reshape(-1).cpu()
+        arrived = self._arrived_ahead(flat) if self._ahead.sent or self._ahead.next else None
+        if arrived is not None:  # asked with the step before's exchange: here meanwhile
+            taken, pulled = arrived
+            unique, inverse = taken.unique, taken.inverse
+            gathered = self._gathered(taken.places, pulled, unique.numel())
         else:
-            shard_of = partition.shard_of(unique)
-            gathered = torch.empty((unique.numel(), self.dim), dtype=self.dtype)
-            places = {}
-            for shard in range(partition.num_shards):
-                where = torch.nonzero(shard_of == shard).flatten()
-                if where.numel():
-                    places[shard] = where
-            parts = {shard: unique.index_select(0, where) for shard, where in places.items()}
-            pull_rows_of = getattr(self._source, "pull_rows_of", None)
-            if pull_rows_of is not None:  # every shard asked at once: one round trip
-                pulled = pull_rows_of(name, parts)
-            else:
-                pulled = {k: self._source.pull_rows(name, k, ids) for k, ids in parts.items()}
-            for shard, where in places.items():
-                if pulled[shard].shape != (where.numel(), self.dim):
-                    raise ProtocolError(
-                        f"ps:{shard} answered the lookup of {where.numel()} rows of table "
-                        f"{name!r} with rows of shape {tuple(pulled[shard].shape)}, not "
-                        f"({where.numel()}, {self.dim})"
-                    )
-                gathered.index_copy_(0, where, pulled[shard])
+            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            gathered = self._looked_up(unique)
         gathered, inverse = gathered.to(device), inverse.to(device)
         if torch.is_grad_enabled() and self.training:
             gathered.requires_grad_(True)
             self._pending.append((unique, gathered))
         return F.embedding(inverse, gathered).view(*rows.shape, self.dim)
+
+    def _looked_up(self, unique: torch.Tensor) -> torch.Tensor:
+        """The rows of ``unique`` (ascending), asked from the source now."""
+        name, partition = self.spec().name, self.partition
+        if partition.num_shards == 1:  # the shard's rows are the batch's rows, in order
+            pull_own_rows = getattr(self._source, "pull_own_rows", None)
+            if pull_own_rows is not None:  # a source in this process: ids checked above
+                return pull_own_rows(name, 0, unique)
+            return self._source.pull_rows(name, 0, unique)
+        places, parts = self._split(unique)
+        pull_rows_of = getattr(self._source, "pull_rows_of", None)
+        if pull_rows_of is not None:  # every shard asked at once: one round trip
+            pulled = pull_rows_of(name, parts)
+        else:
+            pulled = {k: self._source.pull_rows(name, k, ids) for k, ids in parts.items()}
+        return self._gathered(places, pulled, unique.numel())
 
     def take_gradient(self) -> SparseRows:
         """The coalesced gradient of the rows used since the last call (after backward), and

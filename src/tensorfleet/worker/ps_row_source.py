@@ -4,7 +4,8 @@ whose rows live on the ps shards (:mod:`tensorfleet.ps.table_requests` is the sh
 Every request goes through the client's one fan-out path (:class:`ShardFanout`, through the
 client's recovering wrapper): ``create`` tells every shard its part of a table, ``pull_rows``
 asks one shard for the rows of the ids it holds (``pull_rows_of``: several shards in one round
-trip), ``push_rows`` sends each shard its part of a gradient (an empty part too: a shard
+trip; ``send_rows_of`` / ``receive_rows_of``: the same sent ahead, with the step before's
+exchange, :mod:`tensorfleet.worker.lookup_ahead`), ``push_rows`` sends each shard its part of a gradient (an empty part too: a shard
 counts every step of its tables) in one round trip to all shards at once, or, between
 :meth:`PsRowSource.defer_pushes` and :meth:`PsRowSource.settle_pushes`, without waiting for
 the replies (:mod:`tensorfleet.worker.rows_in_flight`: the dense exchange goes meanwhile).
@@ -35,6 +36,7 @@ from tensorfleet.ps.table_requests import partition_to_wire
 from tensorfleet.wire.channel import Reply
 from tensorfleet.wire.tensors import DTYPES, as_buffer, from_buffer
 from tensorfleet.worker.client import RECOVERABLE
+from tensorfleet.worker.lookup_ahead import SentLookup
 from tensorfleet.worker.rows_in_flight import RowsInFlight
 from tensorfleet.worker.shard_fanout import ShardFanout
 
@@ -258,6 +260,49 @@ class PsRowSource:
         for shard, reply in zip(shards, replies, strict=True):
             out[shard] = self._rows_of_reply(shard, reply, dtype, wanted[shard].numel())
         return out
+
+    def send_rows_of(self, table: str, parts: dict[int, torch.Tensor]) -> SentLookup | None:
+        """Ask shard ``k`` for the rows of ids ``parts[k]``, for every ``k``, without waiting:
+        a lookup sent ahead (:mod:`tensorfleet.worker.lookup_ahead`), whose answers
+        :meth:`receive_rows_of` takes. None when the sending failed and the client recovered
+        (the lookup then asks when it comes)."""
+        wanted = {k: parts[k].to(torch.int64).contiguous() for k in sorted(parts)}
+        body = {"task": self.task_name, "table": table}
+        fanout, requests = self._fanout(), {}
+        try:
+            with fanout.timeline.span("pull_rows_ahead"):
+                for shard, ids in wanted.items():
+                    requests[shard] = fanout.send(
+                        shard, "pull_rows", body, self.timeout_s, [as_buffer(ids)]
+                    )
+        except RECOVERABLE as exc:
+            if self._recover is None:
+                raise
+            self._recover(exc)
+            return None
+        return SentLookup(table, fanout, wanted, requests)
+
+    def receive_rows_of(self, sent: SentLookup) -> dict[int, torch.Tensor] | None:
+        """The rows :meth:`send_rows_of` asked for, by shard, each reply checked as a
+        lookup's. None when a recovery lost the requests since (the client's fan-out is
+        another, or forgot them) or when waiting for them failed and the client recovered:
+        the caller asks again."""
+        if self._fanout() is not sent.fanout:
+            return None
+        known = {k: r for k, r in sent.requests.items() if sent.fanout.channels[k].knows(r)}
+        dtype = self._dtypes.get(sent.table, torch.float32)
+        out = {}
+        try:
+            for shard, request_id in known.items():
+                with sent.fanout.timeline.span("wait"):
+                    reply = sent.fanout.wait(shard, request_id, self.timeout_s)
+                out[shard] = self._rows_of_reply(shard, reply, dtype, sent.ids[shard].numel())
+        except RECOVERABLE as exc:
+            if self._recover is None:
+                raise
+            self._recover(exc)
+            return None
+        return out if len(known) == len(sent.requests) else None
 
     def _rows_of_reply(self, shard: int, reply: Reply, dtype: torch.dtype, n: int) -> torch.Tensor:
         """The ``n`` rows of a ``pull_rows`` reply, checked: one buffer, a whole number of

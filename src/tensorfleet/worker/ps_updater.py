@@ -352,6 +352,8 @@ class PsUpdater:
                 self.mirrored.push(sync_step=sync_step)
             if self.tables is not None:
                 self.tables.push(sync_step=sync_step)
+                if self._rows_applied_at_once():  # behind the rows, beside the dense trip
+                    self.tables.send_lookups_ahead()
             if self.overlapped is not None:  # the sparse gradients are densified by bucket
                 progress = self.overlapped.exchange(step, data)
             else:
@@ -369,7 +371,23 @@ class PsUpdater:
             # past its first step: a launcher that sees it killed now sees no crash loop
             self._serving = True
             task_markers.mark_serving(self.client.task_name)
-        return self._exchange_buffers(step, progress)
+        return self._lookups_ahead_last(self._exchange_buffers(step, progress))
+
+    def _rows_applied_at_once(self) -> bool:
+        """Whether a shard applies a row push when it arrives (async without
+        ``max_staleness``), so that a lookup sent right behind it reads the updated rows; else
+        the rows are held, and the lookups sent ahead go at the end of the exchange
+        (:mod:`tensorfleet.worker.lookup_ahead`)."""
+        discipline = self.discipline
+        return discipline is None or (
+            discipline.mode == "async" and discipline.max_staleness is None
+        )
+
+    def _lookups_ahead_last(self, progress: Progress) -> Progress:
+        """At the end of an exchange that held its rows: send the lookups prefetched."""
+        if self.tables is not None and not self._rows_applied_at_once():
+            self.tables.send_lookups_ahead()
+        return progress
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
         """After the gradients' trip: push the buffers (only with gradients that counted)."""
@@ -388,13 +406,15 @@ class PsUpdater:
         self._settle()
         if self.discipline is not None and self.discipline.mode == "async":
             pulled = self.pull()
+            if self.tables is not None:  # nothing pushed: the rows are as they will be read
+                self.tables.send_lookups_ahead()
             return Progress(pulled.global_step, pulled.stop, made_step=False, dropped=True)
         densify_sparse_gradients(self._named_params)
         zero_gradients(self._named_params)
         progress = self.client.push_pull(step=step)  # no rows: each table counts the step
         if self.mirrored is not None:
             self.mirrored.pull()
-        return self._exchange_buffers(step, progress)
+        return self._lookups_ahead_last(self._exchange_buffers(step, progress))
 
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return stop, checkpoint

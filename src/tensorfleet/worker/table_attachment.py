@@ -104,6 +104,12 @@ class TableAttachment:
         for table in self.tables:
             table.push_gradient()
 
+    def send_lookups_ahead(self) -> None:
+        """Send the lookups the tables were told of with ``prefetch`` (a step's exchange,
+        where :mod:`tensorfleet.worker.lookup_ahead` says)."""
+        for table in self.tables:
+            table.send_ahead()
+
     def release(self, where: str) -> None:
         """The session ended: lookups of the tables raise ``UsageError`` from now on (their
         rows were on ``where``, which ends with the training)."""

@@ -2,6 +2,7 @@
 ``nn.EmbeddingBag(sparse=True)`` learns labels that are a known function of the ids.
 
     sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--table-only]
+        [--prefetch]
                                [--checkpoint-dir D] [--optimizer sgd|adagrad|sparse_adam]
 
 ``--table``: the first lookup is a ``tfl.EmbeddingTable`` whose rows live on the ps shards.
@@ -104,6 +105,7 @@ def main() -> int:
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    parser.add_argument("--prefetch", action="store_true", help="--table-only: rows ahead")
     args = parser.parse_args()
     optimizer, sparse_optimizer = OPTIMIZERS[args.optimizer]
     torch.set_num_threads(1)
@@ -123,6 +125,9 @@ def main() -> int:
         while not sess.should_stop():
             start = (sess.global_step * task.num_workers + task.index) * BATCH
             xb, yb = ids[start : start + BATCH], labels[start : start + BATCH]
+            if args.prefetch:  # the next step's batch (sync: the global step advances by 1)
+                following = start + task.num_workers * BATCH
+                model.embedding.prefetch(ids[following : following + BATCH, 0])
             sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
         if not args.table and not args.table_only:  # the weights mirrored from the ps rows
             mine = {
@@ -137,6 +142,7 @@ def main() -> int:
                 after = F.cross_entropy(model(ids), labels).item()
                 result = {"before": before, "after": after, "global_step": sess.global_step}
                 if args.table_only:  # the trained model, for a one-process reference
+                    result["lookups_ahead"] = model.embedding.lookups_ahead
                     result["table"] = model.embedding(torch.arange(IDS)).tolist()
                     result["out"] = [p.tolist() for p in model.out.parameters()]
             with open(args.out, "w") as f:
