@@ -202,6 +202,8 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
         out = Path(tmp) / "report.json"
         ahead = {"local_ahead": ["--rows-ahead"], "cluster_prefetch": ["--prefetch"]}.get(mode, [])
         program_mode = mode.removesuffix("_ahead").removesuffix("_prefetch")
+        if program_mode == "cluster":  # each worker reports its step's phases
+            ahead += ["--timeline", str(Path(tmp) / "traces")]
         command = [sys.executable, str(CLICK), str(out), "--mode", program_mode,
                    "--optimizer", optimizer, "--examples", str(examples), "--epochs",
                    str(epochs), *ahead]  # fmt: skip
@@ -241,6 +243,9 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
         "auc": next(p["auc"] for p in parts if "auc" in p),
         "setup_cpu_s": sum(p.get("setup_cpu_s", 0.0) for p in parts),
     }
+    phases = [p["phases"] for p in parts if "phases" in p]
+    if phases:  # the workers' mean, per step
+        report["phases"] = {k: statistics.mean(p[k] for p in phases) for k in phases[0]}
     print("click", json.dumps(report), flush=True)
     return report
 
@@ -384,6 +389,11 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
                 "auc": statistics.median(r[name]["auc"] for r in rounds),
                 "setup_cpu_s": statistics.median(r[name]["setup_cpu_s"] for r in rounds),
             }
+            if "phases" in rounds[0][name]:
+                rows[name]["phases"] = {
+                    k: statistics.median(r[name]["phases"][k] for r in rounds)
+                    for k in rounds[0][name]["phases"]
+                }
             if mode != "torch":
                 ratios[f"click_{name}_vs_torch_{optimizer}"] = statistics.median(
                     r[name]["examples_per_s"] / r[f"torch_{optimizer}"]["examples_per_s"]
@@ -400,8 +410,9 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
              "cluster_prefetch": "tensorfleet, 2 ps + 2 workers (async), next rows ahead"}  # fmt: skip
     table = [
         "| run | optimizer | examples/s | loop s | CPU s (workers) | held-out AUC | examples/s "
-        "vs plain PyTorch | CPU s: plain PyTorch / this |",
-        "|---|---|---|---|---|---|---|---|",
+        "vs plain PyTorch | CPU s: plain PyTorch / this | a worker's step, ms: forward "
+        "(lookup's wait) + backward + exchange |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for optimizer in args.click_optimizers:
         for mode in args.click_modes:
@@ -409,10 +420,17 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
             ratio = ratios.get(f"click_{mode}_{optimizer}_vs_torch_{optimizer}", 1.0)
             cpu = ratios.get(f"click_{mode}_{optimizer}_vs_torch_{optimizer}_cpu")
             cpu_cell = "1.00x" if mode == "torch" else "" if cpu is None else f"{cpu:.2f}x"
+            phases = row.get("phases")
+            step = (
+                f"{phases['forward_ms']:.2f} ({phases['lookup_wait_ms']:.2f}) + "
+                f"{phases['backward_ms']:.2f} + {phases['exchange_ms']:.2f}"
+                if phases
+                else ""
+            )
             table.append(
                 f"| {label[mode]} | {optimizer} | {row['examples_per_s']:,.0f} | "
                 f"{row['seconds']:.2f} | {row['cpu_s_workers']:.2f} | {row['auc']:.4f} | "
-                f"{ratio:.2f}x | {cpu_cell} |"
+                f"{ratio:.2f}x | {cpu_cell} | {step} |"
             )
     heading = (
         f"Click model (examples/click_fm.py's factorization machine, 1M x 8 table): "

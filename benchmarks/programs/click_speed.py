@@ -22,7 +22,10 @@ same batches in the same order (cluster: worker ``r`` of ``W`` takes batches ``r
 constructor) instead of at each row's first lookup; the CPU seconds that took are reported
 as ``setup_cpu_s``, outside the loop's. ``--prefetch`` (``cluster``): before each step the
 table is told the next batch's ids (``EmbeddingTable.prefetch``), so that its lookup travels
-with this step's exchange; the chief reports ``lookups_ahead``.
+with this step's exchange; the chief reports ``lookups_ahead``. ``--timeline DIR`` (``cluster``): each task writes its
+Chrome trace there, and each worker reports its step's phases in milliseconds per step
+(``phases``: the forward, the waits for the lookup's replies inside it, the backward, the
+exchange).
 
 Each process writes ``OUT`` (``cluster``: ``OUT.<rank>``, JSON): the wall-clock start and end
 of its training loop (``time.time()``, comparable between the processes of one machine), the
@@ -33,6 +36,7 @@ cluster's chief) the held-out AUC.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 import time
@@ -103,6 +107,34 @@ def held_out_auc(model: nn.Module) -> float:
         return auc(model(ids), labels)
 
 
+def step_phases(trace: dict) -> dict[str, float]:
+    """A worker's Chrome trace as milliseconds per step: the forward (``compute``, the
+    lookup's request and wait included), the waits for replies inside it (the lookup's), the
+    backward and the exchange."""
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    computes = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == "compute")
+    starts = [start for start, _ in computes]
+    lookup_wait = 0.0
+    for event in spans:
+        if event["name"] != "wait":
+            continue
+        k = bisect.bisect_right(starts, event["ts"]) - 1  # the forward it began in, if any
+        if k >= 0 and event["ts"] < computes[k][1]:
+            lookup_wait += event["dur"]
+    steps = max(1, len(computes))
+
+    def per_step(name: str) -> float:
+        return sum(e["dur"] for e in spans if e["name"] == name) / 1000 / steps
+
+    return {
+        "steps": len(computes),
+        "forward_ms": per_step("compute"),
+        "lookup_wait_ms": lookup_wait / 1000 / steps,
+        "backward_ms": per_step("backward"),
+        "exchange_ms": per_step("exchange"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -116,6 +148,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--prefetch", action="store_true", help="cluster: each lookup sent with the step before"
+    )
+    parser.add_argument(
+        "--timeline", help="cluster: write each task's trace there and report the step's phases"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -155,7 +190,7 @@ def main() -> int:
         mine = plan[rank::workers]
         session = tfl.TrainingSession(
             server, model, mode="async", hooks=[tfl.StopAtStep(last_step=len(plan))],
-            progress_secs=None, **session_rules(args.optimizer),
+            progress_secs=None, timeline=args.timeline, **session_rules(args.optimizer),
         )  # fmt: skip
         with session as sess:
             if args.rows_ahead and args.mode == "local":
@@ -182,6 +217,8 @@ def main() -> int:
             if sess.is_chief:
                 sess.pull()
                 report["auc"] = held_out_auc(model)
+        if session.timeline_path is not None:  # written when the session ended
+            report["phases"] = step_phases(json.loads(session.timeline_path.read_text()))
         out = Path(f"{args.out}.{rank}") if args.mode == "cluster" else Path(args.out)
     if profiler:
         profiler.dump_stats(f"{args.profile}.{rank}" if args.mode == "cluster" else args.profile)
