@@ -71,7 +71,7 @@ _EXPORTS = {
     "ComputeOptions": "tensorfleet.worker.compute_options",
     "Overlap": "tensorfleet.worker.push_overlap",
     "EmbeddingTable": "tensorfleet.worker.embedding_table",
-    "LocalRowSource": "tensorfleet.worker.embedding_table",
+    "LocalRowSource": "tensorfleet.worker.local_row_source",
     "RowInitializer": "tensorfleet.ps.row_initializer",
     "CpuSyncBatchNorm": "tensorfleet.worker.sync_batch_norm",
     "convert_sync_batchnorm": "tensorfleet.worker.sync_batch_norm",
@@ -163,7 +163,8 @@ if TYPE_CHECKING:
     from tensorfleet.worker.compute_options import ComputeOptions
     from tensorfleet.worker.device import SoftPlacementWarning, torch_device
     from tensorfleet.worker.device_scope import device, place
-    from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+    from tensorfleet.worker.embedding_table import EmbeddingTable
+    from tensorfleet.worker.local_row_source import LocalRowSource
     from tensorfleet.worker.placement_report import placement_report
     from tensorfleet.worker.push_overlap import Overlap
     from tensorfleet.worker.sync_batch_norm import (

@@ -19,7 +19,7 @@ import tensorfleet as tfl
 from tensorfleet.ps.row_store import RowStore
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
-from tensorfleet.worker.embedding_table import LocalRowSource
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
 
 from .conftest import PROGRAMS, run_local_cluster

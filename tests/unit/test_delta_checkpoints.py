@@ -32,7 +32,8 @@ from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import CheckpointDirectory, read_chain
 from tensorfleet.session.delta_checkpoints import DeltaPlan, table_documents
 from tensorfleet.wire.tensors import dtype_name
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+from tensorfleet.worker.embedding_table import EmbeddingTable
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_updater import PsUpdater
 from tensorfleet.worker.timeouts import ClientTimeouts
 

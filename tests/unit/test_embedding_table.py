@@ -10,7 +10,8 @@ from torch import nn
 from tensorfleet.ps.row_initializer import RowInitializer
 from tensorfleet.ps.sparse_rows import SparseGradientError
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource, TableNotAttached
+from tensorfleet.worker.embedding_table import EmbeddingTable, TableNotAttached
+from tensorfleet.worker.local_row_source import LocalRowSource
 
 ROWS, DIM = 500, 6
 INIT = RowInitializer("normal", 0.3, seed=2)

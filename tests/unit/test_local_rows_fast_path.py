@@ -14,7 +14,8 @@ from tensorfleet.errors import ConfigError, UsageError
 from tensorfleet.ps import row_store
 from tensorfleet.ps.sparse_rows import SparseGradientError, SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+from tensorfleet.worker.embedding_table import EmbeddingTable
+from tensorfleet.worker.local_row_source import LocalRowSource
 
 pytestmark = pytest.mark.timeout(120)
 

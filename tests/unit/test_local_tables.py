@@ -17,7 +17,8 @@ import tensorfleet as tfl
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.ps.sparse_update_rules import SparseRowRule, SparseRuleError
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource, TableNotAttached
+from tensorfleet.worker.embedding_table import EmbeddingTable, TableNotAttached
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.placement_report import placement_report
 from tensorfleet.worker.table_attachment import TableAttachment, find_tables
 

@@ -19,7 +19,8 @@ from tensorfleet.errors import UsageError
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.worker.client import ParameterClient
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource, TableNotAttached
+from tensorfleet.worker.embedding_table import EmbeddingTable, TableNotAttached
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.table_attachment import TableAttachment
 

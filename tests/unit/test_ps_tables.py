@@ -16,7 +16,8 @@ from tensorfleet.errors import RemoteError
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.worker.client import ParameterClient
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+from tensorfleet.worker.embedding_table import EmbeddingTable
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_row_source import PsRowSource
 
 from .service_harness import RunningService, serve_in_thread, stop_services

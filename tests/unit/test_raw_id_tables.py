@@ -33,7 +33,8 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.session.checkpoints import CheckpointDirectory
 from tensorfleet.wire.tensors import dtype_name
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+from tensorfleet.worker.embedding_table import EmbeddingTable
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_updater import PsUpdater
 from tensorfleet.worker.timeouts import ClientTimeouts
 

@@ -18,7 +18,8 @@ from tensorfleet.ps.sparse_rows import SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.wire.channel import Reply
 from tensorfleet.worker.client import ParameterClient
-from tensorfleet.worker.embedding_table import EmbeddingTable, LocalRowSource
+from tensorfleet.worker.embedding_table import EmbeddingTable
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.shard_fanout import ShardFanout
 

@@ -190,7 +190,7 @@ class RowStore(SaveClock):
         ``gradient`` still counts as a step: see :mod:`tensorfleet.ps.sparse_update_rules`).
 
         ``trusted``: the gradient was made in this process by the table itself
-        (:meth:`~tensorfleet.worker.embedding_table.LocalRowSource.push_own_rows`), so only
+        (:meth:`~tensorfleet.worker.local_row_source.LocalRowSource.push_own_rows`), so only
         its shape and dtype are checked (no scan of its ids for range, shard and uniqueness,
         nor of its values for NaN): the checks that exist because a peer's bytes cannot be
         trusted. A gradient received from a worker is always checked in full."""

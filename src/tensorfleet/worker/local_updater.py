@@ -6,7 +6,7 @@ one-process run's checkpoint is one shard document, the same format a ps shard w
 
 The model's :class:`~tensorfleet.EmbeddingTable` modules are trained as the ps modes train
 them (:class:`~tensorfleet.worker.table_attachment.TableAttachment`): attached when the model
-is wrapped to a :class:`~tensorfleet.worker.embedding_table.LocalRowSource` of one shard,
+is wrapped to a :class:`~tensorfleet.worker.local_row_source.LocalRowSource` of one shard,
 named after their place in the model, created with the same row-sparse rule (the table's
 own, else ``sparse_rule``, else the optimizer's twin), and each step's row gradient pushed
 with the dense update. Their rows go in the checkpoint document (``table/<name>``, the row
@@ -27,7 +27,7 @@ from tensorfleet.ps.shard_checkpoint import ShardState
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.worker.embedding_table import LocalRowSource
+from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.moving_average import MovingAverage
 from tensorfleet.worker.progress import Progress
 from tensorfleet.worker.replica_state import (

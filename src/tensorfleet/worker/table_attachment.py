@@ -4,7 +4,7 @@ where their rows live, created there, and their row gradients pushed each step.
 ``PsUpdater`` holds one :class:`TableAttachment` over the ps shards (a
 :class:`~tensorfleet.worker.ps_row_source.PsRowSource`) when the model has
 :class:`~tensorfleet.worker.embedding_table.EmbeddingTable` modules; ``LocalUpdater`` (one
-process) holds one over a :class:`~tensorfleet.worker.embedding_table.LocalRowSource` of one
+process) holds one over a :class:`~tensorfleet.worker.local_row_source.LocalRowSource` of one
 shard, so that the same script trains its tables alone and on a cluster. A table without a name
 takes its place in the model (``towers.user``). Its row-sparse rule is the table's own
 ``rule`` attribute when it has one, else the session's ``sparse_optimizer`` (e.g.
