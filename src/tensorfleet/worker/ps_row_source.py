@@ -5,8 +5,9 @@ Every request goes through the client's one fan-out path (:class:`ShardFanout`, 
 client's recovering wrapper): ``create`` tells every shard its part of a table, ``pull_rows``
 asks one shard for the rows of the ids it holds (``pull_rows_of``: several shards in one round
 trip; ``send_rows_of`` / ``receive_rows_of``: the same sent ahead, with the step before's
-exchange, :mod:`tensorfleet.worker.lookup_ahead`), ``push_rows`` sends each shard its part of a gradient (an empty part too: a shard
-counts every step of its tables) in one round trip to all shards at once, or, between
+exchange, :mod:`tensorfleet.worker.lookup_ahead`), ``push_rows`` sends each shard its part
+of a gradient (an empty part too: a shard counts every step of its tables) in one round trip
+to all shards at once, or, between
 :meth:`PsRowSource.defer_pushes` and :meth:`PsRowSource.settle_pushes`, without waiting for
 the replies (:mod:`tensorfleet.worker.rows_in_flight`: the dense exchange goes meanwhile).
 Only the rows a batch touches cross the wire.
