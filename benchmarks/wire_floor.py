@@ -6,7 +6,12 @@ message allocation) and, with ``--encrypt``, the encryption. This benchmark meas
 alone, all in one run, each echo server in its own process on localhost, in alternating
 batches:
 
-* ``raw_tcp_echo``: a plain socket receives the bytes and sends them back;
+* ``raw_tcp_echo``: a plain socket receives the bytes and sends them back (all in, then all
+  out, one thread per end: the yardstick ``wire.py``'s ratios use);
+* ``raw_tcp_echo_duplex``: the same bytes with both directions busy at once (the server
+  answering each 1 MiB chunk as it arrives, the client sending from a second thread while
+  it receives): what a round trip over TCP can reach here when it does not wait for the whole
+  payload, as ZeroMQ's echo does not;
 * ``zmq_echo``: a ZeroMQ ROUTER echoes one DEALER's message (``copy=False`` both ways,
   as the transport does): the ceiling for any protocol over ZeroMQ tcp;
 * ``zmq_curve_echo``: the same with CURVE encryption (what ``--encrypt`` used before
@@ -118,6 +123,25 @@ for _ in range(rounds):
             sys.exit(0)
         got += received
     conn.sendall(buf)
+"""
+
+TCP_DUPLEX_SERVER = r"""
+import socket, sys
+n, rounds, chunk = int(sys.argv[1]), int(sys.argv[2]), 1 << 20
+listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+conn.settimeout(60)
+buf = bytearray(n); view = memoryview(buf)
+for _ in range(rounds):
+    for start in range(0, n, chunk):  # each chunk sent back as soon as it is in
+        stop, got = min(start + chunk, n), start
+        while got < stop:
+            received = conn.recv_into(view[got:stop])
+            if not received:  # the client closed early (it failed): end instead of spinning
+                sys.exit(0)
+            got += received
+        conn.sendall(view[start:stop])
 """
 
 ZMQ_SERVER = r"""
@@ -305,6 +329,33 @@ class TcpEcho:
             if not received:
                 raise ConnectionError(f"the echo server closed after {got} bytes of an echo")
             got += received
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class TcpDuplexEcho:
+    """A plain TCP echo that uses both directions at once: the server sends each 1 MiB chunk
+    back as soon as it is in, the client sends from a second thread while it receives (what
+    ZeroMQ's I/O thread does for its echo). The ceiling of a round trip over TCP here that
+    does not wait for the whole payload before answering."""
+
+    def __init__(self, payload: bytes, rounds: int) -> None:
+        self.server, port = _start(TCP_DUPLEX_SERVER, str(len(payload)), str(rounds))
+        self.conn = socket.create_connection(("127.0.0.1", port), timeout=ROUND_TRIP_TIMEOUT_S)
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.payload, self.back = memoryview(payload), bytearray(len(payload))
+
+    def round_trip(self) -> None:
+        sender = threading.Thread(target=self.conn.sendall, args=(self.payload,))
+        sender.start()
+        view, got = memoryview(self.back), 0
+        while got < len(self.payload):
+            received = self.conn.recv_into(view[got:])
+            if not received:
+                raise ConnectionError(f"the echo server closed after {got} bytes of an echo")
+            got += received
+        sender.join()
 
     def close(self) -> None:
         self.conn.close()
@@ -734,6 +785,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
     echoes: dict[str, TcpEcho | ZmqEcho | TcpSgd] = {}
     try:
         echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
+        echoes["raw_tcp_echo_duplex"] = TcpDuplexEcho(payload, rounds)
         echoes["tcp_sgd"] = TcpSgd(gradient, rounds, "whole", authenticated=False)
         echoes["tcp_gmac_sgd_echo"] = TcpSgd(gradient, rounds, "whole", authenticated=True)
         echoes["tcp_gmac_sgd_streamed"] = TcpSgd(gradient, rounds, "streamed", authenticated=True)
