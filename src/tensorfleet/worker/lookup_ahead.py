@@ -37,7 +37,12 @@ takes the prefetch back: nothing is sent twice. The counts are
 Why: on 2 ps + 2 workers the click model's step waited twice, for the lookup and for the
 exchange's replies, each a round trip to shards that share two cores with the workers
 (docs/sparse.md, "Fewer waits per step"); the lookup's wait was the larger part of a step.
-Only the script knows the next batch's ids before its forward, so it says them.
+Only the script knows the next batch's ids before its forward, so it says them. Measured
+(``benchmarks/sparse_tables.py --parts click --click-modes cluster cluster_prefetch``,
+2026-11-28, docs/sparse.md): the lookup's wait in a step went from about 4 ms to 0.7 ms, but
+on the 2-core machine most of that time reappeared in the exchange (examples/s 0.87x-1.18x:
+the wait was the processes' CPU time handling messages on two busy cores, not idle time on
+a link); the round trip it hides is worth most where the shards are on other hosts.
 
 The alternative: TorchRec's ``TrainPipelineSparseDist`` owns the training loop, takes the
 data loader and distributes the next batch's ids during the current step. That fits a loop
