@@ -200,13 +200,14 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
     the last end), their CPU seconds, the held-out AUC."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        ahead = {"local_ahead": ["--rows-ahead"], "cluster_prefetch": ["--prefetch"]}.get(mode, [])
+        options = {"local_ahead": ["--rows-ahead"], "cluster_prefetch": ["--prefetch"]}
+        extra = options.get(mode, [])
         program_mode = mode.removesuffix("_ahead").removesuffix("_prefetch")
         if program_mode == "cluster":  # each worker reports its step's phases
-            ahead += ["--timeline", str(Path(tmp) / "traces")]
+            extra += ["--timeline", str(Path(tmp) / "traces")]
         command = [sys.executable, str(CLICK), str(out), "--mode", program_mode,
                    "--optimizer", optimizer, "--examples", str(examples), "--epochs",
-                   str(epochs), *ahead]  # fmt: skip
+                   str(epochs), *extra]  # fmt: skip
         env = {"PYTHONPATH": str(ROOT / "src")}
         if program_mode == "cluster":
             capture = Capture()

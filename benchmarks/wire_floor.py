@@ -107,42 +107,48 @@ ROUND_TRIP_TIMEOUT_S = 60
 #: Payload bytes sealed under one tag (as ``wire/auth.py``'s CHUNK_BYTES).
 CHUNK_BYTES = 1 << 20
 
-TCP_SERVER = r"""
+#: What every plain-socket server below starts with: one connection accepted on a free
+#: loopback port (printed for the client), and ``receive_into(view)``, which fills ``view``
+#: or ends the server when the client closed early (it failed) instead of spinning.
+SOCKET_SERVER_PRELUDE = r"""
 import socket, sys
-n, rounds = int(sys.argv[1]), int(sys.argv[2])
 listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
 print(listener.getsockname()[1], flush=True)
 conn, _ = listener.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 conn.settimeout(60)
-buf = bytearray(n); view = memoryview(buf)
-for _ in range(rounds):
+
+def receive_into(view):
     got = 0
-    while got < n:
+    while got < len(view):
         received = conn.recv_into(view[got:])
-        if not received:  # the client closed early (it failed): end instead of spinning
+        if not received:
             sys.exit(0)
         got += received
-    conn.sendall(buf)
 """
 
-TCP_DUPLEX_SERVER = r"""
-import socket, sys
+TCP_SERVER = (
+    SOCKET_SERVER_PRELUDE
+    + r"""
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
+buf = bytearray(n); view = memoryview(buf)
+for _ in range(rounds):
+    receive_into(view)
+    conn.sendall(buf)
+"""
+)
+
+TCP_DUPLEX_SERVER = (
+    SOCKET_SERVER_PRELUDE
+    + r"""
 n, rounds, chunk = int(sys.argv[1]), int(sys.argv[2]), 1 << 20
-listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
-print(listener.getsockname()[1], flush=True)
-conn, _ = listener.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-conn.settimeout(60)
 buf = bytearray(n); view = memoryview(buf)
 for _ in range(rounds):
     for start in range(0, n, chunk):  # each chunk sent back as soon as it is in
-        stop, got = min(start + chunk, n), start
-        while got < stop:
-            received = conn.recv_into(view[got:stop])
-            if not received:  # the client closed early (it failed): end instead of spinning
-                sys.exit(0)
-            got += received
+        stop = min(start + chunk, n)
+        receive_into(view[start:stop])
         conn.sendall(view[start:stop])
 """
+)
 
 ZMQ_SERVER = r"""
 import sys, zmq
@@ -236,8 +242,9 @@ while True:
     router.send_multipart(frames, copy=False)
 """
 
-TCP_SGD_SERVER = r"""
-import socket, sys
+TCP_SGD_SERVER = (
+    SOCKET_SERVER_PRELUDE
+    + r"""
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 n, rounds, key, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -258,19 +265,6 @@ def verify(nonce, source, expected):
     decryptor = Cipher(algorithms.AES(key), modes.GCM(nonce, expected)).decryptor()
     decryptor.authenticate_additional_data(source)
     decryptor.finalize()  # InvalidTag if anything was altered
-
-listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
-print(listener.getsockname()[1], flush=True)
-conn, _ = listener.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-conn.settimeout(60)
-
-def receive_into(view):
-    got = 0
-    while got < len(view):
-        received = conn.recv_into(view[got:])
-        if not received:  # the client closed early (it failed): end instead of spinning
-            sys.exit(0)
-        got += received
 
 chunks = [(i, s, min(s + CHUNK, n)) for i, s in enumerate(range(0, n, CHUNK))]
 gradient, tags = bytearray(n), bytearray(16 * len(chunks))  # kept: received into, never again allocated
@@ -299,6 +293,7 @@ for _ in range(rounds):
             conn.sendall(tag(nonce(i, 2), values[s:e]))
             conn.sendall(values[s:e])
 """
+)
 
 
 def _start(program: str, *args: str) -> tuple[subprocess.Popen, int]:

@@ -12,7 +12,8 @@ stop.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,20 @@ def stop_services(
     finally:
         context.term()
     assert not problems, f"service thread crashed or hung: {problems}"
+
+
+@contextmanager
+def worker_shards(count: int, secret: bytes) -> Iterator[list[RunningService]]:
+    """``count`` shards serving one worker (``worker:0``), stopped (and checked) at the end:
+    the fixture of the tests that talk to tables on several real shards."""
+    services = [
+        serve_in_thread(ServiceConfig(i, ("worker:0",), idle_timeout_s=60.0), secret)
+        for i in range(count)
+    ]
+    try:
+        yield services
+    finally:
+        stop_services(services)
 
 
 def bits(tensor: torch.Tensor) -> bytes:

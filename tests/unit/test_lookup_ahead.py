@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tensorfleet.errors import UsageError
-from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.worker.client import ParameterClient
 from tensorfleet.worker.embedding_table import EmbeddingTable, TableNotAttached
@@ -24,7 +23,7 @@ from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.table_attachment import TableAttachment
 
-from .service_harness import RunningService, serve_in_thread, stop_services
+from .service_harness import RunningService, worker_shards
 from .test_rows_in_flight import CountingFanout
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,14 +33,8 @@ ROWS, DIM, STEPS = 1000, 4, 5
 
 @pytest.fixture
 def shards() -> Iterator[list[RunningService]]:
-    services = [
-        serve_in_thread(ServiceConfig(i, ("worker:0",), idle_timeout_s=60.0), SECRET)
-        for i in range(2)
-    ]
-    try:
+    with worker_shards(2, SECRET) as services:
         yield services
-    finally:
-        stop_services(services)
 
 
 class Attached:

@@ -20,7 +20,7 @@ from tensorfleet.worker.embedding_table import EmbeddingTable
 from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_row_source import PsRowSource
 
-from .service_harness import RunningService, serve_in_thread, stop_services
+from .service_harness import RunningService, serve_in_thread, stop_services, worker_shards
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"ps-tables-unit-test-secret-00000000000"
@@ -38,14 +38,8 @@ def _source(services: list[RunningService]) -> tuple[ParameterClient, PsRowSourc
 
 @pytest.fixture
 def shards() -> Iterator[list[RunningService]]:
-    services = [
-        serve_in_thread(ServiceConfig(i, ("worker:0",), idle_timeout_s=60.0), SECRET)
-        for i in range(2)
-    ]
-    try:
+    with worker_shards(2, SECRET) as services:
         yield services
-    finally:
-        stop_services(services)
 
 
 def _batches() -> list[torch.Tensor]:

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tensorfleet.errors import ProtocolError, RemoteError
-from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.sparse_rows import SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.wire.channel import Reply
@@ -23,7 +22,7 @@ from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.shard_fanout import ShardFanout
 
-from .service_harness import RunningService, serve_in_thread, stop_services
+from .service_harness import RunningService, worker_shards
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"rows-in-flight-unit-test-secret-000000"
@@ -58,14 +57,8 @@ class CountingFanout(ShardFanout):
 
 @pytest.fixture
 def shards() -> Iterator[list[RunningService]]:
-    services = [
-        serve_in_thread(ServiceConfig(i, ("worker:0",), idle_timeout_s=60.0), SECRET)
-        for i in range(2)
-    ]
-    try:
+    with worker_shards(2, SECRET) as services:
         yield services
-    finally:
-        stop_services(services)
 
 
 def _attached(services: list[RunningService], rule: SparseRowRule):

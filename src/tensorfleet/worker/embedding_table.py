@@ -312,14 +312,14 @@ class EmbeddingTable(nn.Module):
         up) is dropped first."""
         ahead = self._ahead
         if ahead.sent is not None:
-            self._source.receive_rows_of(ahead.sent.sent)  # type: ignore[union-attr]
+            self._source.receive_rows_of(ahead.sent.asked)  # type: ignore[union-attr]
             ahead.sent = None
             ahead.missed(self._label())
         prefetched, ahead.next = ahead.next, None
         if prefetched is None or self._source is None:
             return
-        prefetched.sent = self._source.send_rows_of(self.spec().name, prefetched.parts)  # type: ignore[attr-defined]
-        if prefetched.sent is None:
+        prefetched.asked = self._source.send_rows_of(self.spec().name, prefetched.parts)  # type: ignore[attr-defined]
+        if prefetched.asked is None:
             ahead.counts["lost"] += 1
         else:
             ahead.sent = prefetched
@@ -335,7 +335,7 @@ class EmbeddingTable(nn.Module):
             if ahead.next is not None and torch.equal(ahead.next.flat, flat):
                 ahead.next = None
             return None
-        pulled = self._source.receive_rows_of(taken.sent)  # type: ignore[union-attr]
+        pulled = self._source.receive_rows_of(taken.asked)  # type: ignore[union-attr]
         if not torch.equal(taken.flat, flat):
             ahead.missed(self._label())
             return None

@@ -79,14 +79,14 @@ class LookupAhead:
     """A lookup prefetched, worked out once: the batch's ids as the forward will look them up
     (``flat``: after hashing, flattened), their unique values (ascending) and where each id
     is among them (``inverse``), each shard's part of them (``parts``) and where its rows go
-    (``places``); once an exchange sent it, its requests (``sent``)."""
+    (``places``); once an exchange sent it, its requests (``asked``)."""
 
     flat: torch.Tensor
     unique: torch.Tensor
     inverse: torch.Tensor
     places: dict[int, torch.Tensor]
     parts: dict[int, torch.Tensor]
-    sent: SentLookup | None = None
+    asked: SentLookup | None = None
 
 
 @dataclass

@@ -371,7 +371,9 @@ class PsUpdater:
             # past its first step: a launcher that sees it killed now sees no crash loop
             self._serving = True
             task_markers.mark_serving(self.client.task_name)
-        return self._lookups_ahead_last(self._exchange_buffers(step, progress))
+        progress = self._exchange_buffers(step, progress)
+        self._send_held_lookups_ahead()
+        return progress
 
     def _rows_applied_at_once(self) -> bool:
         """Whether a shard applies a row push when it arrives (async without
@@ -383,11 +385,10 @@ class PsUpdater:
             discipline.mode == "async" and discipline.max_staleness is None
         )
 
-    def _lookups_ahead_last(self, progress: Progress) -> Progress:
-        """At the end of an exchange that held its rows: send the lookups prefetched."""
+    def _send_held_lookups_ahead(self) -> None:
+        """At the end of an exchange whose rows the shards held: send the lookups prefetched."""
         if self.tables is not None and not self._rows_applied_at_once():
             self.tables.send_lookups_ahead()
-        return progress
 
     def _exchange_buffers(self, step: int, progress: Progress) -> Progress:
         """After the gradients' trip: push the buffers (only with gradients that counted)."""
@@ -414,7 +415,9 @@ class PsUpdater:
         progress = self.client.push_pull(step=step)  # no rows: each table counts the step
         if self.mirrored is not None:
             self.mirrored.pull()
-        return self._lookups_ahead_last(self._exchange_buffers(step, progress))
+        progress = self._exchange_buffers(step, progress)
+        self._send_held_lookups_ahead()
+        return progress
 
     def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
         return stop, checkpoint
