@@ -3,6 +3,8 @@ tensors and buffers in both directions."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -168,3 +170,26 @@ def test_received_read_only_frames_become_tensors_without_warnings() -> None:
         warnings.simplefilter("error")
         tensor = from_buffer(frame, torch.float32, (2,))
     assert tensor.tolist() == [1.5, -2.0]
+
+
+def test_no_read_only_warning_reaches_the_user_in_a_fresh_process() -> None:
+    """torch warns once per process about a read-only buffer; from_buffer filters only
+    that first read and skips the filter's cost afterwards. In a fresh interpreter, with
+    every warning an error, read-only reads after the first must stay silent too (a torch
+    that warned at every read would fail here)."""
+    program = (
+        "import torch\n"
+        "from tensorfleet.wire.tensors import as_buffer, from_buffer\n"
+        "frame = bytes(as_buffer(torch.tensor([1.5, -2.0])))\n"
+        "for _ in range(3):\n"
+        "    assert from_buffer(frame, torch.float32, (2,)).tolist() == [1.5, -2.0]\n"
+        "assert from_buffer(bytearray(frame), torch.float32).tolist() == [1.5, -2.0]\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tensorfleet.errors import CheckpointMismatch, ConfigError, UsageError
+from tensorfleet.ps.bare_step import bare_step
 from tensorfleet.ps.copy_on_write import CopyOnWrite, Ranges, Tracker
 from tensorfleet.ps.layout import FusedLayout
 from tensorfleet.ps.optimizer_pieces import (
@@ -289,7 +290,7 @@ class VariableStore:
                 if start <= index < stop:
                     cut.give_gradient(grad[offset - lo : offset - lo + var.numel])
                     stepped.append(cut)
-        self._optimizer.step()
+        bare_step(self._optimizer)
         for cut in stepped:
             cut.drop_gradient()
         if self._ema is not None:

@@ -23,6 +23,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
+#: Whether torch has given, under our filter, its warning that a buffer is read-only. torch
+#: gives it once per process (``TORCH_WARN_ONCE``), so only the first read-only read needs
+#: the filter: after it, reads skip ``warnings.catch_warnings`` (a copy of the process's
+#: warning filters, about 5 us of every received tensor, several per request).
+_readonly_warning_spent = False
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The wire name of ``dtype``; ValueError for a dtype that may not cross the wire."""
@@ -64,8 +70,9 @@ def from_buffer(
     """A tensor over received bytes, without a copy. The tensor is read-only in spirit:
     the caller copies it wherever it must live. Raises ProtocolError when the byte length
     does not match ``dtype`` and ``shape``."""
+    global _readonly_warning_spent
     view = memoryview(buffer)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if view.nbytes % itemsize:
         raise ProtocolError(f"{view.nbytes} bytes is not a whole number of {dtype} elements")
     numel = view.nbytes // itemsize
@@ -79,9 +86,12 @@ def from_buffer(
             )
     if numel == 0:
         flat = torch.empty(0, dtype=dtype)
-    else:
+    elif view.readonly and not _readonly_warning_spent:
         with warnings.catch_warnings():
             # Received frames are read-only memory; we never write through these tensors.
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(view, dtype=dtype)
+        _readonly_warning_spent = True
+    else:
+        flat = torch.frombuffer(view, dtype=dtype)
     return flat if shape is None else flat.view(tuple(shape))  # tuple: () works too
