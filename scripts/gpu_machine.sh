@@ -7,11 +7,12 @@
 #                                    # install the wheels offline, run benchmarks/gpu.py
 #
 # The GPU machine is expected to have Python 3.12 with torch (CUDA), numpy, msgpack,
-# safetensors, rich, pytest and pytest-timeout, but not pyzmq, cryptography, cffi and
-# pycparser: `prepare` downloads those four (and py-spy, for gpu.py --profile) as CPython 3.12
+# safetensors, rich, pytest and pytest-timeout, but not pyzmq, cryptography, cffi, pycparser
+# and xxhash: `prepare` downloads those five (and py-spy, for gpu.py --profile) as CPython 3.12
 # x86-64 wheels, `run` installs
 # them with `pip install --no-index --no-deps --target .gpu-site` (nothing leaves the
-# machine; a Python that already imports zmq and cryptography installs py-spy only). `run` writes
+# machine; a Python that already imports zmq and cryptography installs py-spy, and xxhash
+# where it does not import it, only). `run` writes
 # the results to $OUT when set (else benchmarks/results/gpu-run), then (unless
 # CPU_BIG_MODEL=0) runs benchmarks/big_model.py on the host's CPU cores into
 # big_model_cpu/ there (one process, 1 ps, 2 ps; 5 minutes at most), and exits with
@@ -27,8 +28,10 @@ WHEELS="$ROOT/.gpu-wheels"
 DATA="$ROOT/.gpu-data"
 SITE="$ROOT/.gpu-site"
 #: The versions that worked on a machine with one H200, Python 3.12 and torch 2.11 (CUDA 13);
-#: py-spy (a static binary in its wheel) for benchmarks/gpu.py --profile.
-PACKAGES=(pyzmq==27.3.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 py-spy==0.4.3)
+#: py-spy (a static binary in its wheel) for benchmarks/gpu.py --profile; xxhash for the ps
+#: update log's checksum (imported by every ps).
+PACKAGES=(pyzmq==27.3.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 py-spy==0.4.3
+          xxhash==4.1.0)
 DATA_FILES=(train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz
             t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz)
 
@@ -61,8 +64,13 @@ run() {
         fi
     done
     if "$PYTHON" -c "import zmq, cryptography" 2>/dev/null; then
-        echo "gpu_machine.sh: $PYTHON already has pyzmq and cryptography: installing py-spy only"
-        "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "$WHEELS"/py_spy-*.whl
+        local wanted=("$WHEELS"/py_spy-*.whl)
+        if ! "$PYTHON" -c "import xxhash" 2>/dev/null; then
+            wanted+=("$WHEELS"/xxhash-*.whl)
+        fi
+        echo "gpu_machine.sh: $PYTHON already has pyzmq and cryptography: installing" \
+             "${wanted[*]##*/} only"
+        "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "${wanted[@]}"
     else
         "$PYTHON" -m pip install --quiet --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
     fi
@@ -93,7 +101,7 @@ usage() {
 usage: scripts/gpu_machine.sh prepare | run [benchmarks/gpu.py options]
 
 The GPU check on a bare GPU machine without internet, in two steps:
-  prepare   here, with internet: download pyzmq, cryptography, cffi, pycparser and py-spy as
+  prepare   here, with internet: download pyzmq, cryptography, cffi, pycparser, xxhash and py-spy as
             CPython 3.12 x86-64 wheels into .gpu-wheels/, copy Fashion-MNIST into
             .gpu-data/ (from $DATA_SOURCE, default /usr/share/datasets/fashion-mnist)
   run       there, from a copy of the repository carrying both folders: install the

@@ -29,8 +29,7 @@ RULES = {
 def _params(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(shape, generator=generator).requires_grad_()
-        for shape in ((37,), (5, 3), ())
+        torch.randn(shape, generator=generator).requires_grad_() for shape in ((37,), (5, 3), ())
     ]
 
 
@@ -88,7 +87,7 @@ def test_torchs_own_optimizer_steps_without_its_hooks_and_a_differentiable_one_w
         param.grad = torch.ones(4)  # update it in place with gradients on
         optimizer = torch.optim.SGD([param], lr=0.5, differentiable=differentiable)
         calls: list[str] = []
-        optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+        optimizer.register_step_post_hook(lambda *_, seen=calls: seen.append("post"))
         bare_step(optimizer)
         assert calls == expected
         assert torch.equal(param, torch.full((4,), 0.5))

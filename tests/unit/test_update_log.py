@@ -17,12 +17,14 @@ from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_log import (
+    CRC32_FORMAT,
     MAGIC,
     RECORD,
     Base,
     Segment,
     UpdateLog,
     UpdateLogCorrupt,
+    encode_record,
 )
 from tensorfleet.ps.update_rules import SGD, Adam
 from tensorfleet.version import __version__
@@ -126,7 +128,7 @@ def test_a_corrupt_record_is_named_with_its_file_and_offset(tmp_path: Path) -> N
     assert isinstance(segment.error, UpdateLogCorrupt)
     message = str(segment.error)
     assert str(log.current) in message and f"byte offset {offset}" in message, message
-    assert "CRC-32" in message, message
+    assert "fails its XXH3-64" in message, message
     data[offset : offset + 4] = b"XXXX"
     log.current.write_bytes(bytes(data))
     assert "starts with b'XXXX'" in str(read_segment(log.current)[0].error)
@@ -134,6 +136,41 @@ def test_a_corrupt_record_is_named_with_its_file_and_offset(tmp_path: Path) -> N
     log.current.write_bytes(b"not a log at all")
     with pytest.raises(UpdateLogCorrupt, match=rf"{log.current}.*byte offset 0.*not an update log"):
         read_segment(log.current)
+
+
+def test_a_segment_of_the_first_format_is_replayed_and_appended_to_in_its_format(
+    tmp_path: Path,
+) -> None:
+    """A segment written before the checksum changed (CRC-32 records, ``TFUPDATELOG1``) by a
+    ps upgraded since: its updates come back, appends keep its format, and damage to one of
+    its records is named as a CRC-32 failure."""
+    path = tmp_path / "ps-0.00000000.updatelog"
+    pieces = [CRC32_FORMAT.magic]
+    pieces += encode_record(
+        {"kind": "base", "document_crc": 5, "version": 1, "global_step": 10}, (), CRC32_FORMAT
+    )
+    header = {"kind": "update", "part": None, "counts": True, "version": 2, "global_step": 11,
+              "data": None, "buffers": [["float32", 60], ["float64", 40]]}  # fmt: skip
+    pieces += encode_record(header, [as_buffer(g) for g in _gradients(0)], CRC32_FORMAT)
+    path.write_bytes(b"".join(bytes(memoryview(p).cast("B")) for p in pieces))
+    segment, updates = read_segment(path)
+    assert segment.format is CRC32_FORMAT and segment.error is None
+    assert [u.version for u in updates] == [2]
+    assert all(torch.equal(a, b) for a, b in zip(updates[0].gradients, _gradients(0), strict=True))
+    log = UpdateLog(tmp_path, "ps-0")
+    log.continue_after(segment)
+    log.append(_gradients(1), None, True, 3, 12)
+    log.close()
+    segment, updates = read_segment(path)
+    assert segment.format is CRC32_FORMAT and [u.version for u in updates] == [2, 3]
+    assert all(torch.equal(a, b) for a, b in zip(updates[1].gradients, _gradients(1), strict=True))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # a bit of the last record's gradients
+    path.write_bytes(bytes(data))
+    segment, updates = read_segment(path)
+    assert [u.version for u in updates] == [2]
+    assert "fails its CRC-32" in str(segment.error), segment.error
+    assert MAGIC != CRC32_FORMAT.magic  # new segments start in the new format
 
 
 def test_a_save_keeps_the_segment_before_it_and_deletes_the_older_ones(tmp_path: Path) -> None:
