@@ -54,6 +54,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,6 +73,13 @@ from tensorfleet.wire.secret import generate_secret  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
+
+
+def tuple_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
 #: Seconds a streamed part may take to be answered.
 STEP_TIMEOUT_S = 60.0
 
@@ -155,21 +163,11 @@ class TensorfleetPs:
         window: int = 8,
     ) -> None:
         secret = generate_secret()
-        ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        tf_config = {
-            "cluster": {"ps": [ps_address], "worker": [worker_address]},
-            "task": {"type": "ps", "index": 0},
-        }
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TENSORFLEET_SECRET": secret}
+        env = {**os.environ, "TENSORFLEET_SECRET": secret}
         env["TENSORFLEET_ENCRYPT"] = "1" if encrypt else "0"
         env[SHARED_MEMORY_VAR] = "1" if shared_memory else "0"
         env["PYTHONPATH"] = str(ps_src or ROOT / "src")  # the package the ps process runs
-        self.ps = subprocess.Popen(
-            [sys.executable, "-m", "tensorfleet", "server"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.ps, ps_address = self._start_ps(env)
         numel, parts = model_bytes // 4, max(1, model_bytes // (part_bytes or model_bytes))
         sizes = [numel * (k + 1) // parts - numel * k // parts for k in range(parts)]
         self.weights = [torch.nn.Parameter(torch.randn(size)) for size in sizes]
@@ -188,6 +186,40 @@ class TensorfleetPs:
             is_chief=True,
         )
         self.window = window
+
+    @staticmethod
+    def _start_ps(env: dict[str, str], tries: int = 3) -> tuple[subprocess.Popen, str]:
+        """The ps process and its address, once it listens. A free port can be taken by
+        another socket before the ps binds it (an outgoing connection's local port): the ps
+        then exits, and is started again on another port (``tries`` times), instead of its
+        client waiting out the hello's deadline."""
+        errors = []
+        for _ in range(tries):
+            ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+            tf_config = {
+                "cluster": {"ps": [ps_address], "worker": [worker_address]},
+                "task": {"type": "ps", "index": 0},
+            }
+            with tempfile.TemporaryFile() as stderr:
+                ps = subprocess.Popen(
+                    [sys.executable, "-m", "tensorfleet", "server"],
+                    env={**env, "TF_CONFIG": json.dumps(tf_config)},
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+                deadline = time.monotonic() + STEP_TIMEOUT_S
+                while ps.poll() is None and time.monotonic() < deadline:
+                    try:
+                        socket.create_connection(tuple_address(ps_address), timeout=1).close()
+                        return ps, ps_address
+                    except OSError:
+                        time.sleep(0.05)
+                if ps.poll() is None:
+                    ps.kill()
+                ps.wait()
+                stderr.seek(0)
+                errors.append(stderr.read().decode(errors="replace")[-2000:])
+        raise RuntimeError(f"the ps did not come up in {tries} tries; its last words: {errors[-1]}")
 
     def push_pull(self) -> None:
         self.client.push_pull()
