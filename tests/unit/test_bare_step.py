@@ -1,12 +1,14 @@
-"""A ps shard steps its optimizer without torch's per-call wrappers
+"""An optimizer steps without torch's per-call wrappers when nothing would see them
 (:mod:`tensorfleet.ps.bare_step`): bit for bit where ``step()`` puts the parameters and the
-state, for every built-in rule and option; an optimizer that is not torch's own, or that is
-differentiable, keeps its wrapped step (its hooks run)."""
+state, for every built-in rule and option; with a step hook registered (the optimizer's or
+torch's global one), a profiler recording, a differentiable optimizer or an optimizer class
+that is not torch's, the wrapped step runs, and what it does is seen."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from tensorfleet.ps.bare_step import bare_step
 from tensorfleet.ps.update_rules import SGD, Adam, UpdateRule
@@ -29,7 +31,8 @@ RULES = {
 def _params(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(shape, generator=generator).requires_grad_() for shape in ((37,), (5, 3), ())
+        torch.randn(shape, generator=generator).requires_grad_()
+        for shape in ((37,), (5, 3), ())
     ]
 
 
@@ -55,7 +58,73 @@ def test_the_bare_step_ends_where_step_ends_bit_for_bit(rule_name: str) -> None:
             assert torch.equal(torch.as_tensor(state[key]), torch.as_tensor(expected[key])), key
 
 
-class _CountingSGD(torch.optim.Optimizer):
+def _sgd(**options: object) -> tuple[torch.Tensor, torch.optim.SGD]:
+    param = torch.ones(4, requires_grad=not options.get("differentiable", False))
+    param.grad = torch.ones(4)
+    return param, torch.optim.SGD([param], lr=0.5, **options)
+
+
+def test_the_optimizers_own_hooks_run() -> None:
+    param, optimizer = _sgd()
+    calls: list[str] = []
+    optimizer.register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    bare_step(optimizer)
+    assert calls == ["pre", "post"]
+    assert torch.equal(param.detach(), torch.full((4,), 0.5))
+
+
+def test_torchs_global_hooks_run() -> None:
+    param, optimizer = _sgd()
+    calls: list[str] = []
+    handle = register_optimizer_step_post_hook(lambda *_: calls.append("global post"))
+    try:
+        bare_step(optimizer)
+    finally:
+        handle.remove()
+    assert calls == ["global post"]
+    assert torch.equal(param.detach(), torch.full((4,), 0.5))
+
+
+def test_a_profiler_sees_the_steps_range() -> None:
+    param, optimizer = _sgd()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        bare_step(optimizer)
+    names = {event.name for event in profiler.events()}
+    assert any(name.startswith("Optimizer.step#SGD.step") for name in names), sorted(names)
+    assert torch.equal(param.detach(), torch.full((4,), 0.5))
+
+
+def _watch_step(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Record calls of ``optimizer.step()`` (the wrapped step) made through the instance."""
+    calls: list[str] = []
+    wrapped = optimizer.step
+
+    def step(*args: object, **kwargs: object) -> object:
+        calls.append("step()")
+        return wrapped(*args, **kwargs)
+
+    optimizer.step = step  # type: ignore[method-assign]
+    return calls
+
+
+def test_torchs_own_optimizer_unobserved_steps_bare() -> None:
+    param, optimizer = _sgd()
+    calls = _watch_step(optimizer)
+    bare_step(optimizer)
+    assert calls == []  # the class's own step ran, not the wrapped one
+    assert torch.equal(param.detach(), torch.full((4,), 0.5))
+
+
+def test_a_differentiable_optimizer_steps_wrapped() -> None:
+    param, optimizer = _sgd(differentiable=True)  # not a leaf that needs a gradient
+    calls = _watch_step(optimizer)
+    bare_step(optimizer)
+    assert calls == ["step()"]
+    assert torch.equal(param, torch.full((4,), 0.5))
+
+
+class _PlainSGD(torch.optim.Optimizer):
     """An optimizer of the user's, outside ``torch.optim``."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
@@ -68,26 +137,11 @@ class _CountingSGD(torch.optim.Optimizer):
                 param.add_(param.grad, alpha=-group["lr"])
 
 
-def test_an_optimizer_not_of_torch_keeps_its_hooks() -> None:
+def test_an_optimizer_not_of_torch_steps_wrapped() -> None:
     param = torch.ones(4, requires_grad=True)
-    optimizer = _CountingSGD([param])
-    calls = []
-    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
     param.grad = torch.ones(4)
+    optimizer = _PlainSGD([param])
+    calls = _watch_step(optimizer)
     bare_step(optimizer)
-    assert calls == ["post"] and torch.equal(param.detach(), torch.full((4,), 0.5))
-
-
-def test_torchs_own_optimizer_steps_without_its_hooks_and_a_differentiable_one_with_them() -> None:
-    """What the bare step skips, shown: torch's step hooks (the ps registers none); an
-    optimizer built with ``differentiable=True`` needs the wrapper's gradient mode and keeps
-    it, hooks included."""
-    for differentiable, expected in ((False, []), (True, ["post"])):
-        param = torch.ones(4)  # not a leaf that needs a gradient: a differentiable step may
-        param.grad = torch.ones(4)  # update it in place with gradients on
-        optimizer = torch.optim.SGD([param], lr=0.5, differentiable=differentiable)
-        calls: list[str] = []
-        optimizer.register_step_post_hook(lambda *_, seen=calls: seen.append("post"))
-        bare_step(optimizer)
-        assert calls == expected
-        assert torch.equal(param, torch.full((4,), 0.5))
+    assert calls == ["step()"]
+    assert torch.equal(param.detach(), torch.full((4,), 0.5))

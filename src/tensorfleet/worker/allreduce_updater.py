@@ -38,6 +38,7 @@ from tensorfleet.errors import (
     TensorfleetError,
     UsageError,
 )
+from tensorfleet.ps.bare_step import bare_step
 from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.shard_checkpoint import MAX_WORKER_DATA_BYTES, check_worker_data
 from tensorfleet.ps.update_discipline import UpdateDiscipline
@@ -294,7 +295,7 @@ class AllReduceUpdater:
                 "`sess.model(x)`, not with the model you passed to TrainingSession"
             )
         self._forward_seen = False
-        self._optimizer.step()
+        bare_step(self._optimizer)
         if self._moving_average is not None:
             self._moving_average.update()
         self._global_step += 1

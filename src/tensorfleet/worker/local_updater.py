@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tensorfleet.errors import CheckpointError, CheckpointMismatch, ConfigError, UsageError
+from tensorfleet.ps.bare_step import bare_step
 from tensorfleet.ps.buffer_policies import persistent_buffers
 from tensorfleet.ps.shard_checkpoint import ShardState
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
@@ -189,7 +190,7 @@ class LocalUpdater:
         """Apply the gradients; ``count_step`` False applies them without counting a step."""
         if self._optimizer is None:
             raise UsageError("register() the model before training")
-        self._optimizer.step()
+        bare_step(self._optimizer)
         if self._moving_average is not None:
             self._moving_average.update()
         if self.tables is not None:
