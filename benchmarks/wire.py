@@ -76,6 +76,7 @@ SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
 
 def tuple_address(address: str) -> tuple[str, int]:
+    """``host:port`` as the ``(host, port)`` a plain socket connects to."""
     host, _, port = address.rpartition(":")
     return host, int(port)
 

@@ -31,8 +31,7 @@ RULES = {
 def _params(seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(shape, generator=generator).requires_grad_()
-        for shape in ((37,), (5, 3), ())
+        torch.randn(shape, generator=generator).requires_grad_() for shape in ((37,), (5, 3), ())
     ]
 
 

@@ -76,7 +76,7 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,32 +104,38 @@ class UpdateLogCorrupt(CheckpointError):
     """A complete record of an update log whose bytes are not what was written."""
 
 
+def _xxh3_64(pieces: Sequence[bytes | memoryview]) -> int:
+    """The XXH3-64 of ``pieces`` one after the other (no copy of them)."""
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return state.intdigest()
+
+
+def _crc32(pieces: Sequence[bytes | memoryview]) -> int:
+    """The CRC-32 of ``pieces`` one after the other (no copy of them)."""
+    crc = 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    return crc
+
+
 @dataclass(frozen=True)
 class RecordFormat:
     """How a segment's records are framed and checked: the segment's first bytes, the
-    record prefix (``b"TFUR"``, the payload's length, its checksum) and the checksum."""
+    record prefix (``b"TFUR"``, the payload's length, its checksum) and the checksum (of the
+    payload's pieces, one after the other), named in the errors."""
 
     magic: bytes
     prefix: struct.Struct
     checksum_name: str
-
-    def checksum(self, pieces: Sequence[bytes | memoryview]) -> int:
-        """The checksum of ``pieces`` one after the other (no copy of them)."""
-        if self.checksum_name == "CRC-32":
-            crc = 0
-            for piece in pieces:
-                crc = zlib.crc32(piece, crc)
-            return crc
-        state = xxhash.xxh3_64()
-        for piece in pieces:
-            state.update(piece)
-        return state.intdigest()
+    checksum: Callable[[Sequence[bytes | memoryview]], int]
 
 
 #: Every segment is written in this format.
-XXH3_FORMAT = RecordFormat(MAGIC, struct.Struct("<4sIQ"), "XXH3-64")
+XXH3_FORMAT = RecordFormat(MAGIC, struct.Struct("<4sIQ"), "XXH3-64", _xxh3_64)
 #: Segments written before the checksum changed: still read and appended to.
-CRC32_FORMAT = RecordFormat(MAGIC_CRC32, struct.Struct("<4sII"), "CRC-32")
+CRC32_FORMAT = RecordFormat(MAGIC_CRC32, struct.Struct("<4sII"), "CRC-32", _crc32)
 FORMATS = {f.magic: f for f in (XXH3_FORMAT, CRC32_FORMAT)}
 #: A record's prefix in the format segments are written in.
 RECORD = XXH3_FORMAT.prefix
