@@ -41,6 +41,11 @@ computed over every byte of every push before its reply leaves, and zlib's CRC-3
 CRC-32C with the CPU's instruction was measured too (0.48-0.56 ms per 8 MiB): its Python
 packages either take only ``bytes`` (a copy of every push) or are LGPL.
 
+Space ahead. A thread keeps the current segment's next 32-64 MiB allocated past its last
+record (:mod:`tensorfleet.ps.space_ahead`, ``fallocate`` keeping the file's size), so that a
+logged push's ``write()`` lands on pages that exist: 2.3-2.4 instead of 4.7-5.0 ms for the
+CNN's 6.5 MB in ``/dev/shm``.
+
 What it covers, and what not. Data written with ``write()`` is in the page cache when it
 returns, so a killed *process* loses nothing of it; a lost *host* (power, kernel panic)
 loses what the kernel had not written to disk, so there the guarantee is the checkpoint's
@@ -86,6 +91,7 @@ import torch
 import xxhash
 
 from tensorfleet.errors import CheckpointError
+from tensorfleet.ps.space_ahead import SpaceAhead
 from tensorfleet.wire.tensors import DTYPES, as_buffer, dtype_name
 
 log = logging.getLogger("tensorfleet.ps")
@@ -332,6 +338,10 @@ class UpdateLog:
         self._fd: int | None = None
         self._format = XXH3_FORMAT
         """The format of the segment being appended to (a new one: always XXH3_FORMAT)."""
+        self.space_ahead: SpaceAhead | None = None
+        """The space allocated ahead of the current segment's records (:mod:`space_ahead`)."""
+        self._end = 0
+        """Where the current segment's records end."""
         self.current: Path | None = None
         self.appended = 0
         """Updates appended by this process (for stats)."""
@@ -424,7 +434,20 @@ class UpdateLog:
         self.appended += 1
 
     def close(self) -> None:
-        """Close the current segment (it stays on disk)."""
+        """Close the current segment (it stays on disk), giving back the space allocated past
+        its records (a truncation to its own size frees it)."""
+        if self.space_ahead is not None:
+            self.space_ahead.close()
+            self.space_ahead = None
+            try:
+                os.ftruncate(self._fd, self._end)
+            except OSError as exc:
+                log.warning(
+                    "update log %s: the space allocated past its records stays allocated until "
+                    "the file is deleted: %s",
+                    self.current,
+                    exc,
+                )
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -435,14 +458,18 @@ class UpdateLog:
         self._fd = os.open(path, flags, 0o600)
         if truncate_at is None:
             os.write(self._fd, self._format.magic)
+            self._end = len(self._format.magic)
         else:
             os.ftruncate(self._fd, truncate_at)
             os.lseek(self._fd, truncate_at, os.SEEK_SET)
+            self._end = truncate_at
         self.current = path
+        self.space_ahead = SpaceAhead(self._fd, path, self._end)
 
     def _write(self, pieces: list) -> None:
         """Write every piece, in order, in as few calls as the kernel allows."""
         views = [memoryview(p).cast("B") for p in pieces]
+        total = sum(view.nbytes for view in views)
         while views:
             written = os.writev(self._fd, views)
             while views and written >= views[0].nbytes:
@@ -450,3 +477,6 @@ class UpdateLog:
                 views.pop(0)
             if views and written:
                 views[0] = views[0][written:]
+        self._end += total
+        if self.space_ahead is not None:
+            self.space_ahead.wrote_to(self._end)
