@@ -17,9 +17,11 @@ ps has no idle core (this 2-core machine with its workers busy), the thread's wo
 with theirs: the saving is in the push's latency, the CPU is spent either way.
 
 **Failure.** A filesystem without ``fallocate`` (``EOPNOTSUPP``), a full disk
-(``ENOSPC``) or a platform without the call stop the allocation with one WARNING naming the
-file and the error; the log's own writes go on as before (a full disk then fails the write,
-which the ps reports as it always did). The thread never touches the file's contents.
+(``ENOSPC``) or a platform without the call stop the allocation of that segment with a
+WARNING naming the file and the error, given once per directory and error (a segment starts
+at every checkpoint: the same cause is not repeated each time); the log's own writes go on
+as before (a full disk then fails the write, which the ps reports as it always did). The
+thread never touches the file's contents.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def _fallocate_function():  # -> the libc function, or None where there is none
 
 
 _FALLOCATE = _fallocate_function()
+_warned: set[tuple[str, int | None]] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(path: os.PathLike[str] | str, error: OSError, text: str) -> None:
+    """Log ``text`` (its ``%s`` the path, then the error) once per directory and errno."""
+    key = (os.path.dirname(os.fspath(path)), error.errno)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(text, path, error)
 
 
 class SpaceAhead:
@@ -71,7 +85,7 @@ class SpaceAhead:
         self._thread: threading.Thread | None = None
         if _FALLOCATE is None:
             self.failed = OSError("fallocate(2) is not available on this platform")
-            log.warning("update log %s: no space allocated ahead: %s", path, self.failed)
+            _warn_once(path, self.failed, "update log %s: no space allocated ahead: %s")
             return
         self._thread = threading.Thread(
             target=self._run, name="tensorfleet-update-log-space", daemon=True
@@ -127,11 +141,11 @@ class SpaceAhead:
                 with self._condition:
                     self.failed = exc
                     self._condition.notify_all()
-                log.warning(
-                    "update log %s: no more space allocated ahead (%s); each logged push "
-                    "allocates its own pages from now on",
+                _warn_once(
                     self._path,
                     exc,
+                    "update log %s: no more space allocated ahead (%s); each logged push to "
+                    "this segment allocates its own pages",
                 )
                 return
             with self._condition:
