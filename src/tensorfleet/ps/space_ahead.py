@@ -135,15 +135,14 @@ class SpaceAhead:
                 if self._stopping:
                     return
                 start, stop = self._allocated, self._wanted
-            try:
-                _allocate(self._fd, start, stop - start)
-            except OSError as exc:
+            error = _allocation_error(self._fd, start, stop - start)
+            if error is not None:
                 with self._condition:
-                    self.failed = exc
+                    self.failed = error
                     self._condition.notify_all()
                 _warn_once(
                     self._path,
-                    exc,
+                    error,
                     "update log %s: no more space allocated ahead (%s); each logged push to "
                     "this segment allocates its own pages",
                 )
@@ -153,9 +152,11 @@ class SpaceAhead:
                 self._condition.notify_all()
 
 
-def _allocate(fd: int, offset: int, length: int) -> None:
-    """``fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)``; OSError as the kernel says."""
+def _allocation_error(fd: int, offset: int, length: int) -> OSError | None:
+    """``fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length)``: None when it worked, else the
+    kernel's error as an ``OSError``."""
     assert _FALLOCATE is not None
-    if _FALLOCATE(fd, FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, os.strerror(error))
+    if _FALLOCATE(fd, FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return None
+    error = ctypes.get_errno()
+    return OSError(error, os.strerror(error))
