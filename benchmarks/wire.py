@@ -75,12 +75,6 @@ from tensorfleet.worker.client import ParameterClient  # noqa: E402
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
 
-def tuple_address(address: str) -> tuple[str, int]:
-    """``host:port`` as the ``(host, port)`` a plain socket connects to."""
-    host, _, port = address.rpartition(":")
-    return host, int(port)
-
-
 #: Seconds a streamed part may take to be answered.
 STEP_TIMEOUT_S = 60.0
 
@@ -196,7 +190,8 @@ class TensorfleetPs:
         client waiting out the hello's deadline."""
         errors = []
         for _ in range(tries):
-            ps_address, worker_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+            port = free_port()
+            ps_address, worker_address = f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"
             tf_config = {
                 "cluster": {"ps": [ps_address], "worker": [worker_address]},
                 "task": {"type": "ps", "index": 0},
@@ -211,7 +206,7 @@ class TensorfleetPs:
                 deadline = time.monotonic() + STEP_TIMEOUT_S
                 while ps.poll() is None and time.monotonic() < deadline:
                     try:
-                        socket.create_connection(tuple_address(ps_address), timeout=1).close()
+                        socket.create_connection(("127.0.0.1", port), timeout=1).close()
                         return ps, ps_address
                     except OSError:
                         time.sleep(0.05)

@@ -295,7 +295,7 @@ def _update(path: Path, offset: int, header: dict, payload: memoryview) -> Updat
         gradients, at = [], 0
         for name, nbytes in header["buffers"]:
             dtype = DTYPES[name]
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             if nbytes % itemsize or at + nbytes > payload.nbytes:
                 raise _corrupt(
                     path,
