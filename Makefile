@@ -51,8 +51,16 @@ FRESH ?=
 demo: setup data bytecode
 	$(VENV)/bin/tensorfleet launch --ps $(DEMO_PS) --workers 3 -- $(PY) examples/mnist_cnn.py --steps $(DEMO_STEPS) --mode $(MODE) --logdir $(DEMO_LOGDIR) $(if $(FRESH),--fresh)
 
+# The tests run in TEST_PROCESSES pytest processes at once (pytest-xdist), each file's tests in
+# one of them (--dist loadfile: a file's fixtures, e.g. its Slurm or Ray cluster, start once).
+# On this project's 2-core machine: 26-27 min in one process, 17 min in two, every test the
+# same (most of the time goes to tests that start processes and wait for them). The few tests
+# that look at the machine as a whole take a lock (tests/machine_locks.py); each process uses
+# one torch thread (tests/conftest.py). make test TEST_PROCESSES=0 runs them in one process.
+TEST_PROCESSES ?= 2
+
 test: setup data bytecode
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile
 
 test-fast: setup bytecode
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit

@@ -26,6 +26,7 @@ import pytest
 from tests.e2e.test_launcher import assert_all_gone, launch_argv, run_launcher
 from tests.e2e.test_launcher_restarts import program, runs_of
 from tests.e2e.test_preemption_launch import FIRST_RESTART
+from tests.machine_locks import machine_lock
 
 ray = pytest.importorskip("ray", reason="pip install 'tensorfleet[ray]' (make test does)")
 
@@ -59,7 +60,15 @@ def _processes_mentioning(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """A one-node Ray cluster for this module: its GCS address; everything stopped after."""
+    """A one-node Ray cluster for this module: its GCS address; everything stopped after.
+    Held under the machine's ``ray`` lock (:mod:`tests.machine_locks`): another test process
+    looks for a Ray cluster on this machine."""
+    with machine_lock("ray"):
+        yield from _ray_cluster()
+
+
+def _ray_cluster() -> Iterator[str]:
+    """Start the cluster (``ray start --head --block``), yield its address, stop it."""
     ray_bin = Path(sys.executable).with_name("ray")
     temp_dir = tempfile.mkdtemp(prefix="tfray-", dir="/tmp")  # Ray's socket paths are short
     port = _free_port()

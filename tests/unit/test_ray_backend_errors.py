@@ -11,6 +11,7 @@ import pytest
 
 from tensorfleet.errors import LaunchConfigError
 from tensorfleet.launch.ports import free_ports
+from tests.machine_locks import machine_lock
 
 ray = pytest.importorskip("ray")
 
@@ -34,13 +35,15 @@ def refusal(address: str | None) -> str:
 
 def test_the_default_address_error_has_no_doubled_full_stop_and_the_doc_quotes_it(monkeypatch):
     """No --ray-address and no $RAY_ADDRESS: Ray looks for a cluster on this machine, finds
-    none, and says so ending with a full stop; tensorfleet's sentence goes on after it."""
+    none, and says so ending with a full stop; tensorfleet's sentence goes on after it.
+    Under the machine's ``ray`` lock: the Ray test of another test process would be found."""
     from ray._private import services
 
-    if services.find_gcs_addresses() or services.find_bootstrap_address(None):
-        pytest.skip("a Ray cluster runs on this machine: the default address would find it")
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    message = refusal(None)
+    with machine_lock("ray"):
+        if services.find_gcs_addresses() or services.find_bootstrap_address(None):
+            pytest.skip("a Ray cluster runs on this machine: the default address would find it")
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        message = refusal(None)
     assert ".." not in message, message
     assert message.startswith(
         "cannot connect to the Ray cluster at 'auto' (the default: no --ray-address given and "
