@@ -53,8 +53,8 @@ demo: setup data bytecode
 
 # The tests run in TEST_PROCESSES pytest processes at once (pytest-xdist), each file's tests in
 # one of them (--dist loadfile: a file's fixtures, e.g. its Slurm or Ray cluster, start once).
-# On this project's 2-core machine: 26-27 min in one process, 17 min in two, every test the
-# same (most of the time goes to tests that start processes and wait for them). The few tests
+# On this project's 2-core machine: 26-27 min in one process, 17 min in two, the same tests
+# passing (most of the time goes to tests that start processes and wait for them). The few tests
 # that look at the machine as a whole take a lock (tests/machine_locks.py); each process uses
 # one torch thread (tests/conftest.py). make test TEST_PROCESSES=0 runs them in one process.
 TEST_PROCESSES ?= 2
