@@ -248,19 +248,32 @@ def write_stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def test_usr1_requeues_the_job_and_the_script_exits_with_the_steps_status(tmp_path):
+@pytest.mark.parametrize("step_ends_during_the_requeue", [False, True])
+def test_usr1_requeues_the_job_and_the_script_exits_with_the_steps_status(
+    tmp_path, step_ends_during_the_requeue
+):
     """The script under stand-ins: srun records its environment and waits to be released;
     USR1 (what Slurm sends near the time limit) makes the script call scontrol requeue; the
-    script still waits for the step and exits with its status."""
+    script still waits for the step and exits with its status. Also when the step ends while
+    the requeue runs, before the interrupted wait is taken up again (seen on a loaded
+    machine: the script exited with 138, the status of the interrupted wait)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     started, release, calls = tmp_path / "started", tmp_path / "release", tmp_path / "scontrol"
+    ended = tmp_path / "ended"
     write_stub(
         bin_dir / "srun",
         f"env > {started}.tmp && mv {started}.tmp {started}\n"
-        f"for i in $(seq 600); do [ -e {release} ] && exit 3; sleep 0.05; done; exit 99\n",
+        f"for i in $(seq 600); do [ -e {release} ] && {{ touch {ended}; exit 3; }}; sleep 0.05; "
+        "done; exit 99\n",
     )
-    write_stub(bin_dir / "scontrol", f'echo "$@" >> {calls}; touch {release}\n')
+    # The requeue returns only once the step has ended (and its exit reached the script).
+    after_release = (
+        f"for i in $(seq 600); do [ -e {ended} ] && break; sleep 0.05; done; sleep 0.5\n"
+        if step_ends_during_the_requeue
+        else ""
+    )
+    write_stub(bin_dir / "scontrol", f'echo "$@" >> {calls}; touch {release}\n{after_release}')
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(options(tmp_path, time="10")))
     env = {

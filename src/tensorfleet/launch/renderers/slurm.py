@@ -301,7 +301,11 @@ def render_sbatch(options: SbatchOptions) -> str:
             "script, which requeues",
             "# the job: the next run resumes from the newest checkpoint (keep the "
             "checkpoint_dir on shared storage).",
+            "# USR1 interrupts the wait for the step (status 128+10): the loop waits again,",
+            "# which also collects the status of a step that ended during the requeue.",
+            "interrupted=0",
             "requeue() {",
+            "    interrupted=1",
             '    echo "tensorfleet: job $SLURM_JOB_ID is near its time limit: requeueing it" >&2',
             '    scontrol requeue "$SLURM_JOB_ID"',
             "}",
@@ -311,7 +315,8 @@ def render_sbatch(options: SbatchOptions) -> str:
             "while :; do",
             '    wait "$step"',
             "    status=$?",
-            '    kill -0 "$step" 2>/dev/null || break  # else USR1 interrupted the wait',
+            '    [ "$interrupted" = 1 ] && [ "$status" -gt 128 ] || break',
+            "    interrupted=0",
             "done",
             'exit "$status"',
         ]
