@@ -264,12 +264,15 @@ def test_usr1_requeues_the_job_and_the_script_exits_with_the_steps_status(
     write_stub(
         bin_dir / "srun",
         f"env > {started}.tmp && mv {started}.tmp {started}\n"
-        f"for i in $(seq 600); do [ -e {release} ] && {{ touch {ended}; exit 3; }}; sleep 0.05; "
-        "done; exit 99\n",
+        f"for i in $(seq 600); do [ -e {release} ] && {{ echo $$ > {ended}; exit 3; }}; "
+        "sleep 0.05; done; exit 99\n",
     )
-    # The requeue returns only once the step has ended (and its exit reached the script).
+    # The requeue returns only once the step has ended and the script has reaped it (its pid,
+    # a zombie until then, answers kill -0): bounded, 30 s each.
     after_release = (
-        f"for i in $(seq 600); do [ -e {ended} ] && break; sleep 0.05; done; sleep 0.5\n"
+        f"for i in $(seq 600); do [ -s {ended} ] && break; sleep 0.05; done\n"
+        f'for i in $(seq 600); do kill -0 "$(cat {ended})" 2>/dev/null || break; sleep 0.05; '
+        "done\n"
         if step_ends_during_the_requeue
         else ""
     )
