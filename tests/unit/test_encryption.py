@@ -18,6 +18,7 @@ import zmq
 
 from tensorfleet.errors import (
     AuthenticationError,
+    ConnectionLost,
     DeadlineExceeded,
     EncryptionMismatch,
     ServiceRestarted,
@@ -432,7 +433,13 @@ def test_a_key_exchange_nobody_answers_ends_with_the_request_deadline_and_is_ret
         request = channel.send("hello", {}, timeout_s=0.5)  # returns at once: deferred
         with pytest.raises(DeadlineExceeded, match="agrees on encryption"):
             channel.wait(request, 0.5)
+        # The silent service goes away while a second exchange waits on it: the channel sees
+        # the drop (an event, not a sleep), so it cannot land on the retry below, which it
+        # would mark lost (the drop might have taken it: the caller retries again).
+        in_flight = channel.send("hello", {}, timeout_s=TIMEOUT_S)
         silent.close()
+        with pytest.raises(ConnectionLost, match="dropped while 'hello' was in flight"):
+            channel.wait(in_flight, TIMEOUT_S)
         service = EchoService(int(address.rsplit(":", 1)[1]))
         channel.forget_pending()
         reply = channel.call("hello", {}, timeout_s=TIMEOUT_S)  # a fresh key exchange
