@@ -37,6 +37,15 @@ batches:
   applying and answering each 1 MiB chunk as it arrives while the client's second thread
   still sends): whether a stream per connection, the data-plane issue's alternative to
   ZeroMQ messages for large payloads, beats ZeroMQ on the same work;
+* ``raw_tcp_pull``, ``zmq_pull``, ``zmq_gmac_pull``, ``zmq_gmac_pull_streamed``: a *pull*,
+  the values travelling one way (their GB/s counts the payload once, where the echoes count
+  it twice): the client asks with a few bytes and makes the answer its own. Over a plain
+  socket, received straight into the client's model (``recv_into``); over ZeroMQ in one
+  message copied into the model, unauthenticated; the same with every 1 MiB chunk tagged by
+  the server before it sends (AES-256-GMAC) and verified by the client before it copies;
+  and streamed: each chunk its own message, tagged and sent while the one before travels,
+  verified and copied by the client as it comes. What ``wire.py``'s ``pull`` can reach
+  with its payload in one message, and with it streamed;
 
 * ``same_host_floor``: no transport at all, on this thread: the gradient copied into a
   buffer (the shared memory a same-host push writes), the SGD update reading it, the new
@@ -106,6 +115,10 @@ from tensorfleet.wire.auth import in_parallel  # noqa: E402
 ROUND_TRIP_TIMEOUT_S = 60
 #: Payload bytes sealed under one tag (as ``wire/auth.py``'s CHUNK_BYTES).
 CHUNK_BYTES = 1 << 20
+#: The pulls (``ZmqEcho`` modes, rows ``zmq_<mode>``): the payload travels one way only.
+PULLS = ("pull", "gmac_pull", "gmac_pull_streamed")
+#: Rows whose payload travels one way (GB/s over the payload once, not twice).
+ONE_WAY = ("raw_tcp_pull", *(f"zmq_{mode}" for mode in PULLS))
 
 #: What every plain-socket server below starts with: one connection accepted on a free
 #: loopback port (printed for the client), and ``receive_into(view)``, which fills ``view``
@@ -137,6 +150,17 @@ for _ in range(rounds):
 """
 )
 
+TCP_PULL_SERVER = (
+    SOCKET_SERVER_PRELUDE
+    + r"""
+n, rounds = int(sys.argv[1]), int(sys.argv[2])
+values, ask = bytearray(n), bytearray(4)
+for _ in range(rounds):
+    receive_into(memoryview(ask))
+    conn.sendall(values)
+"""
+)
+
 TCP_DUPLEX_SERVER = (
     SOCKET_SERVER_PRELUDE
     + r"""
@@ -154,6 +178,7 @@ ZMQ_SERVER = r"""
 import sys, zmq
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 curve_secret, aes_key, mode = sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3]
+pull_bytes = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # the values a pull answers with
 CHUNK = 1 << 20
 
 def seal(key, counter, source, target):
@@ -200,6 +225,14 @@ def updated(gradient, start):
     part = weight[start // 4:(start + len(gradient)) // 4]
     part.add_(torch.frombuffer(gradient, dtype=torch.float32), alpha=-0.1)
     return memoryview(part.numpy()).cast("B")
+
+def pulled():
+    # The weights a pull answers with (pull_bytes of them, made at the first pull), as bytes
+    global weight
+    if weight is None:
+        weight = torch.randn(pull_bytes // 4)
+    return memoryview(weight.numpy()).cast("B")
+
 router = zmq.Context().socket(zmq.ROUTER)
 router.setsockopt(zmq.LINGER, 1000)
 router.setsockopt(zmq.RCVTIMEO, 60_000)
@@ -229,6 +262,20 @@ while True:
         values = updated(data, index * CHUNK)
         out = tag(aes_key, chunk_nonce(index, 2), values)
         router.send_multipart([frames[0], frames[1], values, out], copy=False)
+        continue
+    if len(frames) == 2 and frames[1].bytes == b"pull":  # a pull (pings are echoed)
+        values = pulled()
+        spans = list(enumerate(range(0, len(values), CHUNK)))
+        if mode == "pull":  # the values alone
+            router.send_multipart([frames[0], values], copy=False)
+        elif mode == "gmac_pull":  # every tag first, then one message
+            out = b"".join(tag(aes_key, chunk_nonce(i, 2), values[s:s + CHUNK]) for i, s in spans)
+            router.send_multipart([frames[0], values, out], copy=False)
+        else:  # each chunk tagged and sent as its own message while the last one travels
+            for i, s in spans:
+                chunk = values[s:s + CHUNK]
+                out = tag(aes_key, chunk_nonce(i, 2), chunk)
+                router.send_multipart([frames[0], i.to_bytes(4, "big"), chunk, out], copy=False)
         continue
     if aes_key and len(frames) == 3:  # [peer, ciphertext, tags]: open, then seal the answer
         data = frames[1].buffer
@@ -323,6 +370,30 @@ class TcpEcho:
             received = self.conn.recv_into(view[got:])
             if not received:
                 raise ConnectionError(f"the echo server closed after {got} bytes of an echo")
+            got += received
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class TcpPull:
+    """A plain TCP server that answers each 4-byte ask with the whole payload, which the
+    client receives straight into its model (``recv_into``: nothing allocated, no copy):
+    the unauthenticated floor of a pull over one socket."""
+
+    def __init__(self, payload: bytes, rounds: int) -> None:
+        self.server, port = _start(TCP_PULL_SERVER, str(len(payload)), str(rounds))
+        self.conn = socket.create_connection(("127.0.0.1", port), timeout=ROUND_TRIP_TIMEOUT_S)
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.model = bytearray(len(payload))
+
+    def round_trip(self) -> None:
+        self.conn.sendall(b"pull")
+        view, got = memoryview(self.model), 0
+        while got < len(view):
+            received = self.conn.recv_into(view[got:])
+            if not received:
+                raise ConnectionError(f"the pull server closed after {got} bytes of a pull")
             got += received
 
     def close(self) -> None:
@@ -445,7 +516,10 @@ class ZmqEcho:
         server_public, server_secret = zmq.curve_keypair() if curve else (b"", b"-")
         self.mode = mode
         self.key = os.urandom(32) if aes_gcm or mode != "echo" else b""
-        self.server, port = _start(ZMQ_SERVER, server_secret.decode(), self.key.hex(), mode)
+        self.server, port = _start(
+            ZMQ_SERVER, server_secret.decode(), self.key.hex(), mode, str(len(payload))
+        )
+        self.model = bytearray(len(payload))  # where a pull's values go
         self.counter = 0
         self.sealed, self.opened = bytearray(len(payload)), bytearray(len(payload))
         self.context = zmq.Context()
@@ -474,6 +548,9 @@ class ZmqEcho:
             self.dealer.recv()
 
     def round_trip(self) -> None:
+        if self.mode in ("pull", "gmac_pull", "gmac_pull_streamed"):
+            self._pull()
+            return
         if self.mode == "gmac_sgd":
             self._gmac_sgd_round_trip()
             return
@@ -513,6 +590,31 @@ class ZmqEcho:
                 values.buffer[start : start + CHUNK_BYTES],
                 tags.bytes[16 * index : 16 * index + 16],
             )
+
+    def _pull(self) -> None:
+        """Ask for the server's values and make them this end's (copied into ``self.model``,
+        as a pull puts them into the worker's parameters): ``pull`` unauthenticated in one
+        message; ``gmac_pull`` in one message, every chunk verified once it is in;
+        ``gmac_pull_streamed`` one message per chunk, each verified and copied as it comes
+        while the next ones travel."""
+        model = memoryview(self.model)
+        self.dealer.send(b"pull")
+        if self.mode == "gmac_pull_streamed":
+            for _ in range(0, len(model), CHUNK_BYTES):
+                index, values, tag = self._receive()
+                start = int.from_bytes(index.bytes, "big") * CHUNK_BYTES
+                chunk = values.buffer
+                _verify(self.key, _nonce(start // CHUNK_BYTES, 2), chunk, tag.bytes)
+                model[start : start + len(chunk)] = chunk
+            return
+        frames = self._receive()
+        values = frames[0].buffer
+        if self.mode == "gmac_pull":
+            tags = frames[1].bytes
+            for index, start in enumerate(range(0, len(values), CHUNK_BYTES)):
+                chunk = values[start : start + CHUNK_BYTES]
+                _verify(self.key, _nonce(index, 2), chunk, tags[16 * index : 16 * index + 16])
+        model[:] = values
 
     def _gmac_sgd_pipelined_round_trip(self, window: int = 4) -> None:
         view = memoryview(self.payload)
@@ -781,6 +883,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
     try:
         echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
         echoes["raw_tcp_echo_duplex"] = TcpDuplexEcho(payload, rounds)
+        echoes["raw_tcp_pull"] = TcpPull(payload, rounds)
         echoes["tcp_sgd"] = TcpSgd(gradient, rounds, "whole", authenticated=False)
         echoes["tcp_gmac_sgd_echo"] = TcpSgd(gradient, rounds, "whole", authenticated=True)
         echoes["tcp_gmac_sgd_streamed"] = TcpSgd(gradient, rounds, "streamed", authenticated=True)
@@ -789,6 +892,8 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         echoes["zmq_aes_gcm_echo"] = ZmqEcho(payload, curve=False, aes_gcm=True)
         echoes["zmq_gmac_sgd_echo"] = ZmqEcho(gradient, curve=False, mode="gmac_sgd")
         echoes["zmq_gmac_sgd_pipelined"] = ZmqEcho(gradient, curve=False, mode="gmac_sgd_pipelined")
+        for mode in PULLS:
+            echoes[f"zmq_{mode}"] = ZmqEcho(payload, curve=False, mode=mode)
         kinds: dict[str, Callable[[], None]] = {n: e.round_trip for n, e in echoes.items()}
         kinds["same_host_floor"] = SameHostFloor(model_bytes, authenticated=False).round_trip
         kinds["same_host_floor_authenticated"] = SameHostFloor(
@@ -837,7 +942,7 @@ def main() -> int:
                 "median_ms": median * 1e3,
                 "p10_ms": ordered[int(len(ordered) * 0.1)] * 1e3,
                 "p90_ms": ordered[int(len(ordered) * 0.9)] * 1e3,
-                "gb_per_s": 2 * model_bytes / median / 1e9,
+                "gb_per_s": (1 if name in ONE_WAY else 2) * model_bytes / median / 1e9,
             }
         for name, row in rows.items():
             row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
