@@ -37,15 +37,17 @@ batches:
   applying and answering each 1 MiB chunk as it arrives while the client's second thread
   still sends): whether a stream per connection, the data-plane issue's alternative to
   ZeroMQ messages for large payloads, beats ZeroMQ on the same work;
-* ``raw_tcp_pull``, ``zmq_pull``, ``zmq_gmac_pull``, ``zmq_gmac_pull_streamed``: a *pull*,
-  the values travelling one way (their GB/s counts the payload once, where the echoes count
-  it twice): the client asks with a few bytes and makes the answer its own. Over a plain
-  socket, received straight into the client's model (``recv_into``); over ZeroMQ in one
-  message copied into the model, unauthenticated; the same with every 1 MiB chunk tagged by
-  the server before it sends (AES-256-GMAC) and verified by the client before it copies;
-  and streamed: each chunk its own message, tagged and sent while the one before travels,
-  verified and copied by the client as it comes. What ``wire.py``'s ``pull`` can reach
-  with its payload in one message, and with it streamed;
+* ``raw_tcp_pull``, ``tcp_gmac_pull_streamed``, ``zmq_pull``, ``zmq_gmac_pull``,
+  ``zmq_gmac_pull_adopted``, ``zmq_gmac_pull_streamed``: a *pull*, the values travelling one
+  way (their GB/s counts the payload once, where the echoes count it twice): the client asks
+  with a few bytes and makes the answer its own. Over a plain socket, received straight into
+  the client's model (``recv_into``), unauthenticated and streamed with a GMAC tag per 1 MiB
+  chunk (the server tagging the next chunk while one travels, the client verifying each
+  while the next arrives); over ZeroMQ in one message copied into the model,
+  unauthenticated; the same with every chunk tagged by the server before it sends and
+  verified by the client, then copied, or kept as the model's memory (no copy: what
+  ``wire.py``'s ``pull`` does); and streamed, each chunk its own message, verified and
+  copied as it comes (a chunk's message cannot become a larger model's memory);
 
 * ``same_host_floor``: no transport at all, on this thread: the gradient copied into a
   buffer (the shared memory a same-host push writes), the SGD update reading it, the new
@@ -116,9 +118,9 @@ ROUND_TRIP_TIMEOUT_S = 60
 #: Payload bytes sealed under one tag (as ``wire/auth.py``'s CHUNK_BYTES).
 CHUNK_BYTES = 1 << 20
 #: The pulls (``ZmqEcho`` modes, rows ``zmq_<mode>``): the payload travels one way only.
-PULLS = ("pull", "gmac_pull", "gmac_pull_streamed")
+PULLS = ("pull", "gmac_pull", "gmac_pull_adopted", "gmac_pull_streamed")
 #: Rows whose payload travels one way (GB/s over the payload once, not twice).
-ONE_WAY = ("raw_tcp_pull", *(f"zmq_{mode}" for mode in PULLS))
+ONE_WAY = ("raw_tcp_pull", "tcp_gmac_pull_streamed", *(f"zmq_{mode}" for mode in PULLS))
 
 #: What every plain-socket server below starts with: one connection accepted on a free
 #: loopback port (printed for the client), and ``receive_into(view)``, which fills ``view``
@@ -153,11 +155,21 @@ for _ in range(rounds):
 TCP_PULL_SERVER = (
     SOCKET_SERVER_PRELUDE
     + r"""
-n, rounds = int(sys.argv[1]), int(sys.argv[2])
-values, ask = bytearray(n), bytearray(4)
-for _ in range(rounds):
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+n, rounds, key = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+values, ask, CHUNK = bytearray(n), bytearray(4), 1 << 20
+view = memoryview(values)
+aead = None if key == "-" else AESGCM(bytes.fromhex(key))
+for counter in range(rounds):
     receive_into(memoryview(ask))
-    conn.sendall(values)
+    if aead is None:
+        conn.sendall(values)
+        continue
+    for index, start in enumerate(range(0, n, CHUNK)):  # each chunk tagged, then sent
+        chunk = view[start:start + CHUNK]
+        nonce = (index + 1).to_bytes(4, "big") + (counter + 1).to_bytes(8, "big")
+        conn.sendall(aead.encrypt(nonce, b"", chunk))  # the GMAC tag (no plaintext)
+        conn.sendall(chunk)
 """
 )
 
@@ -268,7 +280,7 @@ while True:
         spans = list(enumerate(range(0, len(values), CHUNK)))
         if mode == "pull":  # the values alone
             router.send_multipart([frames[0], values], copy=False)
-        elif mode == "gmac_pull":  # every tag first, then one message
+        elif mode in ("gmac_pull", "gmac_pull_adopted"):  # every tag first, then one message
             out = b"".join(tag(aes_key, chunk_nonce(i, 2), values[s:s + CHUNK]) for i, s in spans)
             router.send_multipart([frames[0], values, out], copy=False)
         else:  # each chunk tagged and sent as its own message while the last one travels
@@ -379,22 +391,44 @@ class TcpEcho:
 class TcpPull:
     """A plain TCP server that answers each 4-byte ask with the whole payload, which the
     client receives straight into its model (``recv_into``: nothing allocated, no copy):
-    the unauthenticated floor of a pull over one socket."""
+    the unauthenticated floor of a pull over one socket (``raw_tcp_pull``). With
+    ``authenticated`` (``tcp_gmac_pull_streamed``) the server sends each 1 MiB chunk after
+    its AES-256-GMAC tag, tagging the next while this one travels, and the client verifies
+    each chunk once it is in, while the next arrives: a stream received in place, which a
+    reply could be if its memory becomes the model's once every chunk verified (as
+    tensorfleet adopts a reply's memory today)."""
 
-    def __init__(self, payload: bytes, rounds: int) -> None:
-        self.server, port = _start(TCP_PULL_SERVER, str(len(payload)), str(rounds))
+    def __init__(self, payload: bytes, rounds: int, authenticated: bool = False) -> None:
+        self.key = os.urandom(32) if authenticated else None
+        self.server, port = _start(
+            TCP_PULL_SERVER, str(len(payload)), str(rounds), self.key.hex() if self.key else "-"
+        )
         self.conn = socket.create_connection(("127.0.0.1", port), timeout=ROUND_TRIP_TIMEOUT_S)
         self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.model = bytearray(len(payload))
+        self.counter = 0
 
-    def round_trip(self) -> None:
-        self.conn.sendall(b"pull")
-        view, got = memoryview(self.model), 0
+    def _receive_into(self, view: memoryview) -> None:
+        got = 0
         while got < len(view):
             received = self.conn.recv_into(view[got:])
             if not received:
                 raise ConnectionError(f"the pull server closed after {got} bytes of a pull")
             got += received
+
+    def round_trip(self) -> None:
+        self.conn.sendall(b"pull")
+        view = memoryview(self.model)
+        if self.key is None:
+            self._receive_into(view)
+            return
+        self.counter += 1
+        tag = bytearray(16)
+        for index, start in enumerate(range(0, len(view), CHUNK_BYTES)):
+            chunk = view[start : start + CHUNK_BYTES]
+            self._receive_into(memoryview(tag))
+            self._receive_into(chunk)
+            _verify(self.key, _nonce(index, self.counter), chunk, bytes(tag))
 
     def close(self) -> None:
         self.conn.close()
@@ -548,7 +582,7 @@ class ZmqEcho:
             self.dealer.recv()
 
     def round_trip(self) -> None:
-        if self.mode in ("pull", "gmac_pull", "gmac_pull_streamed"):
+        if self.mode in PULLS:
             self._pull()
             return
         if self.mode == "gmac_sgd":
@@ -595,8 +629,11 @@ class ZmqEcho:
         """Ask for the server's values and make them this end's (copied into ``self.model``,
         as a pull puts them into the worker's parameters): ``pull`` unauthenticated in one
         message; ``gmac_pull`` in one message, every chunk verified once it is in;
+        ``gmac_pull_adopted`` the same, the message's memory kept as the model (what
+        tensorfleet's pull does: the parameters adopt the reply's memory, no copy);
         ``gmac_pull_streamed`` one message per chunk, each verified and copied as it comes
-        while the next ones travel."""
+        while the next ones travel (a message's memory holds one chunk: it cannot be adopted
+        by a model larger than a chunk)."""
         model = memoryview(self.model)
         self.dealer.send(b"pull")
         if self.mode == "gmac_pull_streamed":
@@ -609,12 +646,15 @@ class ZmqEcho:
             return
         frames = self._receive()
         values = frames[0].buffer
-        if self.mode == "gmac_pull":
+        if self.mode != "pull":
             tags = frames[1].bytes
             for index, start in enumerate(range(0, len(values), CHUNK_BYTES)):
                 chunk = values[start : start + CHUNK_BYTES]
                 _verify(self.key, _nonce(index, 2), chunk, tags[16 * index : 16 * index + 16])
-        model[:] = values
+        if self.mode == "gmac_pull_adopted":
+            self.adopted = frames[0]  # the message's memory is the model now: no copy
+        else:
+            model[:] = values
 
     def _gmac_sgd_pipelined_round_trip(self, window: int = 4) -> None:
         view = memoryview(self.payload)
@@ -884,6 +924,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
         echoes["raw_tcp_echo_duplex"] = TcpDuplexEcho(payload, rounds)
         echoes["raw_tcp_pull"] = TcpPull(payload, rounds)
+        echoes["tcp_gmac_pull_streamed"] = TcpPull(payload, rounds, authenticated=True)
         echoes["tcp_sgd"] = TcpSgd(gradient, rounds, "whole", authenticated=False)
         echoes["tcp_gmac_sgd_echo"] = TcpSgd(gradient, rounds, "whole", authenticated=True)
         echoes["tcp_gmac_sgd_streamed"] = TcpSgd(gradient, rounds, "streamed", authenticated=True)
