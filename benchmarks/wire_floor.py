@@ -48,6 +48,9 @@ batches:
   verified by the client, then copied, or kept as the model's memory (no copy: what
   ``wire.py``'s ``pull`` does); and streamed, each chunk its own message, verified and
   copied as it comes (a chunk's message cannot become a larger model's memory);
+  ``payload_stream_pull``: the plain-socket stream through tensorfleet's own
+  ``wire/payload_stream.py`` (its opening, its sender thread, its receiver into fresh
+  memory): whether the module reaches ``tcp_gmac_pull_streamed``;
 
 * ``same_host_floor``: no transport at all, on this thread: the gradient copied into a
   buffer (the shared memory a same-host push writes), the SGD update reading it, the new
@@ -120,7 +123,12 @@ CHUNK_BYTES = 1 << 20
 #: The pulls (``ZmqEcho`` modes, rows ``zmq_<mode>``): the payload travels one way only.
 PULLS = ("pull", "gmac_pull", "gmac_pull_adopted", "gmac_pull_streamed")
 #: Rows whose payload travels one way (GB/s over the payload once, not twice).
-ONE_WAY = ("raw_tcp_pull", "tcp_gmac_pull_streamed", *(f"zmq_{mode}" for mode in PULLS))
+ONE_WAY = (
+    "raw_tcp_pull",
+    "tcp_gmac_pull_streamed",
+    "payload_stream_pull",
+    *(f"zmq_{mode}" for mode in PULLS),
+)
 
 #: What every plain-socket server below starts with: one connection accepted on a free
 #: loopback port (printed for the client), and ``receive_into(view)``, which fills ``view``
@@ -172,6 +180,34 @@ for counter in range(rounds):
         conn.sendall(chunk)
 """
 )
+
+STREAM_PULL_SERVER = r"""
+import queue, sys, threading
+sys.path.insert(0, sys.argv[4])  # the package under test
+from tensorfleet.wire.auth import MessageSigner, MessageVerifier
+from tensorfleet.wire.payload_stream import PayloadSender, StreamListener
+n, rounds, secret = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+signer = MessageSigner(secret, "reply")
+opened = queue.Queue()
+listener = StreamListener("127.0.0.1", MessageVerifier(secret, "request"), signer.session_id,
+                          lambda session, conn: opened.put(conn))
+print(listener.port, signer.session_id.hex(), flush=True)
+conn = opened.get(timeout=60)
+listener.close()
+sender = PayloadSender(conn, signer)
+values, ask = bytearray(n), bytearray(4)
+for _ in range(rounds):  # each 4-byte ask answered with the values, streamed
+    got = 0
+    while got < 4:
+        received = conn.recv_into(memoryview(ask)[got:])
+        if not received:
+            sys.exit(0)
+        got += received
+    done = threading.Event()
+    sender.send(signer.next_counter(), [values], lambda sent: done.set())
+    done.wait(60)  # the values stay unchanged until they left, as a ps's would
+sender.close()
+"""
 
 TCP_DUPLEX_SERVER = (
     SOCKET_SERVER_PRELUDE
@@ -432,6 +468,48 @@ class TcpPull:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class StreamPull:
+    """``payload_stream_pull``: the pull of ``tcp_gmac_pull_streamed`` through tensorfleet's
+    own stream (``wire/payload_stream.py``): a server process with a ``StreamListener`` and a
+    ``PayloadSender`` (each chunk tagged on the sender's thread just before it goes), the
+    client opening the stream with ``open_stream`` and reading each payload with
+    ``PayloadReceiver.receive`` into fresh memory, verified chunk by chunk (the reply's
+    header, which in the service comes over ZeroMQ, is left out: the client knows the
+    sizes and counts the counter). Whether the module reaches the floor above."""
+
+    def __init__(self, payload: bytes, rounds: int) -> None:
+        from tensorfleet.wire.auth import MessageSigner, derive_session_key
+        from tensorfleet.wire.payload_stream import PayloadReceiver, open_stream
+
+        secret = os.urandom(32)
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", STREAM_PULL_SERVER, str(len(payload)), str(rounds)]
+            + [secret.hex(), str(HERE.parent / "src")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.server.stdout.readline().split()
+        if len(line) != 2 or not line[0].isdigit():
+            self.server.kill()
+            raise RuntimeError(f"the stream server did not start (said {line!r})")
+        port, service_session = int(line[0]), bytes.fromhex(line[1])
+        client = MessageSigner(secret, "request")
+        self.conn = open_stream("127.0.0.1", port, client, service_session, ROUND_TRIP_TIMEOUT_S)
+        key = derive_session_key(secret, service_session, "reply")
+        self.receiver = PayloadReceiver(self.conn, key)
+        self.size, self.counter = len(payload), 0
+        self.model: list[memoryview] = []
+
+    def round_trip(self) -> None:
+        self.conn.sendall(b"pull")
+        self.counter += 1
+        deadline = time.monotonic() + ROUND_TRIP_TIMEOUT_S
+        self.model = self.receiver.receive(self.counter, [self.size], deadline)  # adopted
+
+    def close(self) -> None:
+        self.receiver.close()
 
 
 class TcpDuplexEcho:
@@ -919,12 +997,13 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
     # Small float32 values for the rows that apply them as a gradient (finite weights).
     gradient = b"\x00\x00\x80\x33" * (model_bytes // 4)  # 6e-8 each
     rounds = (batches + 1) * per_batch
-    echoes: dict[str, TcpEcho | ZmqEcho | TcpSgd] = {}
+    echoes: dict[str, TcpEcho | TcpPull | StreamPull | TcpDuplexEcho | ZmqEcho | TcpSgd] = {}
     try:
         echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
         echoes["raw_tcp_echo_duplex"] = TcpDuplexEcho(payload, rounds)
         echoes["raw_tcp_pull"] = TcpPull(payload, rounds)
         echoes["tcp_gmac_pull_streamed"] = TcpPull(payload, rounds, authenticated=True)
+        echoes["payload_stream_pull"] = StreamPull(payload, rounds)
         echoes["tcp_sgd"] = TcpSgd(gradient, rounds, "whole", authenticated=False)
         echoes["tcp_gmac_sgd_echo"] = TcpSgd(gradient, rounds, "whole", authenticated=True)
         echoes["tcp_gmac_sgd_streamed"] = TcpSgd(gradient, rounds, "streamed", authenticated=True)

@@ -218,6 +218,13 @@ class MessageSigner:
         """The tags of every chunk of ``buffers`` (see :func:`chunk_spans`), concatenated."""
         return gmac_chunk_tags(self._key, counter, buffers)
 
+    def chunk_tag(self, counter: int, index: int, chunk: Buffer) -> bytes:
+        """The tag of one chunk (``index`` 1, 2, ... of the message ``counter``): the one
+        :meth:`chunk_tags` gives it, for a sender that tags each chunk just before it sends
+        it (:mod:`tensorfleet.wire.payload_stream`). Safe from another thread than the one
+        signing messages: it reads the key only."""
+        return gmac(self._aead, nonce(counter, index), chunk)
+
 
 class VerifiedHeader:
     """A message whose envelope and header verified, its payload not yet (see
