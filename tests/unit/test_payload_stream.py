@@ -266,3 +266,14 @@ def test_the_sender_leaves_the_servers_thread_free(service: Service) -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_payload_queued_after_close_is_told_at_once_it_was_not_sent(service: Service) -> None:
+    sender, receiver = connected(service)
+    try:
+        sender.close()
+        late: queue.Queue[bool] = queue.Queue()
+        sender.send(1, [b"z"], late.put)
+        assert late.get_nowait() is False  # no lent memory waits for a sender that stopped
+    finally:
+        receiver.close()

@@ -27,7 +27,7 @@ answer to ``hello``) and sends, within :data:`OPENING_TIMEOUT_S`::
 
 The tag is the client's message tag (:meth:`MessageSigner.tag`, its *request* key, the
 counter as nonce) over the fields before it and the service's session id: only a holder of
-the cluster secret can open a stream, an opening is never accepted twice (the service's
+the cluster secret can open a stream, an opening is never accepted twice (the listener's
 :class:`~tensorfleet.wire.auth.MessageVerifier` refuses a counter not above the last one it
 saw from that session, the rule of every message), and an opening meant for an earlier
 process of the service fails here. The service answers one byte (:data:`OPENED`) and the
@@ -205,7 +205,7 @@ class StreamListener:
                 self._closing.wait(0.1)
                 continue
             if not self._openings.acquire(blocking=False):
-                self.rejected += 1
+                self._count_rejection()
                 conn.close()
                 continue
             threading.Thread(
@@ -232,13 +232,17 @@ class StreamListener:
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (OSError, ProtocolError, AuthenticationError, _StreamEnded) as exc:
-            self.rejected += 1
+            self._count_rejection()
             log.debug("payload stream opening refused: %s", exc)
             conn.close()
             return
         finally:
             self._openings.release()
         self._on_open(session_id, conn)
+
+    def _count_rejection(self) -> None:
+        with self._verifier_lock:  # openings are read on threads of their own
+            self.rejected += 1
 
     def close(self) -> None:
         self._closing.set()
@@ -266,6 +270,7 @@ class PayloadSender:
         self._conn.settimeout(SEND_TIMEOUT_S)
         self._queue: queue.SimpleQueue[_Payload | None] = queue.SimpleQueue()
         self.failure: str | None = None
+        self._closed = False
         self._thread = threading.Thread(
             target=self._run, name="tensorfleet-stream-sender", daemon=True
         )
@@ -279,8 +284,9 @@ class PayloadSender:
         self, counter: int, buffers: Sequence[Buffer], on_done: Callable[[bool], None]
     ) -> None:
         """Queue the payload of the reply message ``counter``; the buffers must stay
-        unchanged until ``on_done`` is called."""
-        if self.failure is not None:
+        unchanged until ``on_done`` is called (at once, False, after a failure or
+        :meth:`close`)."""
+        if self.failure is not None or self._closed:
             on_done(False)
             return
         self._queue.put(_Payload(counter, buffers, on_done))
@@ -310,6 +316,7 @@ class PayloadSender:
 
     def close(self) -> None:
         """Stop after the payloads queued so far (each still told whether it was sent)."""
+        self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=SEND_TIMEOUT_S + 5)
         self._conn.close()
