@@ -92,6 +92,9 @@ _EXPORTS = {
     "serve_pipeline_stage": "tensorfleet.parallel.pipeline_updater",
     "pipeline_stage_of": "tensorfleet.parallel.pipeline_updater",
     "ParallelConfigError": "tensorfleet.parallel.errors",
+    "TableNotAttached": "tensorfleet.worker.embedding_table",
+    "SparseRuleError": "tensorfleet.ps.sparse_update_rules",
+    "SparseGradientError": "tensorfleet.ps.sparse_rows",
     "PipelineFailed": "tensorfleet.parallel.errors",
     "ReplicaFailed": "tensorfleet.parallel.errors",
 }
@@ -141,6 +144,8 @@ if TYPE_CHECKING:
     from tensorfleet.parallel.stages import split_stages
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
     from tensorfleet.ps.row_initializer import RowInitializer
+    from tensorfleet.ps.sparse_rows import SparseGradientError
+    from tensorfleet.ps.sparse_update_rules import SparseRuleError
     from tensorfleet.session.checkpoints import (
         export_checkpoint,
         load_checkpoint,
@@ -163,7 +168,7 @@ if TYPE_CHECKING:
     from tensorfleet.worker.compute_options import ComputeOptions
     from tensorfleet.worker.device import SoftPlacementWarning, torch_device
     from tensorfleet.worker.device_scope import device, place
-    from tensorfleet.worker.embedding_table import EmbeddingTable
+    from tensorfleet.worker.embedding_table import EmbeddingTable, TableNotAttached
     from tensorfleet.worker.local_row_source import LocalRowSource
     from tensorfleet.worker.placement_report import placement_report
     from tensorfleet.worker.push_overlap import Overlap

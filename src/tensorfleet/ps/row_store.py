@@ -452,9 +452,11 @@ class RowStore(SaveClock):
         step creates rows or looks positions up. Only on a new, lazily created store."""
         if self.given or self.size:
             raise SparseGradientError(
-                f"table {self.table.name!r}: create_all() is for a new store whose rows come "
-                f"from the initializer; this one has {self.size:,d} rows"
+                f"table {self.table.name!r}: create_all_rows() creates every row of a table "
+                f"that has none yet; this one has {self.size:,d} rows"
                 + (" and takes given rows (fill)" if self.given else "")
+                + ". Fix: call table.create_all_rows() right after the session started, before "
+                "the first lookup (rows looked up before are created as they are looked up)"
             )
         self._grow(self.local_rows)
         for start in range(0, self.local_rows, chunk):

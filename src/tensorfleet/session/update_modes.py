@@ -200,7 +200,12 @@ def update_mode(settings: UpdateSettings) -> UpdateMode:
     naming the option, the modes that take it, the mode given and the fix)."""
     mode = _MODES.get(settings.mode)
     if mode is None:
-        raise ConfigError(f"mode must be one of {mode_names()}, got {settings.mode!r}")
+        hint = (
+            ": bounded staleness is mode='async' with max_staleness=N"
+            if settings.mode == "max_staleness"
+            else ""
+        )
+        raise ConfigError(f"mode must be one of {mode_names()}, got {settings.mode!r}{hint}")
     for option in MODE_OPTIONS:
         value = getattr(settings, option)
         if value is not None and option not in mode.options:

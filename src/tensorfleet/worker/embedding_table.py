@@ -513,8 +513,8 @@ class EmbeddingTable(nn.Module):
     def _not_attached(self) -> str:
         return (
             f"{self._label()} is not attached to its rows yet: it was used outside a "
-            f"TrainingSession, or in a session whose mode holds no tables ('allreduce', the "
-            f"device engines). A TrainingSession attaches every table (named after its place "
+            f"TrainingSession (a session refuses tables in mode 'allreduce' and with the "
+            f"device engines at its start). A TrainingSession attaches every table (named after its place "
             f"in the model, e.g. 'embedding') when it starts, in modes 'async' and 'sync' and "
             f"in one process (server=None); fix: run the model inside such a session (after "
             f"it started), or attach the table yourself with "

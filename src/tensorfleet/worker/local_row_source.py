@@ -45,6 +45,13 @@ class LocalRowSource:
         rule: SparseRowRule | None = None,
         max_memory: int | None = None,
     ) -> None:
+        if rule is not None and not isinstance(rule, SparseRowRule):
+            raise ConfigError(
+                f"LocalRowSource: rule must be a row-sparse rule such as "
+                f"tfl.optim.SparseAdam(lr=0.01) or tfl.optim.SparseRowRule('adagrad', "
+                f"{{'lr': 0.1}}), got {type(rule).__name__} {getattr(rule, 'name', '')!s}".rstrip()
+                + " (a dense rule such as tfl.optim.SGD is the session's optimizer=, not a table's)"
+            )
         self.rule = rule or SparseRowRule("sgd")
         self.shards = [ShardTables(k, num_shards, max_memory) for k in range(num_shards)]
         for table in tables:
