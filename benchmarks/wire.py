@@ -18,6 +18,10 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   with AES-256-GCM under per-connection keys, ``wire/encryption.py``);
 * ``push_pull_shared_memory`` / ``pull_shared_memory``: the same, with the same-host fast
   path (payloads in shared memory, the wire carrying the authenticated headers only);
+* ``push_pull_stream`` / ``pull_stream``: over TCP with ``TENSORFLEET_PAYLOAD_STREAM=1``: the
+  reply's payload (the values) over the client's payload stream beside ZeroMQ, tagged chunk by
+  chunk as it leaves and received in place (``wire/payload_stream.py``); the push's gradients
+  still in the ZeroMQ message;
 * ``push_pull_parts``: the push+pull over TCP streamed: the model registered as variables of
   1 MiB, pushed as one bucket each (partial pushes, :mod:`tensorfleet.ps.partial_push`), up
   to 8 in flight, each applied and answered as it arrives. What a push+pull cut into parts
@@ -73,6 +77,7 @@ from tensorfleet.wire.secret import generate_secret  # noqa: E402
 from tensorfleet.worker.client import ParameterClient  # noqa: E402
 
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
+PAYLOAD_STREAM_VAR = "TENSORFLEET_PAYLOAD_STREAM"
 
 
 #: Seconds a streamed part may take to be answered.
@@ -156,11 +161,13 @@ class TensorfleetPs:
         ps_src: Path | None = None,
         part_bytes: int | None = None,
         window: int = 8,
+        payload_stream: bool = False,
     ) -> None:
         secret = generate_secret()
         env = {**os.environ, "TENSORFLEET_SECRET": secret}
         env["TENSORFLEET_ENCRYPT"] = "1" if encrypt else "0"
         env[SHARED_MEMORY_VAR] = "1" if shared_memory else "0"
+        env[PAYLOAD_STREAM_VAR] = "1" if payload_stream else "0"
         env["PYTHONPATH"] = str(ps_src or ROOT / "src")  # the package the ps process runs
         self.ps, ps_address = self._start_ps(env)
         numel, parts = model_bytes // 4, max(1, model_bytes // (part_bytes or model_bytes))
@@ -171,9 +178,11 @@ class TensorfleetPs:
         names = ["weight"] if parts == 1 else [f"weight/{k}" for k in range(parts)]
         specs = [VariableSpec(n, (s,), "float32", 4) for n, s in zip(names, sizes, strict=True)]
         os.environ[SHARED_MEMORY_VAR] = env[SHARED_MEMORY_VAR]  # read by the client's channels
+        os.environ[PAYLOAD_STREAM_VAR] = env[PAYLOAD_STREAM_VAR]
         self.client = ParameterClient([ps_address], secret.encode(), "worker:0", encrypt=encrypt)
         self.client.connect()
         self.shared_memory = self.client._shards.channels[0].uses_shared_memory
+        self.streamed = self.client._shards.channels[0].stream.open
         self.client.register(
             list(zip(names, self.weights, strict=True)),
             plan_placement(specs, 1),
@@ -258,6 +267,7 @@ UPDATING = (
     "push_pull_parts_encrypted",
     "push_pull_encrypted",
     "push_pull_shared_memory",
+    "push_pull_stream",
     "push_pull_baseline",
 )
 
@@ -276,6 +286,8 @@ MOVES = {
     "push_pull_encrypted": 2,
     "push_pull_shared_memory": 2,
     "pull_shared_memory": 1,
+    "push_pull_stream": 2,
+    "pull_stream": 1,
     "push_pull_baseline": 2,
     "pull_baseline": 1,
 }
@@ -295,8 +307,11 @@ def interleaved(
     streamed_sealed = TensorfleetPs(model_bytes, encrypt=True, part_bytes=1 << 20)
     encrypted = TensorfleetPs(model_bytes, encrypt=True)
     local = TensorfleetPs(model_bytes, shared_memory=True)
+    streaming = TensorfleetPs(model_bytes, payload_stream=True)
     if not local.shared_memory or ours.shared_memory:
         raise RuntimeError("the shared-memory fast path was not chosen as asked")
+    if not streaming.streamed or ours.streamed:
+        raise RuntimeError("the payload stream was not opened as asked")
     kinds = {
         "raw_tcp_echo": raw.round_trip,
         "raw_tcp_sgd": raw_sgd.round_trip,
@@ -308,6 +323,8 @@ def interleaved(
         "push_pull_encrypted": encrypted.push_pull,
         "push_pull_shared_memory": local.push_pull,
         "pull_shared_memory": local.pull,
+        "push_pull_stream": streaming.push_pull,
+        "pull_stream": streaming.pull,
     }
     baseline = None
     if baseline_src is not None:
@@ -328,7 +345,7 @@ def interleaved(
         raw_sgd.close()
         sealed_echo.close()
         sealed_echo.server.wait(timeout=30)
-        for ps in (ours, streamed, streamed_sealed, encrypted, local, baseline):
+        for ps in (ours, streamed, streamed_sealed, encrypted, local, streaming, baseline):
             if ps is not None:
                 ps.close()
     return times

@@ -185,16 +185,15 @@ STREAM_PULL_SERVER = r"""
 import queue, sys, threading
 sys.path.insert(0, sys.argv[4])  # the package under test
 from tensorfleet.wire.auth import MessageSigner, MessageVerifier
-from tensorfleet.wire.payload_stream import PayloadSender, StreamListener
+from tensorfleet.wire.payload_stream import OPENED, PayloadSender, StreamListener
 n, rounds, secret = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
 signer = MessageSigner(secret, "reply")
 opened = queue.Queue()
 listener = StreamListener("127.0.0.1", MessageVerifier(secret, "request"), signer.session_id,
-                          lambda session, conn: opened.put(conn))
+                          lambda session, conn: opened.put((conn, PayloadSender(conn, signer, greeting=OPENED))))
 print(listener.port, signer.session_id.hex(), flush=True)
-conn = opened.get(timeout=60)
+conn, sender = opened.get(timeout=60)
 listener.close()
-sender = PayloadSender(conn, signer)
 values, ask = bytearray(n), bytearray(4)
 for _ in range(rounds):  # each 4-byte ask answered with the values, streamed
     got = 0

@@ -46,6 +46,11 @@ SPARE_LAUNCHER_VAR = "TENSORFLEET_SPARE_LAUNCHER_PID"
 #: on one host on gloo (tensorfleet.worker.host_allreduce).
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
+#: "1" for large reply payloads between tasks on different hosts to travel over a plain TCP
+#: stream beside the ZeroMQ socket (tensorfleet.wire.payload_stream); off by default while
+#: it is new. Both ends must allow it; either end without it keeps every payload on ZeroMQ.
+PAYLOAD_STREAM_VAR = "TENSORFLEET_PAYLOAD_STREAM"
+
 #: "1" to encrypt all traffic between tasks (AES-256-GCM under per-connection keys; every
 #: task must agree).
 ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"

@@ -38,15 +38,17 @@ class Service:
 
     def __init__(self, secret: bytes = SECRET) -> None:
         self.signer = MessageSigner(secret, REPLY_ROLE)
-        self.opened: queue.Queue[tuple[bytes, socket.socket]] = queue.Queue()
+        self.opened: queue.Queue[tuple[bytes, ps_stream.PayloadSender]] = queue.Queue()
         self.listener = ps_stream.StreamListener(
             "127.0.0.1",
             MessageVerifier(secret, REQUEST_ROLE),
             self.signer.session_id,
-            lambda session, conn: self.opened.put((session, conn)),
+            lambda session, conn: self.opened.put(
+                (session, ps_stream.PayloadSender(conn, self.signer, greeting=ps_stream.OPENED))
+            ),
         )
 
-    def accepted(self) -> tuple[bytes, socket.socket]:
+    def accepted(self) -> tuple[bytes, ps_stream.PayloadSender]:
         return self.opened.get(timeout=TIMEOUT_S)
 
     def close(self) -> None:
@@ -67,9 +69,8 @@ def connected(service: Service) -> tuple[ps_stream.PayloadSender, ps_stream.Payl
     conn = ps_stream.open_stream(
         "127.0.0.1", service.listener.port, client, service.signer.session_id, TIMEOUT_S
     )
-    session, served = service.accepted()
+    session, sender = service.accepted()
     assert session == client.session_id
-    sender = ps_stream.PayloadSender(served, service.signer)
     peer_key = derive_session_key(SECRET, service.signer.session_id, REPLY_ROLE)
     return sender, ps_stream.PayloadReceiver(conn, peer_key)
 

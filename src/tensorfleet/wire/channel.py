@@ -47,6 +47,7 @@ from tensorfleet.wire.auth import (
     MessageVerifier,
 )
 from tensorfleet.wire.channel_handshake import ChannelHandshake, DeferredRequest
+from tensorfleet.wire.channel_stream import ChannelStream, StreamPayloadFailed
 from tensorfleet.wire.encryption import KEY_EXCHANGE_OP
 from tensorfleet.wire.transport import (
     check_resolvable,
@@ -120,6 +121,9 @@ class Channel:
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
+        self.stream = ChannelStream(secret, address, peer_name)
+        """Large reply payloads over a TCP stream beside this socket, when on
+        (:mod:`tensorfleet.wire.channel_stream`)."""
         self._handshake = ChannelHandshake(secret, self._signer.session_id) if encrypt else None
         self._next_id = 0
         self._pending: dict[int, str] = {}
@@ -369,9 +373,18 @@ class Channel:
                 self.limits,
                 resolve=self._segments.resolve if self._segments is not None else None,
                 openers=handshake.encryption.opener if handshake is not None else None,
+                read_stream=self.stream.read,
             )
         except (AuthenticationError, ProtocolError):
             self.dropped["invalid"] += 1
+            return
+        except StreamPayloadFailed as failed:  # the header was authentic: its request fails
+            error, header = failed.args
+            re = header.get("re")
+            if header.get("to") == self._signer.session_id and re in self._pending:
+                self._arrived[re] = error
+            else:
+                self.dropped["stream"] += 1
             return
         if (
             handshake is not None
@@ -400,6 +413,8 @@ class Channel:
         if header.get("ok") is True and isinstance(header.get("body"), dict):
             if self._pending[re] == "hello":
                 self.server_session = msg.session_id
+                if self._segments is None and self._handshake is None:  # TCP, not sealed
+                    self.stream.after_hello(header, self._signer, msg.session_id)
             self._arrived[re] = Reply(body=header["body"], buffers=msg.buffers)
         else:
             self._arrived[re] = self._refusal(header, self._pending[re])
@@ -503,6 +518,7 @@ class Channel:
 
     def close(self) -> None:
         """Close the socket (and the context if this channel made it)."""
+        self.stream.close()
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close(linger=0)

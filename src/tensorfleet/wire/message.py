@@ -53,6 +53,9 @@ from tensorfleet.wire.encryption import Opener, Sealer
 PROTOCOL_VERSION = 4
 #: The header key that names the shared-memory segment holding a message's buffers.
 SHARED_MEMORY_KEY = "shm"
+#: The header key of a reply whose payload follows on its client's payload stream
+#: (:mod:`tensorfleet.wire.payload_stream`): no buffer frames, no chunk tags here.
+STREAM_KEY = "stream"
 MAGIC = b"TF"
 KIND_REQUEST = 0
 KIND_REPLY = 1
@@ -70,6 +73,10 @@ Resolver = Callable[[dict[str, Any], list[int]], list[Buffer]]
 #: The opener of sealed messages from a session id, or None when this end holds no keys
 #: for it.
 Openers = Callable[[bytes], Opener | None]
+#: Reads the payload of a message whose header has ``stream`` (the header is verified):
+#: called with the header, the message's counter and the buffers' sizes; returns the
+#: buffers, each chunk verified (:class:`~tensorfleet.wire.payload_stream.PayloadReceiver`).
+StreamReader = Callable[[dict[str, Any], int, list[int]], list[Buffer]]
 
 
 class UnknownConnection(ProtocolError):
@@ -184,6 +191,7 @@ def decode(
     limits: Limits,
     resolve: Resolver | None = None,
     openers: Openers | None = None,
+    read_stream: StreamReader | None = None,
 ) -> Message:
     """Check and decode one message; raise :class:`ProtocolError` or
     :class:`AuthenticationError` (never anything else) if it is not acceptable. ``resolve``
@@ -191,7 +199,8 @@ def decode(
     it, such a message is refused). ``openers`` finds the keys of a sealed message's
     connection (without it, a sealed message is refused; when it has none for the sender,
     :class:`UnknownConnection`). A sealed message's buffers are decrypted into memory that
-    the caller then owns."""
+    the caller then owns. ``read_stream`` reads the payload of a message whose header says it
+    follows on the payload stream (without it, such a message is refused)."""
     if len(frames) < FIXED_FRAMES:
         raise ProtocolError(f"a message has at least {FIXED_FRAMES} frames, got {len(frames)}")
     if len(frames) - FIXED_FRAMES > limits.max_buffers:
@@ -258,7 +267,18 @@ def decode(
             f"ints totalling at most {limits.max_message_bytes} bytes, got {sizes!r:.200}"
         )
     in_memory = SHARED_MEMORY_KEY in header
-    if in_memory:
+    in_stream = STREAM_KEY in header
+    if in_stream:
+        if read_stream is None or sealed or in_memory:
+            raise ProtocolError(
+                "a message whose payload follows on a payload stream, where none is open "
+                "(or sealed, or in shared memory too)"
+            )
+        if len(views) != FIXED_FRAMES or views[2].nbytes != 0:
+            raise ProtocolError(
+                "a message whose payload follows on its stream also has buffer frames or chunk tags"
+            )
+    elif in_memory:
         if resolve is None:
             raise ProtocolError("a message with its buffers in shared memory, where none is set up")
         if len(views) != FIXED_FRAMES:
@@ -277,7 +297,12 @@ def decode(
                 f"{views[2].nbytes} bytes of chunk tags for {chunks} chunks ({TAG_BYTES} bytes each)"
             )
     # The header (and with it the segment's name and the sizes) is authentic from here on.
-    buffers = [memoryview(b) for b in resolve(header, sizes)] if in_memory else views[FIXED_FRAMES:]
+    if in_stream:
+        buffers = [memoryview(b) for b in read_stream(header, counter, sizes)]  # verified
+    elif in_memory:
+        buffers = [memoryview(b) for b in resolve(header, sizes)]
+    else:
+        buffers = views[FIXED_FRAMES:]
     if [b.nbytes for b in buffers] != sizes:
         raise ProtocolError(
             f"buffer sizes {[b.nbytes for b in buffers]} do not match the header's {sizes!r}"
@@ -287,7 +312,8 @@ def decode(
             buffers = opener.open_payload(counter, views[2], buffers)
         opener.accept(counter)
     else:
-        verifier.accept(verified, b"" if in_memory else views[2], [] if in_memory else buffers)
+        outside = in_memory or in_stream  # shared memory, or verified by the stream's reader
+        verifier.accept(verified, b"" if outside else views[2], [] if outside else buffers)
     return Message(
         kind=kind,
         session_id=session_id,

@@ -30,7 +30,9 @@ counter as nonce) over the fields before it and the service's session id: only a
 the cluster secret can open a stream, an opening is never accepted twice (the listener's
 :class:`~tensorfleet.wire.auth.MessageVerifier` refuses a counter not above the last one it
 saw from that session, the rule of every message), and an opening meant for an earlier
-process of the service fails here. The service answers one byte (:data:`OPENED`) and the
+process of the service fails here. The service answers one byte (:data:`OPENED`), sent by
+the connection's :class:`PayloadSender` before anything else once the service holds it (so a
+client that read it knows that its replies' payloads take the stream from then on), and the
 connection then carries the payloads of the replies to that client session, in the order
 the replies are sent.
 
@@ -166,7 +168,8 @@ class StreamListener:
     """The service's side of the openings: a listening socket on ``host`` (a free port, see
     :attr:`port`) and a thread that accepts connections, checks each opening with
     ``verifier`` against ``service_session`` and hands each accepted connection to
-    ``on_open(client_session_id, connection)``. A connection whose opening is late,
+    ``on_open(client_session_id, connection)``, which answers :data:`OPENED` (a
+    ``PayloadSender(..., greeting=OPENED)`` does, before any payload). A connection whose opening is late,
     malformed or not authentic is closed and counted in :attr:`rejected`; the listener
     goes on. ``verifier`` is the listener's own (``MessageVerifier(secret, "request")``),
     not the one of the service's ZeroMQ socket, which its thread uses unlocked: it
@@ -228,7 +231,6 @@ class StreamListener:
                     [opening[:_SIGNED_OPENING_BYTES], self._service_session],
                 )
                 self._verifier.accept(verified, b"", [])
-            conn.sendall(OPENED)
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except (OSError, ProtocolError, AuthenticationError, _StreamEnded) as exc:
@@ -265,8 +267,16 @@ class PayloadSender:
     then on), False when the stream failed first (then the payloads still queued are told
     False too, and later :meth:`send` calls at once)."""
 
-    def __init__(self, conn: socket.socket, signer: MessageSigner, peer: str = "client") -> None:
+    def __init__(
+        self,
+        conn: socket.socket,
+        signer: MessageSigner,
+        peer: str = "client",
+        greeting: bytes = b"",
+    ) -> None:
         self._conn, self._signer, self.peer = conn, signer, peer
+        self._greeting = greeting
+        """Sent first, on the sender's thread (:data:`OPENED` for a stream just opened)."""
         self._conn.settimeout(SEND_TIMEOUT_S)
         self._queue: queue.SimpleQueue[_Payload | None] = queue.SimpleQueue()
         self.failure: str | None = None
@@ -292,6 +302,11 @@ class PayloadSender:
         self._queue.put(_Payload(counter, buffers, on_done))
 
     def _run(self) -> None:
+        if self._greeting:
+            try:
+                self._conn.sendall(self._greeting)
+            except OSError as exc:
+                self.failure = f"the stream to {self.peer} failed: {exc.strerror or exc}"
         while True:
             payload = self._queue.get()
             if payload is None:
@@ -314,10 +329,18 @@ class PayloadSender:
             self._conn.sendall(header, socket.MSG_MORE)
             self._conn.sendall(chunk)
 
-    def close(self) -> None:
-        """Stop after the payloads queued so far (each still told whether it was sent)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop after the payloads queued so far (each still told whether it was sent);
+        ``wait`` False: without waiting for them (the connection is shut down at once, so
+        the thread ends within a chunk, telling the rest they were not sent)."""
         self._closed = True
         self._queue.put(None)
+        if not wait:
+            try:
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed or reset: the thread sees that too
+            return
         self._thread.join(timeout=SEND_TIMEOUT_S + 5)
         self._conn.close()
 

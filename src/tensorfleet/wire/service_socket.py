@@ -28,10 +28,8 @@ sent is logged but the count (the address is the kernel's, and sanitized anyway)
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +44,7 @@ from tensorfleet.errors import (
     ServiceRestarted,
 )
 from tensorfleet.wire import message as wire
+from tensorfleet.wire import service_streams
 from tensorfleet.wire import shared_memory as shm
 from tensorfleet.wire.auth import (
     REPLY_ROLE,
@@ -55,6 +54,12 @@ from tensorfleet.wire.auth import (
     MessageVerifier,
 )
 from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, Sealer, ServiceEncryption
+from tensorfleet.wire.payload_stream import PayloadSender
+from tensorfleet.wire.rejection_log import (
+    QUARANTINE_AFTER_INVALID,
+    RejectionLog,
+    peer_address,
+)
 from tensorfleet.wire.transport import (
     set_connection_heartbeats,
     shared_memory_wanted,
@@ -63,108 +68,10 @@ from tensorfleet.wire.transport import (
 
 #: Messages a peer may have queued at a service before ZeroMQ stops reading from it.
 RECEIVE_QUEUE_MESSAGES = 64
-#: Invalid messages after which a connection is ignored (quarantined) for good.
-QUARANTINE_AFTER_INVALID = 8
 #: Error code of the answer to a request addressed to an earlier incarnation of a service.
 STALE_SESSION = ServiceRestarted.code
-#: Shortest time between two log lines about one kind of rejection (each kind has its own).
-REJECTION_LOG_INTERVAL_S = 60.0
 
-log = logging.getLogger("tensorfleet.security")
-
-#: What each logged kind of rejected message means, and the fix (``rejected`` reasons; stale
-#: and unknown-connection requests follow every ps restart, so they are counted only).
-_REJECTION_MEANINGS = {
-    "auth": "it failed authentication (the sender does not hold this cluster's secret, or the "
-    "message was altered or replayed); if it is one of your tasks, give every task the same "
-    "secret ($TENSORFLEET_SECRET, $TENSORFLEET_SECRET_FILE or --secret-file)",
-    "malformed": "it is not a well-formed tensorfleet message (junk, a port scanner, or another "
-    "program pointed at this port)",
-    "protocol": "it speaks another tensorfleet wire protocol; run the same tensorfleet version "
-    "on every task",
-    "unencrypted": "its encryption does not match this service's (--encrypt / "
-    "$TENSORFLEET_ENCRYPT); the sender was told so; every task must agree",
-}
-_ADDRESS = re.compile(r"[0-9A-Za-z.:%\[\]-]{1,64}")
-
-
-class RejectionLog:
-    """Rate-limited WARNING lines about messages a service drops and connections it quarantines.
-
-    Counting alone (:attr:`ServiceSocket.rejected`) left a ps silent while junk or a worker
-    with the wrong secret knocked; logging every message would let a flood fill the disk. So
-    each kind (a ``rejected`` reason, or ``"quarantine"``) logs at once the first time, then
-    at most once per ``interval_s``, and each line says how many were not logged since.
-    """
-
-    def __init__(
-        self,
-        service: str,
-        interval_s: float = REJECTION_LOG_INTERVAL_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.service = service
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._unlogged: Counter[str] = Counter()
-
-    def due(self, kind: str) -> bool:
-        """Whether a line about ``kind`` may be logged now; when not, the event is counted as
-        not logged (the next line says so)."""
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval_s:
-            self._unlogged[kind] += 1
-            return False
-        self._last[kind] = now
-        return True
-
-    def rejected(self, reason: str, peer_address: str, total: int) -> None:
-        """Log that a message from ``peer_address`` was dropped for ``reason`` (call when
-        :meth:`due`); ``total`` is how many were dropped for it so far."""
-        log.warning(
-            "tensorfleet service %s: dropped a message from %s: %s (%d dropped as %r so far%s)",
-            self.service,
-            peer_address,
-            _REJECTION_MEANINGS[reason],
-            total,
-            reason,
-            self._since(reason),
-        )
-
-    def quarantined(self, peer_address: str, connections: int) -> None:
-        """Log that the connection from ``peer_address`` is ignored from now on (call when
-        :meth:`due`); ``connections`` is how many were quarantined so far."""
-        log.warning(
-            "tensorfleet service %s: ignoring the connection from %s for good after %d invalid "
-            "messages; its further messages are dropped unread (counted as 'quarantined') "
-            "(%d connection(s) quarantined so far%s)",
-            self.service,
-            peer_address,
-            QUARANTINE_AFTER_INVALID,
-            connections,
-            self._since("quarantine"),
-        )
-
-    def _since(self, kind: str) -> str:
-        unlogged = self._unlogged.pop(kind, 0)
-        if not unlogged:
-            return ""
-        every = f"{self.interval_s:g} s"
-        return f", {unlogged} not logged since the last such line: at most one per {every}"
-
-
-def peer_address(frame: zmq.Frame | None) -> str:
-    """The IP address of the peer that sent ``frame`` (ZeroMQ's ``Peer-Address``), checked
-    to be only address characters, or ``"an unknown address"``."""
-    try:
-        address = frame.get("Peer-Address")
-    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-        return "an unknown address"
-    if isinstance(address, str) and _ADDRESS.fullmatch(address):
-        return address
-    return "an unknown address"
+log = logging.getLogger(__name__)
 
 
 class _StaleSession(ProtocolError):
@@ -233,6 +140,7 @@ class ServiceSocket:
         limits: wire.Limits | None = None,
         encrypt: bool = False,
         shared_memory: bool | None = None,
+        payload_stream: bool | None = None,
     ) -> None:
         self.limits = limits or wire.Limits()
         self.address = address
@@ -262,6 +170,11 @@ class ServiceSocket:
         self._signer = MessageSigner(secret, REPLY_ROLE)
         self._verifier = MessageVerifier(secret, REQUEST_ROLE)
         self._encryption = ServiceEncryption(secret, self._signer.session_id) if encrypt else None
+        self.streams = self._start_streams(
+            secret, service_streams.wanted() if payload_stream is None else payload_stream
+        )
+        """Large reply payloads over the clients' payload streams, when on
+        (:mod:`tensorfleet.wire.service_streams`); None when off."""
         self._noticed: OrderedDict[bytes, None] = OrderedDict()
         self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()
         self.rejected: Counter[str] = Counter()
@@ -458,10 +371,30 @@ class ServiceSocket:
         ``IdentityInUse.code``), which the client raises as ``remote_error_class(code)``."""
         self._send(request, failure_header(request, error_type, text), [])
 
+    def _start_streams(self, secret: bytes, wanted: bool) -> service_streams.ServiceStreams | None:
+        if not wanted:
+            return None
+        try:
+            return service_streams.ServiceStreams(
+                self.address, secret, self._signer, service=self.address
+            )
+        except OSError as exc:
+            log.warning(
+                "tensorfleet service %s: cannot listen for payload streams (%s): every payload "
+                "stays on ZeroMQ",
+                self.address,
+                exc,
+            )
+            return None
+
     def _send(
         self, request: Request, header: dict[str, Any], buffers: list[Buffer]
-    ) -> zmq.MessageTracker | None:
-        header, buffers, in_frames = self._place_reply(request, header, buffers)
+    ) -> zmq.MessageTracker | service_streams.StreamTracker | None:
+        stream = self._stream_for(request, header, buffers)
+        if stream is not None:
+            header, in_frames = {**header, wire.STREAM_KEY: {}}, False
+        else:
+            header, buffers, in_frames = self._place_reply(request, header, buffers)
         frames = wire.encode(
             wire.KIND_REPLY, header, buffers, self._signer, in_frames, sealer=request.sealer
         )
@@ -473,7 +406,29 @@ class ServiceSocket:
         except zmq.Again:
             self.rejected["unsent_reply"] += 1
             return None
+        if stream is not None:  # the payload follows its header, on the client's stream
+            streamed = service_streams.StreamTracker()
+            stream.send(self._signer.counter, buffers, streamed.finish)
+            self.streams.sent += 1  # type: ignore[union-attr]
+            return streamed
         return tracker if tracked else None
+
+    def _stream_for(
+        self, request: Request, header: dict[str, Any], buffers: list[Buffer]
+    ) -> PayloadSender | None:
+        """The client's payload stream when this reply's payload takes it (see
+        :mod:`tensorfleet.wire.service_streams`), else None."""
+        if (
+            self.streams is None
+            or not buffers
+            or request.reply_segment is not None
+            or request.sealer is not None
+            or header.get("ok") is not True
+        ):
+            return None
+        return self.streams.sender_for(
+            request.session_id, sum(memoryview(b).nbytes for b in buffers)
+        )
 
     def _resolve_request(self, header: dict[str, Any], sizes: list[int]) -> list[Buffer]:
         try:
@@ -488,6 +443,8 @@ class ServiceSocket:
         requester's shared-memory segment when it offered one and they fit (then the buffers
         signed are the copies there); this service's host in answers to ``hello``, and why
         it cannot reach the requester's shared memory when its probe failed."""
+        if request.op == "hello" and self.streams is not None:
+            header = {**header, "stream_port": self.streams.port}
         if request.op == "hello" and self._host is not None:
             header = {**header, "host": self._host}
             if request.shared_memory_refused is not None:
@@ -558,3 +515,5 @@ class ServiceSocket:
         self._context.term()
         if self._peer_segments is not None:
             self._peer_segments.close()
+        if getattr(self, "streams", None) is not None:
+            self.streams.close()

@@ -1,0 +1,152 @@
+"""Large replies over the payload stream (wire/service_streams.py, wire/channel_stream.py): with
+TENSORFLEET_PAYLOAD_STREAM=1 on both ends a large reply's payload takes the client's stream and
+arrives whole; small replies, either end off, or a stream that cannot be opened keep every
+payload on ZeroMQ; a late reply's payload is read past; a stream that fails mid-payload fails
+that request at once, and the next hello opens a new stream."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tensorfleet.errors import ConnectionLost
+from tensorfleet.launch.ports import free_port
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_socket import ServiceSocket
+from tensorfleet.wire.service_streams import STREAM_MIN_BYTES
+
+SECRET = b"k" * 32
+TIMEOUT_S = 10.0
+LARGE = STREAM_MIN_BYTES + 12345
+
+
+class EchoService:
+    """A ServiceSocket in a thread that answers every request with its buffers."""
+
+    def __init__(self, payload_stream: bool) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        self.socket = ServiceSocket(
+            self.address, SECRET, shared_memory=False, payload_stream=payload_stream
+        )
+        self.stop = threading.Event()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.socket.poll(0.05) and (request := self.socket.receive()) is not None:
+                    self.socket.reply(request, {"op": request.op}, list(request.buffers))
+        except BaseException as exc:  # surfaced by close()
+            self.failure = exc
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(TIMEOUT_S)
+        self.socket.close()
+        assert self.failure is None, self.failure
+
+
+@pytest.fixture
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[EchoService, Channel]]:
+    monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", "1")
+    service = EchoService(payload_stream=True)
+    channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+    try:
+        yield service, channel
+    finally:
+        channel.close()
+        service.close()
+
+
+def test_a_large_reply_takes_the_stream_and_a_small_one_zeromq(
+    streaming: tuple[EchoService, Channel],
+) -> None:
+    service, channel = streaming
+    channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    assert channel.stream.open
+    large, small = os.urandom(LARGE), os.urandom(1000)
+    reply = channel.call("echo", {}, [large, small], timeout_s=TIMEOUT_S)
+    assert [bytes(b) for b in reply.buffers] == [large, small]
+    assert service.socket.streams.sent == 1 and channel.stream.payloads == 1
+    assert not any(b.readonly for b in reply.buffers)  # fresh memory: tensors may adopt it
+    reply = channel.call("echo", {}, [small], timeout_s=TIMEOUT_S)  # below the threshold
+    assert bytes(reply.buffers[0]) == small and service.socket.streams.sent == 1
+
+
+def test_off_by_default_every_payload_stays_on_zeromq() -> None:
+    service = EchoService(payload_stream=None)  # the environment decides: unset is off
+    channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+    try:
+        assert service.socket.streams is None
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        large = os.urandom(LARGE)
+        assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+        assert not channel.stream.open and channel.stream.payloads == 0
+    finally:
+        channel.close()
+        service.close()
+
+
+def test_a_client_without_streams_gets_its_payloads_on_zeromq(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = EchoService(payload_stream=True)
+    monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", "0")
+    channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+    try:
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        large = os.urandom(LARGE)
+        assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+        assert service.socket.streams.sent == 0 and not channel.stream.open
+    finally:
+        channel.close()
+        service.close()
+
+
+def test_a_stream_that_cannot_be_opened_is_said_once_and_payloads_stay_on_zeromq(
+    streaming: tuple[EchoService, Channel], caplog: pytest.LogCaptureFixture
+) -> None:
+    service, channel = streaming
+    service.socket.streams.port = free_port()  # named in the hello; nothing listens there
+    with caplog.at_level(logging.WARNING, logger="tensorfleet.wire.channel_stream"):
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    assert not channel.stream.open and channel.stream.refused is not None
+    assert [r.getMessage() for r in caplog.records if "payload stream" in r.getMessage()]
+    large = os.urandom(LARGE)
+    assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+    assert service.socket.streams.sent == 0
+
+
+def test_the_payload_of_a_reply_nobody_waits_for_is_read_past(
+    streaming: tuple[EchoService, Channel],
+) -> None:
+    service, channel = streaming
+    channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    channel.send("echo", {}, [os.urandom(LARGE)], timeout_s=TIMEOUT_S)
+    channel.forget_pending()  # given up: its reply, header and payload, arrives unwanted
+    wanted = os.urandom(LARGE)
+    reply = channel.call("echo", {}, [wanted], timeout_s=TIMEOUT_S)
+    assert bytes(reply.buffers[0]) == wanted
+    assert channel.dropped["unexpected"] == 1 and channel.stream.payloads == 2
+
+
+def test_a_stream_cut_mid_payload_fails_that_request_and_the_next_hello_reopens_it(
+    streaming: tuple[EchoService, Channel],
+) -> None:
+    service, channel = streaming
+    channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    (sender,) = service.socket.streams._senders.values()
+    sender._conn.shutdown(2)  # the service's end of the stream goes away (SHUT_RDWR)
+    with pytest.raises(ConnectionLost, match="payload stream"):
+        channel.call("echo", {}, [os.urandom(LARGE)], timeout_s=TIMEOUT_S)
+    assert not channel.stream.open
+    channel.call("hello", {}, timeout_s=TIMEOUT_S)  # what a client's recovery does
+    assert channel.stream.open
+    large = os.urandom(LARGE)
+    assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
