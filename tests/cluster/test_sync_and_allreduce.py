@@ -186,3 +186,27 @@ def test_the_same_host_path_and_tcp_train_to_bit_identical_parameters(tmp_path):
     assert over_tcp["stats"][0]["shared_memory"] == {"requests": 0, "replies": 0}, over_tcp
     assert same_host["global_step"] == over_tcp["global_step"] == STEPS
     assert same_host["params"] == over_tcp["params"]
+
+
+def test_the_payload_stream_and_zeromq_train_to_bit_identical_parameters(tmp_path):
+    """The same sync training over TCP with the payload stream on
+    (``TENSORFLEET_PAYLOAD_STREAM=1``: the ps's replies of 2 MiB and more travel on each
+    worker's stream, received in place) and off ends with the same parameters, bit for bit;
+    the ps counts the replies it streamed (at least one per worker step)."""
+
+    def run(stream: str) -> dict:
+        out = tmp_path / f"stream-{stream}.json"
+        command = [
+            sys.executable, str(PROGRAMS / "exact_worker.py"), str(out), "sync", "adam",
+            str(STEPS), "--hidden", "60000",
+        ]  # fmt: skip
+        env = {"TENSORFLEET_SHARED_MEMORY": "0", "TENSORFLEET_PAYLOAD_STREAM": stream}
+        result = run_local_cluster(1, 2, command, timeout_s=200, env=env)
+        assert result.returncode == 0, str(result)
+        return json.loads(out.read_text())
+
+    streamed, plain = run("1"), run("0")
+    assert streamed["stats"][0]["streamed_replies"] >= 2 * STEPS, streamed["stats"]
+    assert plain["stats"][0]["streamed_replies"] == 0, plain["stats"]
+    assert streamed["global_step"] == plain["global_step"] == STEPS
+    assert streamed["params"] == plain["params"]

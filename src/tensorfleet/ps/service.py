@@ -477,6 +477,7 @@ class ParameterService(
                 "refused": self.stats["refused"],
                 "rejected": dict(self.socket.rejected),
                 "shared_memory": dict(self.socket.shared_memory),
+                "streamed_replies": self.socket.streams.sent if self.socket.streams else 0,
                 "done_workers": sorted(self.done_workers),
                 "dropped": dict(self.aggregator.dropped) if self.aggregator else {},
                 "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,

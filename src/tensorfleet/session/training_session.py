@@ -556,9 +556,10 @@ class TrainingSession:
         return progress.global_step
 
     def cluster_stats(self) -> list[dict[str, Any]]:
-        """Each ps shard's own record: pushes, dropped gradients per worker (sync), the
-        largest staleness gap applied (async with max_staleness), rejected messages. Empty
-        in modes without parameter servers."""
+        """Each ps shard's own record, a dict per shard: ``pushes``, ``buckets``, ``refused``,
+        ``rejected``, ``dropped`` (sync), ``max_staleness_seen``, ``gradient_age``, ``tables``,
+        ``shared_memory``, ``streamed_replies``, ``copies_on_write``, ``peak_rss_bytes``, among
+        others. Empty in modes without parameter servers."""
         require_open("cluster_stats()", started=self._started, closed=self._released)
         return self._updater.stats()
 
