@@ -127,13 +127,41 @@ def end_fork(code: int) -> NoReturn:
     os._exit(code)
 
 
+#: The seed torch's default generator had right after the forking process imported torch
+#: (:func:`note_torch_start_seed`), or None.
+_torch_start_seed: int | None = None
+#: The seed torch releases that seed their default generator at a fixed value start with.
+TORCH_FIXED_DEFAULT_SEED = 67280421310721
+
+
+def note_torch_start_seed() -> None:
+    """Record torch's start seed, right after ``import torch`` in a process that will fork
+    (so that :func:`reseed_generators` can tell it from a seed the user's code set since)."""
+    global _torch_start_seed
+    torch = sys.modules.get("torch")
+    _torch_start_seed = None if torch is None else torch.initial_seed()
+
+
 def reseed_generators() -> None:
     """A fresh interpreter seeds Python's (and numpy's) global generators from the OS; forked
-    children would all share the executor's state, so reseed them the same way. Torch's
-    default generator needs nothing: its seed is fixed at start, as in a fresh process."""
+    children would all share the forking process's state, so reseed them the same way.
+    Torch's default generator too, when a fresh interpreter of this torch seeds it from the
+    OS (torch 2.13 does: ``torch.initial_seed()`` differs from one process to the next) and
+    nothing set it since the import (:func:`note_torch_start_seed`): every trial of a warm
+    sweep and every forked task started with the same torch random state before. A seed the
+    user's preloaded code set (``torch.manual_seed``) is kept, as a fresh interpreter running
+    that code would have it; a torch whose start seed is fixed is left as it is."""
     import random
 
     random.seed()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+    torch = sys.modules.get("torch")
+    if (
+        torch is not None
+        and _torch_start_seed is not None
+        and _torch_start_seed != TORCH_FIXED_DEFAULT_SEED
+        and torch.initial_seed() == _torch_start_seed
+    ):
+        torch.seed()  # from the OS, as a fresh interpreter of this torch does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,25 @@ def test_folds_that_validate_a_sample_twice_are_refused(tmp_path):
             pythonpath=PROGRAMS,
             progress=quiet(),
         )
+
+
+def test_a_failed_fold_is_named_with_its_directory_and_reruns_once_that_is_deleted(tmp_path):
+    """A fold that failed stays recorded as failed (a run again would keep it); the error
+    names its directory, and once that is deleted a run again reruns that fold alone."""
+    flag = tmp_path / "may-pass"
+    env = {"FOLD_MAY_PASS": str(flag)}
+
+    def run():
+        return run_cross_validation(
+            "model_trials:fold_failing_once", 3, 300, tmp_path / "cv", seed=5, slots=2,
+            pythonpath=PROGRAMS, env=env, progress=quiet(),
+        )  # fmt: skip
+
+    with pytest.raises(TensorfleetError, match=r"fold 1: .*fold one broke.*trials/0001"):
+        run()
+    flag.touch()
+    with pytest.raises(TensorfleetError, match="fold 1"):
+        run()  # still recorded as failed
+    shutil.rmtree(tmp_path / "cv" / "trials" / "0001")
+    result = run()
+    assert len(result.scores) == 3 and all(0.5 < s <= 1.0 for s in result.scores), result

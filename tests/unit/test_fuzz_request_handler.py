@@ -159,6 +159,7 @@ class FakeSocket:
         self.session_id = os.urandom(16)
         self.rejected: Counter[str] = Counter()
         self.shared_memory: Counter[str] = Counter()
+        self.streams = None  # no payload streams (TENSORFLEET_PAYLOAD_STREAM off)
         self.last_valid_request_time = time.monotonic()
         self.answers: dict[int, Answer] = {}
         self.inbox: list[Request] = []

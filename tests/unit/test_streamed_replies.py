@@ -141,6 +141,7 @@ def test_a_stream_cut_mid_payload_fails_that_request_and_the_next_hello_reopens_
 ) -> None:
     service, channel = streaming
     channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    assert channel.stream.open  # and the service holds its sender: it said OPENED after that
     (sender,) = service.socket.streams._senders.values()
     sender._conn.shutdown(2)  # the service's end of the stream goes away (SHUT_RDWR)
     with pytest.raises(ConnectionLost, match="payload stream"):

@@ -114,7 +114,10 @@ def run_cross_validation(
         raise TensorfleetError(
             "cross-validation needs every fold; failed: "
             + "; ".join(f"fold {r.number}: {r.error}" for r in failed)
-            + f" (see {directory}/trials/). Run it again to rerun only those folds"
+            + f" (see {directory}/trials/). A fold that failed stays recorded as failed: "
+            "to rerun it, delete its directory ("
+            + ", ".join(f"{directory}/trials/{r.number:04d}" for r in failed)
+            + ") and run it again (the folds that finished are kept)"
         )
     counts = torch.zeros(num_samples, dtype=torch.long)
     for record in sweep.records:

@@ -209,11 +209,12 @@ def save_trial_tensors(directory: Path, name: str, tensors: Mapping[str, Any]) -
     return path
 
 
-def load_trial_tensors(directory: Path, name: str) -> dict[str, Any]:
-    """The tensors a trial kept with :meth:`Trial.save_tensors` (safetensors: no code runs)."""
+def load_trial_tensors(directory: str | Path, name: str) -> dict[str, Any]:
+    """The tensors a trial kept with :meth:`Trial.save_tensors` (safetensors: no code runs),
+    from its directory (a path or a string)."""
     from safetensors.torch import load_file
 
-    path = directory / f"{name}.safetensors"
+    path = Path(directory) / f"{name}.safetensors"
     try:
         return load_file(str(path))
     except (OSError, ValueError) as exc:

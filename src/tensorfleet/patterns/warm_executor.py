@@ -95,6 +95,7 @@ from tensorfleet.process_forks import (
     end_fork,
     failed_in_fork,
     fork_frozen,
+    note_torch_start_seed,
     reseed_generators,
     set_parent_death_signal,
 )
@@ -386,6 +387,8 @@ def serve(entry: str, metric: str) -> int:
         channel.flush()
 
     import torch  # noqa: F401 (the point: imported once, before any trial)
+
+    note_torch_start_seed()  # before the user's code: trials get a seed of their own
 
     allowed = current_threads()  # torch's import starts numpy's OpenBLAS server: safe (see above)
     for name in PRELOADED:

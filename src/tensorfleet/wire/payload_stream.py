@@ -273,6 +273,7 @@ class PayloadSender:
         signer: MessageSigner,
         peer: str = "client",
         greeting: bytes = b"",
+        start: bool = True,
     ) -> None:
         self._conn, self._signer, self.peer = conn, signer, peer
         self._greeting = greeting
@@ -284,6 +285,13 @@ class PayloadSender:
         self._thread = threading.Thread(
             target=self._run, name="tensorfleet-stream-sender", daemon=True
         )
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start sending (the greeting first), for a sender made with ``start=False``: its
+        owner registers it first, so that a client that read the greeting finds its replies'
+        payloads taking the stream."""
         self._thread.start()
 
     @property

@@ -96,14 +96,15 @@ class ServiceStreams:
     def _opened(self, session_id: bytes, conn: socket.socket) -> None:
         """A client opened its stream (the listener's thread): it replaces any earlier one of
         the same session; past :data:`MAX_STREAMS` the least recent is closed."""
-        with self._lock:  # held before the client learns (OPENED) that its stream is open
-            sender = PayloadSender(
-                conn, self._signer, peer=f"the client of {self.service}", greeting=OPENED
-            )
+        sender = PayloadSender(
+            conn, self._signer, peer=f"the client of {self.service}", greeting=OPENED, start=False
+        )
+        with self._lock:
             retired = [self._senders.pop(session_id)] if session_id in self._senders else []
             self._senders[session_id] = sender
             while len(self._senders) > MAX_STREAMS:
                 retired.append(self._senders.popitem(last=False)[1])
+        sender.start()  # registered before the client learns (OPENED) that its stream is open
         for old in retired:
             old.close(wait=False)
 

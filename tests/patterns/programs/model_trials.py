@@ -3,6 +3,8 @@ synthetic 3-class problem, trained in one process with a TrainingSession."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,3 +67,10 @@ def wrong_fold(trial: Trial) -> float:
     n = trial.params["num_samples"]
     keep_validation_indices(trial, torch.arange(n // 3))
     return 0.5
+
+
+def fold_failing_once(trial: Trial) -> float:
+    """``fold``, except that fold 1 fails while the file ``FOLD_MAY_PASS`` names is absent."""
+    if trial.params["fold"] == 1 and not os.path.exists(os.environ["FOLD_MAY_PASS"]):
+        raise RuntimeError("fold one broke")
+    return fold(trial)

@@ -36,6 +36,7 @@ from tensorfleet.process_forks import (
     end_fork,
     failed_in_fork,
     fork_frozen,
+    note_torch_start_seed,
     reseed_generators,
     serve_fork_requests,
 )
@@ -93,6 +94,8 @@ def _serve(channel: socket.socket) -> int:
         channel.send(json.dumps(message).encode())
 
     import torch  # the point: imported once, for every task it forks
+
+    note_torch_start_seed()  # each task forked gets a torch seed of its own, as if fresh
 
     allowed = current_threads()  # torch's import starts numpy's OpenBLAS server: safe to fork
     started_with = dict(os.environ)
