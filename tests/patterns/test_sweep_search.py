@@ -198,3 +198,19 @@ def test_results_csv_says_why_an_interrupted_trials_number_has_no_result(tmp_pat
     assert "interrupted/0002-1" in rows[2]["error"], rows[2]
     assert document["counts"] == {"complete": 4, "pruned": 0, "failed": 0}
     assert document["interrupted"][0]["trial"] == 2 and document["best"]["trial"] == 4
+
+
+def test_a_list_search_file_may_leave_the_space_out_and_others_may_not(tmp_path):
+    listed = tmp_path / "listed.yaml"
+    listed.write_text(
+        "entry: t:f\nmetric: score\nsearch: list\n"
+        "configurations: [{kind: a, n: 1}, {kind: b, n: 2}]\n"
+    )
+    config = load_config(listed)
+    assert set(config.space) == {"kind", "n"}  # each parameter: a choice of its values
+    assert [c["kind"] for c in config.configurations] == ["a", "b"]
+    assert config.total_trials == 2
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("entry: t:f\nmetric: score\n")
+    with pytest.raises(SweepConfigError, match="missing setting 'space'"):
+        load_config(grid)

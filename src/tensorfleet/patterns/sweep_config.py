@@ -62,7 +62,8 @@ class SweepConfig:
     """``grid``, ``random``, ``optuna``, or ``list`` (the given ``configurations``, in order)."""
     configurations: list[dict[str, Any]] | None = None
     """search: list runs exactly these configurations (ensemble members, folds); the space
-    may then be left out (each parameter becomes a choice of the values it takes)."""
+    may then be left out of a config file, or given as ``{}`` here (each parameter becomes a
+    choice of the values it takes)."""
     trials: int | None = None
     """How many trials (random and optuna search; a grid runs all its points)."""
     slots: int = 1
@@ -314,9 +315,12 @@ def load_config(path: str | Path) -> SweepConfig:
         raise SweepConfigError(
             f"{path}: unknown settings {unknown}; the settings are {sorted(known)}"
         )
-    for required in ("space", "metric"):
+    listed = raw.get("search") == "list"  # its space may be left out (from configurations)
+    for required in ("metric",) if listed else ("space", "metric"):
         if required not in raw:
             raise SweepConfigError(f"{path}: missing setting {required!r}")
+    if listed:
+        raw.setdefault("space", {})
     raw.setdefault("pythonpath", [])
     try:
         _check_pythonpath(raw["pythonpath"])
