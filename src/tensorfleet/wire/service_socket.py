@@ -147,6 +147,7 @@ class ServiceSocket:
         self.encrypt = encrypt
         use_memory = shared_memory_wanted(shared_memory)
         self._peer_segments = shm.PeerSegments() if use_memory else None
+        self.streams: service_streams.ServiceStreams | None = None  # set once bound, below
         self._host = shm.host_identity() if use_memory else None
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.ROUTER)
@@ -515,5 +516,5 @@ class ServiceSocket:
         self._context.term()
         if self._peer_segments is not None:
             self._peer_segments.close()
-        if getattr(self, "streams", None) is not None:
+        if self.streams is not None:
             self.streams.close()

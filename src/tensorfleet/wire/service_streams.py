@@ -26,6 +26,7 @@ import logging
 import socket
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from tensorfleet import environment
 from tensorfleet.errors import ConfigError
@@ -40,11 +41,11 @@ STREAM_MIN_BYTES = 2 * CHUNK_BYTES
 MAX_STREAMS = 1024
 
 
-def wanted(environ: object = None) -> bool:
+def wanted(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``TENSORFLEET_PAYLOAD_STREAM`` turns the stream on (``1``; unset or ``0``:
     off). Any other value is a :class:`~tensorfleet.errors.ConfigError` naming it."""
     values = environment.environ() if environ is None else environ
-    value = values.get(environment.PAYLOAD_STREAM_VAR, "0")  # type: ignore[attr-defined]
+    value = values.get(environment.PAYLOAD_STREAM_VAR, "0")
     choice = value.strip().lower()
     if choice in ("", "0", "false", "no", "off"):
         return False
