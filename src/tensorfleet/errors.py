@@ -73,6 +73,15 @@ class ServiceRestarted(RemoteError):
     code = "StaleSession"
 
 
+class PayloadStreamLost(ServiceRestarted):
+    """The payload of a request sent on the payload stream did not reach the service whole
+    (the stream was cut, or the payload was late or altered): the service closed that stream
+    and refused the request. Like a restart, the client says hello again (which opens a new
+    stream) and sends the request again: nothing of it was applied."""
+
+    code = "PayloadStreamLost"
+
+
 class IdentityInUse(RemoteError):
     """Another live process holds this task's identity (e.g. the predecessor of a restarted
     task that has not been declared dead yet); asking again later may succeed."""
@@ -125,6 +134,7 @@ def remote_error_class(code: object) -> type[RemoteError]:
     """The exception class a client raises for a refusal with ``code``."""
     for cls in (
         ServiceRestarted,
+        PayloadStreamLost,
         IdentityInUse,
         NotInitialized,
         WorkerLost,

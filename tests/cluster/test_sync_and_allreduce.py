@@ -190,9 +190,10 @@ def test_the_same_host_path_and_tcp_train_to_bit_identical_parameters(tmp_path):
 
 def test_the_payload_stream_and_zeromq_train_to_bit_identical_parameters(tmp_path):
     """The same sync training over TCP with the payload stream on
-    (``TENSORFLEET_PAYLOAD_STREAM=1``: the ps's replies of 2 MiB and more travel on each
-    worker's stream, received in place) and off ends with the same parameters, bit for bit;
-    the ps counts the replies it streamed (at least one per worker step)."""
+    (``TENSORFLEET_PAYLOAD_STREAM=1``: the payloads of 2 MiB and more, the ps's replies and
+    the workers' pushes, travel on each worker's stream, received in place) and off ends with
+    the same parameters, bit for bit; the ps counts the replies and requests it streamed (at
+    least one of each per worker step)."""
 
     def run(stream: str) -> dict:
         out = tmp_path / f"stream-{stream}.json"
@@ -207,6 +208,8 @@ def test_the_payload_stream_and_zeromq_train_to_bit_identical_parameters(tmp_pat
 
     streamed, plain = run("1"), run("0")
     assert streamed["stats"][0]["streamed_replies"] >= 2 * STEPS, streamed["stats"]
+    assert streamed["stats"][0]["streamed_requests"] >= 2 * STEPS, streamed["stats"]
     assert plain["stats"][0]["streamed_replies"] == 0, plain["stats"]
+    assert plain["stats"][0]["streamed_requests"] == 0, plain["stats"]
     assert streamed["global_step"] == plain["global_step"] == STEPS
     assert streamed["params"] == plain["params"]

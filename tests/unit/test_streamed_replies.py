@@ -142,8 +142,8 @@ def test_a_stream_cut_mid_payload_fails_that_request_and_the_next_hello_reopens_
     service, channel = streaming
     channel.call("hello", {}, timeout_s=TIMEOUT_S)
     assert channel.stream.open  # and the service holds its sender: it said OPENED after that
-    (sender,) = service.socket.streams._senders.values()
-    sender._conn.shutdown(2)  # the service's end of the stream goes away (SHUT_RDWR)
+    (stream,) = service.socket.streams._streams.values()
+    stream.sender._conn.shutdown(1)  # the service's replies stop there (SHUT_WR)
     with pytest.raises(ConnectionLost, match="payload stream"):
         channel.call("echo", {}, [os.urandom(LARGE)], timeout_s=TIMEOUT_S)
     assert not channel.stream.open

@@ -478,6 +478,7 @@ class ParameterService(
                 "rejected": dict(self.socket.rejected),
                 "shared_memory": dict(self.socket.shared_memory),
                 "streamed_replies": self.socket.streams.sent if self.socket.streams else 0,
+                "streamed_requests": self.socket.streams.received if self.socket.streams else 0,
                 "done_workers": sorted(self.done_workers),
                 "dropped": dict(self.aggregator.dropped) if self.aggregator else {},
                 "max_staleness_seen": self.gate.max_gap_seen if self.gate else None,

@@ -558,8 +558,8 @@ class TrainingSession:
     def cluster_stats(self) -> list[dict[str, Any]]:
         """Each ps shard's own record, a dict per shard: ``pushes``, ``buckets``, ``refused``,
         ``rejected``, ``dropped`` (sync), ``max_staleness_seen``, ``gradient_age``, ``tables``,
-        ``shared_memory``, ``streamed_replies``, ``copies_on_write``, ``peak_rss_bytes``, among
-        others. Empty in modes without parameter servers."""
+        ``shared_memory``, ``streamed_replies`` / ``streamed_requests`` (payloads on the payload
+        stream), ``copies_on_write``, ``peak_rss_bytes``, among others. Empty in modes without parameter servers."""
         require_open("cluster_stats()", started=self._started, closed=self._released)
         return self._updater.stats()
 

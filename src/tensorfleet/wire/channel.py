@@ -193,6 +193,9 @@ class Channel:
             header["shm_probe"] = self._probe.describe()
         handshake = self._handshake
         sealer = handshake.encryption.sealer if sealed and handshake is not None else None
+        streamed = in_frames and sealer is None and self.stream.takes(payload_bytes)
+        if streamed:  # the header says so; the payload follows on the stream, below
+            header[wire.STREAM_KEY], in_frames = {}, False
         frames = wire.encode(
             wire.KIND_REQUEST, header, buffers, self._signer, in_frames, sealer=sealer
         )
@@ -210,6 +213,8 @@ class Channel:
                     else ""
                 )
             ) from None
+        if streamed:
+            self.stream.send(self._signer.counter, buffers)
         self.bytes_sent += payload_bytes + sum(memoryview(f).nbytes for f in frames[:3])
         self._pending[request_id] = op
         if handshake is not None:

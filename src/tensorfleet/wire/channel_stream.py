@@ -1,5 +1,6 @@
 """A channel's payload stream: opened after each ``hello`` whose answer names a stream port,
-read when a reply's header says its payload follows on it (:mod:`tensorfleet.wire.payload_stream`).
+read when a reply's header says its payload follows on it, written with the payload of every
+large request (:mod:`tensorfleet.wire.payload_stream`).
 
 Rule. A channel with streams on (``TENSORFLEET_PAYLOAD_STREAM=1``) that is not using shared
 memory with its service opens a stream when the service's answer to ``hello`` names its
@@ -10,7 +11,14 @@ service sends payloads over ZeroMQ to a client that opened no stream, so nothing
 a stream that does not exist. A reply whose header says ``stream`` has its payload read
 from the stream before anything else is received, within :data:`STREAM_READ_TIMEOUT_S`;
 a payload that fails (cut short, late, altered) ends that request with the error, and the
-stream is closed until the next ``hello``.
+stream is closed until the next ``hello``. A request whose payload has at least
+:data:`~tensorfleet.wire.service_streams.STREAM_MIN_BYTES` (the replies' rule) and is not
+sealed sends its header over ZeroMQ with ``stream`` in it, then its payload on the stream,
+tagged chunk by chunk on the stream's sender thread (:class:`PayloadSender`: the caller goes
+on, as after a ZeroMQ send); the service reads it on a thread of its own
+(:mod:`tensorfleet.wire.payload_collector`). A payload that does not reach the service whole
+is refused there with :class:`~tensorfleet.errors.PayloadStreamLost`, which the client's
+recovery treats as a restart: hello again (a new stream), then the request again.
 """
 
 from __future__ import annotations
@@ -20,14 +28,19 @@ import time
 from typing import Any
 
 from tensorfleet.errors import ConnectionLost, ProtocolError
-from tensorfleet.wire.auth import REPLY_ROLE, MessageSigner, derive_session_key
-from tensorfleet.wire.payload_stream import PayloadReceiver, open_stream
-from tensorfleet.wire.service_streams import wanted
+from tensorfleet.wire.auth import REPLY_ROLE, Buffer, MessageSigner, derive_session_key
+from tensorfleet.wire.payload_stream import (
+    READ_TIMEOUT_S,
+    PayloadReceiver,
+    PayloadSender,
+    open_stream,
+)
+from tensorfleet.wire.service_streams import STREAM_MIN_BYTES, wanted
 
 log = logging.getLogger(__name__)
 
-#: Seconds a streamed payload may take to arrive once its header is in.
-STREAM_READ_TIMEOUT_S = 60.0
+#: Seconds a streamed reply's payload may take to arrive once its header is in.
+STREAM_READ_TIMEOUT_S = READ_TIMEOUT_S
 #: Seconds the opening of a stream may take (a connect and one round trip).
 OPEN_TIMEOUT_S = 10.0
 
@@ -44,14 +57,34 @@ class ChannelStream:
         self._secret, self.address, self.peer_name = secret, address, peer_name
         self.enabled = wanted()
         self._receiver: PayloadReceiver | None = None
+        self._sender: PayloadSender | None = None
         self.refused: str | None = None
         """Why the last opening failed, or None."""
         self.payloads = 0
         """Reply payloads read from the stream."""
+        self.sent = 0
+        """Request payloads handed to the stream."""
 
     @property
     def open(self) -> bool:
-        return self._receiver is not None and self._receiver.failure is None
+        return (
+            self._receiver is not None
+            and self._receiver.failure is None
+            and self._sender is not None
+            and self._sender.alive
+        )
+
+    def takes(self, payload_bytes: int) -> bool:
+        """Whether a request payload of ``payload_bytes`` (not sealed) goes on the stream."""
+        return payload_bytes >= STREAM_MIN_BYTES and self.open
+
+    def send(self, counter: int, buffers: list[Buffer]) -> None:
+        """Send the payload of the request message ``counter`` (its header just went over
+        ZeroMQ) on the stream's thread; the buffers must stay unchanged until the reply
+        (the rule of :meth:`Channel.send`)."""
+        assert self._sender is not None, "takes() said the stream is open"
+        self._sender.send(counter, buffers, _ignore)
+        self.sent += 1
 
     def after_hello(
         self, header: dict[str, Any], signer: MessageSigner, service_session: bytes
@@ -82,7 +115,10 @@ class ChannelStream:
             self.refused = str(exc)
             return
         key = derive_session_key(self._secret, service_session, REPLY_ROLE)
-        self._receiver = PayloadReceiver(conn, key, peer=f"{self.peer_name} at {host}:{port}")
+        where = f"{self.peer_name} at {host}:{port}"
+        self._receiver = PayloadReceiver(conn, key, peer=where)
+        # Its own socket object (a socket's timeout is per object) and the request key.
+        self._sender = PayloadSender(conn.dup(), signer, peer=where)
         self.refused = None
 
     def read(self, header: dict[str, Any], counter: int, sizes: list[int]) -> list[memoryview]:
@@ -107,6 +143,14 @@ class ChannelStream:
         return buffers
 
     def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close(wait=False)
+            self._sender = None
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+
+
+def _ignore(sent: bool) -> None:
+    """A request payload's ``on_done``: one that did not leave is refused by the service
+    (:class:`~tensorfleet.errors.PayloadStreamLost`), so its request ends there."""

@@ -53,8 +53,9 @@ from tensorfleet.wire.encryption import Opener, Sealer
 PROTOCOL_VERSION = 4
 #: The header key that names the shared-memory segment holding a message's buffers.
 SHARED_MEMORY_KEY = "shm"
-#: The header key of a reply whose payload follows on its client's payload stream
-#: (:mod:`tensorfleet.wire.payload_stream`): no buffer frames, no chunk tags here.
+#: The header key of a message (a large reply or request) whose payload follows on the
+#: client's payload stream (:mod:`tensorfleet.wire.payload_stream`): no buffer frames, no
+#: chunk tags here.
 STREAM_KEY = "stream"
 MAGIC = b"TF"
 KIND_REQUEST = 0

@@ -36,15 +36,22 @@ client that read it knows that its replies' payloads take the stream from then o
 connection then carries the payloads of the replies to that client session, in the order
 the replies are sent.
 
+Both directions. The stream carries the payloads of large replies from the service and,
+the other way, of large requests from the client (the service's side reads those with
+:class:`~tensorfleet.wire.payload_collector.PayloadCollector`). Each direction is framed
+the same way, tagged under its sender's key: the service's *reply* key, the client's
+*request* key.
+
 A payload. Its chunks (:func:`~tensorfleet.wire.auth.chunk_spans` of the sizes the header
 gave), in order, each::
 
     counter u64 | index u32 | length u32 | tag (16) | length bytes
 
-``counter`` is the reply message's (its header came over ZeroMQ), ``index`` the chunk's
-(1, 2, ...), ``tag`` its GMAC under the service's *reply* key with nonce ``index ||
-counter``: the tag protocol 2 puts in a message's chunk-tag frame, so a chunk moved to
-another message, another position or another session fails it. The receiver checks the
+``counter`` is the message's (its header came over ZeroMQ), ``index`` the chunk's
+(1, 2, ...), ``tag`` its GMAC under the sender's key (the service's *reply* key, the
+client's *request* key) with nonce ``index || counter``: the tag protocol 2 puts in a
+message's chunk-tag frame, so a chunk moved to another message, another position, another
+session or the other direction fails it. The receiver checks the
 counter, index and length against what it expects before it reads the bytes, and hands
 nothing out before every chunk verified.
 
@@ -92,8 +99,9 @@ from tensorfleet.wire.auth import (
 log = logging.getLogger(__name__)
 
 MAGIC = b"TFPS"
-#: The version of the stream's opening and framing.
-STREAM_VERSION = 1
+#: The version of the stream's opening and framing. 2: request payloads too (client to
+#: service).
+STREAM_VERSION = 2
 _OPENING = struct.Struct(f">4sB{SESSION_ID_BYTES}sQ{TAG_BYTES}s")
 OPENING_BYTES = _OPENING.size
 _SIGNED_OPENING_BYTES = OPENING_BYTES - TAG_BYTES
@@ -105,6 +113,9 @@ CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
 OPENING_TIMEOUT_S = 5.0
 #: Seconds a sender waits for its receiver to take more bytes before it gives the stream up.
 SEND_TIMEOUT_S = 30.0
+#: Seconds a streamed payload may take to arrive once its header is in (at most: a
+#: request's own deadline is shorter when it says so).
+READ_TIMEOUT_S = 60.0
 #: Openings read at once; a connection beyond them is closed at once (a flood of
 #: connections costs the service no more threads than this).
 MAX_PENDING_OPENINGS = 64
@@ -260,12 +271,15 @@ class _Payload:
 
 
 class PayloadSender:
-    """The service's side of one stream: payloads queued by :meth:`send` leave in order on a
-    thread of their own, each chunk tagged with ``signer`` just before it goes (the service
-    goes on serving meanwhile). ``on_done(sent)`` is called once per payload from that
-    thread: True when its last byte was handed to the kernel (the buffers may change from
-    then on), False when the stream failed first (then the payloads still queued are told
-    False too, and later :meth:`send` calls at once)."""
+    """The sending end of one stream's direction (the service's replies, a client's
+    requests): payloads queued by :meth:`send` leave in order on a thread of their own, each
+    chunk tagged with ``signer`` just before it goes (the sender's owner goes on meanwhile).
+    ``on_done(sent)`` is called once per payload from that thread: True when its last byte
+    was handed to the kernel (the buffers may change from then on), False when the stream
+    failed first (then the payloads still queued are told False too, and later :meth:`send`
+    calls at once). ``conn`` is the sender's own socket object (``dup()`` of the stream's
+    when the other direction is read through it too: a socket's timeout is per object); the
+    sender closes it when its thread ends."""
 
     def __init__(
         self,
@@ -310,6 +324,12 @@ class PayloadSender:
         self._queue.put(_Payload(counter, buffers, on_done))
 
     def _run(self) -> None:
+        try:
+            self._send_queued()
+        finally:
+            self._conn.close()  # the sender's own socket object (a stream's other user holds its own)
+
+    def _send_queued(self) -> None:
         if self._greeting:
             try:
                 self._conn.sendall(self._greeting)
@@ -325,7 +345,7 @@ class PayloadSender:
                 except OSError as exc:
                     self.failure = f"the stream to {self.peer} failed: {exc.strerror or exc}"
                     log.warning("%s", self.failure)
-                    self._conn.close()
+                    _shut_down(self._conn)  # the peer learns at once: its reads end
             payload.on_done(self.failure is None)
 
     def _send_one(self, payload: _Payload) -> None:
@@ -353,6 +373,16 @@ class PayloadSender:
         self._conn.close()
 
 
+def _shut_down(conn: socket.socket) -> None:
+    """End the connection both ways (every socket object on it sees it), then close this
+    object."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected any more
+    conn.close()
+
+
 class _StreamEnded(Exception):
     """The peer closed the stream after ``args[0]`` bytes of what was being read."""
 
@@ -373,9 +403,10 @@ def _receive_into(conn: socket.socket, view: memoryview) -> None:
 
 
 class PayloadReceiver:
-    """The client's side of one stream: :meth:`receive` reads the payload of the reply
+    """The receiving end of one stream's direction: :meth:`receive` reads the payload of the
     message with a given counter into fresh memory, verifying each chunk against the
-    service's reply key ``peer_key`` while the next one arrives."""
+    sender's key ``peer_key`` (the service's reply key at a client, the client's request key
+    at the service) while the next one arrives."""
 
     def __init__(self, conn: socket.socket, peer_key: bytes, peer: str = "the service") -> None:
         self._conn, self._aead, self.peer = conn, AESGCM(peer_key), peer
@@ -462,8 +493,10 @@ class PayloadReceiver:
         """Close the stream (its position cannot be trusted after a failure) and remember
         why; the error to raise."""
         self.failure = f"the payload stream from {self.peer} is closed after an error: {error}"
-        self._conn.close()
+        self.close()  # both directions: the peer learns at once that the stream is gone
         return error
 
     def close(self) -> None:
-        self._conn.close()
+        """Close the stream; a read blocked in another thread ends at once (the connection
+        is shut down first: closing alone would not wake it)."""
+        _shut_down(self._conn)

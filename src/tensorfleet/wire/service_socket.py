@@ -37,8 +37,10 @@ import zmq
 
 from tensorfleet.errors import (
     AuthenticationError,
+    ConnectionLost,
     EncryptionMismatch,
     ListenError,
+    PayloadStreamLost,
     ProtocolError,
     RemoteProtocolError,
     ServiceRestarted,
@@ -54,6 +56,8 @@ from tensorfleet.wire.auth import (
     MessageVerifier,
 )
 from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, Sealer, ServiceEncryption
+from tensorfleet.wire.held_requests import HeldMessage, HeldRequests
+from tensorfleet.wire.payload_collector import PendingPayload
 from tensorfleet.wire.payload_stream import PayloadSender
 from tensorfleet.wire.rejection_log import (
     QUARANTINE_AFTER_INVALID,
@@ -107,6 +111,14 @@ class _SegmentUnavailable(ProtocolError):
         self.header = header
 
 
+def _claimed_session(frames: list[Buffer]) -> bytes | None:
+    """The session an envelope claims (not verified: only to queue a message behind its
+    session's held one, where it is verified in its turn), or None when there is none."""
+    if not frames or memoryview(frames[0]).nbytes != wire.ENVELOPE_BYTES:
+        return None
+    return bytes(memoryview(frames[0])[4:20])
+
+
 def reply_header(request: Request, body: dict[str, Any]) -> dict[str, Any]:
     """The header of a successful answer to ``request``."""
     return {"re": request.request_id, "to": request.session_id, "ok": True, "body": body}
@@ -148,6 +160,8 @@ class ServiceSocket:
         use_memory = shared_memory_wanted(shared_memory)
         self._peer_segments = shm.PeerSegments() if use_memory else None
         self.streams: service_streams.ServiceStreams | None = None  # set once bound, below
+        self._held = HeldRequests()
+        """Requests whose payload is still on its stream, and their clients' later ones."""
         self._host = shm.host_identity() if use_memory else None
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.ROUTER)
@@ -155,6 +169,9 @@ class ServiceSocket:
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         set_connection_heartbeats(self._socket)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._held.fileno(), zmq.POLLIN)  # a streamed payload is in
         endpoint = tcp_endpoint(address, bind=True)
         try:
             self._socket.bind(endpoint)
@@ -199,12 +216,24 @@ class ServiceSocket:
         return self._signer.session_id
 
     def poll(self, timeout_s: float) -> bool:
-        """Whether a message is waiting, after waiting up to ``timeout_s``."""
-        return bool(self._socket.poll(max(0, int(timeout_s * 1000))))
+        """Whether a message is waiting (or a held request can be served: its payload came
+        in on its stream), after waiting up to ``timeout_s``."""
+        if self._held.ready():
+            return True
+        return bool(self._poller.poll(max(0, int(timeout_s * 1000))))
 
     def receive(self) -> Request | None:
-        """One request, or None when the waiting message was not acceptable (it is counted in
-        :attr:`rejected`). Call after :meth:`poll` said a message waits."""
+        """One request, or None when none can be served now: the waiting message was not
+        acceptable (it is counted in :attr:`rejected`), or is held until its payload (or
+        its client's earlier request's payload) has come in on its payload stream
+        (:mod:`tensorfleet.wire.held_requests`). Call after :meth:`poll` said one waits."""
+        released = self._held.next_ready()
+        if released is not None:
+            held = released[1]
+            self._frame = held.origin
+            return self._take(held.peer, list(held.frames), held.payload)
+        if not self._socket.poll(0):  # woken for a payload that is not done yet
+            return None
         frames = self._socket.recv_multipart(copy=False)
         peer = frames[0].bytes
         self._frame = frames[0]  # the peer's address, for the log lines of a rejection
@@ -212,6 +241,18 @@ class ServiceSocket:
             self.rejected["quarantined"] += 1  # a connection that sent garbage again and again
             return None
         payload = [f.buffer for f in frames[1:]]
+        session = _claimed_session(payload)
+        if session is not None and self._held.holds(session):  # behind its session's payload
+            if not self._held.hold(session, HeldMessage(peer, payload, None, frames[0])):
+                self.rejected["held_overflow"] += 1
+            return None
+        return self._take(peer, payload, None)
+
+    def _take(
+        self, peer: bytes, payload: list[Buffer], streamed: PendingPayload | None
+    ) -> Request | None:
+        """Decode and check one message (its payload read from the stream as ``streamed``
+        when that is done); the request, or None as :meth:`receive` says."""
         try:
             msg = wire.decode(
                 payload,
@@ -220,6 +261,9 @@ class ServiceSocket:
                 self.limits,
                 resolve=self._resolve_request if self._peer_segments is not None else None,
                 openers=self._encryption.opener if self._encryption is not None else None,
+                read_stream=lambda header, counter, sizes: self._request_payload(
+                    payload, streamed, header, counter, sizes
+                ),
             )
             request = self._request_from(peer, msg)
         except wire.UnknownConnection as exc:
@@ -239,16 +283,27 @@ class ServiceSocket:
                 f"{self.address} restarted since this client said hello; say hello again",
             )
             return None
+        except service_streams.PayloadPending as pending:  # served when its payload is in
+            session = bytes(memoryview(payload[0])[4:20])  # verified by now
+            self._held.hold(session, HeldMessage(peer, payload, pending.payload, self._frame))
+            return None
+        except service_streams.PayloadFailed as exc:
+            self.rejected["stream"] += 1
+            self._fail_stub(
+                peer,
+                payload,
+                exc.header,
+                PayloadStreamLost.code,
+                f"the payload of this request did not arrive whole on its payload stream: {exc} "
+                f"[service {self.address}]; say hello again (a new stream opens) and send it again",
+            )
+            return None
         except _SegmentUnavailable as exc:
             # Authentic (its header verified), but its payload cannot be reached: say why.
             self.rejected["shm"] += 1
-            request_id = exc.header.get("id")
-            if isinstance(request_id, int):
-                session = bytes(memoryview(payload[0])[4:20])
-                stub = Request(peer, str(exc.header.get("op")), request_id, {}, [], 0.0, session)
-                if self._encryption is not None:
-                    stub.sealer = self._encryption.sealer(session)
-                self.fail(stub, "ProtocolError", f"{exc} [service {self.address}]")
+            self._fail_stub(
+                peer, payload, exc.header, "ProtocolError", f"{exc} [service {self.address}]"
+            )
             return None
         except AuthenticationError as exc:
             self._reject("auth")
@@ -273,6 +328,37 @@ class ServiceSocket:
             self._answer_unsealed(request)
             return None
         return request
+
+    def _fail_stub(
+        self, peer: bytes, payload: list[Buffer], header: dict[str, Any], code: str, text: str
+    ) -> None:
+        """Refuse an authentic request that could not be made whole (its payload is out of
+        reach), from its verified header."""
+        request_id = header.get("id")
+        if not isinstance(request_id, int):
+            return
+        session = bytes(memoryview(payload[0])[4:20])
+        stub = Request(peer, str(header.get("op")), request_id, {}, [], 0.0, session)
+        if self._encryption is not None:
+            stub.sealer = self._encryption.sealer(session)
+        self.fail(stub, code, text)
+
+    def _request_payload(
+        self,
+        payload: list[Buffer],
+        streamed: PendingPayload | None,
+        header: dict[str, Any],
+        counter: int,
+        sizes: list[int],
+    ) -> list[memoryview]:
+        """``wire.decode``'s ``read_stream`` for a request (see
+        :meth:`~tensorfleet.wire.service_streams.ServiceStreams.request_payload`)."""
+        session = bytes(memoryview(payload[0])[4:20])  # the header verified: authentic
+        if self.streams is None:
+            raise service_streams.PayloadFailed(
+                ConnectionLost("this service has no payload streams"), header
+            )
+        return self.streams.request_payload(session, streamed, header, counter, sizes)
 
     def _answer_unsealed(self, request: Request) -> None:
         """A request that was not sealed where it must be (or a key exchange where nothing
@@ -377,7 +463,7 @@ class ServiceSocket:
             return None
         try:
             return service_streams.ServiceStreams(
-                self.address, secret, self._signer, service=self.address
+                self.address, secret, self._signer, self._held.wake, service=self.address
             )
         except OSError as exc:
             log.warning(
@@ -518,3 +604,4 @@ class ServiceSocket:
             self._peer_segments.close()
         if self.streams is not None:
             self.streams.close()
+        self._held.close()

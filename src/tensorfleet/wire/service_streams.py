@@ -1,10 +1,13 @@
-"""A service's payload streams: which replies take the stream, and the stream of each client.
+"""A service's payload streams: which payloads take the stream, and the stream of each client.
 
 A :class:`~tensorfleet.wire.service_socket.ServiceSocket` with streams on
 (``TENSORFLEET_PAYLOAD_STREAM=1``, :func:`wanted`) listens on a second port
 (:class:`~tensorfleet.wire.payload_stream.StreamListener`), names it in its answers to
-``hello`` (``stream_port``), and keeps one :class:`~tensorfleet.wire.payload_stream.PayloadSender`
-per client session that opened a stream. Rule: a successful reply goes over its client's
+``hello`` (``stream_port``), and keeps, per client session that opened a stream, a
+:class:`~tensorfleet.wire.payload_stream.PayloadSender` (the replies' payloads) and a
+:class:`~tensorfleet.wire.payload_collector.PayloadCollector` (the requests' payloads, which
+the client sends there by the same rule of size, :data:`STREAM_MIN_BYTES`: see
+:mod:`tensorfleet.wire.channel_stream`). Rule: a successful reply goes over its client's
 stream when the client opened one (and it is alive), the reply is not sealed and not
 written into the client's shared memory, and its payload has at least
 :data:`STREAM_MIN_BYTES`; its header still goes over ZeroMQ, with ``stream`` in it, and the
@@ -25,13 +28,23 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from tensorfleet import environment
-from tensorfleet.errors import ConfigError
-from tensorfleet.wire.auth import CHUNK_BYTES, REQUEST_ROLE, MessageSigner, MessageVerifier
-from tensorfleet.wire.payload_stream import OPENED, PayloadSender, StreamListener
+from tensorfleet.errors import ConfigError, ConnectionLost
+from tensorfleet.wire.auth import (
+    CHUNK_BYTES,
+    REQUEST_ROLE,
+    MessageSigner,
+    MessageVerifier,
+    derive_session_key,
+)
+from tensorfleet.wire.payload_collector import PayloadCollector, PendingPayload
+from tensorfleet.wire.payload_stream import OPENED, READ_TIMEOUT_S, PayloadSender, StreamListener
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +88,51 @@ class StreamTracker:
         self.done = True
 
 
+class PayloadPending(Exception):
+    """An authentic request whose payload is still arriving on its client's stream: the
+    service holds it until :attr:`payload` is done (:mod:`tensorfleet.wire.held_requests`)."""
+
+    def __init__(self, payload: PendingPayload) -> None:
+        super().__init__("payload pending")
+        self.payload = payload
+
+
+class PayloadFailed(Exception):
+    """An authentic request whose payload did not arrive whole on its client's stream (the
+    service refuses it with :class:`~tensorfleet.errors.PayloadStreamLost`)."""
+
+    def __init__(self, error: Exception, header: dict[str, Any]) -> None:
+        super().__init__(str(error))
+        self.header = header
+
+
+@dataclass
+class ClientStream:
+    """The two directions of one client's stream at the service."""
+
+    sender: PayloadSender
+    collector: PayloadCollector
+
+    def close(self) -> None:
+        self.sender.close(wait=False)
+        self.collector.close()
+
+
 class ServiceStreams:
-    """The listener and the sender of every client session that opened a stream."""
+    """The listener, and the stream of every client session that opened one. ``wake`` is
+    called from a collector's thread when a request payload is done (the service's
+    :meth:`~tensorfleet.wire.held_requests.HeldRequests.wake`)."""
 
     def __init__(
-        self, address: str, secret: bytes, signer: MessageSigner, service: str = "service"
+        self,
+        address: str,
+        secret: bytes,
+        signer: MessageSigner,
+        wake: Callable[[], None],
+        service: str = "service",
     ) -> None:
-        self._signer, self.service = signer, service
-        self._senders: OrderedDict[bytes, PayloadSender] = OrderedDict()
+        self._secret, self._signer, self._wake, self.service = secret, signer, wake, service
+        self._streams: OrderedDict[bytes, ClientStream] = OrderedDict()
         self._lock = threading.Lock()
         self.listener = StreamListener(
             listen_host(address),
@@ -93,33 +143,78 @@ class ServiceStreams:
         self.port = self.listener.port
         self.sent = 0
         """Reply payloads handed to a stream."""
+        self.received = 0
+        """Request payloads read from a stream (counted by the service as it serves them)."""
 
     def _opened(self, session_id: bytes, conn: socket.socket) -> None:
         """A client opened its stream (the listener's thread): it replaces any earlier one of
         the same session; past :data:`MAX_STREAMS` the least recent is closed."""
-        sender = PayloadSender(
-            conn, self._signer, peer=f"the client of {self.service}", greeting=OPENED, start=False
+        peer = f"the client of {self.service}"
+        stream = ClientStream(
+            PayloadSender(conn, self._signer, peer=peer, greeting=OPENED, start=False),
+            PayloadCollector(
+                conn.dup(),  # its own timeouts: see PayloadSender
+                derive_session_key(self._secret, session_id, REQUEST_ROLE),
+                self._wake,
+                peer=peer,
+            ),
         )
         with self._lock:
-            retired = [self._senders.pop(session_id)] if session_id in self._senders else []
-            self._senders[session_id] = sender
-            while len(self._senders) > MAX_STREAMS:
-                retired.append(self._senders.popitem(last=False)[1])
-        sender.start()  # registered before the client learns (OPENED) that its stream is open
+            retired = [self._streams.pop(session_id)] if session_id in self._streams else []
+            self._streams[session_id] = stream
+            while len(self._streams) > MAX_STREAMS:
+                retired.append(self._streams.popitem(last=False)[1])
+        stream.sender.start()  # registered before the client learns (OPENED) that it is open
         for old in retired:
-            old.close(wait=False)
+            old.close()
 
     def sender_for(self, session_id: bytes, payload_bytes: int) -> PayloadSender | None:
         """The live stream a reply of ``payload_bytes`` to ``session_id`` takes, or None."""
         if payload_bytes < STREAM_MIN_BYTES:
             return None
         with self._lock:
-            sender = self._senders.get(session_id)
-        return sender if sender is not None and sender.alive else None
+            stream = self._streams.get(session_id)
+        return stream.sender if stream is not None and stream.sender.alive else None
+
+    def collector_for(self, session_id: bytes) -> PayloadCollector | None:
+        """The collector of the requests' payloads of ``session_id``'s stream, or None when
+        that session has no stream here."""
+        with self._lock:
+            stream = self._streams.get(session_id)
+        return stream.collector if stream is not None else None
+
+    def request_payload(
+        self,
+        session_id: bytes,
+        streamed: PendingPayload | None,
+        header: dict[str, Any],
+        counter: int,
+        sizes: list[int],
+    ) -> list[memoryview]:
+        """The payload of the request message ``counter`` of ``session_id`` (its header
+        verified, with ``stream``): its buffers when ``streamed``, the payload asked for
+        before, is done and whole; :class:`PayloadFailed` when it failed or the session has
+        no stream here; else asks the session's collector for it, to arrive within the
+        request's deadline (at most :data:`~tensorfleet.wire.payload_stream.READ_TIMEOUT_S`),
+        and raises :class:`PayloadPending` with it."""
+        if streamed is not None:
+            if streamed.error is not None:
+                raise PayloadFailed(streamed.error, header)
+            self.received += 1
+            return streamed.buffers or []
+        collector = self.collector_for(session_id)
+        if collector is None:
+            raise PayloadFailed(
+                ConnectionLost("no payload stream of this client is open here"), header
+            )
+        timeout_ms = header.get("timeout_ms")
+        seconds = timeout_ms / 1000 if type(timeout_ms) is int and timeout_ms >= 0 else 0.0
+        deadline = time.monotonic() + min(seconds, READ_TIMEOUT_S)
+        raise PayloadPending(collector.expect(counter, sizes, deadline))
 
     def close(self) -> None:
         self.listener.close()
         with self._lock:
-            senders, self._senders = list(self._senders.values()), OrderedDict()
-        for sender in senders:
-            sender.close(wait=False)
+            streams, self._streams = list(self._streams.values()), OrderedDict()
+        for stream in streams:
+            stream.close()

@@ -1,0 +1,208 @@
+"""Large requests over the payload stream (wire/channel_stream.py, wire/payload_collector.py,
+wire/held_requests.py): with TENSORFLEET_PAYLOAD_STREAM=1 a large request's payload takes the
+client's stream and arrives whole; a client's requests are served in the order it sent them
+while its payload is still arriving, and other clients are served meanwhile; a payload that is
+altered, cut short or never comes ends that request with PayloadStreamLost (not a hang), and
+the next hello opens a new stream."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tensorfleet.errors import PayloadStreamLost, ServiceRestarted
+from tensorfleet.launch.ports import free_port
+from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.held_requests import HeldMessage, HeldRequests
+from tensorfleet.wire.payload_collector import PendingPayload
+from tensorfleet.wire.service_socket import ServiceSocket
+from tensorfleet.wire.service_streams import STREAM_MIN_BYTES
+
+SECRET = b"k" * 32
+TIMEOUT_S = 10.0
+LARGE = STREAM_MIN_BYTES + 4321
+
+
+class RecordingService:
+    """A ServiceSocket in a thread that answers every request with its buffers and records
+    the ops in the order it served them."""
+
+    def __init__(self) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        self.socket = ServiceSocket(self.address, SECRET, shared_memory=False, payload_stream=True)
+        self.served: list[str] = []
+        self.stop = threading.Event()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.socket.poll(0.05) and (request := self.socket.receive()) is not None:
+                    self.served.append(request.op)
+                    self.socket.reply(request, {"op": request.op}, list(request.buffers))
+        except BaseException as exc:  # surfaced by close()
+            self.failure = exc
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(TIMEOUT_S)
+        self.socket.close()
+        assert self.failure is None, self.failure
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[RecordingService, Channel]]:
+    monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", "1")
+    service = RecordingService()
+    channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+    try:
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        assert channel.stream.open
+        yield service, channel
+    finally:
+        channel.close()
+        service.close()
+
+
+class HeldBack:
+    """Stands in for a stream's sender: keeps the payloads until :meth:`release`."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.sender = channel.stream._sender
+        self.calls: list[tuple] = []
+        self.sender_send, self.sender.send = self.sender.send, self._keep  # type: ignore[method-assign]
+
+    def _keep(self, *args) -> None:
+        self.calls.append(args)
+
+    def release(self) -> None:
+        self.sender.send = self.sender_send  # type: ignore[method-assign]
+        for args in self.calls:
+            self.sender_send(*args)
+
+
+def test_a_large_request_takes_the_stream_and_a_small_one_zeromq(
+    streaming: tuple[RecordingService, Channel],
+) -> None:
+    service, channel = streaming
+    large, small = os.urandom(LARGE), os.urandom(1000)
+    reply = channel.call("echo", {}, [large, small], timeout_s=TIMEOUT_S)
+    assert [bytes(b) for b in reply.buffers] == [large, small]
+    assert channel.stream.sent == 1 and service.socket.streams.received == 1
+    channel.call("echo", {}, [small], timeout_s=TIMEOUT_S)
+    assert channel.stream.sent == 1 and service.socket.streams.received == 1
+
+
+def test_a_clients_requests_wait_in_order_behind_its_payload_and_others_go_on(
+    streaming: tuple[RecordingService, Channel],
+) -> None:
+    service, channel = streaming
+    other = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+    try:
+        held = HeldBack(channel)
+        large = os.urandom(LARGE)
+        first = channel.send("push", {}, [large], timeout_s=TIMEOUT_S)
+        second = channel.send("pull", {}, [], timeout_s=TIMEOUT_S)
+        wait_until(lambda: len(service.socket._held) == 2, "both requests are held")
+        other.call("hello", {}, timeout_s=TIMEOUT_S)  # another client is served meanwhile
+        assert service.served == ["hello", "hello"]
+        held.release()
+        assert bytes(channel.wait(first, TIMEOUT_S).buffers[0]) == large
+        channel.wait(second, TIMEOUT_S)
+        assert service.served == ["hello", "hello", "push", "pull"]
+        assert len(service.socket._held) == 0
+    finally:
+        other.close()
+
+
+def test_a_payload_that_never_comes_fails_its_request_at_its_deadline(
+    streaming: tuple[RecordingService, Channel],
+) -> None:
+    service, channel = streaming
+    HeldBack(channel)  # never released
+    request = channel.send("push", {}, [os.urandom(LARGE)], timeout_s=1.0)
+    with pytest.raises(PayloadStreamLost, match="did not arrive"):
+        channel.wait(request, TIMEOUT_S)
+    assert service.socket.rejected["stream"] == 1 and "push" not in service.served
+
+
+class WrongTags:
+    """A signer whose chunk tags are wrong: the payload is altered on the way."""
+
+    def __init__(self, signer) -> None:
+        self.signer = signer
+
+    def chunk_tag(self, counter: int, index: int, chunk) -> bytes:
+        return bytes(16)
+
+
+def test_an_altered_payload_is_refused_and_the_next_hello_opens_a_new_stream(
+    streaming: tuple[RecordingService, Channel],
+) -> None:
+    service, channel = streaming
+    channel.stream._sender._signer = WrongTags(channel.stream._sender._signer)
+    with pytest.raises(PayloadStreamLost, match="authentication failed") as refused:
+        channel.call("push", {}, [os.urandom(LARGE)], timeout_s=TIMEOUT_S)
+    assert isinstance(refused.value, ServiceRestarted)  # the client's recovery says hello
+    assert "push" not in service.served
+    with pytest.raises(PayloadStreamLost):  # the service closed that stream: refused at once
+        channel.call("push", {}, [os.urandom(LARGE)], timeout_s=TIMEOUT_S)
+    channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    assert channel.stream.open
+    large = os.urandom(LARGE)
+    assert bytes(channel.call("push", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+
+
+def test_a_stream_cut_mid_payload_fails_that_request_not_the_service(
+    streaming: tuple[RecordingService, Channel],
+) -> None:
+    service, channel = streaming
+    sender = channel.stream._sender
+    original = sender._send_one
+
+    def cut_after_first_chunk(payload) -> None:
+        views = [memoryview(b).cast("B") for b in payload.buffers]
+        first = [views[0][: 1 << 20]]
+        original(type(payload)(payload.counter, first, payload.on_done))
+        sender._conn.shutdown(2)  # the client dies mid-payload
+
+    sender._send_one = cut_after_first_chunk
+    with pytest.raises(PayloadStreamLost, match="ended after"):
+        channel.call("push", {}, [os.urandom(LARGE)], timeout_s=TIMEOUT_S)
+    channel.call("hello", {}, timeout_s=TIMEOUT_S)
+    large = os.urandom(LARGE)
+    assert bytes(channel.call("push", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+
+
+def test_held_requests_leave_in_order_only_when_their_payload_is_done() -> None:
+    held = HeldRequests()
+    try:
+        payload = PendingPayload(7, [10], deadline=0.0)
+        assert held.hold(b"s" * 16, HeldMessage(b"peer", [b"a"], payload))
+        assert held.hold(b"s" * 16, HeldMessage(b"peer", [b"b"], None))
+        assert held.hold(b"t" * 16, HeldMessage(b"other", [b"c"], None))
+        session, first = held.next_ready()
+        assert first.frames == [b"c"]  # another session is not held back
+        assert not held.ready() and held.next_ready() is None
+        payload.finish([memoryview(bytes(10))], None)
+        held.wake()
+        assert held.ready()
+        assert held.next_ready()[1].frames == [b"a"]
+        assert held.next_ready()[1].frames == [b"b"]
+        assert len(held) == 0 and not held.holds(b"s" * 16)
+    finally:
+        held.close()
+    held.wake()  # after close: nothing is written anywhere
