@@ -18,10 +18,10 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   with AES-256-GCM under per-connection keys, ``wire/encryption.py``);
 * ``push_pull_shared_memory`` / ``pull_shared_memory``: the same, with the same-host fast
   path (payloads in shared memory, the wire carrying the authenticated headers only);
-* ``push_pull_stream`` / ``pull_stream``: over TCP with ``TENSORFLEET_PAYLOAD_STREAM=1``: the
-  reply's payload (the values) over the client's payload stream beside ZeroMQ, tagged chunk by
-  chunk as it leaves and received in place (``wire/payload_stream.py``); the push's gradients
-  still in the ZeroMQ message;
+* ``push_pull_stream`` / ``pull_stream``: over TCP with ``TENSORFLEET_PAYLOAD_STREAM=1``:
+  the push's gradients and the reply's values over the client's payload stream beside
+  ZeroMQ, each tagged chunk by chunk as it leaves and received in place
+  (``wire/payload_stream.py``, ``wire/payload_collector.py``);
 * ``push_pull_parts``: the push+pull over TCP streamed: the model registered as variables of
   1 MiB, pushed as one bucket each (partial pushes, :mod:`tensorfleet.ps.partial_push`), up
   to 8 in flight, each applied and answered as it arrives. What a push+pull cut into parts
@@ -34,6 +34,10 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   AES-256-GCM in 1 MiB chunks before every send and opened after every receive, one thread
   at each end, nothing else. The encrypted rows get a ratio against it too (the issue's
   target for ``--encrypt``: 0.9x this floor of the same run).
+
+Every process runs with ``GOMP_SPINCOUNT`` as ``tensorfleet launch`` sets it for its tasks
+(20,000: torch's idle OpenMP threads spin that many iterations, not libgomp's 300,000, before
+they sleep; docs/devices.md), unless the environment sets it.
 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
 bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``,
@@ -62,11 +66,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from tensorfleet.cluster.resources import OPENMP_SPIN_COUNT  # noqa: E402  (imports no torch)
+
+# Every process of this benchmark (its own client, the ps, the baselines' servers, which
+# inherit the environment) runs with the idle-thread setting `tensorfleet launch` gives every
+# task it budgets (cluster/resources.py): torch's idle OpenMP threads spin 20,000 iterations,
+# not libgomp's 300,000, before they sleep. Set before torch is imported (libgomp reads it
+# once). A value in the environment is kept: GOMP_SPINCOUNT=300000 measures libgomp's default.
+os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
+
+import torch  # noqa: E402
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 from wire_floor import ZmqEcho  # noqa: E402
 
@@ -415,11 +427,13 @@ def main() -> int:
         "round_trips_per_kind": args.batches * args.per_batch,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
         "sizes": sizes,
     }
     heading = (
         f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, "
-        f"interleaved, {result['date']}"
+        f"interleaved, GOMP_SPINCOUNT={result['gomp_spincount']} in every process, "
+        f"{result['date']}"
     )
     write_results("wire", result, heading, table)
     return 0
