@@ -75,6 +75,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from tensorfleet.errors import LaunchError
+from tensorfleet.patterns.output_tail import output_tail
 from tensorfleet.process_forks import die_with_parent
 
 #: How long :func:`preload`'s interpreter may take to import torch and tensorfleet before a
@@ -257,18 +258,15 @@ class PreloadedInterpreter:
             return self._returncodes.pop(pid)
         return -int(signal.SIGKILL)
 
-    def stderr_tail(self, limit: int = 400) -> str:
-        """The end of what it printed: its last error line (an interpreter that cannot start
-        ends with the thread dump, not the error), then its last 3 lines."""
+    def stderr_tail(self) -> str:
+        """The end of what it printed (:func:`~tensorfleet.patterns.output_tail.output_tail`:
+        its last error line first, as an interpreter that cannot start ends with the thread
+        dump, not the error)."""
         try:
             self._stderr.seek(0)
-            text = self._stderr.read().decode(errors="replace").strip().splitlines()
+            return output_tail(self._stderr.read().decode(errors="replace"))
         except (OSError, ValueError):
             return ""
-        lines = [line.strip() for line in text if line.strip()]
-        errors = [line for line in lines if "Error" in line]
-        shown = ([errors[-1]] if errors and errors[-1] not in lines[-3:] else []) + lines[-3:]
-        return " | ".join(shown)[-limit:]
 
     def describe_death(self) -> str:
         """What is known of why it ended: its exit status and the end of what it printed."""

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from tensorfleet.errors import TensorfleetError
+from tensorfleet.patterns.output_tail import output_tail
 from tensorfleet.patterns.search import (
     COMPLETE,
     FAILED,
@@ -534,12 +535,11 @@ def _ended_by(process: TrialProcess, deadline: float) -> bool:
     return True
 
 
-def _tail(path: Path, lines: int = 3) -> str:
+def _tail(path: Path) -> str:
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
+        return output_tail(path.read_text(errors="replace"))
     except OSError:
         return ""
-    return " | ".join(line.strip() for line in text[-lines:])[-400:]
 
 
 def _write_atomic(path: Path, text: str, durable: bool = True) -> None:

@@ -89,6 +89,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from tensorfleet.patterns.output_tail import output_tail
 from tensorfleet.process_forks import (
     current_threads,
     die_with_parent,
@@ -252,14 +253,14 @@ class WarmExecutor:
         }
         return WarmTrial(self, number) if self.send(command) else None
 
-    def stderr_tail(self, limit: int = 400) -> str:
-        """The end of what the executor wrote to its stderr (import warnings, its errors)."""
+    def stderr_tail(self) -> str:
+        """The end of what the executor wrote to its stderr (import warnings, its errors;
+        :func:`~tensorfleet.patterns.output_tail.output_tail`)."""
         try:
             self._stderr.seek(0)
-            text = self._stderr.read().decode(errors="replace").strip().splitlines()
+            return output_tail(self._stderr.read().decode(errors="replace"))
         except (OSError, ValueError):
             return ""
-        return " | ".join(line.strip() for line in text[-3:])[-limit:]
 
     def describe_death(self) -> str:
         """What is known of why the executor ended."""
