@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ import pytest
 
 from tensorfleet.errors import ConnectionLost
 from tensorfleet.launch.ports import free_port
+from tensorfleet.wire import channel_stream
 from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.service_streams import STREAM_MIN_BYTES
@@ -121,6 +123,36 @@ def test_a_stream_that_cannot_be_opened_is_said_once_and_payloads_stay_on_zeromq
     large = os.urandom(LARGE)
     assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
     assert service.socket.streams.sent == 0
+
+
+def test_a_stream_port_that_never_answers_is_not_tried_again_by_that_channel(
+    streaming: tuple[EchoService, Channel],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service, channel = streaming
+    silent = socket.create_server(("127.0.0.1", 0))  # connects, never answers an opening
+    try:
+        service.socket.streams.port = silent.getsockname()[1]
+        monkeypatch.setattr(channel_stream, "OPEN_TIMEOUT_S", 0.5)
+        with caplog.at_level(logging.WARNING, logger="tensorfleet.wire.channel_stream"):
+            channel.call("hello", {}, timeout_s=TIMEOUT_S)
+            tries = [
+                r.getMessage() for r in caplog.records if "does not try again" in r.getMessage()
+            ]
+            assert len(tries) == 1 and not channel.stream.open, tries
+            opened = []
+            monkeypatch.setattr(
+                channel_stream, "open_stream", lambda *args: opened.append(args)
+            )  # counts any further try
+            channel.call("hello", {}, timeout_s=TIMEOUT_S)
+            assert opened == []  # the second hello does not wait for the port again
+        assert not channel.stream.enabled and channel.stream.refused is not None
+        large = os.urandom(LARGE)
+        assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+        assert service.socket.streams.sent == 0
+    finally:
+        silent.close()
 
 
 def test_the_payload_of_a_reply_nobody_waits_for_is_read_past(

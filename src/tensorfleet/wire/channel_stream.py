@@ -6,9 +6,11 @@ Rule. A channel with streams on (``TENSORFLEET_PAYLOAD_STREAM=1``) that is not u
 memory with its service opens a stream when the service's answer to ``hello`` names its
 port (``stream_port``), after closing any stream it had (the service may have restarted:
 a new process, a new stream). Where the stream cannot be opened (a firewall, a network
-policy, a service that refuses it), the channel logs one line and goes on without: the
-service sends payloads over ZeroMQ to a client that opened no stream, so nothing waits for
-a stream that does not exist. A reply whose header says ``stream`` has its payload read
+policy, a service that refuses it), the channel logs one line and goes on without (and,
+when nothing answered within :data:`OPEN_TIMEOUT_S`, as behind a firewall that drops the
+port, it does not try again: each try would hold a ``hello``, a recovery's first step, that
+long): the service sends payloads over ZeroMQ to a client that opened no stream, so nothing
+waits for a stream that does not exist. A reply whose header says ``stream`` has its payload read
 from the stream before anything else is received, within :data:`STREAM_READ_TIMEOUT_S`;
 a payload that fails (cut short, late, altered) ends that request with the error, and the
 stream is closed until the next ``hello``. A request whose payload has at least
@@ -27,7 +29,7 @@ import logging
 import time
 from typing import Any
 
-from tensorfleet.errors import ConnectionLost, ProtocolError
+from tensorfleet.errors import ConnectionLost, DeadlineExceeded, ProtocolError
 from tensorfleet.wire.auth import REPLY_ROLE, Buffer, MessageSigner, derive_session_key
 from tensorfleet.wire.payload_stream import (
     READ_TIMEOUT_S,
@@ -103,16 +105,23 @@ class ChannelStream:
         try:
             conn = open_stream(host, port, signer, service_session, OPEN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - any failure leaves the payloads on ZeroMQ
-            if self.refused is None:
+            unanswered = isinstance(exc, DeadlineExceeded) and not isinstance(exc, ConnectionLost)
+            if self.refused is None or unanswered:
                 log.warning(
                     "cannot open the payload stream to %s at %s:%d (%s): its payloads stay on "
-                    "ZeroMQ. Set TENSORFLEET_PAYLOAD_STREAM=0 to choose that without trying",
+                    "ZeroMQ%s. Set TENSORFLEET_PAYLOAD_STREAM=0 to choose that without trying",
                     self.peer_name,
                     host,
                     port,
                     exc,
+                    " and this connection does not try again (nothing answered: a firewall "
+                    "dropping the port?)"
+                    if unanswered
+                    else "",
                 )
             self.refused = str(exc)
+            if unanswered:  # each try would hold the hello for up to OPEN_TIMEOUT_S
+                self.enabled = False
             return
         key = derive_session_key(self._secret, service_session, REPLY_ROLE)
         where = f"{self.peer_name} at {host}:{port}"
