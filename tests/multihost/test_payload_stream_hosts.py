@@ -1,8 +1,9 @@
 """The payload stream between hosts: a ps and a worker on two network namespaces (each its own
-address on a shared bridge) train the same sync model twice, with ``TENSORFLEET_PAYLOAD_STREAM=1``
-and without (shared memory off: the namespaces share one kernel). Expected: the worker opens its stream to the ps's address on the other host, the
-ps's replies and the worker's pushes of 2 MiB and more travel on it (the ps counts them), and
-both runs end with the same parameters, bit for bit."""
+address on a shared bridge) train the same sync model twice, with
+``TENSORFLEET_PAYLOAD_STREAM=1`` and without (shared memory off: the namespaces share one
+kernel). Expected: the worker opens its stream to the ps's address on the other host, the
+ps's replies and the worker's pushes of 2 MiB and more travel on it (the ps counts them),
+and both runs end with the same parameters, bit for bit."""
 
 from __future__ import annotations
 
