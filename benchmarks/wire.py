@@ -11,7 +11,8 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
   tensorfleet's (no framing, authentication, snapshot or copy into the model). The push+pull
   rows apply that update too, so their ratio against this row compares like with like;
 * ``push_pull``: a ParameterClient pushing the gradients to a ``tensorfleet server`` ps over
-  TCP (``TENSORFLEET_SHARED_MEMORY=0``), which authenticates them, applies SGD and sends the
+  TCP (``TENSORFLEET_SHARED_MEMORY=0``), every payload in its ZeroMQ message
+  (``TENSORFLEET_PAYLOAD_STREAM=0``; the stream's rows are below), which authenticates them, applies SGD and sends the
   new values back in the reply (what every training step does);
 * ``pull``: values only (the model one way, a small request the other);
 * ``push_pull_encrypted``: the push+pull over TCP with ``--encrypt`` (every message sealed

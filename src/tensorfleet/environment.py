@@ -46,9 +46,10 @@ SPARE_LAUNCHER_VAR = "TENSORFLEET_SPARE_LAUNCHER_PID"
 #: on one host on gloo (tensorfleet.worker.host_allreduce).
 SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 
-#: "1" for large reply payloads between tasks on different hosts to travel over a plain TCP
-#: stream beside the ZeroMQ socket (tensorfleet.wire.payload_stream); off by default while
-#: it is new. Both ends must allow it; either end without it keeps every payload on ZeroMQ.
+#: "0" keeps every payload on the ZeroMQ socket; unset or "1" (the default): payloads of 2 MiB
+#: and more between tasks that do not share memory travel over a plain TCP stream beside it
+#: (tensorfleet.wire.payload_stream), both ways. Either end with "0" keeps every payload on
+#: ZeroMQ.
 PAYLOAD_STREAM_VAR = "TENSORFLEET_PAYLOAD_STREAM"
 
 #: "1" to encrypt all traffic between tasks (AES-256-GCM under per-connection keys; every

@@ -156,6 +156,9 @@ def test_the_model_crosses_the_network_in_the_clear_only_without_encryption(
     encrypt: bool, repeats: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TENSORFLEET_SHARED_MEMORY", "0")  # every payload through the relay
+    # ... and none on the payload stream, which connects to the ps's own stream port, past the
+    # relay (the stream is plain text too without --encrypt: docs/security.md)
+    monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", "0")
     port, sock, stop, thread = _serve_ps(encrypt)
     relay = RecordingRelay(port)
     try:

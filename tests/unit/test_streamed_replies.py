@@ -1,7 +1,7 @@
-"""Large replies over the payload stream (wire/service_streams.py, wire/channel_stream.py): with
-TENSORFLEET_PAYLOAD_STREAM=1 on both ends a large reply's payload takes the client's stream and
-arrives whole; small replies, either end off, or a stream that cannot be opened keep every
-payload on ZeroMQ; a late reply's payload is read past; a stream that fails mid-payload fails
+"""Large replies over the payload stream (wire/service_streams.py, wire/channel_stream.py): on by
+default (TENSORFLEET_PAYLOAD_STREAM=0 turns it off), a large reply's payload takes the client's
+stream and arrives whole; small replies, either end off, a channel of small messages, or a
+stream that cannot be opened keep every payload on ZeroMQ; a late reply's payload is read past; a stream that fails mid-payload fails
 that request at once, and the next hello opens a new stream."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from tensorfleet.errors import ConnectionLost
+from tensorfleet.errors import ConfigError, ConnectionLost
 from tensorfleet.launch.ports import free_port
 from tensorfleet.wire import channel_stream
 from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.service_socket import ServiceSocket
-from tensorfleet.wire.service_streams import STREAM_MIN_BYTES
+from tensorfleet.wire.service_streams import STREAM_MIN_BYTES, wanted
 
 SECRET = b"k" * 32
 TIMEOUT_S = 10.0
@@ -81,18 +81,43 @@ def test_a_large_reply_takes_the_stream_and_a_small_one_zeromq(
     assert bytes(reply.buffers[0]) == small and service.socket.streams.sent == 1
 
 
-def test_off_by_default_every_payload_stays_on_zeromq() -> None:
-    service = EchoService(payload_stream=None)  # the environment decides: unset is off
-    channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+def test_on_by_default_and_zero_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TENSORFLEET_PAYLOAD_STREAM", raising=False)
+    for setting, on in ((None, True), ("0", False)):
+        if setting is not None:
+            monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", setting)
+        service = EchoService(payload_stream=None)  # the environment decides
+        channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+        try:
+            assert (service.socket.streams is not None) is on
+            channel.call("hello", {}, timeout_s=TIMEOUT_S)
+            large = os.urandom(LARGE)
+            reply = channel.call("echo", {}, [large], timeout_s=TIMEOUT_S)
+            assert bytes(reply.buffers[0]) == large
+            assert channel.stream.open is on and channel.stream.payloads == int(on), setting
+        finally:
+            channel.close()
+            service.close()
+
+
+def test_the_setting_reads_on_and_off_and_refuses_anything_else() -> None:
+    variable = "TENSORFLEET_PAYLOAD_STREAM"
+    assert wanted({}) and wanted({variable: ""}) and wanted({variable: "1"})
+    assert not wanted({variable: "0"}) and not wanted({variable: "off"})
+    with pytest.raises(ConfigError, match="TENSORFLEET_PAYLOAD_STREAM='maybe'"):
+        wanted({variable: "maybe"})
+
+
+def test_a_channel_of_small_messages_opens_no_stream(
+    streaming: tuple[EchoService, Channel],
+) -> None:
+    service, _ = streaming
+    heartbeat = Channel(service.address, SECRET, "ps:0", shared_memory=False, payload_stream=False)
     try:
-        assert service.socket.streams is None
-        channel.call("hello", {}, timeout_s=TIMEOUT_S)
-        large = os.urandom(LARGE)
-        assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
-        assert not channel.stream.open and channel.stream.payloads == 0
+        heartbeat.call("hello", {}, timeout_s=TIMEOUT_S)
+        assert not heartbeat.stream.open and not heartbeat.stream.enabled
     finally:
-        channel.close()
-        service.close()
+        heartbeat.close()
 
 
 def test_a_client_without_streams_gets_its_payloads_on_zeromq(

@@ -90,6 +90,7 @@ class Channel:
         context: zmq.Context | None = None,
         encrypt: bool = False,
         shared_memory: bool | None = None,
+        payload_stream: bool | None = None,
     ) -> None:
         check_resolvable(address, peer_name)
         self._shared_memory_allowed = shared_memory_wanted(shared_memory)
@@ -121,9 +122,11 @@ class Channel:
         self._socket.connect(tcp_endpoint(address))
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
-        self.stream = ChannelStream(secret, address, peer_name)
-        """Large reply payloads over a TCP stream beside this socket, when on
-        (:mod:`tensorfleet.wire.channel_stream`)."""
+        self.stream = ChannelStream(secret, address, peer_name, payload_stream)
+        """Large payloads over a TCP stream beside this socket, when on
+        (:mod:`tensorfleet.wire.channel_stream`; ``payload_stream`` None: as the environment
+        says; False for a channel of small messages only, e.g. heartbeats, which then opens
+        no stream and holds none of the service's threads)."""
         self._handshake = ChannelHandshake(secret, self._signer.session_id) if encrypt else None
         self._next_id = 0
         self._pending: dict[int, str] = {}

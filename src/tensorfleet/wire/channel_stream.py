@@ -2,9 +2,9 @@
 read when a reply's header says its payload follows on it, written with the payload of every
 large request (:mod:`tensorfleet.wire.payload_stream`).
 
-Rule. A channel with streams on (``TENSORFLEET_PAYLOAD_STREAM=1``) that is not using shared
-memory with its service opens a stream when the service's answer to ``hello`` names its
-port (``stream_port``), after closing any stream it had (the service may have restarted:
+Rule. A channel with streams on (the default; ``TENSORFLEET_PAYLOAD_STREAM=0`` or
+``Channel(payload_stream=False)`` turns them off) that is not using shared memory with its
+service opens a stream when the service's answer to ``hello`` names its port (``stream_port``), after closing any stream it had (the service may have restarted:
 a new process, a new stream). Where the stream cannot be opened (a firewall, a network
 policy, a service that refuses it), the channel logs one line and goes on without (and,
 when nothing answered within :data:`OPEN_TIMEOUT_S`, as behind a firewall that drops the
@@ -55,9 +55,12 @@ class StreamPayloadFailed(Exception):
 class ChannelStream:
     """The payload stream of one channel, if it has one."""
 
-    def __init__(self, secret: bytes, address: str, peer_name: str) -> None:
+    def __init__(
+        self, secret: bytes, address: str, peer_name: str, enabled: bool | None = None
+    ) -> None:
         self._secret, self.address, self.peer_name = secret, address, peer_name
-        self.enabled = wanted()
+        self.enabled = wanted() if enabled is None else enabled
+        """Whether this channel opens a stream (``enabled``; None: as the environment says)."""
         self._receiver: PayloadReceiver | None = None
         self._sender: PayloadSender | None = None
         self.refused: str | None = None

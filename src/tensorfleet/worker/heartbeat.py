@@ -134,7 +134,14 @@ class Heartbeat:
 
     def _run(self) -> None:
         channels = [
-            Channel(address, self._secret, f"ps:{i}", context=self._context, encrypt=self._encrypt)
+            Channel(
+                address,
+                self._secret,
+                f"ps:{i}",
+                context=self._context,
+                encrypt=self._encrypt,
+                payload_stream=False,  # heartbeats carry no payload
+            )
             for i, address in enumerate(self._addresses)
         ]
         hello = {

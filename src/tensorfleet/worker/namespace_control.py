@@ -50,7 +50,14 @@ class NamespaceControl:
         self.timeout_s = timeout_s
         self._context = zmq.Context(io_threads=1)
         self._channels = [
-            Channel(address, secret, f"ps:{i}", context=self._context, encrypt=encrypt)
+            Channel(
+                address,
+                secret,
+                f"ps:{i}",
+                context=self._context,
+                encrypt=encrypt,
+                payload_stream=False,  # control requests carry no payload
+            )
             for i, address in enumerate(ps_addresses)
         ]
         try:  # a channel's first request is a hello; this one opens no model
