@@ -23,7 +23,7 @@ the collector could read ahead of the header; the client sends the header first 
 small, so it is normally in before the payload's first chunk and the ask delays nothing.
 
 Failures. A payload that fails (altered, cut short, late: past the request's deadline,
-at most :data:`~tensorfleet.wire.channel_stream.STREAM_READ_TIMEOUT_S`) is done with its
+at most :data:`~tensorfleet.wire.payload_stream.READ_TIMEOUT_S`) is done with its
 error, and the stream is closed (its position cannot be trusted): the payloads asked for
 later fail at once with :class:`~tensorfleet.errors.ConnectionLost`. The service answers
 each such request with :class:`~tensorfleet.errors.PayloadStreamLost`: its client says
