@@ -38,7 +38,11 @@ localhost, measured in alternating batches (the machine's drift hits every kind 
 
 Every process runs with ``GOMP_SPINCOUNT`` as ``tensorfleet launch`` sets it for its tasks
 (20,000: torch's idle OpenMP threads spin that many iterations, not libgomp's 300,000, before
-they sleep; docs/devices.md), unless the environment sets it.
+they sleep; docs/devices.md), unless the environment sets it; and the ps with the torch
+threads the launcher plans for the ps of 1 ps + 1 worker on this host
+(``TENSORFLEET_INTRA_OP_THREADS``, :func:`~tensorfleet.cluster.thread_budget.planned_threads`:
+the two take turns, so each gets every core; ``tensorfleet server`` alone takes 1), unless
+the environment sets it.
 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
 bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``,
@@ -83,6 +87,8 @@ import torch  # noqa: E402
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 from wire_floor import ZmqEcho  # noqa: E402
 
+from tensorfleet.cluster.thread_budget import planned_threads  # noqa: E402
+from tensorfleet.environment import INTRA_OP_THREADS_VAR, host_cpu_count  # noqa: E402
 from tensorfleet.launch.ports import free_port  # noqa: E402
 from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
 from tensorfleet.ps.update_rules import SGD  # noqa: E402
@@ -93,6 +99,8 @@ SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 PAYLOAD_STREAM_VAR = "TENSORFLEET_PAYLOAD_STREAM"
 
 
+#: The ps's torch threads: what ``tensorfleet launch`` plans for the ps of 1 ps + 1 worker here.
+PS_THREADS = planned_threads(1, 1, host_cpu_count())["ps:0"]
 #: Seconds a streamed part may take to be answered.
 STEP_TIMEOUT_S = 60.0
 
@@ -180,6 +188,7 @@ class TensorfleetPs:
         env = {**os.environ, "TENSORFLEET_SECRET": secret}
         env["TENSORFLEET_ENCRYPT"] = "1" if encrypt else "0"
         env[SHARED_MEMORY_VAR] = "1" if shared_memory else "0"
+        env.setdefault(INTRA_OP_THREADS_VAR, str(PS_THREADS))
         env[PAYLOAD_STREAM_VAR] = "1" if payload_stream else "0"
         env["PYTHONPATH"] = str(ps_src or ROOT / "src")  # the package the ps process runs
         self.ps, ps_address = self._start_ps(env)
@@ -429,11 +438,13 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
+        "ps_threads": os.environ.get(INTRA_OP_THREADS_VAR, str(PS_THREADS)),
         "sizes": sizes,
     }
     heading = (
         f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, "
         f"interleaved, GOMP_SPINCOUNT={result['gomp_spincount']} in every process, "
+        f"{result['ps_threads']} torch thread(s) in the ps, "
         f"{result['date']}"
     )
     write_results("wire", result, heading, table)
