@@ -57,9 +57,8 @@ class HeldRequests:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
-        self._pipe_lock = (
-            threading.Lock()
-        )  # a wake never writes to a descriptor closed (and reused)
+        # Held by a wake and by close: a wake never writes to a descriptor closed (and reused).
+        self._pipe_lock = threading.Lock()
         self._closed = False
 
     def fileno(self) -> int:
