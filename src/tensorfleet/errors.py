@@ -76,8 +76,11 @@ class ServiceRestarted(RemoteError):
 class PayloadStreamLost(ServiceRestarted):
     """The payload of a request sent on the payload stream did not reach the service whole
     (the stream was cut, or the payload was late or altered): the service closed that stream
-    and refused the request. Like a restart, the client says hello again (which opens a new
-    stream) and sends the request again: nothing of it was applied."""
+    and refused the request. Nothing of it was applied. A worker's client recovers from it by
+    itself, as from a restart (:class:`ServiceRestarted`, of which this is one): it says hello
+    again, which opens a new stream, and goes on (a push is dropped, as after a ps restart,
+    and the values pulled again); training code does not see it. Code that sends requests on
+    a :class:`~tensorfleet.wire.channel.Channel` of its own does, and does the same."""
 
     code = "PayloadStreamLost"
 

@@ -191,7 +191,7 @@ class ServiceSocket:
         self.streams = self._start_streams(
             secret, service_streams.wanted() if payload_stream is None else payload_stream
         )
-        """Large reply payloads over the clients' payload streams, when on
+        """Large payloads over the clients' payload streams, both ways, when on
         (:mod:`tensorfleet.wire.service_streams`); None when off."""
         self._noticed: OrderedDict[bytes, None] = OrderedDict()
         self._invalid_by_peer: OrderedDict[bytes, int] = OrderedDict()

@@ -146,6 +146,13 @@ class ServiceStreams:
             self._opened,
         )
         self.port = self.listener.port
+        log.info(
+            "%s: payload streams on %s:%d (a second port, which clients that share no memory with "
+            "it connect to; TENSORFLEET_PAYLOAD_STREAM=0 turns them off)",
+            service,
+            listen_host(address),
+            self.port,
+        )
         self.sent = 0
         """Reply payloads handed to a stream."""
         self.received = 0
