@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -55,7 +54,7 @@ from tensorfleet.wire.auth import (
     MessageSigner,
     MessageVerifier,
 )
-from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, Sealer, ServiceEncryption
+from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, ServiceEncryption
 from tensorfleet.wire.held_requests import HeldMessage, HeldRequests
 from tensorfleet.wire.payload_collector import PendingPayload
 from tensorfleet.wire.payload_stream import PayloadSender
@@ -64,6 +63,7 @@ from tensorfleet.wire.rejection_log import (
     RejectionLog,
     peer_address,
 )
+from tensorfleet.wire.service_request import Request, failure_header, reply_header
 from tensorfleet.wire.transport import (
     set_connection_heartbeats,
     shared_memory_wanted,
@@ -82,27 +82,6 @@ class _StaleSession(ProtocolError):
     """A valid request addressed to another incarnation of this service."""
 
 
-@dataclass
-class Request:
-    """A request received by a service, with what is needed to answer it."""
-
-    peer: bytes
-    op: str
-    request_id: int
-    body: dict[str, Any]
-    buffers: list[Buffer]
-    deadline: float
-    """``time.monotonic()`` after which the requester no longer waits for the answer."""
-    session_id: bytes
-    reply_segment: object = None
-    """Where the requester wants the reply's payload (its shared-memory segment), or None."""
-    sealer: Sealer | None = None
-    """Seals the answer (the request came sealed), or None: the answer goes signed."""
-    shared_memory_refused: str | None = None
-    """Why this service cannot reach the shared memory a ``hello`` offered (its probe
-    segment), or None: told to the client, which then sends its payloads over the socket."""
-
-
 class _SegmentUnavailable(ProtocolError):
     """An authentic request whose shared-memory payload cannot be mapped (stale, gone)."""
 
@@ -117,25 +96,6 @@ def _claimed_session(frames: list[Buffer]) -> bytes | None:
     if not frames or memoryview(frames[0]).nbytes != wire.ENVELOPE_BYTES:
         return None
     return bytes(memoryview(frames[0])[4:20])
-
-
-def reply_header(request: Request, body: dict[str, Any]) -> dict[str, Any]:
-    """The header of a successful answer to ``request``."""
-    return {"re": request.request_id, "to": request.session_id, "ok": True, "body": body}
-
-
-def failure_header(request: Request, error_type: str, text: str) -> dict[str, Any]:
-    """The header of an error answer to ``request``. ``error_type`` is the refusal's *code*
-    (a :class:`~tensorfleet.errors.RemoteError` subclass's ``code``); the client raises
-    ``remote_error_class(code)`` with ``text`` in its message."""
-    return {
-        "re": request.request_id,
-        "to": request.session_id,
-        "ok": False,
-        "body": {},
-        "error_type": error_type,
-        "error": text,
-    }
 
 
 class ServiceSocket:
