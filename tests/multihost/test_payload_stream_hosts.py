@@ -56,8 +56,9 @@ def run_cluster(net: NetworkNamespaces, stream: str, out: Path) -> dict:
         transcript = f"cluster {cluster}, stream {stream}:\n{children.transcript()}"
         assert codes == {"ps:0": 0, "worker:0": 0}, transcript
         assert out.exists(), transcript
-        if stream == "1":
-            assert "payload stream" not in transcript, transcript  # opened, nothing refused
+        if stream == "1":  # the ps named its stream's port; the worker's opening was not refused
+            assert "payload streams on " in transcript, transcript
+            assert "cannot open the payload stream" not in transcript, transcript
         return json.loads(out.read_text())
     finally:
         children.kill_all()
