@@ -24,10 +24,12 @@ needs_fashion_mnist = pytest.mark.skipif(
 
 @needs_fashion_mnist
 def test_example_converges_through_the_launcher(tmp_path):
+    """300 async steps of 3 workers reach 0.70 test accuracy (after 200 steps, as it was, a
+    run of the suite ended once at 0.689: the bar sat at the edge of the spread)."""
     logdir = tmp_path / "run"
     command = [
         sys.executable, str(EXAMPLE),
-        "--steps", "200", "--log-every", "50", "--lr", "1e-3",
+        "--steps", "300", "--log-every", "50", "--lr", "1e-3",
         "--train-limit", "6000", "--test-limit", "2000",
         "--logdir", str(logdir), "--checkpoint-steps", "100",
     ]  # fmt: skip
@@ -40,14 +42,16 @@ def test_example_converges_through_the_launcher(tmp_path):
         if line.startswith("Worker:")
     ]
     steps = sorted(int(re.search(r"Step: (\d+)", line).group(1)) for line in progress)
-    assert steps == [50, 100, 150, 200], f"one progress line per 50 global steps expected\n{run}"
+    assert steps == [50, 100, 150, 200, 250, 300], (
+        f"one progress line per 50 global steps expected\n{run}"
+    )
     chief_lines = run.output.of("worker:0")
     reports = [line for line in chief_lines if line.startswith("Test accuracy:")]
     assert reports, str(run)
     accuracy, global_step = re.match(
         r"Test accuracy: ([\d.]+) \(global step (\d+)", reports[0]
     ).groups()
-    assert int(global_step) >= 200
+    assert int(global_step) >= 300
     assert float(accuracy) >= 0.70, f"test accuracy {accuracy}\n{run}"
     others = run.output.of("worker:1") + run.output.of("worker:2")
     assert not any(line.startswith("Test accuracy:") for line in others), "only the chief evaluates"
