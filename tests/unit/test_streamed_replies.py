@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -18,40 +17,11 @@ from tensorfleet.errors import ConfigError, ConnectionLost
 from tensorfleet.launch.ports import free_port
 from tensorfleet.wire import channel_stream
 from tensorfleet.wire.channel import Channel
-from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.service_streams import STREAM_MIN_BYTES, wanted
 
-SECRET = b"k" * 32
-TIMEOUT_S = 10.0
+from .echo_service import SECRET, TIMEOUT_S, EchoService
+
 LARGE = STREAM_MIN_BYTES + 12345
-
-
-class EchoService:
-    """A ServiceSocket in a thread that answers every request with its buffers."""
-
-    def __init__(self, payload_stream: bool) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        self.socket = ServiceSocket(
-            self.address, SECRET, shared_memory=False, payload_stream=payload_stream
-        )
-        self.stop = threading.Event()
-        self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if self.socket.poll(0.05) and (request := self.socket.receive()) is not None:
-                    self.socket.reply(request, {"op": request.op}, list(request.buffers))
-        except BaseException as exc:  # surfaced by close()
-            self.failure = exc
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(TIMEOUT_S)
-        self.socket.close()
-        assert self.failure is None, self.failure
 
 
 @pytest.fixture

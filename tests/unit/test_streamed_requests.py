@@ -8,52 +8,20 @@ the next hello opens a new stream."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tensorfleet.errors import PayloadStreamLost, ServiceRestarted
-from tensorfleet.launch.ports import free_port
 from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.held_requests import HeldMessage, HeldRequests
 from tensorfleet.wire.payload_collector import PendingPayload
-from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.wire.service_streams import STREAM_MIN_BYTES
 
-SECRET = b"k" * 32
-TIMEOUT_S = 10.0
+from .echo_service import SECRET, TIMEOUT_S, EchoService
+
 LARGE = STREAM_MIN_BYTES + 4321
-
-
-class RecordingService:
-    """A ServiceSocket in a thread that answers every request with its buffers and records
-    the ops in the order it served them."""
-
-    def __init__(self) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        self.socket = ServiceSocket(self.address, SECRET, shared_memory=False, payload_stream=True)
-        self.served: list[str] = []
-        self.stop = threading.Event()
-        self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if self.socket.poll(0.05) and (request := self.socket.receive()) is not None:
-                    self.served.append(request.op)
-                    self.socket.reply(request, {"op": request.op}, list(request.buffers))
-        except BaseException as exc:  # surfaced by close()
-            self.failure = exc
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(TIMEOUT_S)
-        self.socket.close()
-        assert self.failure is None, self.failure
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -64,9 +32,9 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 
 
 @pytest.fixture
-def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[RecordingService, Channel]]:
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[EchoService, Channel]]:
     monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", "1")
-    service = RecordingService()
+    service = EchoService(payload_stream=True)
     channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
     try:
         channel.call("hello", {}, timeout_s=TIMEOUT_S)
@@ -95,7 +63,7 @@ class HeldBack:
 
 
 def test_a_large_request_takes_the_stream_and_a_small_one_zeromq(
-    streaming: tuple[RecordingService, Channel],
+    streaming: tuple[EchoService, Channel],
 ) -> None:
     service, channel = streaming
     large, small = os.urandom(LARGE), os.urandom(1000)
@@ -107,7 +75,7 @@ def test_a_large_request_takes_the_stream_and_a_small_one_zeromq(
 
 
 def test_a_clients_requests_wait_in_order_behind_its_payload_and_others_go_on(
-    streaming: tuple[RecordingService, Channel],
+    streaming: tuple[EchoService, Channel],
 ) -> None:
     service, channel = streaming
     other = Channel(service.address, SECRET, "ps:0", shared_memory=False)
@@ -129,7 +97,7 @@ def test_a_clients_requests_wait_in_order_behind_its_payload_and_others_go_on(
 
 
 def test_a_payload_that_never_comes_fails_its_request_at_its_deadline(
-    streaming: tuple[RecordingService, Channel],
+    streaming: tuple[EchoService, Channel],
 ) -> None:
     service, channel = streaming
     HeldBack(channel)  # never released
@@ -150,7 +118,7 @@ class WrongTags:
 
 
 def test_an_altered_payload_is_refused_and_the_next_hello_opens_a_new_stream(
-    streaming: tuple[RecordingService, Channel],
+    streaming: tuple[EchoService, Channel],
 ) -> None:
     service, channel = streaming
     channel.stream._sender._signer = WrongTags(channel.stream._sender._signer)
@@ -167,7 +135,7 @@ def test_an_altered_payload_is_refused_and_the_next_hello_opens_a_new_stream(
 
 
 def test_a_stream_cut_mid_payload_fails_that_request_not_the_service(
-    streaming: tuple[RecordingService, Channel],
+    streaming: tuple[EchoService, Channel],
 ) -> None:
     service, channel = streaming
     sender = channel.stream._sender
