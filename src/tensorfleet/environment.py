@@ -52,6 +52,12 @@ SHARED_MEMORY_VAR = "TENSORFLEET_SHARED_MEMORY"
 #: ZeroMQ.
 PAYLOAD_STREAM_VAR = "TENSORFLEET_PAYLOAD_STREAM"
 
+#: The TCP port a service's payload streams listen on (unset or "0": a free port, chosen at
+#: each start and named to the clients in the ``hello`` answer). Set it where a firewall or a
+#: Kubernetes network policy must name the port (``tensorfleet k8s render`` sets it in the ps
+#: pods; tensorfleet.wire.service_streams).
+PAYLOAD_STREAM_PORT_VAR = "TENSORFLEET_PAYLOAD_STREAM_PORT"
+
 #: "1" to encrypt all traffic between tasks (AES-256-GCM under per-connection keys; every
 #: task must agree).
 ENCRYPT_VAR = "TENSORFLEET_ENCRYPT"

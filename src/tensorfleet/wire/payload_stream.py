@@ -176,8 +176,8 @@ def open_stream(
 
 
 class StreamListener:
-    """The service's side of the openings: a listening socket on ``host`` (a free port, see
-    :attr:`port`) and a thread that accepts connections, checks each opening with
+    """The service's side of the openings: a listening socket on ``host`` and ``port`` (0: a
+    free port; :attr:`port` names the one bound) and a thread that accepts connections, checks each opening with
     ``verifier`` against ``service_session`` and hands each accepted connection to
     ``on_open(client_session_id, connection)``, which answers :data:`OPENED` (a
     ``PayloadSender(..., greeting=OPENED)`` does, before any payload). A connection whose opening is late,
@@ -192,10 +192,11 @@ class StreamListener:
         verifier: MessageVerifier,
         service_session: bytes,
         on_open: Callable[[bytes, socket.socket], None],
+        port: int = 0,
     ) -> None:
         self._verifier, self._service_session, self._on_open = verifier, service_session, on_open
         self._verifier_lock = threading.Lock()
-        self._socket = socket.create_server((host, 0), backlog=64)
+        self._socket = socket.create_server((host, port), backlog=64)
         self._socket.settimeout(0.25)  # the accept loop looks at ``_closing`` this often
         self.port: int = self._socket.getsockname()[1]
         self.rejected = 0

@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from tensorfleet import environment
 from tensorfleet.errors import (
     AuthenticationError,
     ConnectionLost,
@@ -426,10 +427,12 @@ class ServiceSocket:
                 self.address, secret, self._signer, self._held.wake, service=self.address
             )
         except OSError as exc:
+            port = service_streams.listen_port()
             log.warning(
-                "tensorfleet service %s: cannot listen for payload streams (%s): every payload "
-                "stays on ZeroMQ",
+                "tensorfleet service %s: cannot listen for payload streams on %s (%s): every "
+                "payload stays on ZeroMQ",
                 self.address,
+                f"port {port} ({environment.PAYLOAD_STREAM_PORT_VAR})" if port else "a free port",
                 exc,
             )
             return None

@@ -20,7 +20,9 @@ either way) and a stream read costs a system call more than a ZeroMQ frame.
 On by default (``TENSORFLEET_PAYLOAD_STREAM=0`` turns it off). The measured reason: between
 hosts a pull of 8 MB is 1.6x faster on the stream, a push+pull 1.2x (docs/wire-performance.md,
 "The push on the stream too"). What it needs: a second port open from the clients to the
-service's host (a free one, named in the ``hello`` answer). Where a firewall or a Kubernetes
+service's host (a free one chosen at each start and named in the ``hello`` answer, or the one
+``TENSORFLEET_PAYLOAD_STREAM_PORT`` sets: :func:`listen_port`; ``tensorfleet k8s render`` sets
+it in every ps pod and declares it beside the task's port). Where a firewall or a Kubernetes
 network policy that allows only the cluster spec's ports stops it, the client logs one line
 and keeps its payloads on ZeroMQ, and a port that never answers is not tried again by that
 connection (:mod:`tensorfleet.wire.channel_stream`). It ran off by default until it had
@@ -73,6 +75,24 @@ def wanted(environ: Mapping[str, str] | None = None) -> bool:
     raise ConfigError(
         f"{environment.PAYLOAD_STREAM_VAR}={value!r} is neither on nor off: set it to 1 (large "
         "payloads over a TCP stream beside ZeroMQ, the default) or 0 (every payload on ZeroMQ)"
+    )
+
+
+def listen_port(environ: Mapping[str, str] | None = None) -> int:
+    """The port a service's stream listens on: ``TENSORFLEET_PAYLOAD_STREAM_PORT`` (unset,
+    empty or ``0``: 0, a free port chosen at each start). Anything but a port number is a
+    :class:`~tensorfleet.errors.ConfigError` naming the value."""
+    values = environment.environ() if environ is None else environ
+    value = values.get(environment.PAYLOAD_STREAM_PORT_VAR, "")
+    text = value.strip()
+    if not text:
+        return 0
+    if text.isdigit() and 0 <= int(text) <= 65535:
+        return int(text)
+    raise ConfigError(
+        f"{environment.PAYLOAD_STREAM_PORT_VAR}={value!r} is not a TCP port: set it to a port "
+        "number in 1..65535 that the clients can reach (e.g. 2223), or unset it (or 0) for a "
+        "free port chosen at each start"
     )
 
 
@@ -144,11 +164,13 @@ class ServiceStreams:
             MessageVerifier(secret, REQUEST_ROLE),
             signer.session_id,
             self._opened,
+            port=listen_port(),
         )
         self.port = self.listener.port
         log.info(
             "%s: payload streams on %s:%d (a second port, which clients that share no memory with "
-            "it connect to; TENSORFLEET_PAYLOAD_STREAM=0 turns them off)",
+            "it connect to; TENSORFLEET_PAYLOAD_STREAM_PORT fixes it, TENSORFLEET_PAYLOAD_STREAM=0 "
+            "turns them off)",
             service,
             listen_host(address),
             self.port,
