@@ -1,6 +1,7 @@
 """tensorfleet k8s render: the manifests validate offline against named Kubernetes versions,
-each pod's TF_CONFIG resolves to its own task, the secret is a mounted file, and bad shapes
-are refused before anything is written."""
+each pod's TF_CONFIG resolves to its own task, the secret is a mounted file, each task gets
+the torch threads of the CPUs it requests and each ps its payload streams' port (both read
+back as the task reads them), and bad shapes are refused before anything is written."""
 
 from __future__ import annotations
 
@@ -15,17 +16,19 @@ import pytest
 import yaml
 
 from tensorfleet.cluster.resolver import resolve_task
+from tensorfleet.cluster.resources import OPENMP_SPIN_COUNT, TaskResources
 from tensorfleet.errors import ClusterConfigError
 from tensorfleet.launch.cli import main
 from tensorfleet.launch.renderers.kubernetes import (
     AWAIT_DNS,
     DEFAULT_FS_GROUP,
     KubernetesOptions,
-    Resources,
     render_manifests,
     render_yaml,
 )
+from tensorfleet.launch.renderers.pod_resources import Resources
 from tensorfleet.launch.renderers.shape import ClusterShape
+from tensorfleet.wire.service_streams import listen_port
 
 #: The oldest version with every field the Jobs use on by default (podFailurePolicy GA in
 #: 1.31; podReplacementPolicy beta, on by default, since 1.29), the first with both GA
@@ -179,6 +182,70 @@ def test_resources():
     }
 
 
+@pytest.mark.parametrize(("cpu", "threads"), [("500m", 1), ("1", 1), ("2500m", 2), ("2.5", 2), ("4", 4), ("1k", 1000), (None, None)])  # fmt: skip
+def test_the_threads_are_the_whole_cpus_requested(cpu, threads):
+    assert Resources(cpu=cpu).threads() == threads
+
+
+def test_each_task_gets_the_threads_of_the_cpus_it_requests(monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")  # the renderer's own setting is not the pods'
+    documents = render_manifests(
+        options(
+            ps=1,
+            workers=2,
+            ps_resources=Resources(cpu="3", memory="1Gi"),
+            worker_resources=Resources(cpu="1500m", memory="2Gi"),
+        )
+    )
+    containers = [j["spec"]["template"]["spec"]["containers"][0] for j in by_kind(documents, "Job")]
+    for container, threads in zip(containers, [3, 1, 1], strict=True):
+        env = env_of(container)
+        assert TaskResources.from_env(env).intra_op_threads == threads  # as the task reads it
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(threads)
+        assert env["GOMP_SPINCOUNT"] == str(OPENMP_SPIN_COUNT)
+    for kwargs in ({"thread_budget": False}, {"worker_resources": Resources(memory="2Gi")}):
+        for job in by_kind(render_manifests(options(**kwargs)), "Job"):
+            env = env_of(job["spec"]["template"]["spec"]["containers"][0])
+            worker = job["metadata"]["labels"]["tensorfleet/job"] == "worker"
+            if worker or "thread_budget" in kwargs:
+                assert not {"TENSORFLEET_INTRA_OP_THREADS", "OMP_NUM_THREADS"} & env.keys()
+
+
+def test_each_ps_listens_for_payload_streams_on_a_declared_port():
+    documents = render_manifests(options(ps=2, workers=1, port=2300, stream_port=2400))
+    services = {s["metadata"]["name"]: s for s in by_kind(documents, "Service")}
+    for job in by_kind(documents, "Job"):
+        name, container = job["metadata"]["name"], job["spec"]["template"]["spec"]["containers"][0]
+        service_ports = {p["name"]: p["port"] for p in services[name]["spec"]["ports"]}
+        container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        env = env_of(container)
+        if job["metadata"]["labels"]["tensorfleet/job"] == "ps":
+            assert listen_port(env) == 2400  # as the ps's service reads it
+            expected = {"tensorfleet": 2300, "payload-stream": 2400}
+        else:
+            assert "TENSORFLEET_PAYLOAD_STREAM_PORT" not in env
+            expected = {"tensorfleet": 2300}
+        assert service_ports == container_ports == expected
+
+
+def test_cli_stream_port_and_thread_flags(capsys):
+    argv = ["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", "--ps-cpu", "2"]
+    assert main([*argv, "--stream-port", "9000", "--", "python", "train.py"]) == 0
+    ps, worker = (
+        d["spec"]["template"]["spec"]["containers"][0]
+        for d in yaml.safe_load_all(capsys.readouterr().out)
+        if d["kind"] == "Job"
+    )
+    assert env_of(ps)["TENSORFLEET_PAYLOAD_STREAM_PORT"] == "9000"
+    assert env_of(ps)["TENSORFLEET_INTRA_OP_THREADS"] == "2"
+    assert env_of(worker)["TENSORFLEET_INTRA_OP_THREADS"] == "2"  # --worker-cpu's default
+    assert main([*argv, "--no-thread-budget", "--", "python", "train.py"]) == 0
+    for document in yaml.safe_load_all(capsys.readouterr().out):
+        if document["kind"] == "Job":
+            env = env_of(document["spec"]["template"]["spec"]["containers"][0])
+            assert "TENSORFLEET_INTRA_OP_THREADS" not in env
+
+
 @pytest.mark.parametrize(
     ("build", "fragment"),
     [
@@ -194,6 +261,11 @@ def test_resources():
         (lambda: options(namespace="Prod"), "--namespace 'Prod' is not a Kubernetes namespace"),
         (lambda: options(fs_group=-1), "--fs-group must be a group id in 0..2147483647, got -1"),
         (lambda: options(port=0), "--port must be in 1..65535, got 0"),
+        (
+            lambda: options(stream_port=2222),
+            "--stream-port must be in 1..65535 and differ from --port (2222), got 2222",
+        ),
+        (lambda: options(stream_port=70000), "--stream-port must be in 1..65535 and differ"),
         (lambda: options(max_restarts=-1), "--max-restarts must be 0 or more, got -1"),
         (lambda: Resources(cpu="two"), "cpu 'two' is not a Kubernetes quantity"),
         (lambda: Resources(gpus=-1), "gpus must be a non-negative integer, got -1"),

@@ -12,7 +12,9 @@ What is written, for ``--ps P --workers W`` under ``--name NAME``:
   task's pod: a stable DNS name, ``NAME-worker-1.NAMESPACE.svc``, that follows the pod when
   it is replaced. Those names, with ``--port``, are the cluster spec;
 - per task, a ``Job`` whose pod gets its identity in ``TF_CONFIG`` (TensorFlow's schema, as
-  Kubeflow's TFJob sets it; :func:`tensorfleet.resolve_task` reads it).
+  Kubeflow's TFJob sets it; :func:`tensorfleet.resolve_task` reads it), torch threads as many
+  as the whole CPUs it requests (:mod:`tensorfleet.launch.renderers.pod_resources`), and, for
+  a ps, its payload streams' port (``--stream-port``, declared in its Service too).
 
 Why a Job per task, not StatefulSets: a StatefulSet restarts its pods forever, even after
 they finish, while tensorfleet tasks run to completion (the ps tasks exit 0 by themselves
@@ -51,6 +53,7 @@ from typing import Any
 from tensorfleet import environment
 from tensorfleet.cluster.spec import ClusterSpec, TaskId, show
 from tensorfleet.errors import ClusterConfigError
+from tensorfleet.launch.renderers.pod_resources import Resources
 from tensorfleet.launch.renderers.secret_file import ensure_secret_file
 from tensorfleet.launch.renderers.shape import ClusterShape
 from tensorfleet.launch.renderers.yaml_text import dump_documents
@@ -76,7 +79,6 @@ DEFAULT_FS_GROUP = 1000
 MAX_NAME_LENGTH = 63
 
 _LABEL_CHARS_RE = re.compile(r"[-a-z0-9]")
-_QUANTITY_RE = re.compile(r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 
 #: The init container's program: wait until every host of TF_CONFIG's cluster resolves.
 AWAIT_DNS = """\
@@ -98,43 +100,6 @@ print(f"tensorfleet: all {len(hosts)} task names resolve", flush=True)
 
 
 @dataclass(frozen=True)
-class Resources:
-    """What one task's container asks for: ``cpu`` (``"2"``, ``"500m"``) and ``memory``
-    (``"4Gi"``) as Kubernetes quantities, ``None`` to leave out; ``gpus`` (``nvidia.com/gpu``).
-
-    CPU is a request only (a CPU limit throttles the training loop); memory is requested and
-    limited to the same amount, so the scheduler's promise is the kernel's limit.
-    """
-
-    cpu: str | None = None
-    memory: str | None = None
-    gpus: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("cpu", "memory"):
-            value = getattr(self, name)
-            if value is not None and not _QUANTITY_RE.fullmatch(value):
-                raise ClusterConfigError(
-                    f"{name} {show(value)} is not a Kubernetes quantity: write e.g. '2', "
-                    "'500m' (CPU) or '4Gi' (memory)"
-                )
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
-            raise ClusterConfigError(f"gpus must be a non-negative integer, got {show(self.gpus)}")
-
-    def as_manifest(self) -> dict[str, dict[str, Any]]:
-        """The container's ``resources`` field."""
-        requests: dict[str, Any] = {}
-        limits: dict[str, Any] = {}
-        if self.cpu is not None:
-            requests["cpu"] = self.cpu
-        if self.memory is not None:
-            requests["memory"] = limits["memory"] = self.memory
-        if self.gpus:
-            limits["nvidia.com/gpu"] = self.gpus
-        return {key: value for key, value in (("requests", requests), ("limits", limits)) if value}
-
-
-@dataclass(frozen=True)
 class KubernetesOptions:
     """What to render: the shape, the container image and the program of the workers.
 
@@ -144,7 +109,12 @@ class KubernetesOptions:
     the other tasks' names. ``fs_group`` is every pod's ``securityContext.fsGroup``, so that
     a non-root image can read the secret file (``None``: no ``securityContext``; the secret
     file is then root's, mode 0400, readable only by an image that runs as root, unless the
-    cluster sets an ``fsGroup`` itself).
+    cluster sets an ``fsGroup`` itself). ``stream_port`` is the ps tasks' second port, where
+    their payload streams listen (:mod:`tensorfleet.wire.service_streams`), declared beside
+    ``port`` in the ps Services and containers. ``thread_budget`` gives each task as many
+    torch threads as whole CPUs it requests
+    (:meth:`~tensorfleet.launch.renderers.pod_resources.Resources.thread_env`); ``False``
+    leaves torch's defaults.
     """
 
     shape: ClusterShape
@@ -154,12 +124,14 @@ class KubernetesOptions:
     name: str = "tensorfleet"
     namespace: str = "default"
     port: int = 2222
+    stream_port: int = 2223
     ps_command: Sequence[str] = DEFAULT_PS_COMMAND
     ps_resources: Resources = Resources(cpu="1", memory="2Gi")
     worker_resources: Resources = Resources(cpu="2", memory="4Gi")
     max_restarts: int = 3
     dns_timeout_s: int = 600
     fs_group: int | None = DEFAULT_FS_GROUP
+    thread_budget: bool = True
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -198,6 +170,11 @@ class KubernetesOptions:
             )
         if not 1 <= self.port <= 65535:
             raise ClusterConfigError(f"--port must be in 1..65535, got {self.port}")
+        if not 1 <= self.stream_port <= 65535 or self.stream_port == self.port:
+            raise ClusterConfigError(
+                f"--stream-port must be in 1..65535 and differ from --port ({self.port}), got "
+                f"{self.stream_port}: it is the ps tasks' second port, for large payloads"
+            )
         if self.max_restarts < 0:
             raise ClusterConfigError(
                 f"--max-restarts must be 0 or more, got {self.max_restarts}: it is how many "
@@ -244,7 +221,7 @@ def render_manifests(options: KubernetesOptions) -> list[dict[str, Any]]:
                     "clusterIP": "None",
                     "publishNotReadyAddresses": True,
                     "selector": _labels(options, task),
-                    "ports": [{"name": "tensorfleet", "port": options.port, "protocol": "TCP"}],
+                    "ports": _ports(options, task, "port"),
                 },
             }
         )
@@ -269,6 +246,16 @@ def _metadata(options: KubernetesOptions, name: str, task: TaskId | None) -> dic
     return {"name": name, "namespace": options.namespace, "labels": _labels(options, task)}
 
 
+def _ports(options: KubernetesOptions, task: TaskId, key: str) -> list[dict[str, Any]]:
+    """A task's ports, under ``key`` (a Service's ``port``, a container's ``containerPort``):
+    the task's own, and for a ps the payload streams' (which it listens on because its pod's
+    ``TENSORFLEET_PAYLOAD_STREAM_PORT`` says so), so that a network policy can name both."""
+    ports = [{"name": "tensorfleet", key: options.port, "protocol": "TCP"}]
+    if task.job == "ps":
+        ports.append({"name": "payload-stream", key: options.stream_port, "protocol": "TCP"})
+    return ports
+
+
 def _job(
     options: KubernetesOptions,
     task: TaskId,
@@ -284,12 +271,17 @@ def _job(
     ]
     is_ps = task.job == "ps"
     resources = options.ps_resources if is_ps else options.worker_resources
+    if options.thread_budget:
+        env += [{"name": k, "value": v} for k, v in sorted(resources.thread_env().items())]
+    if is_ps:
+        stream_port = str(options.stream_port)
+        env.append({"name": environment.PAYLOAD_STREAM_PORT_VAR, "value": stream_port})
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": options.image,
         "command": list(options.ps_command if is_ps else options.command),
         "env": env,
-        "ports": [{"name": "tensorfleet", "containerPort": options.port, "protocol": "TCP"}],
+        "ports": _ports(options, task, "containerPort"),
         "volumeMounts": [{"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}],
     }
     manifest_resources = resources.as_manifest()
@@ -432,6 +424,14 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     render.add_argument("--namespace", default="default", help="(default: default)")
     render.add_argument("--port", type=int, default=2222, help="port of every task (default: 2222)")
+    render.add_argument(
+        "--stream-port",
+        type=int,
+        default=2223,
+        metavar="PORT",
+        help="the ps tasks' second port, for large payloads over a plain TCP stream (rendered "
+        "as TENSORFLEET_PAYLOAD_STREAM_PORT and declared in the Service; default: 2223)",
+    )
     render.add_argument("--worker-cpu", default="2", metavar="Q", help="(default: 2)")
     render.add_argument("--worker-memory", default="4Gi", metavar="Q", help="(default: 4Gi)")
     render.add_argument(
@@ -439,6 +439,14 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
     render.add_argument("--ps-cpu", default="1", metavar="Q", help="(default: 1)")
     render.add_argument("--ps-memory", default="2Gi", metavar="Q", help="(default: 2Gi)")
+    render.add_argument(
+        "--no-thread-budget",
+        dest="thread_budget",
+        action="store_false",
+        help="leave torch's thread defaults alone in every pod (by default each task gets as "
+        "many torch threads as whole CPUs it requests: TENSORFLEET_INTRA_OP_THREADS, "
+        "OMP_NUM_THREADS)",
+    )
     ps_mode = render.add_mutually_exclusive_group()
     ps_mode.add_argument(
         "--ps-command",
@@ -519,11 +527,13 @@ def _render(args: argparse.Namespace) -> int:
         name=args.name,
         namespace=args.namespace,
         port=args.port,
+        stream_port=args.stream_port,
         ps_command=ps_command,
         ps_resources=ps_resources,
         worker_resources=worker_resources,
         max_restarts=args.max_restarts,
         fs_group=args.fs_group,
+        thread_budget=args.thread_budget,
     )
     if args.secret_file:
         secret = ensure_secret_file(args.secret_file)[1]
