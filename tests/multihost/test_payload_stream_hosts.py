@@ -3,7 +3,9 @@ address on a shared bridge) train the same sync model twice, with
 ``TENSORFLEET_PAYLOAD_STREAM=1`` and without (shared memory off: the namespaces share one
 kernel). Expected: the worker opens its stream to the ps's address on the other host, the
 ps's replies and the worker's pushes of 2 MiB and more travel on it (the ps counts them),
-and both runs end with the same parameters, bit for bit."""
+and both runs end with the same parameters, bit for bit. The streamed run fixes the stream's
+port (``TENSORFLEET_PAYLOAD_STREAM_PORT``, as ``tensorfleet k8s render`` does): the ps
+listens there and the worker finds it from the ps's ``hello`` answer."""
 
 from __future__ import annotations
 
@@ -38,12 +40,14 @@ def run_cluster(net: NetworkNamespaces, stream: str, out: Path) -> dict:
     # The namespaces share one kernel, so the tasks would find each other on one host and use
     # shared memory: off, as between machines.
     settings = {"TENSORFLEET_PAYLOAD_STREAM": stream, "TENSORFLEET_SHARED_MEMORY": "0"}
+    stream_port = free_port(net, hosts["ps:0"])
+    ps_settings = {**settings, "TENSORFLEET_PAYLOAD_STREAM_PORT": str(stream_port)}
     children = Children()
     try:
         children.start(
             "ps:0",
             net.exec_argv(hosts["ps:0"], [sys.executable, "-m", "tensorfleet", "server"]),
-            {**task_env(cluster, "ps", 0, secret), **settings},
+            {**task_env(cluster, "ps", 0, secret), **ps_settings},
         )
         argv = [sys.executable, str(WORKER_PROGRAM), str(out), "sync", "adam", str(STEPS),
                 "--hidden", str(HIDDEN)]  # fmt: skip
@@ -57,7 +61,8 @@ def run_cluster(net: NetworkNamespaces, stream: str, out: Path) -> dict:
         assert codes == {"ps:0": 0, "worker:0": 0}, transcript
         assert out.exists(), transcript
         if stream == "1":  # the ps named its stream's port; the worker's opening was not refused
-            assert "payload streams on " in transcript, transcript
+            ps_host = net.address(hosts["ps:0"])
+            assert f"payload streams on {ps_host}:{stream_port} " in transcript, transcript
             assert "cannot open the payload stream" not in transcript, transcript
         return json.loads(out.read_text())
     finally:
