@@ -39,6 +39,11 @@ def test_the_site_builds_strictly(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     assert "Find which task of which cluster this process is" in reference  # a docstring
+    # Sphinx roles in docstrings render as code (scripts/mkdocs_sphinx_roles.py), linked
+    # where the page documents the object, under the facade's name too.
+    roles = re.findall(r":(?:class|func|meth|mod|data|attr|exc):<code>[^<]*</code>", reference)
+    assert roles == [], roles[:5]
+    assert '<a href="#tensorfleet.Preempted"><code>Preempted</code></a>' in reference
 
 
 def test_a_broken_api_reference_fails_the_build(tmp_path):
