@@ -60,6 +60,12 @@ batches:
   over TCP (each direction tagged by its sender and verified by its receiver, on two
   threads as tensorfleet does). Their ratio
   to the raw TCP echo bounds what a same-host fast path can reach on this machine;
+* ``same_host_lend_floor``: the same between two processes, as a ps that lends its values
+  in shared memory would do it (docs/wire-performance.md): the worker copies its gradient into shared memory and sends a
+  header over ZeroMQ, the ps (its own process, torch's default threads) applies SGD in place
+  in the shared memory holding its values and answers, the worker copies the values out
+  (no authentication, version check or tensorfleet code): the floor of that design here,
+  wake-ups of two processes included;
 
 and, on this thread, the cryptography an encrypted or authenticated message needs, in GB/s
 over one buffer of the size: ``aes_gcm_encrypt`` (AES-256-GCM into a fresh output buffer,
@@ -874,6 +880,78 @@ class SameHostFloor:
             self._verify(self.private, 2, tags)
 
 
+SAME_HOST_LEND_SERVER = r"""
+import mmap, os, sys, torch, zmq
+size = int(sys.argv[1])
+fd = os.memfd_create("tensorfleet-lend-floor")
+os.ftruncate(fd, 2 * size)
+memory = torch.frombuffer(mmap.mmap(fd, 2 * size), dtype=torch.float32)
+gradient, weight = memory[: size // 4], memory[size // 4 :]
+weight.normal_()
+socket = zmq.Context().socket(zmq.ROUTER)
+port = socket.bind_to_random_port("tcp://127.0.0.1")
+print(os.getpid(), fd, port, flush=True)
+while True:
+    peer, header = socket.recv_multipart()
+    if header == b"end":
+        break
+    weight.add_(gradient, alpha=-0.1)  # the push, applied in place where the worker reads
+    socket.send_multipart([peer, header])  # "version N": the worker may copy the values
+"""
+
+
+class SameHostLendFloor:
+    """The floor of a same-host push+pull that lends the ps's values between two processes
+    (docs/wire-performance.md): the worker copies its gradient into shared memory and
+    sends a header over ZeroMQ; the ps (another process, torch's default threads, as the ps
+    of 1 ps + 1 worker gets them from the launcher) applies SGD in place in the shared
+    memory that holds its values and answers; the worker copies the values out into memory
+    of its own. No authentication, no version check, no Python of tensorfleet's: three passes
+    over the model and one update, and two processes' wake-ups, on this machine."""
+
+    def __init__(self, model_bytes: int) -> None:
+        self.server = subprocess.Popen(
+            [sys.executable, "-c", SAME_HOST_LEND_SERVER, str(model_bytes)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.server.stdout.readline().split()
+        if len(line) != 3:
+            self.server.kill()
+            raise RuntimeError(f"the lend floor's ps did not start (exit {self.server.wait()})")
+        pid, fd, port = (int(v) for v in line)
+        opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            self.mapping = mmap.mmap(opened, 2 * model_bytes)
+        finally:
+            os.close(opened)
+        memory = torch.frombuffer(self.mapping, dtype=torch.float32)
+        self.shared_gradient, self.lent = memory[: model_bytes // 4], memory[model_bytes // 4 :]
+        self.gradient = torch.full((model_bytes // 4,), 6e-8)
+        self.private = torch.empty(model_bytes // 4)
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.connect(f"tcp://127.0.0.1:{port}")
+        self.header = os.urandom(150)  # about a push's header
+
+    def round_trip(self) -> None:
+        self.shared_gradient.copy_(self.gradient)
+        self.socket.send(self.header)
+        if not self.socket.poll(ROUND_TRIP_TIMEOUT_S * 1000):
+            raise RuntimeError("the lend floor's ps did not answer")
+        self.socket.recv()
+        self.private.copy_(self.lent)
+
+    def close(self) -> None:
+        self.socket.send(b"end")
+        del self.shared_gradient, self.lent
+        try:
+            self.server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
+        self.socket.close(linger=0)
+
+
 HANDOVER_WRITER = r"""
 import mmap, os, sys, torch
 torch.set_num_threads(1)  # no idle OpenMP threads spinning on the reader's cores
@@ -997,6 +1075,7 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
     gradient = b"\x00\x00\x80\x33" * (model_bytes // 4)  # 6e-8 each
     rounds = (batches + 1) * per_batch
     echoes: dict[str, TcpEcho | TcpPull | StreamPull | TcpDuplexEcho | ZmqEcho | TcpSgd] = {}
+    closing: list[Callable[[], None]] = []
     try:
         echoes["raw_tcp_echo"] = TcpEcho(payload, rounds)
         echoes["raw_tcp_echo_duplex"] = TcpDuplexEcho(payload, rounds)
@@ -1018,6 +1097,9 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
         kinds["same_host_floor_authenticated"] = SameHostFloor(
             model_bytes, authenticated=True
         ).round_trip
+        lend_floor = SameHostLendFloor(model_bytes)
+        closing.append(lend_floor.close)
+        kinds["same_host_lend_floor"] = lend_floor.round_trip
         times: dict[str, list[float]] = {name: [] for name in kinds}
         for batch in range(batches + 1):
             for name, call in kinds.items():
@@ -1027,6 +1109,8 @@ def interleaved(model_bytes: int, batches: int, per_batch: int) -> dict[str, lis
                     if batch > 0:
                         times[name].append(time.perf_counter() - start)
     finally:
+        for close in closing:
+            close()
         for echo in echoes.values():
             echo.close()
             try:
