@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from tensorfleet import environment
+from tensorfleet.cluster.spec import ClusterSpec, TaskId
+from tensorfleet.cluster.thread_budget import co_located_threads
+from tensorfleet.environment import host_cpu_count
 from tensorfleet.launch.ports import LOOPBACK, free_ports
 from tensorfleet.wire.secret import generate_secret
 from tests.e2e.test_example import needs_fashion_mnist
@@ -29,6 +32,7 @@ CLEARED = (
     environment.SECRET_FILE_VAR,
     environment.ENCRYPT_VAR,
     environment.LAUNCHER_VAR,
+    environment.INTRA_OP_THREADS_VAR,
 )
 
 
@@ -74,3 +78,11 @@ def test_server_and_example_with_host_lists_a_secret_file_and_encryption(tmp_pat
         report
     )
     assert "parameter service ended (finished)" in outputs["ps:0"], report
+    # Three tasks named on this host: the ps plans its share of the cores, as the launcher
+    # would (cluster/thread_budget.py), and says so.
+    cores = host_cpu_count()
+    threads = co_located_threads(
+        ClusterSpec({"ps": [ps], "worker": [worker0, worker1]}), TaskId("ps", 0), cores
+    )[0]
+    line = f"ps:0: {threads} torch thread(s) for applying updates (planned: {cores} core(s), 3 task(s) of the cluster on this host; --threads N to choose)"
+    assert line in outputs["ps:0"], report

@@ -15,7 +15,14 @@ from tensorfleet.cluster.resources import (
     parse_visible_devices,
     plan_resources,
 )
-from tensorfleet.cluster.thread_budget import planned_threads, takes_turns, thread_budget
+from tensorfleet.cluster.spec import ClusterSpec, TaskId
+from tensorfleet.cluster.thread_budget import (
+    co_located_threads,
+    host_key,
+    planned_threads,
+    takes_turns,
+    thread_budget,
+)
 from tensorfleet.errors import ClusterConfigError
 from tensorfleet.launch.resource_flags import add_resource_flags, task_environments
 from tensorfleet.worker.task_resources import apply_task_resources
@@ -61,6 +68,38 @@ def test_tasks_that_take_turns_each_get_every_core_and_others_share(ps, workers,
     assert planned_threads(ps, workers, cores) == threads
     plan = plan_resources(ps, workers, host_cores=cores)
     assert {n: r.intra_op_threads for n, r in plan.items()} == threads
+
+
+@pytest.mark.parametrize(
+    ("cluster", "task", "cores", "expected"),
+    [
+        # a ps on a machine of its own takes every core
+        ({"ps": ["pshost:2222"], "worker": ["w0:2222", "w1:2222"]}, "ps:0", 16, (16, 1)),
+        # beside three workers named on its host (any loopback spelling) it takes its share
+        (
+            {"ps": ["localhost:1"], "worker": ["127.0.0.1:2", "localhost:3", "[::1]:4"]},
+            "ps:0",
+            2,
+            (1, 4),
+        ),
+        # one worker and its ps take turns: each gets every core
+        ({"ps": ["LOCALHOST:1"], "worker": ["localhost:2"]}, "ps:0", 8, (8, 2)),
+        # two ps of one machine apply their shards of a push at once: they divide it
+        ({"ps": ["a:1", "a:2"], "worker": ["b:1"]}, "ps:1", 8, (4, 2)),
+        # a chief counts as a worker
+        ({"chief": ["a:1"], "ps": ["a:2"], "worker": ["a:3"]}, "ps:0", 6, (2, 3)),
+    ],
+)
+def test_a_ps_started_by_itself_plans_its_threads_over_the_tasks_of_its_host(
+    cluster, task, cores, expected
+):
+    assert co_located_threads(ClusterSpec(cluster), TaskId.parse(task), cores) == expected
+
+
+def test_host_key_joins_spellings_of_one_host_only():
+    assert host_key("localhost:1") == host_key("127.0.0.1:2") == host_key("[::1]:3")
+    assert host_key("Node1.example.org:1") == host_key("node1.example.org:2")
+    assert host_key("10.0.0.1:1") != host_key("10.0.0.2:1")
 
 
 def test_plan_gives_disjoint_gpu_sets_and_none_to_ps():

@@ -27,11 +27,23 @@ one worker's push while the others compute: every task shares, as before.
 
 Explicit ``--intra-op-threads N`` gives every task N; ``--no-thread-budget`` leaves torch's
 defaults alone. This module imports no torch, so the launcher stays light.
+
+A ps started by itself (``tensorfleet server`` on a machine of its own, outside the launcher)
+plans its threads by the same rule over the tasks the cluster spec puts on its host
+(:func:`co_located_threads`): alone there, it takes every core; beside workers named on the
+same host, its share. Before, it took one thread whatever it was given, so a ps on a
+machine of its own applied every update on one of its cores.
 """
 
 from __future__ import annotations
 
+import ipaddress
+
+from tensorfleet.cluster.spec import ClusterSpec, TaskId, parse_address
 from tensorfleet.errors import ClusterConfigError
+
+#: Jobs whose tasks apply updates rather than compute them (every other job computes).
+PS_JOBS = ("ps",)
 
 
 def thread_budget(host_cores: int, co_located_tasks: int) -> list[int]:
@@ -70,3 +82,37 @@ def planned_threads(num_ps: int, num_workers: int, host_cores: int) -> dict[str,
         }
     names = workers + ps
     return dict(zip(names, thread_budget(host_cores, len(names)), strict=True))
+
+
+def host_key(address: str) -> str:
+    """The host part of ``address`` in a form two spellings of one host share: lower case,
+    and every loopback name or address (``localhost``, ``127.0.0.1``, ``::1``) as one."""
+    host = parse_address(address).host.lower()
+    if host == "localhost":
+        return "loopback"
+    try:
+        return "loopback" if ipaddress.ip_address(host).is_loopback else host
+    except ValueError:  # a name, not an address
+        return host
+
+
+def co_located_threads(cluster: ClusterSpec, task: TaskId, host_cores: int) -> tuple[int, int]:
+    """``(threads, tasks)``: the intra-op threads :func:`planned_threads` gives ``task`` among
+    the tasks of ``cluster`` whose address names its host (:func:`host_key`), and how many
+    such tasks there are (``task`` included). ps tasks are planned as ps, every other job
+    (worker, chief, an evaluator) as a worker. Tasks named on the same machine under
+    different host names (an address and a name) are not seen as co-located."""
+
+    def host_of(t: TaskId) -> str:
+        return host_key(cluster.task_address(t.job, t.index))
+
+    here = host_of(task)
+    co_located = [t for t in cluster.tasks() if host_of(t) == here]
+    ps = [t for t in co_located if t.job in PS_JOBS]
+    computing = [t for t in co_located if t.job not in PS_JOBS]
+    plan = planned_threads(len(ps), len(computing), host_cores)
+    if task.job in PS_JOBS:
+        name = f"ps:{ps.index(task)}"
+    else:
+        name = f"worker:{computing.index(task)}"
+    return plan[name], len(co_located)

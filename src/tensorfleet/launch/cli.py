@@ -27,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from tensorfleet import environment
+from tensorfleet.cluster.resolver import ResolvedTask
 from tensorfleet.errors import Preempted, TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
@@ -69,10 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_security_flags(server)
     server.add_argument(
         "--threads",
-        type=int,
-        default=1,
+        type=_positive_int,
+        default=None,
         metavar="N",
-        help="torch threads for applying updates (default: 1; the workers need the cores)",
+        help="torch threads for applying updates (default: planned as the launcher plans a "
+        "host's tasks, over the tasks the cluster spec names on this host: alone on its "
+        "host, every core it may use; TENSORFLEET_INTRA_OP_THREADS, which the launcher sets, "
+        "wins over both)",
     )
     server.add_argument(
         "--liveness-timeout",
@@ -195,6 +199,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGINT
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, or an error naming the value."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def _plan_server_threads(threads: int | None, task: ResolvedTask) -> str:
+    """Set torch's threads for a ps task: ``threads`` (``--threads``) when given, else the
+    share :func:`~tensorfleet.cluster.thread_budget.co_located_threads` plans over the tasks
+    ``task.cluster`` names on this host; the reason, for the log line."""
+    import torch
+
+    from tensorfleet.cluster.spec import TaskId
+    from tensorfleet.cluster.thread_budget import co_located_threads
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+        return "--threads"
+    cores = environment.host_cpu_count()
+    planned, tasks = co_located_threads(task.cluster, TaskId(task.job, task.index), cores)
+    torch.set_num_threads(planned)
+    return (
+        f"planned: {cores} core(s), {tasks} task(s) of the cluster on this host; "
+        "--threads N to choose"
+    )
+
+
 def _server(args: argparse.Namespace) -> int:
     """``tensorfleet server``: run one ps task until training is over."""
     # Imported here so that the CLI (and `launch`) work without the server's dependencies.
@@ -204,11 +236,12 @@ def _server(args: argparse.Namespace) -> int:
     from tensorfleet.session.server import Server, ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or 1)
     # torch's lazy optimizer imports (1-8 s) before a warm spare waits for its identity in
     # resolve_server_task, not after it took over a dead ps (the service would do it then).
     warm_up_optimizers()
     task = resolve_server_task(args)  # a ps task, or an error in this command's terms
+    threads_reason = _plan_server_threads(args.threads, task)
     security = task_security(args)  # the same options and meaning as in the examples
     try:
         server = Server(
@@ -238,6 +271,15 @@ def _server(args: argparse.Namespace) -> int:
     ) as exc:  # cannot listen on the task's address; the message says why
         print(f"tensorfleet: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if environment.environ().get(environment.INTRA_OP_THREADS_VAR):
+        threads_reason = f"{environment.INTRA_OP_THREADS_VAR}, the launcher's plan"
+    logging.getLogger(__name__).info(
+        "%s:%d: %d torch thread(s) for applying updates (%s)",
+        task.job,
+        task.index,
+        torch.get_num_threads(),
+        threads_reason,
+    )
     try:
         outcome = server.join()  # a SIGTERM meanwhile is a preemption (session/preemption.py)
     except Preempted as preempted:
