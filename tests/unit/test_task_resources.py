@@ -100,6 +100,7 @@ def test_host_key_joins_spellings_of_one_host_only():
     assert host_key("localhost:1") == host_key("127.0.0.1:2") == host_key("[::1]:3")
     assert host_key("Node1.example.org:1") == host_key("node1.example.org:2")
     assert host_key("10.0.0.1:1") != host_key("10.0.0.2:1")
+    assert host_key("[FE80:0::1]:1") == host_key("[fe80::1]:2")
 
 
 def test_plan_gives_disjoint_gpu_sets_and_none_to_ps():

@@ -85,15 +85,17 @@ def planned_threads(num_ps: int, num_workers: int, host_cores: int) -> dict[str,
 
 
 def host_key(address: str) -> str:
-    """The host part of ``address`` in a form two spellings of one host share: lower case,
-    and every loopback name or address (``localhost``, ``127.0.0.1``, ``::1``) as one."""
+    """The host part of ``address`` in a form two spellings of one host share: lower case, an
+    IP address in its compressed form, and every loopback name or address (``localhost``,
+    ``127.0.0.1``, ``::1``) as one."""
     host = parse_address(address).host.lower()
     if host == "localhost":
         return "loopback"
     try:
-        return "loopback" if ipaddress.ip_address(host).is_loopback else host
+        ip = ipaddress.ip_address(host)
     except ValueError:  # a name, not an address
         return host
+    return "loopback" if ip.is_loopback else ip.compressed
 
 
 def co_located_threads(cluster: ClusterSpec, task: TaskId, host_cores: int) -> tuple[int, int]:
