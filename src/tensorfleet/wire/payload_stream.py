@@ -177,12 +177,12 @@ def open_stream(
 
 class StreamListener:
     """The service's side of the openings: a listening socket on ``host`` and ``port`` (0: a
-    free port; :attr:`port` names the one bound) and a thread that accepts connections, checks each opening with
-    ``verifier`` against ``service_session`` and hands each accepted connection to
-    ``on_open(client_session_id, connection)``, which answers :data:`OPENED` (a
-    ``PayloadSender(..., greeting=OPENED)`` does, before any payload). A connection whose opening is late,
-    malformed or not authentic is closed and counted in :attr:`rejected`; the listener
-    goes on. ``verifier`` is the listener's own (``MessageVerifier(secret, "request")``),
+    free port; :attr:`port` names the one bound) and a thread that accepts connections,
+    checks each opening with ``verifier`` against ``service_session`` and hands each
+    accepted connection to ``on_open(client_session_id, connection)``, which answers
+    :data:`OPENED` (a ``PayloadSender(..., greeting=OPENED)`` does, before any payload). A
+    connection whose opening is late, malformed or not authentic is closed and counted in
+    :attr:`rejected`; the listener goes on. ``verifier`` is the listener's own (``MessageVerifier(secret, "request")``),
     not the one of the service's ZeroMQ socket, which its thread uses unlocked: it
     remembers the openings' counters, so an opening is accepted once."""
 
