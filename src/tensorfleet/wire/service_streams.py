@@ -203,12 +203,17 @@ class ServiceStreams:
             old.close()
 
     def sender_for(self, session_id: bytes, payload_bytes: int) -> PayloadSender | None:
-        """The live stream a reply of ``payload_bytes`` to ``session_id`` takes, or None."""
+        """The live stream a reply of ``payload_bytes`` to ``session_id`` takes, or None.
+        Live means both directions: a collector that failed (an altered or cut payload)
+        shut the connection down, which the sender learns only at its next write, so a reply
+        sent there would be lost; it goes over ZeroMQ instead."""
         if payload_bytes < STREAM_MIN_BYTES:
             return None
         with self._lock:
             stream = self._streams.get(session_id)
-        return stream.sender if stream is not None and stream.sender.alive else None
+        if stream is None or not (stream.sender.alive and stream.collector.alive):
+            return None
+        return stream.sender
 
     def collector_for(self, session_id: bytes) -> PayloadCollector | None:
         """The collector of the requests' payloads of ``session_id``'s stream, or None when
