@@ -341,6 +341,9 @@ class Fault:
     resumed_at_s: float | None = None  # stop: when SIGCONT was sent
     recovered_s: float | None = None  # the fault -> the victim's next step (module docstring)
     spare: bool | None = None  # kill/term: the task was taken over by a warm spare
+    #: stop: the launcher replaced the stopped task before its SIGCONT (a ps stopped past
+    #: ``--replace-stopped-ps``); its recovery is then timed from the stop, as a kill's
+    replaced: bool = False
     #: kill/term of the ps: the highest global step seen before its restart, + 1, minus the
     #: first one after (what the restore from the newest checkpoint gave back)
     steps_lost: int | None = None
@@ -557,12 +560,17 @@ def storm_run(
 def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
     """Seconds from ``fault`` (a stop: from its SIGCONT) to the victim's next step: a
     worker's own step after its restart (kill, term) or its SIGCONT; for the ps, anyone's
-    step after those."""
+    step after those. A stopped task the launcher replaced before its SIGCONT (a ps stopped
+    past ``--replace-stopped-ps``) is timed as a kill: from the stop to the first step after
+    its restart."""
     at = started + fault.at_s
     if fault.kind == "stop":
         if fault.resumed_at_s is None:
             return
         back = started + fault.resumed_at_s
+        replaced = [r for r in watch.restarts if r[1] == fault.task and at < r[0] < back]
+        if replaced:
+            fault.replaced, back, fault.spare = True, replaced[0][0], replaced[0][3]
     else:
         restarts = [r for r in watch.restarts if r[1] == fault.task and r[0] > at]
         if not restarts:
@@ -570,7 +578,8 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         back = restarts[0][0]
         fault.spare = restarts[0][3]
     after = watch.steps_since(back)
-    if fault.task.startswith("ps:") and fault.kind != "stop" and after:
+    timed_from_fault = fault.kind != "stop" or fault.replaced
+    if fault.task.startswith("ps:") and timed_from_fault and after:
         before = [step for t, _, step in watch.steps_since(at) if t <= back]
         fault.steps_lost = max(0, max([fault.global_step, *before]) + 1 - after[0][2])
     if fault.task.startswith("worker:"):
@@ -578,8 +587,8 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         after = [s for s in after if s[1] == index]
     if after:
         # a stop's own seconds are the storm's, not the recovery's: counted from SIGCONT
-        fault.recovered_s = after[0][0] - (back if fault.kind == "stop" else at)
-        if fault.task.startswith("ps:") and fault.kind != "stop":
+        fault.recovered_s = after[0][0] - (at if timed_from_fault else back)
+        if fault.task.startswith("ps:") and timed_from_fault:
             fault.phases = {**ps_phases(watch, at, after[0][0]), "first step": fault.recovered_s}
         elif fault.kind == "term":
             phases = worker_term_phases(watch, fault.task, at, after[0][0])
@@ -605,7 +614,9 @@ def storm_main(args: argparse.Namespace, workdir: Path) -> int:
     for fault in faults:
         job = fault.task.split(":")[0]
         key = f"{fault.kind} {job}"
-        if fault.kind != "stop":
+        if fault.kind == "stop" and fault.replaced:
+            key += " (replaced)"
+        if fault.kind != "stop" or fault.replaced:
             key += " (spare)" if fault.spare else " (fresh process)"
         if fault.recovered_s is not None:
             groups.setdefault(key, []).append(fault.recovered_s)

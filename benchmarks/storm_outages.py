@@ -14,8 +14,9 @@ table of all recoveries hides that. This module tells the two apart:
 * **during a ps outage**: bounded below by what was left of the outage.
 
 An outage of the ps is ``[fault, fault + stop seconds)`` for a SIGSTOP and ``[fault, fault +
-its recovery)`` for a kill or a SIGTERM (its recovery ends at the first step any worker makes
-after it); a worker fault belongs to it when its own clock starts inside it.
+its recovery)`` for a kill, a SIGTERM, or a SIGSTOP after which the launcher replaced the
+stopped ps (``replaced``; its recovery ends at the first step any worker makes after it); a
+worker fault belongs to it when its own clock starts inside it.
 
     .venv/bin/python benchmarks/storm_outages.py benchmarks/results/chaos_storm_10min_seed7.json [...]
 
@@ -39,14 +40,14 @@ def ps_outages(
     faults: Sequence[Mapping[str, Any]], stop_seconds: float
 ) -> list[tuple[float, float]]:
     """``(start, end)`` seconds of every interval in which a ps could not answer: its SIGSTOPs
-    (``stop_seconds`` long) and its kills and SIGTERMs until their recovery (one not
-    recovered: to the end of the run)."""
+    (``stop_seconds`` long) and its kills, SIGTERMs and replaced SIGSTOPs until their
+    recovery (one not recovered: to the end of the run)."""
     outages = []
     for fault in faults:
         if not str(fault["task"]).startswith("ps"):
             continue
         start = float(fault["at_s"])
-        if fault["kind"] == "stop":
+        if fault["kind"] == "stop" and not fault.get("replaced"):
             outages.append((start, start + stop_seconds))
         elif fault["recovered_s"] is None:
             outages.append((start, float("inf")))

@@ -356,6 +356,32 @@ def test_chaos_splits_a_worker_sigterm_recovery_into_its_phases(tmp_path: Path) 
         watch.close_log()
 
 
+def test_chaos_times_a_replaced_ps_stop_from_the_stop(tmp_path: Path) -> None:
+    """A SIGSTOP of the ps that the launcher ended by replacing the ps before the SIGCONT is
+    timed as a kill (from the stop to the first step after the restart, with the steps lost);
+    one that lasted to its SIGCONT is timed from the SIGCONT."""
+    import chaos
+
+    watch = chaos.Watch(tmp_path / "log")
+    try:
+        started = 100.0
+        watch.steps = [(105.0, 0, 40), (112.5, 1, 41)]
+        watch.restarts = [(112.0, "ps:0", 7, True)]  # 2 s after the stop at 110
+        replaced = chaos.Fault("ps:0", "stop", 10.0, 40, resumed_at_s=25.0)
+        chaos.measure_storm_recovery(replaced, started, watch)
+        assert replaced.replaced and replaced.spare
+        assert replaced.recovered_s == pytest.approx(2.5)
+        assert replaced.steps_lost == 0
+        watch.steps = [(105.0, 0, 40), (125.3, 1, 41)]
+        watch.restarts = []
+        waited = chaos.Fault("ps:0", "stop", 10.0, 40, resumed_at_s=25.0)
+        chaos.measure_storm_recovery(waited, started, watch)
+        assert not waited.replaced
+        assert waited.recovered_s == pytest.approx(0.3)
+    finally:
+        watch.close_log()
+
+
 def test_a_partial_devices_run_has_its_own_file() -> None:
     import devices
 

@@ -93,3 +93,19 @@ def test_the_committed_storms_split(seed) -> None:
         if f["task"].startswith("worker") and f["recovered_s"] is not None
     ]
     assert sum(len(v) for v in groups.values()) == len(recovered)
+
+
+def test_a_stopped_ps_the_launcher_replaced_is_out_until_its_recovery() -> None:
+    """A SIGSTOP of the ps that the launcher ended by replacing the ps (``replaced``) is an
+    outage as a kill is, from the stop to the replacement's first step, not the whole stop."""
+    replaced = {**fault("ps:0", "stop", 10.0, 3.1, resumed_at_s=25.0), "replaced": True}
+    faults = [
+        replaced,
+        fault("worker:0", "term", 12.0, 2.5),  # inside the 3.1 s outage
+        fault("worker:1", "term", 20.0, 0.8),  # after it, though the stop would last to 25 s
+    ]
+    assert ps_outages(faults, stop_seconds=15.0) == [(10.0, 13.1)]
+    assert split_worker_recoveries(faults, stop_seconds=15.0) == {
+        ("term", PS_OUT): [2.5],
+        ("term", PS_UP): [0.8],
+    }

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from tensorfleet import environment
 from tensorfleet.errors import LaunchConfigError, LaunchError
+from tensorfleet.launch import stopped_ps
 from tensorfleet.launch.backends.base import Backend
 from tensorfleet.launch.backends.local import LocalBackend
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
@@ -181,6 +182,16 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         "imports, waiting to take over a ps task that dies (default: "
         f"{DEFAULT_PS_SPARES} with the local backend and the built-in ps or --ps-runs-script, "
         "else 0; 0: none)",
+    )
+    restarts.add_argument(
+        "--replace-stopped-ps",
+        default=stopped_ps.AUTO,
+        metavar="S",
+        help="a ps task whose process stays stopped (SIGSTOP) for S seconds is killed and "
+        "restarted, so that a new process (a warm spare) serves its shard (default: auto: "
+        f"{stopped_ps.AFTER_WITH_LOG_S:g} s with --ps-update-log, which loses nothing, "
+        f"{stopped_ps.AFTER_WITHOUT_LOG_S:g} s without, which trains the steps since the "
+        "newest checkpoint again; off: never; local backend only)",
     )
     backends = launch.add_argument_group("backend")
     backends.add_argument(
@@ -340,6 +351,12 @@ def run_launch(args: argparse.Namespace) -> int:
                 f"{flag} {count}: warm spares need the local backend, not --backend "
                 f"{args.backend}; pass {flag} 0"
             )
+    replace_stopped_ps = stopped_ps.parse_after(args.replace_stopped_ps)
+    if args.backend != "local" and replace_stopped_ps not in (None, stopped_ps.AUTO):
+        raise LaunchConfigError(
+            f"--replace-stopped-ps {args.replace_stopped_ps}: the launcher sees a stopped ps "
+            f"only on the local backend, not --backend {args.backend}; leave the option out"
+        )
     # A ps spare by default only where the ps command is known to wait in resolve_task: the
     # built-in server, or the user's script (which calls it, as the worker spares need).
     ps_spares = args.ps_spares
@@ -375,6 +392,7 @@ def run_launch(args: argparse.Namespace) -> int:
             if args.spares is None
             else args.spares,
             ps_spares=ps_spares,
+            replace_stopped_ps=replace_stopped_ps,
         )
     except BaseException:
         backend.close()

@@ -22,6 +22,7 @@ from tensorfleet.launch.backends.local import LocalBackend
 from tensorfleet.launch.output import Output
 from tensorfleet.launch.ports import LOOPBACK
 from tensorfleet.launch.restart_policy import RestartPolicy, describe_returncode, exit_status
+from tensorfleet.launch.stopped_ps import AUTO
 from tensorfleet.launch.supervisor import (
     DEFAULT_GRACE_PERIOD,
     DEFAULT_HISTORY,
@@ -74,6 +75,7 @@ class LocalCluster(ClusterSupervisor):
         spares: int = 0,
         spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
         ps_spares: int = 0,
+        replace_stopped_ps: float | str | None = AUTO,
         fork_tasks: bool | None = None,
     ):
         super().__init__(
@@ -95,6 +97,7 @@ class LocalCluster(ClusterSupervisor):
             spares=spares,
             spare_wait_s=spare_wait_s,
             ps_spares=ps_spares,
+            replace_stopped_ps=replace_stopped_ps,
         )
 
     def __enter__(self) -> LocalCluster:

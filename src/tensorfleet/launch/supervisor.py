@@ -35,6 +35,9 @@ Supervision, in the spirit of Horovod's runner:
   started once the run is at work (:mod:`tensorfleet.launch.spare_start`), wait in
   ``resolve_task``; a worker's restart hands its identity to one
   (:mod:`tensorfleet.launch.warm_spares`), which is killed with the run if unused;
+- a ps task whose process stays stopped (SIGSTOP) is killed and restarted, so that a new
+  process serves its shard (:mod:`tensorfleet.launch.stopped_ps`: after 2 s with the ps
+  update log, 30 s without);
 - :meth:`ClusterSupervisor.interrupt` (the CLI's SIGINT/SIGTERM handler) sends SIGTERM to
   every task at once, then SIGKILL; a second interrupt sends SIGKILL at once;
 - :meth:`ClusterSupervisor.stop` (also run on leaving the ``with`` block) stops whatever
@@ -91,6 +94,7 @@ from tensorfleet.launch.run_phases import (
     TERMINATING,
     RunPhases,
 )
+from tensorfleet.launch.stopped_ps import AUTO, StoppedPsReplacement
 from tensorfleet.launch.supervisor_options import DEFAULT_KILL_TIMEOUT, check_timings, chosen_policy
 from tensorfleet.launch.task import Task, as_argv
 from tensorfleet.launch.task_restarts import TaskRestarts
@@ -120,6 +124,7 @@ class ClusterSupervisor(
     FailureGrace,
     WarmSpares,
     PreemptedHandover,
+    StoppedPsReplacement,
     RunPhases,
 ):
     """Start ``num_ps`` ps tasks and ``num_workers`` worker tasks through ``backend``, and
@@ -160,6 +165,10 @@ class ClusterSupervisor(
         ps_spares: warm spare ps processes (the ps command waiting, past its imports, to take
             over a ps task that dies; local backend only). 0 here by default;
             ``tensorfleet launch`` keeps 1 with the built-in ps (``--ps-spares``).
+        replace_stopped_ps: seconds a ps task's process may stay stopped (state ``T``:
+            SIGSTOP) before the launcher kills it and restarts it (a spare takes over);
+            ``"auto"`` (default): 2 s with the ps update log, 30 s without; None: never
+            (:mod:`tensorfleet.launch.stopped_ps`; local backend only).
 
     The addresses, the cluster spec (:attr:`cluster`) and the secret (:attr:`secret`) are
     chosen here, so they can be read before :meth:`start`. Raises :class:`LaunchError` for
@@ -187,6 +196,7 @@ class ClusterSupervisor(
         spares: int = 0,
         spare_wait_s: float = DEFAULT_SPARE_WAIT_S,
         ps_spares: int = 0,
+        replace_stopped_ps: float | str | None = AUTO,
     ):
         if num_ps < 0:
             raise LaunchError(f"the number of ps tasks must be >= 0, got {num_ps}")
@@ -208,6 +218,7 @@ class ClusterSupervisor(
         self.backend = backend
         self._init_spares(spares, spare_wait_s, history, ps_spares)
         self._init_handover()
+        self._init_stopped_ps(replace_stopped_ps)
         self._env = dict(env or {})
         self._task_env = {name: dict(values) for name, values in (task_env or {}).items()}
         self._cwd = None if cwd is None else os.fspath(cwd)
@@ -360,6 +371,7 @@ class ClusterSupervisor(
             self._hand_over_left_workers(now)  # a preempted worker's restart is due at once
             # restarts first: a cancelled one lets the deadline see no worker is left, at once
             self._on_restarts_due(now)
+            self._replace_stopped_ps(now)  # its kill comes back as an exit event
             self._on_spare_deadlines(now)
             self._on_departing_deadlines(now)
             self._on_deadline(now)
@@ -381,6 +393,7 @@ class ClusterSupervisor(
             deadlines = [self._phase_deadline, deadline]
             deadlines += [t.restart_at for t in self._tasks] + self._spare_deadlines()
             deadlines += self._spare_start_deadlines(now) + self._handover_deadlines(now)
+            deadlines += self._stopped_ps_deadlines(now)
             wake = min((d for d in deadlines if d is not None), default=None)
             try:
                 event = self._events.get(timeout=None if wake is None else max(0.0, wake - now))

@@ -51,6 +51,10 @@ class Task:
     #: Ended (or its restart cancelled) after training was complete: not a failure
     #: (:mod:`tensorfleet.launch.training_completion`).
     retired: bool = False
+    #: Why the launcher itself killed the current process so that it is restarted (a ps
+    #: that stayed stopped: :mod:`tensorfleet.launch.stopped_ps`); said in the restart's
+    #: line instead of the exit status, then cleared. None: it failed on its own.
+    replaced_because: str | None = None
 
     @property
     def name(self) -> str:

@@ -45,18 +45,26 @@ class TaskRestarts:
     restart_policy: RestartPolicy
     _markers: TaskMarkers
 
-    def _decide_restart(self, task: Task) -> RestartDecision:
+    def _decide_restart(self, task: Task, returncode: int | None = None) -> RestartDecision:
         """The policy's decision for ``task``, which just ended with a failure: its run time
         (from its start to its exit), whether that process got to work (it left
         ``task_markers.SERVING`` with its pid), whether it was preempted and left cleanly
-        (``task_markers.LEFT`` with its pid) and its crash streak decide the back-off."""
-        assert task.returncode is not None
-        ran = (task.ended_at or task.started_at) - task.started_at
+        (``task_markers.LEFT`` with its pid) and its crash streak decide the back-off.
+
+        ``returncode``: decide for a task still running as if it ended so now (the launcher
+        asks before it kills a stopped ps, :mod:`tensorfleet.launch.stopped_ps`)."""
+        if returncode is None:
+            assert task.returncode is not None
+            returncode = task.returncode
+        if task.returncode is not None:
+            ran = (task.ended_at or task.started_at) - task.started_at
+        else:  # still running: asked before the launcher kills it
+            ran = time.monotonic() - task.started_at
         pid = str(task.pid) if task.pid is not None else None
         served = pid is not None and self._markers.read(task.name, SERVING) == pid
         left = pid is not None and self._markers.read(task.name, LEFT) == pid
         return self.restart_policy.decide(
-            task.returncode,
+            returncode,
             task.restart_history,
             time.monotonic(),
             ran,
@@ -96,7 +104,10 @@ class TaskRestarts:
         task.restart_at, task.pending_restart = time.monotonic() + delay, decision
         lines = list(task.recent)
         last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
-        ended = left or f"failed with {describe_returncode(task.returncode)}"
+        ended = (
+            left or task.replaced_because or (f"failed with {describe_returncode(task.returncode)}")
+        )
+        task.replaced_because = None
         self.output.message(
             f"{task.name} {ended}; restarting it "
             f"({decision.describe_count()}) {decision.describe_wait()} "
