@@ -205,6 +205,26 @@ def test_a_task_killed_while_it_worked_is_restarted_whatever_the_count_and_not_c
     assert first.counted and first.describe_count() == "restart 1 of 2"
 
 
+def test_a_ps_the_launcher_replaced_after_it_worked_is_not_counted() -> None:
+    """A process the launcher killed because it stayed stopped (launch/stopped_ps.py) did not
+    crash: once it had got to work it is restarted at once with the limit used up and not
+    counted, however short its run (a storm stopping the ps every half minute used up its 10
+    restarts in 5 minutes before). One stopped before it got to work counts, so a process
+    stopped at every start ends at the limit; --max-restarts counts everything."""
+    policy = RestartPolicy(signal_restarts=2, crash_loop_s=30.0)
+    history = [(0.0, SIGNAL), (50.0, SIGNAL)]  # the limit is used up
+    replaced = policy.decide(-9, history, 100.0, 12.1, 3, served=True, replaced=True)
+    assert replaced.restart and not replaced.counted and replaced.delay_s == 0.0
+    assert replaced.history_kind == AT_WORK
+    assert replaced.describe_count() == (
+        "not counted: the launcher replaced it, stopped after it got to work; 2 of 2 used"
+    )
+    before_work = policy.decide(-9, history, 100.0, 12.1, 3, replaced=True)
+    assert not before_work.restart and before_work.counted and not before_work.replaced
+    uniform = RestartPolicy.uniform(2).decide(-9, history, 100.0, 12.1, 0, True, replaced=True)
+    assert not uniform.restart and uniform.counted
+
+
 def test_a_worker_preempted_that_left_cleanly_is_restarted_at_once_and_not_counted() -> None:
     """A process that handled its SIGTERM and left (task_markers.LEFT: push applied,
     checkpoint written, shards told) was preempted, not crash-looping, however short its

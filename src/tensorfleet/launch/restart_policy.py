@@ -160,6 +160,9 @@ class RestartDecision:
     counted: bool = True
     #: The process was preempted and left cleanly (``task_markers.LEFT`` with its pid).
     left: bool = False
+    #: The launcher killed the process, which had got to work, because it stayed stopped
+    #: (:mod:`tensorfleet.launch.stopped_ps`): not counted, as ``left``.
+    replaced: bool = False
 
     def describe_count(self) -> str:
         """Where this restart stands against the limit, for the launcher's restart lines:
@@ -170,6 +173,11 @@ class RestartDecision:
         if self.left:
             return (
                 f"not counted: preempted, it left cleanly after {self.ran_s or 0.0:.1f} s; "
+                f"{self.used} of {self.limit} used"
+            )
+        if self.replaced:
+            return (
+                f"not counted: the launcher replaced it, stopped after it got to work; "
                 f"{self.used} of {self.limit} used"
             )
         return f"not counted: it worked {self.ran_s or 0.0:.1f} s; {self.used} of {self.limit} used"
@@ -307,6 +315,7 @@ class RestartPolicy:
         streak: int | None = None,
         served: bool = False,
         left: bool = False,
+        replaced: bool = False,
     ) -> RestartDecision:
         """Whether a task that just ended with ``returncode`` (not 0) is restarted, and after
         how long.
@@ -323,7 +332,11 @@ class RestartPolicy:
         ``count_work``: the decision's ``counted``). ``left``: the process was preempted and
         left cleanly (``task_markers.LEFT``), so it is restarted at once and not counted
         either (unless ``count_work``). Entries of kind :data:`AT_WORK` in ``history`` do not
-        count toward the limit.
+        count toward the limit. ``replaced``: the launcher itself killed the process because it
+        stayed stopped (:mod:`tensorfleet.launch.stopped_ps`); one that had got to work
+        (``served``) is no crash loop, restarted at once and not counted (unless
+        ``count_work``), as a clean leave; one that had not is counted as any kill, so a
+        process that is stopped again at every start ends at the limit.
         """
         kind = failure_kind(returncode)
         if kind is None:
@@ -332,9 +345,10 @@ class RestartPolicy:
         used = sum(1 for k in recent if k == kind)
         limit = self.limit(kind)
         left = left and kind == SIGNAL  # a clean leave ends in 143, a signal's status
+        replaced = replaced and kind == SIGNAL and served
         crash_loop = not served and not left and (ran_s is None or ran_s < self.crash_loop_s)
         worked = served and ran_s is not None and ran_s >= self.crash_loop_s
-        counted = not (kind == SIGNAL and (worked or left) and not self.count_work)
+        counted = not (kind == SIGNAL and (worked or left or replaced) and not self.count_work)
         facts = {
             "ran_s": ran_s,
             "crash_loop": crash_loop,
@@ -342,6 +356,7 @@ class RestartPolicy:
             "served": served,
             "counted": counted,
             "left": left,
+            "replaced": replaced,
         }
         if used >= limit and counted:
             return RestartDecision(False, kind, used, limit, **facts)

@@ -27,9 +27,13 @@ When (``--replace-stopped-ps``, default ``auto``):
 * ``off`` (or ``0``): never; other backends (Ray) never: the launcher cannot see a remote
   process's state.
 
-A replacement is a restart like any other: it needs restarts to be allowed (the run is
-running, the restart policy would restart a task killed by a signal, within its budget);
-when they are not, the launcher says once why it leaves the stopped ps alone.
+A replacement is a restart: it needs restarts to be allowed (the run is running, the restart
+policy would restart a task killed by a signal); when they are not, the launcher says once
+why it leaves the stopped ps alone. A ps replaced after it got to work (it served its shard)
+is not counted toward the restart limit, as a preempted task that left cleanly is not: the
+launcher killed it, it did not crash (a storm that stops the ps every half minute must not
+use up its restarts); one stopped before it got to work is counted, so a process stopped
+again at every start ends at the limit instead of being replaced forever.
 
 Why. In the 10-minute fault storms of ``benchmarks/chaos.py`` (a fault every 10 s, a
 ``SIGSTOP`` lasting 15 s), every worker recovery slower than 1.5 s came inside a stop of the
@@ -192,7 +196,7 @@ class StoppedPsReplacement:
     def _replace(self, task: Task, stopped_s: float, after: float) -> None:
         assert task.process is not None
         pid = task.process.pid
-        decision: RestartDecision = self._decide_restart(task, -signal.SIGKILL)  # type: ignore[attr-defined]
+        decision: RestartDecision = self._decide_restart(task, -signal.SIGKILL, replaced=True)  # type: ignore[attr-defined]
         if not decision.restart:
             self._stopped_left.add(pid)
             self.output.message(

@@ -45,14 +45,17 @@ class TaskRestarts:
     restart_policy: RestartPolicy
     _markers: TaskMarkers
 
-    def _decide_restart(self, task: Task, returncode: int | None = None) -> RestartDecision:
+    def _decide_restart(
+        self, task: Task, returncode: int | None = None, replaced: bool | None = None
+    ) -> RestartDecision:
         """The policy's decision for ``task``, which just ended with a failure: its run time
         (from its start to its exit), whether that process got to work (it left
         ``task_markers.SERVING`` with its pid), whether it was preempted and left cleanly
         (``task_markers.LEFT`` with its pid) and its crash streak decide the back-off.
 
         ``returncode``: decide for a task still running as if it ended so now (the launcher
-        asks before it kills a stopped ps, :mod:`tensorfleet.launch.stopped_ps`)."""
+        asks before it kills a stopped ps, :mod:`tensorfleet.launch.stopped_ps`);
+        ``replaced``: whether the launcher killed it for that (None: as ``task`` says)."""
         if returncode is None:
             assert task.returncode is not None
             returncode = task.returncode
@@ -71,6 +74,7 @@ class TaskRestarts:
             task.quick_deaths,
             served=served,
             left=left,
+            replaced=task.replaced_because is not None if replaced is None else replaced,
         )
 
     def _restart_delay(self, task: Task) -> float | None:
