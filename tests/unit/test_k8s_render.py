@@ -228,6 +228,16 @@ def test_each_ps_listens_for_payload_streams_on_a_declared_port():
         assert service_ports == container_ports == expected
 
 
+def test_the_stream_port_follows_the_port_unless_given():
+    """A new user's ``--port 2223`` alone was refused for clashing with the stream port's
+    fixed default (2223), also with ``--ps 0``, where no task listens on a stream port."""
+    assert options().stream_port == 2223
+    assert options(port=2223).stream_port == 2224
+    assert options(port=65535).stream_port == 65534
+    assert options(port=2223, stream_port=9000).stream_port == 9000
+    assert options(ps=0, workers=2, stream_port=2222).stream_port == 2222  # no ps: no clash
+
+
 def test_cli_stream_port_and_thread_flags(capsys):
     argv = ["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", "--ps-cpu", "2"]
     assert main([*argv, "--stream-port", "9000", "--", "python", "train.py"]) == 0
@@ -237,6 +247,14 @@ def test_cli_stream_port_and_thread_flags(capsys):
         if d["kind"] == "Job"
     )
     assert env_of(ps)["TENSORFLEET_PAYLOAD_STREAM_PORT"] == "9000"
+    assert main([*argv, "--port", "2223", "--", "python", "train.py"]) == 0
+    jobs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Job"]
+    assert (
+        env_of(jobs[0]["spec"]["template"]["spec"]["containers"][0])[
+            "TENSORFLEET_PAYLOAD_STREAM_PORT"
+        ]
+        == "2224"
+    )
     assert env_of(ps)["TENSORFLEET_INTRA_OP_THREADS"] == "2"
     assert env_of(worker)["TENSORFLEET_INTRA_OP_THREADS"] == "2"  # --worker-cpu's default
     assert main([*argv, "--no-thread-budget", "--", "python", "train.py"]) == 0
@@ -263,12 +281,16 @@ def test_cli_stream_port_and_thread_flags(capsys):
         (lambda: options(port=0), "--port must be in 1..65535, got 0"),
         (
             lambda: options(stream_port=2222),
-            "--stream-port must be in 1..65535 and differ from --port (2222), got 2222",
+            "--stream-port 2222 is --port too: the ps tasks listen on both, so they must "
+            "differ; leave --stream-port out (it then follows --port: 2223) or give another",
         ),
-        (lambda: options(stream_port=70000), "--stream-port must be in 1..65535 and differ"),
+        (lambda: options(stream_port=70000), "--stream-port must be in 1..65535, got 70000"),
         (lambda: options(max_restarts=-1), "--max-restarts must be 0 or more, got -1"),
         (lambda: Resources(cpu="two"), "cpu 'two' is not a Kubernetes quantity"),
         (lambda: Resources(gpus=-1), "gpus must be a non-negative integer, got -1"),
+        (lambda: Resources(cpu="two", job="ps"), "--ps-cpu 'two' is not a Kubernetes quantity"),
+        (lambda: Resources(memory="4GB", job="worker"), "--worker-memory '4GB' is not a"),
+        (lambda: Resources(gpus=-2, job="worker"), "--worker-gpus must be a non-negative"),
     ],
 )
 def test_bad_input_is_refused(build, fragment):

@@ -111,7 +111,9 @@ class KubernetesOptions:
     file is then root's, mode 0400, readable only by an image that runs as root, unless the
     cluster sets an ``fsGroup`` itself). ``stream_port`` is the ps tasks' second port, where
     their payload streams listen (:mod:`tensorfleet.wire.service_streams`), declared beside
-    ``port`` in the ps Services and containers. ``thread_budget`` gives each task as many
+    ``port`` in the ps Services and containers; None (the default) takes the port after
+    ``port`` (2223 beside the default 2222; the one before when ``port`` is 65535), so that
+    ``--port`` alone never clashes with it. ``thread_budget`` gives each task as many
     torch threads as whole CPUs it requests
     (:meth:`~tensorfleet.launch.renderers.pod_resources.Resources.thread_env`); ``False``
     leaves torch's defaults.
@@ -124,7 +126,7 @@ class KubernetesOptions:
     name: str = "tensorfleet"
     namespace: str = "default"
     port: int = 2222
-    stream_port: int = 2223
+    stream_port: int | None = None
     ps_command: Sequence[str] = DEFAULT_PS_COMMAND
     ps_resources: Resources = Resources(cpu="1", memory="2Gi")
     worker_resources: Resources = Resources(cpu="2", memory="4Gi")
@@ -170,10 +172,18 @@ class KubernetesOptions:
             )
         if not 1 <= self.port <= 65535:
             raise ClusterConfigError(f"--port must be in 1..65535, got {self.port}")
-        if not 1 <= self.stream_port <= 65535 or self.stream_port == self.port:
+        if self.stream_port is None:
+            object.__setattr__(self, "stream_port", self.port + 1 if self.port < 65535 else 65534)
+        if not 1 <= self.stream_port <= 65535:
             raise ClusterConfigError(
-                f"--stream-port must be in 1..65535 and differ from --port ({self.port}), got "
-                f"{self.stream_port}: it is the ps tasks' second port, for large payloads"
+                f"--stream-port must be in 1..65535, got {self.stream_port}: it is the ps "
+                "tasks' second port, for large payloads"
+            )
+        if self.stream_port == self.port and self.shape.ps > 0:
+            raise ClusterConfigError(
+                f"--stream-port {self.stream_port} is --port too: the ps tasks listen on both, "
+                f"so they must differ; leave --stream-port out (it then follows --port: "
+                f"{self.port + 1 if self.port < 65535 else 65534}) or give another port"
             )
         if self.max_restarts < 0:
             raise ClusterConfigError(
@@ -427,10 +437,11 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
     render.add_argument(
         "--stream-port",
         type=int,
-        default=2223,
+        default=None,
         metavar="PORT",
         help="the ps tasks' second port, for large payloads over a plain TCP stream (rendered "
-        "as TENSORFLEET_PAYLOAD_STREAM_PORT and declared in the Service; default: 2223)",
+        "as TENSORFLEET_PAYLOAD_STREAM_PORT and declared in the Service; default: the port "
+        "after --port, 2223)",
     )
     render.add_argument("--worker-cpu", default="2", metavar="Q", help="(default: 2)")
     render.add_argument("--worker-memory", default="4Gi", metavar="Q", help="(default: 4Gi)")
@@ -516,8 +527,8 @@ def _render(args: argparse.Namespace) -> int:
                 f"cannot split --ps-command {args.ps_command!r}: {exc}"
             ) from None
     shape = ClusterShape(args.ps, args.workers)
-    ps_resources = Resources(args.ps_cpu, args.ps_memory)
-    worker_resources = Resources(args.worker_cpu, args.worker_memory, args.worker_gpus)
+    ps_resources = Resources(args.ps_cpu, args.ps_memory, job="ps")
+    worker_resources = Resources(args.worker_cpu, args.worker_memory, args.worker_gpus, "worker")
     # A placeholder secret first: every option is checked before a secret file is created.
     options = KubernetesOptions(
         shape=shape,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import environment
@@ -39,22 +39,32 @@ class Resources:
 
     CPU is a request only (a CPU limit throttles the training loop); memory is requested and
     limited to the same amount, so the scheduler's promise is the kernel's limit.
+
+    ``job`` (``"ps"``, ``"worker"``; not part of the value) names the command-line options
+    in the errors: ``--ps-cpu 'two' is not a Kubernetes quantity``.
     """
 
     cpu: str | None = None
     memory: str | None = None
     gpus: int = 0
+    job: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("cpu", "memory"):
             value = getattr(self, name)
             if value is not None and not _QUANTITY_RE.fullmatch(value):
                 raise ClusterConfigError(
-                    f"{name} {show(value)} is not a Kubernetes quantity: write e.g. '2', "
-                    "'500m' (CPU) or '4Gi' (memory)"
+                    f"{self._named(name)} {show(value)} is not a Kubernetes quantity: write "
+                    "e.g. '2', '500m' (CPU) or '4Gi' (memory)"
                 )
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
-            raise ClusterConfigError(f"gpus must be a non-negative integer, got {show(self.gpus)}")
+            raise ClusterConfigError(
+                f"{self._named('gpus')} must be a non-negative integer, got {show(self.gpus)}"
+            )
+
+    def _named(self, name: str) -> str:
+        """``--ps-cpu`` for ``cpu`` of a ps's resources; the bare name without a job."""
+        return name if self.job is None else f"--{self.job}-{name}"
 
     def as_manifest(self) -> dict[str, dict[str, Any]]:
         """The container's ``resources`` field."""
