@@ -228,3 +228,23 @@ def test_apply_refuses_a_memory_fraction_without_gpu():
 def test_apply_caps_gpu_memory():  # pragma: no cover - runs on a GPU machine only
     applied = apply_task_resources(TaskResources(gpu_memory_fraction=0.5))
     assert applied.gpu_memory_fraction == 0.5 and applied.cuda_devices >= 1
+
+
+def test_the_ps_threads_line_says_who_set_the_variable_and_what_it_overrode():
+    """A new user's ps, started by hand with ``TENSORFLEET_INTRA_OP_THREADS`` and
+    ``--threads``, logged "the launcher's plan" and did not say its ``--threads`` lost."""
+    from tensorfleet.launch.cli import threads_reason_with_environment
+
+    planned = "planned: 2 core(s), 3 task(s) of the cluster on this host; --threads N to choose"
+    assert threads_reason_with_environment(planned, None, {}) == planned
+    assert threads_reason_with_environment("--threads", 4, {}) == "--threads"
+    by_hand = {"TENSORFLEET_INTRA_OP_THREADS": "3"}
+    assert (
+        threads_reason_with_environment("--threads", 4, by_hand)
+        == "TENSORFLEET_INTRA_OP_THREADS=3, in the environment; it wins over --threads 4"
+    )
+    launched = {**by_hand, "TENSORFLEET_LAUNCHER": "1"}
+    assert (
+        threads_reason_with_environment(planned, None, launched)
+        == "TENSORFLEET_INTRA_OP_THREADS=3, the launcher's plan"
+    )

@@ -24,7 +24,7 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tensorfleet import environment
 from tensorfleet.cluster.resolver import ResolvedTask
@@ -227,6 +227,21 @@ def _plan_server_threads(threads: int | None, task: ResolvedTask) -> str:
     )
 
 
+def threads_reason_with_environment(
+    reason: str, threads_flag: int | None, environ: Mapping[str, str]
+) -> str:
+    """The reason of the ps's threads line once the server has applied
+    ``TENSORFLEET_INTRA_OP_THREADS`` (which wins over ``--threads`` and the plan): who set it
+    (the launcher, or the environment the ps was started in), and the ``--threads`` it
+    overrode; ``reason`` when the variable is not set."""
+    value = environ.get(environment.INTRA_OP_THREADS_VAR, "").strip()
+    if not value:
+        return reason
+    who = "the launcher's plan" if environ.get(environment.LAUNCHER_VAR) else "in the environment"
+    overrode = "" if threads_flag is None else f"; it wins over --threads {threads_flag}"
+    return f"{environment.INTRA_OP_THREADS_VAR}={value}, {who}{overrode}"
+
+
 def _server(args: argparse.Namespace) -> int:
     """``tensorfleet server``: run one ps task until training is over."""
     # Imported here so that the CLI (and `launch`) work without the server's dependencies.
@@ -271,8 +286,9 @@ def _server(args: argparse.Namespace) -> int:
     ) as exc:  # cannot listen on the task's address; the message says why
         print(f"tensorfleet: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    if environment.environ().get(environment.INTRA_OP_THREADS_VAR):
-        threads_reason = f"{environment.INTRA_OP_THREADS_VAR}, the launcher's plan"
+    threads_reason = threads_reason_with_environment(
+        threads_reason, args.threads, environment.environ()
+    )
     logging.getLogger(__name__).info(
         "%s:%d: %d torch thread(s) for applying updates (%s)",
         task.job,
