@@ -65,6 +65,7 @@ def test_a_taken_port_is_said_once_and_the_payloads_stay_on_zeromq(
             assert len(warnings) == 1, warnings
             assert f"port {port} ({VARIABLE})" in warnings[0]
             assert "every payload stays on ZeroMQ" in warnings[0]
+            assert f"free port {port}, or set {VARIABLE} to another port" in warnings[0]
             channel = echo_large(service)
             assert not channel.stream.open and channel.stream.payloads == 0
         finally:

@@ -428,12 +428,16 @@ class ServiceSocket:
             )
         except OSError as exc:
             port = service_streams.listen_port()
+            variable = environment.PAYLOAD_STREAM_PORT_VAR
             log.warning(
                 "tensorfleet service %s: cannot listen for payload streams on %s (%s): every "
-                "payload stays on ZeroMQ",
+                "payload stays on ZeroMQ%s",
                 self.address,
-                f"port {port} ({environment.PAYLOAD_STREAM_PORT_VAR})" if port else "a free port",
+                f"port {port} ({variable})" if port else "a free port",
                 exc,
+                f"; free port {port}, or set {variable} to another port (0: any free one)"
+                if port
+                else "",
             )
             return None
 
