@@ -39,6 +39,7 @@ from tensorfleet.wire.channel import Channel
 from tensorfleet.wire.encryption import KEY_EXCHANGE_OP, ChannelEncryption
 from tensorfleet.wire.service_socket import ServiceSocket
 from tensorfleet.worker.client import ClientTimeouts, ParameterClient
+from tests.unit import echo_service
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"encryption-test-secret-0123456789"
@@ -216,32 +217,11 @@ def test_a_client_without_the_secret_fails_the_key_exchange_with_secret_mismatch
 # -- an echo service and a raw peer that seals by hand ------------------------------------------
 
 
-class EchoService:
-    """An encrypting ServiceSocket in a thread that answers every request with its buffers."""
+class EchoService(echo_service.EchoService):
+    """An encrypting echo service (``tests/unit/echo_service.py``) under this file's secret."""
 
     def __init__(self, port: int | None = None) -> None:
-        self.address = f"127.0.0.1:{port or free_port()}"
-        self.socket = ServiceSocket(self.address, SECRET, encrypt=True, shared_memory=False)
-        self.stop = threading.Event()
-        self.served = 0
-        self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if self.socket.poll(0.05) and (request := self.socket.receive()) is not None:
-                    self.served += 1
-                    self.socket.reply(request, {"op": request.op}, list(request.buffers))
-        except BaseException as exc:  # surfaced by close()
-            self.failure = exc
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(TIMEOUT_S)
-        self.socket.close()
-        assert self.failure is None, self.failure
+        super().__init__(port, SECRET, encrypt=True)
 
 
 @pytest.fixture
@@ -328,11 +308,11 @@ def test_an_altered_sealed_request_is_dropped_and_the_connection_goes_on(
         frames = peer.frames("echo", {}, [payload])
         peer.socket.send_multipart(_flip(frames, frame, position))
         assert peer.receive(timeout_s=0.5) is None, "an altered request was answered"
-        assert echo.socket.rejected["auth"] == 1 and echo.served == 0
+        assert echo.socket.rejected["auth"] == 1 and not echo.served
         peer.socket.send_multipart(frames)  # the genuine one: its counter was not used up
         reply = peer.receive()
         assert reply is not None and reply.sealed and bytes(reply.buffers[0]) == payload
-        assert echo.served == 1 and echo.thread.is_alive()
+        assert len(echo.served) == 1 and echo.thread.is_alive()
     finally:
         peer.close()
 
@@ -345,7 +325,7 @@ def test_a_replayed_sealed_request_is_dropped(echo: EchoService) -> None:
         assert bytes(peer.receive().buffers[0]) == b"once"
         peer.socket.send_multipart(frames)
         assert peer.receive(timeout_s=0.5) is None, "a replay was answered"
-        assert echo.socket.rejected["auth"] == 1 and echo.served == 1
+        assert echo.socket.rejected["auth"] == 1 and len(echo.served) == 1
         peer.socket.send_multipart(peer.frames("echo", {}, [b"twice"]))
         assert bytes(peer.receive().buffers[0]) == b"twice"
     finally:
@@ -358,7 +338,7 @@ def test_an_unsealed_request_from_a_keyed_connection_is_refused(echo: EchoServic
         peer.socket.send_multipart(peer.frames("echo", {}, [MARKER], sealed=False))
         refusal = peer.receive()
         assert refusal.header["error_type"] == EncryptionMismatch.code and not refusal.buffers
-        assert echo.served == 0
+        assert not echo.served
     finally:
         peer.close()
 
@@ -419,10 +399,10 @@ def test_send_does_not_wait_for_the_key_exchange_and_requests_behind_it_all_leav
         # Hellos (a request before the first hello's answer names no service session): the
         # first starts the exchange, all three wait for it.
         ids = [channel.send("hello", {}, [bytes([n]) * 10], TIMEOUT_S) for n in range(3)]
-        assert echo.served == 0  # nothing sealed can leave before the service's key is in
+        assert not echo.served  # nothing sealed can leave before the service's key is in
         replies = [channel.wait(i, TIMEOUT_S) for i in reversed(ids)]
         assert [bytes(r.buffers[0]) for r in replies] == [bytes([n]) * 10 for n in (2, 1, 0)]
-        assert echo.served == 3 and echo.socket.encrypted_connections == 1
+        assert len(echo.served) == 3 and echo.socket.encrypted_connections == 1
     finally:
         channel.close()
 

@@ -32,7 +32,9 @@ from tensorfleet.wire import message as wire
 from tensorfleet.wire import shared_memory as shm
 from tensorfleet.wire.auth import REQUEST_ROLE, MessageSigner, MessageVerifier
 from tensorfleet.wire.channel import Channel
+from tensorfleet.wire.service_request import Request
 from tensorfleet.wire.service_socket import ServiceSocket
+from tests.unit import echo_service
 
 SECRET = b"shared-memory-unit-test-secret-0001"
 TIMEOUT_S = 10.0
@@ -55,41 +57,22 @@ def _tensorfleet_memfds() -> list[str]:
     return found + [line for line in maps.splitlines() if "memfd:tensorfleet-" in line]
 
 
-class EchoService:
-    """A ServiceSocket in a thread that answers every request with its own buffers
-    (``b"mark"`` prepended to none: the same bytes), recording where they came from."""
+class EchoService(echo_service.EchoService):
+    """An echo service (``tests/unit/echo_service.py``) under this file's secret, with the
+    same-host path on, recording where each request's buffers came from: ``requests`` holds
+    ``(op, in_memory)``, ``in_memory`` True when they were not ZeroMQ frames."""
 
     def __init__(self, shared_memory: bool | None = True) -> None:
-        self.address = f"127.0.0.1:{free_port()}"
-        self.socket = ServiceSocket(self.address, SECRET, shared_memory=shared_memory)
-        self.stop = threading.Event()
         self.requests: list[tuple[str, bool]] = []
-        self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(None, SECRET, shared_memory=shared_memory)
 
-    def _serve(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if not self.socket.poll(0.05):
-                    continue
-                request = self.socket.receive()
-                if request is None:
-                    continue
-                in_memory = any(
-                    not isinstance(b, memoryview) or b.obj.__class__.__name__ != "Frame"
-                    for b in request.buffers
-                )
-                self.requests.append((request.op, in_memory))
-                self.socket.reply(request, {"n": len(request.buffers)}, list(request.buffers))
-        except BaseException as exc:  # surfaced by close()
-            self.failure = exc
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(TIMEOUT_S)
-        self.socket.close()
-        assert self.failure is None, self.failure
+    def record(self, request: Request) -> None:
+        super().record(request)
+        in_memory = any(
+            not isinstance(b, memoryview) or b.obj.__class__.__name__ != "Frame"
+            for b in request.buffers
+        )
+        self.requests.append((request.op, in_memory))
 
 
 @pytest.fixture
@@ -616,7 +599,9 @@ def test_a_killed_client_leaves_nothing_in_dev_shm_and_its_memory_goes_with_the_
 
 HOLDING_SERVICE = r"""
 import sys
+from tensorfleet.wire.service_request import Request
 from tensorfleet.wire.service_socket import ServiceSocket
+from tests.unit import echo_service
 service = ServiceSocket(sys.argv[1], b"shared-memory-unit-test-secret-0001", shared_memory=True)
 while True:
     if not service.poll(1.0):
