@@ -586,7 +586,8 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
         index = int(fault.task.split(":")[1])
         after = [s for s in after if s[1] == index]
     if after:
-        # a stop's own seconds are the storm's, not the recovery's: counted from SIGCONT
+        # a stop's own seconds are the storm's, not the recovery's: counted from SIGCONT,
+        # unless the launcher replaced the stopped task (then from the stop, as a kill)
         fault.recovered_s = after[0][0] - (at if timed_from_fault else back)
         if fault.task.startswith("ps:") and timed_from_fault:
             fault.phases = {**ps_phases(watch, at, after[0][0]), "first step": fault.recovered_s}

@@ -108,9 +108,8 @@ class TaskRestarts:
         task.restart_at, task.pending_restart = time.monotonic() + delay, decision
         lines = list(task.recent)
         last = f" Its last line: {lines[-1]}" if lines else " It printed nothing."
-        ended = (
-            left or task.replaced_because or (f"failed with {describe_returncode(task.returncode)}")
-        )
+        failed = f"failed with {describe_returncode(task.returncode)}"
+        ended = left or task.replaced_because or failed
         task.replaced_because = None
         self.output.message(
             f"{task.name} {ended}; restarting it "
