@@ -290,6 +290,8 @@ def test_cli_stream_port_and_thread_flags(capsys):
         (lambda: Resources(gpus=-1), "gpus must be a non-negative integer, got -1"),
         (lambda: Resources(cpu="two", job="ps"), "--ps-cpu 'two' is not a Kubernetes quantity"),
         (lambda: Resources(memory="4GB", job="worker"), "--worker-memory '4GB' is not a"),
+        (lambda: Resources(cpu="2 cores"), "quantity: write e.g. '2' or '500m'"),
+        (lambda: Resources(memory="4GB"), "quantity: write e.g. '4Gi' or '512Mi'"),
         (lambda: Resources(gpus=-2, job="worker"), "--worker-gpus must be a non-negative"),
     ],
 )

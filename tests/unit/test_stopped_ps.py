@@ -129,9 +129,11 @@ def test_the_option_takes_auto_off_or_seconds() -> None:
     assert parse_after("off") is None
     assert parse_after("0") is None
     assert parse_after("2.5") == 2.5
-    for bad in ("soon", "-1", "inf", "nan", ""):
-        with pytest.raises(LaunchConfigError, match=r"--replace-stopped-ps .*auto.*off"):
+    for bad in ("soon", "inf", "nan", ""):
+        with pytest.raises(LaunchConfigError, match=r"is not a number of seconds: give auto.*off"):
             parse_after(bad)
+    with pytest.raises(LaunchConfigError, match=r"'-1': the seconds must be 0 or more; give auto"):
+        parse_after("-1")
 
 
 def test_auto_waits_less_when_the_update_log_keeps_every_step(

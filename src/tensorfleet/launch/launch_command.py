@@ -191,7 +191,7 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         "restarted, so that a new process (a warm spare) serves its shard (default: auto: "
         f"{stopped_ps.AFTER_WITH_LOG_S:g} s with --ps-update-log, which loses nothing, "
         f"{stopped_ps.AFTER_WITHOUT_LOG_S:g} s without, which trains the steps since the "
-        "newest checkpoint again; off: never; local backend only)",
+        "newest checkpoint again; off or 0: never; local backend only)",
     )
     backends = launch.add_argument_group("backend")
     backends.add_argument(

@@ -98,16 +98,18 @@ def parse_after(value: str) -> float | str | None:
         return AUTO
     if choice == "off":
         return None
+    choices = (
+        f"give auto (the default: {AFTER_WITH_LOG_S:g} s with --ps-update-log, "
+        f"{AFTER_WITHOUT_LOG_S:g} s without), off (or 0), or seconds such as 5"
+    )
     try:
         seconds = float(choice)
     except ValueError:
         seconds = float("nan")
-    if not seconds >= 0 or seconds == float("inf"):
-        raise LaunchConfigError(
-            f"{FLAG} {value!r} is not a number of seconds: give auto (the default: "
-            f"{AFTER_WITH_LOG_S:g} s with --ps-update-log, {AFTER_WITHOUT_LOG_S:g} s without), "
-            "off, or seconds such as 5"
-        )
+    if seconds != seconds or seconds == float("inf"):
+        raise LaunchConfigError(f"{FLAG} {value!r} is not a number of seconds: {choices}")
+    if seconds < 0:
+        raise LaunchConfigError(f"{FLAG} {value!r}: the seconds must be 0 or more; {choices}")
     return None if seconds == 0 else seconds
 
 

@@ -441,7 +441,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[t
         metavar="PORT",
         help="the ps tasks' second port, for large payloads over a plain TCP stream (rendered "
         "as TENSORFLEET_PAYLOAD_STREAM_PORT and declared in the Service; default: the port "
-        "after --port, 2223)",
+        "after --port, 2223; 65534 with --port 65535)",
     )
     render.add_argument("--worker-cpu", default="2", metavar="Q", help="(default: 2)")
     render.add_argument("--worker-memory", default="4Gi", metavar="Q", help="(default: 4Gi)")

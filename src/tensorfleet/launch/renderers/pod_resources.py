@@ -53,9 +53,10 @@ class Resources:
         for name in ("cpu", "memory"):
             value = getattr(self, name)
             if value is not None and not _QUANTITY_RE.fullmatch(value):
+                examples = "'2' or '500m'" if name == "cpu" else "'4Gi' or '512Mi'"
                 raise ClusterConfigError(
                     f"{self._named(name)} {show(value)} is not a Kubernetes quantity: write "
-                    "e.g. '2', '500m' (CPU) or '4Gi' (memory)"
+                    f"e.g. {examples}"
                 )
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
             raise ClusterConfigError(
