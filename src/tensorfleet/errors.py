@@ -50,6 +50,13 @@ class AuthenticationError(TensorfleetError):
     """A peer does not hold the cluster secret we hold (or a message failed verification)."""
 
 
+class ReplayedMessage(AuthenticationError):
+    """A message whose counter is not above the last one accepted in its session: a replay of
+    captured traffic, or a request its client gave up on that arrived after newer ones (its
+    old connection's messages, read late by a service that was stopped meanwhile). Refused
+    either way; told apart from a wrong secret so that the log does not blame the secret."""
+
+
 class ProtocolError(TensorfleetError):
     """A message is malformed, too large, of another protocol version, or not understood."""
 

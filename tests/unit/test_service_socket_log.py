@@ -133,6 +133,36 @@ def test_a_hello_with_the_wrong_secret_is_logged(
     assert "worker:0" not in line  # nothing the peer sent, not even its claimed task
 
 
+def test_a_message_read_after_newer_ones_is_logged_as_replayed_not_as_a_wrong_secret(
+    service: tuple[ServiceSocket, Clock, zmq.Context], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ps stopped while a worker's push was in flight reads, on its SIGCONT, that push from
+    the worker's old connection after the newer requests of its new one: its counter is
+    below the last accepted. It was logged as a wrong secret ("give every task the same
+    secret"), found in a new user's trial; it is a replay now, with what it means."""
+    sock, _, context = service
+    caplog.set_level(logging.WARNING, logger="tensorfleet.security")
+    body = {"protocol": wire.PROTOCOL_VERSION, "version": __version__, "task": "worker:0"}
+    signer = MessageSigner(SECRET, REQUEST_ROLE)
+    old, new = (
+        [bytes(f) for f in wire.encode(wire.KIND_REQUEST, header, [], signer)]
+        for header in (
+            {"op": "hello", "id": i, "srv": None, "timeout_ms": 5000, "body": body} for i in (1, 2)
+        )
+    )
+    dealer = _peer(context, sock)
+    dealer.send_multipart(new)  # the newer message is read first
+    assert sock.poll(10.0) and sock.receive() is not None
+    _deliver(sock, dealer, old)
+    assert sock.rejected == {"replayed": 1}
+    (line,) = _lines(caplog)
+    assert line.startswith(
+        f"tensorfleet service {sock.address}: dropped a message from 127.0.0.1: its counter is "
+        "not above the last one accepted from its session: a request its client gave up on"
+    )
+    assert "secret" not in line and line.endswith("(1 dropped as 'replayed' so far)")
+
+
 def test_a_peer_address_with_odd_characters_is_not_logged() -> None:
     class Frame:
         def __init__(self, address: object) -> None:

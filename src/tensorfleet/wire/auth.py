@@ -58,7 +58,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tensorfleet.errors import AuthenticationError, ConfigError
+from tensorfleet.errors import AuthenticationError, ConfigError, ReplayedMessage
 
 SESSION_ID_BYTES = 16
 TAG_BYTES = 16
@@ -264,7 +264,7 @@ class MessageVerifier:
             raise AuthenticationError("malformed authentication fields")
         last = self._last_counter.get(session_id, 0)
         if counter <= last:
-            raise AuthenticationError(
+            raise ReplayedMessage(
                 f"replayed or reordered message: counter {counter} is not above "
                 f"{last} for this session"
             )

@@ -79,7 +79,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tensorfleet.errors import AuthenticationError, ProtocolError
+from tensorfleet.errors import AuthenticationError, ProtocolError, ReplayedMessage
 from tensorfleet.wire.auth import (
     TAG_BYTES,
     Buffer,
@@ -234,7 +234,7 @@ class Opener:
         header, envelope or chunk-tags frame that is not what was sealed). Nothing is
         recorded until :meth:`accept`."""
         if counter <= self.last_counter:
-            raise AuthenticationError(
+            raise ReplayedMessage(
                 f"replayed or reordered message: counter {counter} is not above "
                 f"{self.last_counter} for this connection"
             )

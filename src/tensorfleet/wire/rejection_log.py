@@ -26,6 +26,10 @@ _REJECTION_MEANINGS = {
     "auth": "it failed authentication (the sender does not hold this cluster's secret, or the "
     "message was altered or replayed); if it is one of your tasks, give every task the same "
     "secret ($TENSORFLEET_SECRET, $TENSORFLEET_SECRET_FILE or --secret-file)",
+    "replayed": "its counter is not above the last one accepted from its session: a request "
+    "its client gave up on, read after newer ones (this service was stopped or stalled, and the "
+    "client reconnected meanwhile), or a replay of captured traffic; nothing to do unless it "
+    "recurs while every task runs normally",
     "malformed": "it is not a well-formed tensorfleet message (junk, a port scanner, or another "
     "program pointed at this port)",
     "protocol": "it speaks another tensorfleet wire protocol; run the same tensorfleet version "

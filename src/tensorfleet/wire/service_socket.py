@@ -43,6 +43,7 @@ from tensorfleet.errors import (
     PayloadStreamLost,
     ProtocolError,
     RemoteProtocolError,
+    ReplayedMessage,
     ServiceRestarted,
 )
 from tensorfleet.wire import message as wire
@@ -267,7 +268,9 @@ class ServiceSocket:
             )
             return None
         except AuthenticationError as exc:
-            self._reject("auth")
+            # a replay is logged as its own kind: after a stop, a client's old connection
+            # delivers requests it gave up on behind newer ones (not a secret problem)
+            self._reject("replayed" if isinstance(exc, ReplayedMessage) else "auth")
             self._count_invalid(peer)
             self._notice_once(peer, "auth", f"{exc} [service {self.address}]")
             return None
