@@ -4,7 +4,9 @@
 launcher's defaults (the warm spare ps takes over), the ps killed between two checkpoints;
 the spare is restored from the newest checkpoint and replays the log, and comes back at a
 global step no lower than the last one a worker printed (a step line is printed after its
-push was acknowledged) before the kill. Training then runs to the end.
+push was acknowledged) before the kill. Training then runs to the end. The same with the ps
+SIGSTOPped and never resumed: the launcher replaces it (``launch/stopped_ps.py``) and the
+spare replays the log as after a kill.
 
 Synchronized through the launcher's output; no timing is asserted.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,10 +34,29 @@ REPLAYED = re.compile(
 )
 
 
-@pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
-def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
-    tmp_path: Path,
-) -> None:
+@dataclass
+class DisturbedRun:
+    """What :func:`run_with_the_ps_disturbed` saw: the cluster, its output, its exit status,
+    what the disturbing thread raised, and the global steps noted (``stopped_pid``,
+    ``acknowledged``: the last step a worker printed before the signal; ``replayed_step``
+    and ``checkpoint_step`` from the spare's replay line)."""
+
+    cluster: LocalCluster
+    output: WatchedOutput
+    status: int
+    failures: list[BaseException]
+    seen: dict[str, int]
+    log_dir: Path
+
+    @property
+    def text(self) -> str:
+        return self.output.log.getvalue()
+
+
+def run_with_the_ps_disturbed(tmp_path: Path, sig: signal.Signals) -> DisturbedRun:
+    """The CNN example on 1 ps + 2 workers with the update log and a warm spare ps; ``sig``
+    goes to the ps between the checkpoints at 25 and 50 (a SIGSTOP is never resumed here),
+    and the run goes on until a worker is 5 steps past the spare's replay, then to its end."""
     command = [
         sys.executable, str(EXAMPLE), "--steps", "100", "--log-every", "1",
         "--train-limit", "3000", "--test-limit", "1000", "--logdir", str(tmp_path / "run"),
@@ -46,10 +68,11 @@ def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
     cluster = LocalCluster(1, 2, command, output=output, ps_spares=1, env=env)
     seen: dict[str, int] = {}
 
-    def kill_the_ps() -> None:
+    def disturb_the_ps() -> None:
         # past the checkpoint at 25, before the one at 50
         at, _ = output.wait_for("worker:1", STEP_LINE, min_number=35)
-        cluster.kill_task("ps:0", signal.SIGKILL)
+        seen["stopped_pid"] = cluster.pids["ps:0"]
+        cluster.kill_task("ps:0", sig)
         lines = output.lines()  # the lines printed so far: steps acknowledged
         seen["acknowledged"] = max(
             int(m.group(2))
@@ -61,14 +84,44 @@ def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
         seen["checkpoint_step"] = int(replayed.group(3))
         output.wait_for("worker:1", STEP_LINE, at, min_number=seen["replayed_step"] + 5)
 
-    status, failures = run_beside(cluster, kill_the_ps, 200)
-    text = output.log.getvalue()
-    assert not failures, f"{failures[0]}\n{text}"
-    assert status == 0, text
+    status, failures = run_beside(cluster, disturb_the_ps, 200)
+    return DisturbedRun(cluster, output, status, failures, seen, log_dir)
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
+def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
+    tmp_path: Path,
+) -> None:
+    run = run_with_the_ps_disturbed(tmp_path, signal.SIGKILL)
+    cluster, seen, text = run.cluster, run.seen, run.text
+    assert not run.failures, f"{run.failures[0]}\n{text}"
+    assert run.status == 0, text
     assert cluster.restarts["ps:0"] == 1, text
     assert seen["checkpoint_step"] < seen["acknowledged"], text  # steps to bring back
     assert seen["replayed_step"] >= seen["acknowledged"], (seen, text)
     assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
-    assert list(log_dir.glob("ps-0.*.updatelog")), text
+    assert list(run.log_dir.glob("ps-0.*.updatelog")), text
+    pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]
+    assert_all_gone(pids, text)
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
+def test_a_stopped_ps_is_replaced_and_the_update_log_keeps_every_step(tmp_path: Path) -> None:
+    """The ps SIGSTOPped instead, never resumed: the launcher replaces it after 2 s
+    (``launch/stopped_ps.py``, ``auto`` with the log) and the spare replays the log as after
+    a kill."""
+    run = run_with_the_ps_disturbed(tmp_path, signal.SIGSTOP)
+    cluster, seen, text = run.cluster, run.seen, run.text
+    assert not run.failures, f"{run.failures[0]}\n{text}"
+    assert run.status == 0, text
+    assert cluster.restarts["ps:0"] == 1, text
+    pid = seen["stopped_pid"]
+    assert re.search(
+        rf"ps:0 \(pid {pid}\) has been stopped for [\d.]+ s .*nothing is lost", text
+    ), text
+    assert re.search(r"ps:0 was stopped for [\d.]+ s and killed by the launcher", text), text
+    assert seen["checkpoint_step"] < seen["acknowledged"], text  # steps to bring back
+    assert seen["replayed_step"] >= seen["acknowledged"], (seen, text)
+    assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
     pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]
     assert_all_gone(pids, text)

@@ -4,7 +4,7 @@
 The cluster's commands are plain ``sleep`` programs (no training): what is tested is the
 launcher's watch of the process state. Synchronized on the launcher's messages and the
 process states, with a deadline each; no timing is asserted. The whole path with training,
-the update log and a warm spare: ``tests/e2e/test_stopped_ps_training.py``.
+the update log and a warm spare: ``tests/e2e/test_ps_update_log.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tensorfleet.launch.stopped_ps import (
     parse_after,
     process_state,
 )
+from tests.e2e.test_preemption_launch import run_beside
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -85,27 +86,16 @@ def wait_until(condition: Callable[[], bool], what: str, log: io.StringIO) -> No
 
 
 def supervise(cluster: LocalCluster, drive: Callable[[], None]) -> list[BaseException]:
-    """Start ``cluster``, run ``drive`` beside its supervision, then interrupt and stop it:
-    what ``drive`` raised (an empty list: nothing)."""
-    failures: list[BaseException] = []
+    """Start ``cluster``, run ``drive`` beside its supervision, then interrupt and stop it
+    (its sleepers never end by themselves): what ``drive`` raised (an empty list: nothing)."""
 
-    def guarded() -> None:
+    def drive_then_interrupt() -> None:
         try:
             drive()
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            failures.append(exc)
         finally:
             cluster.interrupt(signal.SIGTERM)
 
-    driver = threading.Thread(target=guarded, daemon=True)
-    try:
-        cluster.start()
-        driver.start()
-        cluster.wait(timeout=WAIT_S * 2)
-        driver.join(WAIT_S)
-    finally:
-        cluster.stop()
-    return failures
+    return run_beside(cluster, drive_then_interrupt, WAIT_S * 2)[1]
 
 
 def test_the_state_of_a_stopped_process_is_read_from_proc() -> None:

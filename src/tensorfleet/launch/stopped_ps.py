@@ -49,6 +49,7 @@ throws away the shard's steps since its checkpoint. The process state has no fal
 from __future__ import annotations
 
 import signal
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from tensorfleet import environment
@@ -134,8 +135,6 @@ class StoppedPsReplacement:
                 f"replace_stopped_ps={after!r}: give seconds > 0, {AUTO!r} or None (never)"
             )
         self._stopped_ps_choice = after
-        self._stopped_ps_after: float | None | bool = False  # False: not resolved yet
-        self._stopped_ps_log = False
         #: task name -> (pid, when it was first seen stopped), for ps tasks stopped now.
         self._stopped_since: dict[str, tuple[int, float]] = {}
         #: pids left alone (restarts not allowed): said once each.
@@ -144,18 +143,20 @@ class StoppedPsReplacement:
     def stopped_ps_after(self) -> float | None:
         """Seconds after which a stopped ps is replaced in this run; None: never (the option
         is off, or the backend is not local, or there is no ps)."""
-        if self._stopped_ps_after is False:
-            ps_tasks = [t for t in self._tasks if t.job == "ps"]
-            choice = self._stopped_ps_choice
-            if choice is None or not ps_tasks or self.backend.name != "local":
-                self._stopped_ps_after = None
-            else:
-                self._stopped_ps_log = self._update_log_on(ps_tasks[0])
-                if choice == AUTO:
-                    choice = AFTER_WITH_LOG_S if self._stopped_ps_log else AFTER_WITHOUT_LOG_S
-                self._stopped_ps_after = float(choice)
-        assert self._stopped_ps_after is not False
-        return self._stopped_ps_after
+        return self._stopped_ps_plan[0]
+
+    @cached_property
+    def _stopped_ps_plan(self) -> tuple[float | None, bool]:
+        """``(stopped_ps_after(), whether the ps tasks log their updates)``, worked out once
+        from the choice, the backend and the first ps task's command and environment."""
+        ps_tasks = [t for t in self._tasks if t.job == "ps"]
+        choice = self._stopped_ps_choice
+        if choice is None or not ps_tasks or self.backend.name != "local":
+            return None, False
+        log_on = self._update_log_on(ps_tasks[0])
+        if choice == AUTO:
+            return (AFTER_WITH_LOG_S if log_on else AFTER_WITHOUT_LOG_S), log_on
+        return float(choice), log_on
 
     def _update_log_on(self, task: Task) -> bool:
         """Whether ps ``task`` logs its updates: the launcher's ``--ps-update-log`` (the
@@ -211,7 +212,7 @@ class StoppedPsReplacement:
             return
         loses = (
             "the update log replays every update it acknowledged: nothing is lost"
-            if self._stopped_ps_log
+            if self._stopped_ps_plan[1]
             else "the steps since its newest checkpoint are trained again; --ps-update-log "
             "would keep them"
         )
