@@ -9,11 +9,15 @@
   first global step made after the restore, against the seconds a fresh launch of the same
   cluster takes from start to its first global step (the baseline: starting over).
 * ``update_log``: the ps's update log (``ps/update_log.py``): seconds per push of the CNN's
-  gradients (Adam, one in-process ps, one client) with the log against the same pushes to a
-  ps without it, in alternating blocks so that drifts of the machine hit both alike; and
-  the seconds a restore takes to replay those pushes, per push.
+  gradients (Adam, one in-process ps, one client) with the log (snapshots as by default, and
+  with snapshots off) against the same pushes to a ps without it, in alternating blocks so
+  that drifts of the machine hit both alike; the log's bytes left on disk, and the seconds
+  a restore takes to come back (snapshot and replay).
+* ``training``: what the log costs a training run, the way users meet it: the CNN on a
+  local 1 ps + 3 worker cluster (``benchmarks/cnn_training.py``), with the update log and
+  without it, alternated ``--rounds`` times; the chief's steady-state steps/s of each.
 
-    .venv/bin/python benchmarks/recovery.py [--repeats 5] [--only update_log]
+    .venv/bin/python benchmarks/recovery.py [--repeats 5] [--only update_log|training]
 
 Writes benchmarks/results/recovery.json and .md.
 """
@@ -21,6 +25,7 @@ Writes benchmarks/results/recovery.json and .md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -41,11 +46,13 @@ sys.path.insert(0, str(ROOT / "src"))
 from mnist_cnn import ClassicCNN  # noqa: E402
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 
+from tensorfleet.environment import PS_UPDATE_LOG_VAR  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import Output  # noqa: E402
 from tensorfleet.launch.ports import free_port  # noqa: E402
 from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
 from tensorfleet.ps.service import ParameterService, ServiceConfig  # noqa: E402
+from tensorfleet.ps.update_log_segment import document_crc  # noqa: E402
 from tensorfleet.ps.update_rules import Adam  # noqa: E402
 from tensorfleet.session.checkpoints import CheckpointDirectory  # noqa: E402
 from tensorfleet.wire.service_socket import ServiceSocket  # noqa: E402
@@ -110,9 +117,15 @@ def checkpoint_costs(repeats: int) -> dict[str, list[float]]:
     return times
 
 
+LOG_SIDES = {"without": None, "with": None, "with, no snapshots": 0}
+"""The pushes' three sides: no log; the log with the default snapshots (None); never a
+snapshot (0: the log grows until the next checkpoint, as before snapshots existed)."""
+
+
 def update_log_costs(pushes: int, log_root: str | None, blocks: int = 4) -> dict[str, object]:
-    """Seconds per push with and without the update log (in a new directory under
-    ``log_root``; None: the system's temporary directory), and per update replayed."""
+    """Seconds per push without the update log and with it (snapshots by default, and none),
+    in new directories under ``log_root`` (None: the system's temporary directory); the log's
+    bytes left; the restore's seconds and updates replayed (with the default snapshots)."""
     torch.manual_seed(0)
     model = ClassicCNN()
     named = list(model.named_parameters())
@@ -122,10 +135,16 @@ def update_log_costs(pushes: int, log_root: str | None, blocks: int = 4) -> dict
     with tempfile.TemporaryDirectory(dir=log_root) as tmp:
         running = []
         clients = {}
+        services = {}
         try:
-            for name, log_dir in (("without", None), ("with", str(Path(tmp) / "log"))):
+            for index, (name, snapshot_bytes) in enumerate(LOG_SIDES.items()):
                 address = f"127.0.0.1:{free_port()}"
-                config = ServiceConfig(0, ("worker:0",), update_log_dir=log_dir)
+                config = ServiceConfig(
+                    0,
+                    ("worker:0",),
+                    update_log_dir=None if name == "without" else str(Path(tmp) / f"log{index}"),
+                    update_log_snapshot_bytes=snapshot_bytes,
+                )
                 service = ParameterService(ServiceSocket(address, SECRET, config.limits), config)
                 stop = threading.Event()
                 thread = threading.Thread(target=service.serve, args=(stop,), daemon=True)
@@ -135,22 +154,30 @@ def update_log_costs(pushes: int, log_root: str | None, blocks: int = 4) -> dict
                 client.connect()
                 client.register(named, plan_placement(specs, 1), Adam(lr=1e-4), is_chief=True)
                 clients[name] = client
+                services[name] = service
             for _, p in named:
                 p.grad = torch.randn_like(p)
             checkpoint = {
                 name: client.save() for name, client in clients.items()
             }  # opens a segment
-            seconds: dict[str, list[float]] = {"without": [], "with": []}
+            seconds: dict[str, list[float]] = {name: [] for name in clients}
             for _ in range(blocks):
                 for name, client in clients.items():
                     started = time.perf_counter()
                     for _ in range(pushes // blocks):
                         client.push_pull()
                     seconds[name].append((time.perf_counter() - started) / (pushes // blocks))
-            log_bytes = sum(f.stat().st_size for f in (Path(tmp) / "log").iterdir())
+            log = services["with"].update_log
+            log_bytes = sum(f.stat().st_size for _, f in log.segments())
+            unbounded_bytes = sum(
+                f.stat().st_size for _, f in services["with, no snapshots"].update_log.segments()
+            )
+            snapshots = log.snapshots
             step, documents = checkpoint["with"]
+            chain = log.find(document_crc(documents[0]))
+            replayed = sum(1 for segment in chain for _ in segment.updates())
             started = time.perf_counter()
-            clients["with"].restore(documents, step)  # replays every push since the save
+            clients["with"].restore(documents, step)  # the snapshot, then the pushes after it
             replay_s = time.perf_counter() - started
         finally:
             for client in clients.values():
@@ -163,9 +190,44 @@ def update_log_costs(pushes: int, log_root: str | None, blocks: int = 4) -> dict
     return {
         "push_s": seconds,
         "pushes": logged,
-        "log_bytes_per_push": log_bytes / logged,
-        "replay_s_per_push": replay_s / logged,
+        "snapshots": snapshots,
+        "log_bytes_left": log_bytes,
+        "log_bytes_left_without_snapshots": unbounded_bytes,
+        "restore_s": replay_s,
+        "restore_from_snapshot": bool(chain) and chain[0].snapshot is not None,
+        "replayed": replayed,
     }
+
+
+def training_costs(steps: int, rounds: int, log_root: str | None) -> dict[str, list[float]]:
+    """The chief's steady-state steps/s on a local 1 ps + 3 worker cluster training the
+    CNN, with the update log (in a new directory under ``log_root``) and without it,
+    alternated ``rounds`` times."""
+    steps_per_s: dict[str, list[float]] = {"without": [], "with": []}
+    with tempfile.TemporaryDirectory(dir=log_root) as logs, tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(rounds):
+            for name in steps_per_s:
+                run = Path(tmp) / f"{name}-{round_index}"
+                metrics = run.with_suffix(".json")
+                env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+                if name == "with":
+                    env[PS_UPDATE_LOG_VAR] = str(Path(logs) / f"log-{round_index}")
+                command = [
+                    sys.executable, str(ROOT / "benchmarks" / "cnn_training.py"),
+                    "--steps", str(steps), "--log-every", "100000", "--logdir", str(run),
+                    "--metrics-json", str(metrics), "--test-limit", "500",
+                ]  # fmt: skip
+                cluster = LocalCluster(1, 3, command, output=_Watch(), max_restarts=0, env=env)
+                cluster.start()
+                try:
+                    status = cluster.wait(timeout=900)
+                finally:
+                    cluster.stop()
+                if status != 0:
+                    raise RuntimeError(f"the {name} run of round {round_index} ended {status}")
+                figures = json.loads(metrics.read_text())
+                steps_per_s[name].append(float(figures["steady_global_steps_per_s"]))
+    return steps_per_s
 
 
 class _Watch(Output):
@@ -248,9 +310,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
         "--only",
-        choices=("update_log",),
+        choices=("update_log", "training"),
         default=None,
-        help="measure only this row (the others launch clusters: minutes)",
+        help="measure only this row (update_log: a minute; training and the others launch "
+        "clusters: minutes)",
     )
     parser.add_argument(
         "--pushes", type=int, default=200, help="pushes per side of the update_log row"
@@ -259,20 +322,51 @@ def main() -> int:
         "--log-root",
         default=None,
         metavar="DIR",
-        help="where the update_log row's log goes (default: the system's temporary "
-        "directory; /dev/shm: memory, no disk writeback)",
+        help="where the update log goes in the update_log and training rows (default: the "
+        "system's temporary directory; /dev/shm: memory, no disk writeback)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs per side of the training row, alternated"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=1500, help="global steps of each run of the training row"
     )
     add_out_dir_option(parser)
     args = parser.parse_args()
+    where = args.log_root or tempfile.gettempdir()
+    if args.only == "training":
+        trained = training_costs(args.steps, args.rounds, args.log_root)
+        with_log = statistics.median(trained["with"])
+        without = statistics.median(trained["without"])
+        write_results(
+            "recovery_training",
+            {"steady_global_steps_per_s": trained, "steps": args.steps, "log_root": where},
+            f"What the ps update log costs a training run, {time.strftime('%Y-%m-%d %H:%M')}: "
+            f"the CNN (Adam) on 1 ps + 3 workers, {args.steps} global steps, "
+            f"{args.rounds} runs each, alternated; the chief's steady-state global steps/s",
+            [
+                "| what | with the update log | without it, same run | ratio |",
+                "|---|---|---|---|",
+                f"| training, update log in {where} "
+                f"({', '.join(f'{x:.1f}' for x in trained['with'])} vs "
+                f"{', '.join(f'{x:.1f}' for x in trained['without'])}) "
+                f"| {with_log:.1f} steps/s | {without:.1f} steps/s | {with_log / without:.2f}x |",
+            ],
+        )
+        return 0
     logged = update_log_costs(args.pushes, args.log_root)
-    with_log = statistics.median(logged["push_s"]["with"])
-    without = statistics.median(logged["push_s"]["without"])
+    pushes = {name: statistics.median(s) for name, s in logged["push_s"].items()}
+    without = pushes["without"]
     log_row = (
         f"| push of the CNN's gradients (Adam) to a ps with the update log vs without it "
-        f"({logged['pushes']} pushes each, {logged['log_bytes_per_push'] / 1e6:.1f} MB logged "
-        f"per push in {args.log_root or tempfile.gettempdir()}"
-        f"; a restore replays them at {logged['replay_s_per_push'] * 1000:.1f} ms each) "
-        f"| {with_log * 1000:.1f} ms | {without * 1000:.1f} ms | {with_log / without:.2f}x |"
+        f"({logged['pushes']} pushes each, log in {where}; {logged['snapshots']} snapshots "
+        f"written, {logged['log_bytes_left'] / 1e6:.0f} MB left against "
+        f"{logged['log_bytes_left_without_snapshots'] / 1e6:.0f} MB without snapshots, "
+        f"{pushes['with, no snapshots'] * 1000:.1f} ms a push; a restore took "
+        f"{logged['restore_s']:.2f} s, replaying {logged['replayed']} updates"
+        f"{' after a snapshot' if logged['restore_from_snapshot'] else ''}) "
+        f"| {pushes['with'] * 1000:.1f} ms | {without * 1000:.1f} ms "
+        f"| {pushes['with'] / without:.2f}x |"
     )
     if args.only == "update_log":
         write_results(

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tensorfleet.ps.space_ahead import AHEAD_BYTES, LOW_WATER_BYTES, SpaceAhead
-from tensorfleet.ps.update_log import Base, Segment, UpdateLog
+from tensorfleet.ps.update_log import UpdateLog
+from tensorfleet.ps.update_log_segment import Base, Segment
 
 pytestmark = pytest.mark.timeout(60)
 

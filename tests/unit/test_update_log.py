@@ -1,10 +1,13 @@
-"""The ps update log (``ps/update_log.py``, ``ps/save_restore.py``): records round-trip, a torn
-tail is dropped, a corrupt record is named with its file and offset, and a shard restored
+"""The ps update log (``ps/update_log.py``, ``ps/update_log_segment.py``,
+``ps/save_restore.py``): records round-trip, a torn tail is dropped, a corrupt record is
+named with its file and offset, snapshots bound the log, and a shard restored
 from a checkpoint and its log holds, bit for bit, what the shard that logged it held (async,
 async in buckets, sync; SGD and Adam), driven through real services on loopback sockets."""
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,14 +19,15 @@ from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import decode_shard
 from tensorfleet.ps.update_discipline import UpdateDiscipline
-from tensorfleet.ps.update_log import (
+from tensorfleet.ps.update_log import UpdateLog
+from tensorfleet.ps.update_log_segment import (
     CRC32_FORMAT,
     MAGIC,
     RECORD,
     Base,
     Segment,
-    UpdateLog,
     UpdateLogCorrupt,
+    document_crc,
     encode_record,
 )
 from tensorfleet.ps.update_rules import SGD, Adam
@@ -104,7 +108,7 @@ def test_a_torn_tail_is_dropped_and_cut_off_before_the_next_append(tmp_path: Pat
         segment, updates = read_segment(log.current)
         assert len(updates) == 2 and segment.error is None
     reopened = UpdateLog(tmp_path, "ps-0")
-    reopened.continue_after(segment)
+    reopened.continue_after([segment], segment)
     reopened.append(_gradients(9), None, True, 99, 199)
     reopened.close()
     _, again = read_segment(log.current)
@@ -158,7 +162,7 @@ def test_a_segment_of_the_first_format_is_replayed_and_appended_to_in_its_format
     assert [u.version for u in updates] == [2]
     assert all(torch.equal(a, b) for a, b in zip(updates[0].gradients, _gradients(0), strict=True))
     log = UpdateLog(tmp_path, "ps-0")
-    log.continue_after(segment)
+    log.continue_after([segment], segment)
     log.append(_gradients(1), None, True, 3, 12)
     log.close()
     segment, updates = read_segment(path)
@@ -190,6 +194,95 @@ def test_a_save_keeps_the_segment_before_it_and_deletes_the_older_ones(tmp_path:
     assert len(other.segments()) == 1  # another shard's segments are not touched
 
 
+def test_a_snapshot_starts_the_replay_of_both_kept_checkpoints_and_ends_the_segments_before_it(
+    tmp_path: Path,
+) -> None:
+    log = UpdateLog(tmp_path, "ps-0")
+    log.start(Base(10, 0, 0))
+    log.append(_gradients(0), None, True, 1, 1)
+    log.snapshot([b"state at ", b"version 1"], 1, 1)
+    log.append(_gradients(1), None, True, 2, 2)
+    log.start(Base(11, 2, 2))  # checkpoint 11: checkpoint 10's restore still needs the snapshot
+    log.append(_gradients(2), None, True, 3, 3)
+    assert log.wait_for_deletions(TIMEOUT_S)
+    assert [s.base.version for s in log.find(10)] == [1, 2]  # the snapshot, then checkpoint 11's
+    assert [s.base.version for s in log.find(11)] == [2]
+    log.snapshot([b"state at version 3"], 3, 3)
+    log.append(_gradients(3), None, True, 4, 4)
+    log.close()
+    assert len(log.segments()) == 1  # a restore of either checkpoint starts at the new snapshot
+    for crc in (10, 11):
+        (snapshot,) = log.find(crc)
+        assert bytes(snapshot.snapshot) == b"state at version 3" and snapshot.roots == (11, 10)
+        assert [u.version for u in snapshot.updates()] == [4]
+    assert log.find(12) == []
+    assert log.snapshots == 2
+
+
+def test_a_snapshot_cut_short_is_passed_over_and_the_segments_before_it_serve(
+    tmp_path: Path,
+) -> None:
+    """A process killed while it wrote a snapshot: the segments before it were not deleted
+    yet (they go after the snapshot is whole), so the restore starts before it and stops
+    there; the next append goes on after the last good record."""
+    log = UpdateLog(tmp_path, "ps-0")
+    log.start(Base(10, 0, 0))
+    log.append(_gradients(0), None, True, 1, 1)
+    first = log.current
+    log._new_segment(  # what snapshot() writes before it deletes the older segments
+        {"kind": "snapshot", "roots": [10], "version": 1, "global_step": 1},
+        (memoryview(b"x" * 1000),),
+    )
+    log.close()
+    with open(log.current, "r+b") as file:
+        file.truncate(log.current.stat().st_size - 10)
+    chain = log.find(10)
+    assert [s.path for s in chain] == [first]
+    assert [u.version for u in chain[0].updates()] == [1]
+    reopened = UpdateLog(tmp_path, "ps-0")
+    reopened.continue_after(chain, chain[0])
+    reopened.close()
+    assert [p for _, p in reopened.segments()] == [first]  # the torn snapshot deleted
+
+
+def test_a_record_written_beside_its_update_is_whole_after_wait_and_gone_after_undo(
+    tmp_path: Path,
+) -> None:
+    log = UpdateLog(tmp_path, "ps-0")
+    log.start(Base(10, 0, 0))
+    log.append_beside(_gradients(0), None, True, 1, 1).wait()
+    log.append_beside(_gradients(1), None, True, 2, 2).undo()  # the update raised: not applied
+    log.append_beside(_gradients(2), None, True, 2, 2).wait()
+    log.close()
+    segment, updates = read_segment(log.current)
+    assert [u.version for u in updates] == [1, 2] and segment.error is None
+    assert [bits(g) for g in updates[1].gradients] == [bits(g) for g in _gradients(2)]
+    assert log.appended == 2
+
+
+def test_a_write_that_fails_part_of_the_way_raises_at_wait_and_leaves_no_torn_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = UpdateLog(tmp_path, "ps-0")
+    log.start(Base(10, 0, 0))
+    log.append(_gradients(0), None, True, 1, 1)
+    whole = log._write
+
+    def half_then_full_disk(pieces: list) -> int:
+        os.write(log._fd, bytes(memoryview(pieces[0]).cast("B"))[:7])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log, "_write", half_then_full_disk)
+    pending = log.append_beside(_gradients(1), None, True, 2, 2)
+    with pytest.raises(OSError, match="No space left"):
+        pending.wait()
+    monkeypatch.setattr(log, "_write", whole)
+    log.append(_gradients(2), None, True, 2, 2)  # the disk has room again
+    log.close()
+    segment, updates = read_segment(log.current)
+    assert [u.version for u in updates] == [1, 2] and segment.error is None
+
+
 # -- replay through real services ---------------------------------------------------------------
 
 
@@ -203,10 +296,15 @@ def services() -> Iterator[list]:
         stop_services(running, channels)
 
 
-def _start(services: list, log_dir: Path) -> dict[str, Channel]:
+def _start(services: list, log_dir: Path, snapshot_bytes: int | None = None) -> dict[str, Channel]:
     running, channels = services
     config = ServiceConfig(
-        0, WORKERS, idle_timeout_s=60.0, end_grace_s=60.0, update_log_dir=str(log_dir)
+        0,
+        WORKERS,
+        idle_timeout_s=60.0,
+        end_grace_s=60.0,
+        update_log_dir=str(log_dir),
+        update_log_snapshot_bytes=snapshot_bytes,
     )
     ps = serve_in_thread(config, SECRET)
     running.append(ps)
@@ -273,12 +371,16 @@ def _state_of(service: Any) -> bytes:
     )
 
 
+@pytest.mark.parametrize("snapshot_bytes", [0, 150], ids=["no-snapshot", "snapshots"])
 @pytest.mark.parametrize("mode", ["async", "buckets", "sync"])
 @pytest.mark.parametrize("rule", [SGD(lr=0.1, momentum=0.9), Adam(lr=0.01)], ids=["sgd", "adam"])
 def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
-    services: list, tmp_path: Path, mode: str, rule: Any
+    services: list, tmp_path: Path, mode: str, rule: Any, snapshot_bytes: int
 ) -> None:
-    workers = _start(services, tmp_path)
+    """``snapshots``: one after every 150 bytes of records (a push's gradients are 100 bytes:
+    every second push or so, some between the buckets of a push), so the replay starts at a
+    snapshot taken after the newer checkpoint."""
+    workers = _start(services, tmp_path, snapshot_bytes)
     chief = workers["worker:0"]
     initial = _gradients(1000)
     chief.call("create", _create_body(rule, "sync" if mode == "sync" else "async"),
@@ -292,11 +394,17 @@ def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
     for i in range(6, 9):
         _push_round(workers, mode, seed=i, step=i)
     stop_services(services[0], services[1])  # the shard is "killed" now; its state:
-    live = decode_shard(_state_of(services[0][0].service))
+    service = services[0][0].service
+    live = decode_shard(_state_of(service))
     services[0].clear()
     services[1].clear()
-
-    workers = _start(services, tmp_path)  # the process that takes over, same log directory
+    if snapshot_bytes:  # one after the newer checkpoint: the only segment kept serves both
+        assert service.update_log.wait_for_deletions(TIMEOUT_S)
+        assert service.update_log.snapshots >= 2 and len(service.update_log.segments()) == 1
+        assert service.update_log.find(document_crc(checkpoint))[0].snapshot is not None
+    else:
+        assert service.update_log.snapshots == 0
+    workers = _start(services, tmp_path, snapshot_bytes)  # the process that takes over
     body = {**_create_body(rule, "sync" if mode == "sync" else "async"), "restore": True,
             "global_step": decode_shard(checkpoint).global_step}  # fmt: skip
     created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body

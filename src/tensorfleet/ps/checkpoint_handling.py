@@ -15,7 +15,12 @@ import torch
 
 from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.ps.layout import FusedLayout
-from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard, encode_shard
+from tensorfleet.ps.shard_checkpoint import (
+    ShardState,
+    decode_shard,
+    encode_shard,
+    encode_shard_pieces,
+)
 from tensorfleet.ps.store import VariableStore
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.auth import Buffer
@@ -44,6 +49,25 @@ def save_document(
         worker_data=worker_data,
         buffers=buffers,
         tables=tables,
+    )
+
+
+def snapshot_pieces(
+    shard_index: int, store: VariableStore, global_step: int, worker_data: dict[str, dict]
+) -> list[memoryview]:
+    """The shard's dense state as the pieces of a shard document without buffers or tables
+    (the update log's snapshot), uncopied: write them before the store changes."""
+    values, ema, optimizer = store.checkpoint_parts(copy=False)
+    return encode_shard_pieces(
+        shard=shard_index,
+        global_step=global_step,
+        version=store.version,
+        rule=store.rule.to_wire(),
+        layout=store.layout,
+        values=values,
+        ema=ema,
+        optimizer=optimizer,
+        worker_data=worker_data,
     )
 
 

@@ -188,6 +188,7 @@ class ModelRouter:
             max_memory=self.config.max_memory,
             preempt_grace_s=self.config.preempt_grace_s,
             update_log_dir=self.config.update_log_dir,
+            update_log_snapshot_bytes=self.config.update_log_snapshot_bytes,
             model=claim.name,
         )
         service = ParameterService(self.socket, config)

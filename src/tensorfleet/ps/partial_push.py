@@ -152,14 +152,16 @@ class PartialPushHandling:
         if not self._young_enough(request, based_on):  # type: ignore[attr-defined]
             self._answer_part(request, layout.part_slices(start, stop), dropped=True)
             return
-        with self.spans.span("apply", variables=f"{start}-{stop}", task=str(body.get("task"))):
+        step_after = self.global_step + (1 if last and self.owns_global_step and counting else 0)
+        with (
+            self._logging_push(gradients, body, step_after, part=(start, stop), counts=last),  # type: ignore[attr-defined]
+            self.spans.span("apply", variables=f"{start}-{stop}", task=str(body.get("task"))),
+        ):
             self.store.apply(gradients, part=(start, stop), counts=last)
+        self.global_step = step_after
         self.stats["buckets"] += 1
         if last:
             self.stats["pushes"] += 1
-            if self.owns_global_step and counting:
-                self.global_step += 1
-        self._log_push(gradients, body, part=(start, stop), counts=last)  # type: ignore[attr-defined]
         with self.spans.span("reply", variables=f"{start}-{stop}"):
             self._answer_part(request, layout.part_slices(start, stop))
 

@@ -9,8 +9,9 @@ next segment from that document. ``restore`` (and a ``create`` from a checkpoint
 document's state, then replays the log's segment of that very document, when there is one:
 the updates the shard applied after it, so that a shard whose process was killed comes back
 at its last acknowledged push, not at the checkpoint. Every applied update is logged by
-:meth:`SaveRestoreHandling._log_update`, which the service calls after the store applied it
-and before the push's reply.
+:meth:`SaveRestoreHandling._logging_update` around the store's apply: the record is written
+on the log's thread while the store applies the update, and is whole before the push's
+reply.
 
 Invariant. After a restore the shard's values, optimizer state, version and global step are
 those of the document followed by every complete record of its segment, in order; without a
@@ -23,14 +24,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorfleet.errors import ProtocolError
+from tensorfleet.errors import ConfigError, ProtocolError
 from tensorfleet.ps import checkpoint_handling
-from tensorfleet.ps.shard_checkpoint import ShardState
-from tensorfleet.ps.update_log import Base, UpdateLog, document_crc, shard_file_stem
+from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard
+from tensorfleet.ps.update_log import UpdateLog, shard_file_stem, snapshot_after_bytes
+from tensorfleet.ps.update_log_segment import Base, Segment, document_crc
 
 if TYPE_CHECKING:
     from tensorfleet.ps.buffer_bank import BufferBank
@@ -71,23 +75,71 @@ class SaveRestoreHandling:
             else UpdateLog(directory, shard_file_stem(self.config.shard_index, self.config.model))
         )
 
-    def _log_update(
+    @contextmanager
+    def _logging_update(
         self,
         gradients: list[torch.Tensor],
+        global_step_after: int,
         part: tuple[int, int] | None = None,
         counts: bool = True,
         data: dict[str, Any] | None = None,
-    ) -> None:
-        """Log an update the store has just applied (before its push is answered)."""
-        if self.update_log is not None:
-            self.update_log.append(
-                [g.contiguous() for g in gradients],
-                part,
-                counts,
-                self.store.version,
-                self.global_step,
-                data,
+    ) -> Iterator[None]:
+        """Log the update the block applies: its record (the version and ``global_step_after``
+        it leaves) is written on the log's thread while the block applies it, and is whole
+        when the block ends, before the push is answered; then a snapshot of the shard's
+        dense state when the log's records since the last one call for it. A block that
+        raises leaves no record. Nothing without a log."""
+        if self.update_log is None:
+            yield
+            return
+        pending = self.update_log.append_beside(
+            [g.contiguous() for g in gradients],
+            part,
+            counts,
+            self.store.version + (1 if counts else 0),
+            global_step_after,
+            data,
+        )
+        try:
+            yield
+        except BaseException:
+            pending.undo()
+            raise
+        pending.wait()
+        if self.update_log.wants_snapshot():  # the state the record leaves, as it leaves it
+            pieces = checkpoint_handling.snapshot_pieces(
+                self.config.shard_index, self.store, global_step_after, self.worker_data
             )
+            self.update_log.snapshot(pieces, self.store.version, global_step_after)
+
+    def _logging_push(
+        self,
+        gradients: list[torch.Tensor],
+        body: dict[str, Any],
+        global_step_after: int,
+        part: tuple[int, int] | None = None,
+        counts: bool = True,
+    ) -> AbstractContextManager[None]:
+        """:meth:`_logging_update` for one worker's push (whole or a bucket) with the data
+        position it reported (``body["data"]``; none: no position), looked up only when the
+        log is on."""
+        data = None
+        if self.update_log is not None and body.get("data") is not None:
+            task = body.get("task")
+            data = {task: self.worker_data[task]}
+        return self._logging_update(gradients, global_step_after, part, counts, data)
+
+    def _size_snapshots(self) -> None:
+        """Set when the update log writes a snapshot: the shard's setting, or by default
+        from the size of its dense state (values, moving average, optimizer state)."""
+        assert self.update_log is not None
+        setting = self.config.update_log_snapshot_bytes
+        if setting is None:
+            values, ema, optimizer = self.store.checkpoint_parts(copy=False)
+            tensors = [*values.values(), *(ema or {}).values()]
+            tensors += [t for state in optimizer.values() for t in state.values()]
+            setting = snapshot_after_bytes(sum(t.nbytes for t in tensors))
+        self.update_log.snapshot_after_bytes = setting or None
 
     def _log_push(
         self,
@@ -116,6 +168,7 @@ class SaveRestoreHandling:
             self.tables.documents(request.body.get("tables_since")),
         )
         if self.update_log is not None:
+            self._size_snapshots()
             self.update_log.start(
                 Base(document_crc(document), self.store.version, self.global_step)
             )
@@ -187,8 +240,10 @@ class SaveRestoreHandling:
             self._replay(document, checkpoint.version, global_step)
 
     def _replay(self, document: bytes | memoryview, version: int, global_step: int) -> None:
-        """Replay the update log's segments from ``document`` on, onto the restored state."""
+        """Replay the update log's segments from ``document`` on, onto the restored state: a
+        snapshot's state is taken as it is, each record applied in order."""
         assert self.update_log is not None
+        self._size_snapshots()
         crc = document_crc(document)
         segments = self.update_log.find(crc)
         if not segments:
@@ -200,11 +255,13 @@ class SaveRestoreHandling:
             )
             self.update_log.start(Base(crc, version, global_step))
             return
-        started, replayed, last = time.monotonic(), 0, segments[0]
+        started, replayed, last = time.monotonic(), 0, None
         # The global step is this shard's own where it counts it (it owns it, or every sync
         # step does); elsewhere it is the one the restore gave.
         counts_steps = self.owns_global_step or self.aggregator is not None
         for segment in segments:
+            if segment.snapshot is not None and not self._take_snapshot(segment, counts_steps):
+                break
             if segment.base.version != self.store.version:
                 log.error(
                     "%s: the update log %s starts at version %d, but the replay reached "
@@ -228,15 +285,50 @@ class SaveRestoreHandling:
                 break
         if self.aggregator is not None:
             self.aggregator.step = self.global_step
-        self.update_log.continue_after(last)
+        if last is None:  # the first segment's snapshot did not fit: log again from here
+            self.update_log.start(Base(crc, version, global_step))
+            return
+        self.update_log.continue_after(segments, last)
+        taken = [s.path.name for s in segments if s.path.name <= last.path.name]
         log.warning(
-            "%s: replayed %d updates of the update log (%s) in %.2f s: at global step %d, "
+            "%s: replayed %d updates of the update log (%s%s) in %.2f s: at global step %d, "
             "version %d (the checkpoint was at global step %d)",
             self.config.name,
             replayed,
-            ", ".join(s.path.name for s in segments if s.path.name <= last.path.name),
+            f"from a snapshot at global step {segments[0].base.global_step}, "
+            if segments[0].snapshot is not None
+            else "",
+            ", ".join(taken),
             time.monotonic() - started,
             self.global_step,
             self.store.version,
             global_step,
         )
+
+    def _take_snapshot(self, segment: Segment, counts_steps: bool) -> bool:
+        """Bring the shard to a snapshot's state (values, moving average, optimizer state,
+        version; the workers' data positions; the global step where this shard counts it).
+        False, with the reason logged, when the snapshot does not fit this shard."""
+        assert segment.snapshot is not None
+        try:
+            state = decode_shard(segment.snapshot)
+            difference = self.store.layout.describe_difference(state.layout)
+            if state.shard != self.config.shard_index or difference is not None:
+                raise ConfigError(
+                    f"it is of ps:{state.shard} with "
+                    f"{difference or 'the same variables'}, this is ps:{self.config.shard_index}"
+                )
+            checkpoint_handling.restore_into(self.store, state)
+        except (ProtocolError, ConfigError) as exc:
+            log.error(
+                "%s: the update log's snapshot %s does not fit this shard (%s): the replay "
+                "stops before it",
+                self.config.name,
+                segment.path,
+                exc,
+            )
+            return False
+        if counts_steps:
+            self.global_step = state.global_step
+        self.worker_data = dict(state.worker_data)
+        return True

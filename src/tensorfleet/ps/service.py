@@ -394,11 +394,14 @@ class ParameterService(
             self._apply_async(request, gradients)
 
     def _apply_async(self, request: Request, gradients: list[torch.Tensor]) -> None:
-        with self.spans.span("apply", task=str(request.body.get("task"))):
+        counted = self.owns_global_step and request.body.get("count_step") is True
+        step_after = self.global_step + (1 if counted else 0)
+        with (
+            self._logging_push(gradients, request.body, step_after),
+            self.spans.span("apply", task=str(request.body.get("task"))),
+        ):
             self.store.apply(gradients)
-        if self.owns_global_step and request.body.get("count_step") is True:
-            self.global_step += 1
-        self._log_push(gradients, request.body)
+        self.global_step = step_after
         self.stats["pushes"] += 1
         self._answer_push(request, made_step=True)
 

@@ -41,6 +41,13 @@ class ServiceSettings:
     """Where the shard logs every update it applies since its newest checkpoint, so that a
     restore after its process was killed replays them (:mod:`tensorfleet.ps.update_log`).
     None: no log (a killed shard comes back at its newest checkpoint)."""
+    update_log_snapshot_bytes: int | None = None
+    """With an update log: once the updates logged since the newest checkpoint or snapshot
+    hold this many bytes, the shard writes a snapshot of its dense state to the log and
+    deletes the segments before it, which bounds the log's size and a restore's replay
+    (:mod:`tensorfleet.ps.update_log`, "Snapshots"). None: the default,
+    :func:`~tensorfleet.ps.update_log.snapshot_after_bytes`; 0: never (the log grows until
+    the next checkpoint)."""
 
     def __post_init__(self) -> None:
         if not (
@@ -54,6 +61,11 @@ class ServiceSettings:
                 "preempt_grace_s >= 0, got "
                 f"{self.idle_timeout_s}, {self.liveness_timeout_s}, {self.end_grace_s}, "
                 f"{self.preempt_grace_s}"
+            )
+        if self.update_log_snapshot_bytes is not None and self.update_log_snapshot_bytes < 0:
+            raise ConfigError(
+                "update_log_snapshot_bytes must be >= 0 (0: never; None: the default), got "
+                f"{self.update_log_snapshot_bytes}"
             )
         if self.max_memory is not None and self.max_memory <= 0:
             raise ConfigError(f"max_memory must be > 0 bytes (or None), got {self.max_memory}")
@@ -85,6 +97,8 @@ class ServiceConfig:
     """After a preemption notice, how long to wait for the chiefs' checkpoints."""
     update_log_dir: str | None = ServiceSettings.update_log_dir
     """Where the shard's update log is (None: none)."""
+    update_log_snapshot_bytes: int | None = ServiceSettings.update_log_snapshot_bytes
+    """When the update log writes a snapshot (None: the default; 0: never)."""
     model: str = ""
     """The model this service holds (its namespace; ``""``: the default model), and
     ``worker_tasks`` are that model's workers (:mod:`tensorfleet.ps.model_router`)."""
@@ -108,6 +122,7 @@ class ServiceConfig:
             max_memory=self.max_memory,
             preempt_grace_s=self.preempt_grace_s,
             update_log_dir=self.update_log_dir,
+            update_log_snapshot_bytes=self.update_log_snapshot_bytes,
         )
 
     @classmethod

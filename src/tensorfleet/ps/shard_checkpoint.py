@@ -94,6 +94,50 @@ def encode_shard(
 ) -> bytearray:
     """The safetensors document of one shard. The tensors may be views of the shard's
     storage: each is copied once, straight into the document."""
+    return _safetensors_document(
+        *_shard_tensors(
+            shard, global_step, version, rule, layout, values, ema, optimizer, worker_data,
+            buffers, tables,
+        )
+    )  # fmt: skip
+
+
+def encode_shard_pieces(
+    *,
+    shard: int,
+    global_step: int,
+    version: int,
+    rule: dict[str, Any],
+    layout: FusedLayout,
+    values: dict[str, torch.Tensor],
+    ema: dict[str, torch.Tensor] | None,
+    optimizer: dict[str, dict[str, torch.Tensor]],
+    worker_data: dict[str, dict[str, Any]],
+) -> list[memoryview]:
+    """The document :func:`encode_shard` would make (without buffers or tables), as the
+    pieces that written one after the other are it: its header, then each tensor's bytes,
+    uncopied (views of the shard's storage: to be written before the store changes). For the
+    update log's snapshots, which go straight to a file: the one copy is the write's."""
+    tensors, metadata = _shard_tensors(
+        shard, global_step, version, rule, layout, values, ema, optimizer, worker_data, None, None
+    )
+    return _safetensors_pieces(tensors, metadata)
+
+
+def _shard_tensors(
+    shard: int,
+    global_step: int,
+    version: int,
+    rule: dict[str, Any],
+    layout: FusedLayout,
+    values: dict[str, torch.Tensor],
+    ema: dict[str, torch.Tensor] | None,
+    optimizer: dict[str, dict[str, torch.Tensor]],
+    worker_data: dict[str, dict[str, Any]],
+    buffers: dict[str, torch.Tensor] | None,
+    tables: dict[str, bytes] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A shard document's tensors by safetensors name, and its metadata."""
     tensors: dict[str, torch.Tensor] = {}
     for name, value in values.items():
         tensors[f"value/{name}"] = value
@@ -116,16 +160,12 @@ def encode_shard(
         "has_ema": ema is not None,
         "worker_data": worker_data,
     }
-    return _safetensors_document(tensors, {METADATA_KEY: json.dumps(metadata)})
+    return tensors, {METADATA_KEY: json.dumps(metadata)}
 
 
-def _safetensors_document(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
-    """The safetensors encoding of ``tensors`` (C order, no holes; the machine's byte order,
-    little-endian on every platform torch ships for), written in
-    one pass into one buffer. ``safetensors.torch.save`` does the same with an extra copy of
-    every tensor: 27 ms instead of 4 for the CNN's 19.5 MB with Adam state; this is what a
-    checkpoint costs the ps's single thread. :func:`decode_shard` reads it with safetensors'
-    own parser (and the tests check that the two agree)."""
+def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors document's first bytes: the header's length, the header (padded so
+    that the data starts 8-byte aligned, as safetensors writes it)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, tensor in tensors.items():
@@ -137,21 +177,47 @@ def _safetensors_document(tensors: dict[str, torch.Tensor], metadata: dict[str, 
         }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned, as safetensors writes it
-    document = bytearray(8 + len(encoded) + offset)
-    document[:8] = struct.pack("<Q", len(encoded))
-    document[8 : 8 + len(encoded)] = encoded
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in C order, as uint8 (a copy only where it is not already so)."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _safetensors_pieces(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> list[memoryview]:
+    """The safetensors encoding of ``tensors`` as pieces: the header, each tensor's bytes."""
+    pieces = [memoryview(_safetensors_header(tensors, metadata))]
+    for tensor in tensors.values():
+        if tensor.numel():
+            pieces.append(memoryview(_tensor_bytes(tensor).numpy()))
+    return pieces
+
+
+def _safetensors_document(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytearray:
+    """The safetensors encoding of ``tensors`` (C order, no holes; the machine's byte order,
+    little-endian on every platform torch ships for), written in
+    one pass into one buffer. ``safetensors.torch.save`` does the same with an extra copy of
+    every tensor: 27 ms instead of 4 for the CNN's 19.5 MB with Adam state; this is what a
+    checkpoint costs the ps's single thread. :func:`decode_shard` reads it with safetensors'
+    own parser (and the tests check that the two agree)."""
+    head = _safetensors_header(tensors, metadata)
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    document = bytearray(len(head) + total)
+    document[: len(head)] = head
     data = (
-        torch.frombuffer(document, dtype=torch.uint8, offset=8 + len(encoded), count=offset)
-        if offset
+        torch.frombuffer(document, dtype=torch.uint8, offset=len(head), count=total)
+        if total
         else None
     )
     position = 0
     for tensor in tensors.values():
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
-            source = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            data[position : position + nbytes].copy_(source)
+            data[position : position + nbytes].copy_(_tensor_bytes(tensor))
         position += nbytes
     return document
 

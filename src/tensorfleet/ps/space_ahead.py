@@ -71,11 +71,17 @@ def _warn_once(path: os.PathLike[str] | str, error: OSError, text: str) -> None:
 class SpaceAhead:
     """Space allocated ahead of the records of the segment file open as ``fd`` (``path`` for
     messages), whose records end at ``end``. Call :meth:`wrote_to` after each append and
-    :meth:`close` before closing ``fd``."""
+    :meth:`close` before closing ``fd``. ``limit``: never allocate past this offset (where
+    the segment is expected to end: its log starts the next one there, from a snapshot, and
+    the pages allocated past it would be zeroed for nothing and freed at its close); None:
+    no limit."""
 
-    def __init__(self, fd: int, path: os.PathLike[str] | str, end: int) -> None:
+    def __init__(
+        self, fd: int, path: os.PathLike[str] | str, end: int, limit: int | None = None
+    ) -> None:
         self._fd = fd
         self._path = path
+        self._limit = limit
         self._condition = threading.Condition()
         self._wanted = 0  # allocated up to here once the thread has caught up
         self._allocated = 0
@@ -97,8 +103,12 @@ class SpaceAhead:
         """The segment's records now end at ``end``: ask for more space when it runs low."""
         with self._condition:
             if self.failed is None and end + LOW_WATER_BYTES > self._wanted:
-                self._wanted = end + AHEAD_BYTES
-                self._condition.notify()
+                wanted = end + AHEAD_BYTES
+                if self._limit is not None:
+                    wanted = min(wanted, self._limit)
+                if wanted > self._wanted:
+                    self._wanted = wanted
+                    self._condition.notify()
 
     def settled(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the space asked for to be allocated (or the allocation

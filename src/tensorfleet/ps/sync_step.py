@@ -102,11 +102,11 @@ class SyncStepHandling:
         mean, contributions = aggregator.take_mean()
         if self.discipline.clip_norm is not None:
             _clip_by_global_norm(mean, self.discipline.clip_norm)
-        self.store.apply(mean)
+        with self._logging_update(mean, aggregator.step, data=self._positions_of(contributions)):
+            self.store.apply(mean)
         self.tables.step_made(made, [c.task for c in contributions])
         self.stats["pushes"] += len(contributions)
         self.global_step = aggregator.step
-        self._log_update(mean, data=self._positions_of(contributions))
         for contribution in contributions:
             self._answer_push(contribution.request, made_step=contribution.task == last_task)
         self.buffer_bank.step_made(made, [c.task for c in contributions])
