@@ -238,6 +238,15 @@ def test_the_stream_port_follows_the_port_unless_given():
     assert options(ps=0, workers=2, stream_port=2222).stream_port == 2222  # no ps: no clash
 
 
+def test_cli_says_a_stream_port_without_ps_tasks_has_no_effect(capsys):
+    argv = ["k8s", "render", "--ps", "0", "--workers", "2", "--image", "img:1"]
+    assert main([*argv, "--stream-port", "9000", "--", "python", "train.py"]) == 0
+    err = capsys.readouterr().err
+    assert "--stream-port 9000 has no effect with --ps 0" in err, err
+    assert main([*argv, "--", "python", "train.py"]) == 0
+    assert "--stream-port" not in capsys.readouterr().err
+
+
 def test_cli_stream_port_and_thread_flags(capsys):
     argv = ["k8s", "render", "--ps", "1", "--workers", "1", "--image", "img:1", "--ps-cpu", "2"]
     assert main([*argv, "--stream-port", "9000", "--", "python", "train.py"]) == 0

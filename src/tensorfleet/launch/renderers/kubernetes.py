@@ -546,6 +546,12 @@ def _render(args: argparse.Namespace) -> int:
         fs_group=args.fs_group,
         thread_budget=args.thread_budget,
     )
+    if args.stream_port is not None and shape.ps == 0:
+        print(
+            f"tensorfleet k8s render: note: --stream-port {args.stream_port} has no effect with "
+            "--ps 0 (only ps tasks listen for payload streams); leave it out",
+            file=sys.stderr,
+        )
     if args.secret_file:
         secret = ensure_secret_file(args.secret_file)[1]
     else:
