@@ -7,6 +7,7 @@ async in buckets, sync; SGD and Adam), driven through real services on loopback 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -422,7 +423,7 @@ def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
 
 
 def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
-    services: list, tmp_path: Path
+    services: list, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     workers = _start(services, tmp_path / "first")
     chief = workers["worker:0"]
@@ -440,8 +441,11 @@ def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
     services[1].clear()
     workers = _start(services, tmp_path / "elsewhere")  # another directory: no segment
     body = {**_create_body(SGD(lr=0.1), "async"), "restore": True, "global_step": 2}
-    created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
+    with caplog.at_level(logging.INFO, logger="tensorfleet.ps"):
+        created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
     assert created["global_step"] == 2  # the checkpoint's, not the 4 the first shard reached
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("ps:0: 3 dense variables restored (above)" in line for line in lines), lines
     assert len(list((tmp_path / "elsewhere").iterdir())) == 1  # logging again from here
 
 

@@ -321,10 +321,11 @@ class ParameterService(
         elif request.body.get("global_step") is not None:
             self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(
-            "%s: %d dense variables created (%s bytes), rule %s in torch's %s kernel (dense "
+            "%s: %d dense variables %s (%s bytes), rule %s in torch's %s kernel (dense "
             "variables)%s",
             self.config.name,
             len(layout.variables),
+            "created" if checkpoint is None else "restored (above)",
             sum(layout.group_bytes()),
             rule.name,
             self.store.kernel,
