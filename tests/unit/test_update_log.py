@@ -449,6 +449,37 @@ def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
     assert len(list((tmp_path / "elsewhere").iterdir())) == 1  # logging again from here
 
 
+def test_a_log_write_that_fails_answers_the_push_and_logs_again_from_the_next_checkpoint(
+    services: list, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk under the log: the update is applied, so its push is answered; the log
+    stops (a record after the gap would replay onto a state the shard never had), says so
+    once, and starts again at the next checkpoint."""
+    workers = _start(services, tmp_path)
+    chief = workers["worker:0"]
+    body = _create_body(SGD(lr=0.1), "async")
+    chief.call("create", body, [as_buffer(v) for v in _gradients(3)], TIMEOUT_S)
+    _save(chief)
+    service = services[0][0].service
+    update_log = service.update_log
+    _push_round(workers, "async", seed=1, step=0)
+    logged = update_log.appended
+
+    def full_disk(pieces: list) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    update_log._write = full_disk
+    with caplog.at_level(logging.WARNING, logger="tensorfleet.ps"):
+        _push_round(workers, "async", seed=2, step=1)  # answered: no exception here
+    del update_log._write
+    warnings = [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0], warnings
+    assert update_log.appended == logged  # nothing after the gap
+    _save(chief)
+    _push_round(workers, "async", seed=3, step=2)
+    assert update_log.appended == logged + len(WORKERS)  # logging again
+
+
 def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
     services: list, tmp_path: Path
 ) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorfleet.errors import ConfigError, ProtocolError
+from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard
 from tensorfleet.ps.update_log import UpdateLog, shard_file_stem, snapshot_after_bytes
@@ -105,12 +105,23 @@ class SaveRestoreHandling:
         except BaseException:
             pending.undo()
             raise
-        pending.wait()
-        if self.update_log.wants_snapshot():  # the state the record leaves, as it leaves it
-            pieces = checkpoint_handling.snapshot_pieces(
-                self.config.shard_index, self.store, global_step_after, self.worker_data
+        try:
+            pending.wait()
+            if self.update_log.wants_snapshot():  # the state the record leaves, as it leaves it
+                pieces = checkpoint_handling.snapshot_pieces(
+                    self.config.shard_index, self.store, global_step_after, self.worker_data
+                )
+                self.update_log.snapshot(pieces, self.store.version, global_step_after)
+        except (OSError, CheckpointError) as exc:  # the update is applied: answer the push
+            self.update_log.suspend()
+            log.warning(
+                "%s: the update log in %s could not be written (%s): it logs nothing more "
+                "until the next checkpoint, and a ps killed before then comes back at the "
+                "last update it did log; free space there or give the log another directory",
+                self.config.name,
+                self.update_log.directory,
+                exc,
             )
-            self.update_log.snapshot(pieces, self.store.version, global_step_after)
 
     def _logging_push(
         self,

@@ -108,9 +108,9 @@ log = logging.getLogger("tensorfleet.ps")
 
 SUFFIX = ".updatelog"
 DELETION_WAIT_S = 10.0
+"""How long a new deletion, or a close, waits for the one before it to end."""
 WRITE_WAIT_S = 300.0
 """How long a push waits for its record's write before it fails (a disk that stopped)."""
-"""How long a new deletion, or a close, waits for the one before it to end."""
 _SEGMENT = re.compile(r"^(?P<shard>.+)\.(?P<seq>\d{8})\.updatelog$")
 
 
@@ -408,6 +408,13 @@ class UpdateLog:
         if self._pending is not None:
             self._pending.wait()
 
+    def suspend(self) -> None:
+        """Log nothing more until the next checkpoint (:meth:`start`) or restore
+        (:meth:`continue_after`): after an update that is applied but could not be logged
+        (a full disk), a record after the gap would replay onto a state the shard never had.
+        The segment stays as it is: a restore replays it to the update before the gap."""
+        self.close()
+
     def close(self) -> None:
         """Close the current segment (it stays on disk), giving back the space allocated past
         its records (a truncation to its own size frees it), once the old segments being
@@ -502,7 +509,10 @@ class PendingAppend:
 
     def _cut(self) -> None:
         """Truncate the segment back to where it ended before this record (a write that
-        failed part of the way may have put some of its bytes there)."""
+        failed part of the way may have put some of its bytes there). Not while the write
+        still runs (past :data:`WRITE_WAIT_S`): it ends on its own."""
+        if not self._future.done():
+            return
         log_ = self._log
         end, since_start, appended = self._mark
         if log_._fd is not None:
