@@ -18,7 +18,7 @@ import torch
 
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.service import ServiceConfig
-from tensorfleet.ps.shard_checkpoint import decode_shard
+from tensorfleet.ps.shard_checkpoint import decode_shard, encode_shard
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_log import UpdateLog
 from tensorfleet.ps.update_log_segment import (
@@ -447,6 +447,36 @@ def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
     lines = [r.getMessage() for r in caplog.records]
     assert any("ps:0: 3 dense variables restored (above)" in line for line in lines), lines
     assert len(list((tmp_path / "elsewhere").iterdir())) == 1  # logging again from here
+
+
+def test_a_snapshot_of_another_shard_is_refused_and_the_restore_keeps_the_checkpoint(
+    services: list, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = _start(services, tmp_path / "first")
+    chief = workers["worker:0"]
+    body = _create_body(SGD(lr=0.1), "async")
+    chief.call("create", body, [as_buffer(v) for v in _gradients(5)], TIMEOUT_S)
+    checkpoint = _save(chief)
+    stop_services(services[0], services[1])
+    services[0].clear()
+    services[1].clear()
+    state = decode_shard(checkpoint)
+    foreign = encode_shard(  # the same state, as ps:1's
+        shard=1, global_step=state.global_step, version=state.version, rule=state.rule,
+        layout=state.layout, values=state.values, ema=state.ema, optimizer=state.optimizer,
+        worker_data={},
+    )  # fmt: skip
+    log = UpdateLog(tmp_path / "second", "ps-0")
+    log.start(Base(document_crc(checkpoint), state.version, state.global_step))
+    log.snapshot([foreign], state.version, state.global_step)
+    log.close()
+    workers = _start(services, tmp_path / "second")
+    body = {**body, "restore": True, "global_step": state.global_step}
+    with caplog.at_level(logging.ERROR, logger="tensorfleet.ps"):
+        created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
+    assert created["global_step"] == state.global_step
+    errors = [r.getMessage() for r in caplog.records if "does not fit" in r.getMessage()]
+    assert len(errors) == 1 and "it is of ps:1, this is ps:0" in errors[0], errors
 
 
 def test_a_log_write_that_fails_answers_the_push_and_logs_again_from_the_next_checkpoint(

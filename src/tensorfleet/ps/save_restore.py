@@ -152,20 +152,6 @@ class SaveRestoreHandling:
             setting = snapshot_after_bytes(sum(t.nbytes for t in tensors))
         self.update_log.snapshot_after_bytes = setting or None
 
-    def _log_push(
-        self,
-        gradients: list[torch.Tensor],
-        body: dict[str, Any],
-        part: tuple[int, int] | None = None,
-        counts: bool = True,
-    ) -> None:
-        """Log one worker's push (whole or a bucket) with the data position it reported
-        (``body["data"]``; none: no position), looked up only when the log is on."""
-        if self.update_log is not None:
-            task = body.get("task")
-            data = None if body.get("data") is None else {task: self.worker_data[task]}
-            self._log_update(gradients, part, counts, data)
-
     def _save(self, request: Request) -> None:
         """The shard's state as one safetensors document (a checkpoint's shard file); the
         update log starts a new segment from it."""
@@ -323,12 +309,11 @@ class SaveRestoreHandling:
         assert segment.snapshot is not None
         try:
             state = decode_shard(segment.snapshot)
+            if state.shard != self.config.shard_index:
+                raise ConfigError(f"it is of ps:{state.shard}, this is {self.config.name}")
             difference = self.store.layout.describe_difference(state.layout)
-            if state.shard != self.config.shard_index or difference is not None:
-                raise ConfigError(
-                    f"it is of ps:{state.shard} with "
-                    f"{difference or 'the same variables'}, this is ps:{self.config.shard_index}"
-                )
+            if difference is not None:
+                raise ConfigError(f"its variables differ: {difference}")
             checkpoint_handling.restore_into(self.store, state)
         except (ProtocolError, ConfigError) as exc:
             log.error(
