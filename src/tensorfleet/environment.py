@@ -82,6 +82,19 @@ def ps_update_log_dir(environ_: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
+#: A size (``512MiB``, ``2G``, bytes; ``0``: never): the ps update log writes a snapshot of the
+#: shard's state after that many bytes of records (unset: four times the state, at least
+#: 64 MiB; ``tensorfleet server --update-log-snapshot``; ``tensorfleet launch
+#: --ps-update-log-snapshot`` sets it).
+PS_UPDATE_LOG_SNAPSHOT_VAR = "TENSORFLEET_PS_UPDATE_LOG_SNAPSHOT"
+
+
+def ps_update_log_snapshot(environ_: Mapping[str, str] | None = None) -> str | None:
+    """The size ``TENSORFLEET_PS_UPDATE_LOG_SNAPSHOT`` gives (None: unset or empty)."""
+    value = (environ() if environ_ is None else environ_).get(PS_UPDATE_LOG_SNAPSHOT_VAR, "")
+    return value.strip() or None
+
+
 #: ``tuned`` (or unset): a ps process keeps its update's temporaries on the heap
 #: (``tensorfleet.ps.heap_settings``); ``default``: glibc's own malloc settings.
 PS_HEAP_VAR = "TENSORFLEET_PS_HEAP"

@@ -554,3 +554,28 @@ def test_the_launcher_flag_sets_the_directory_of_every_tasks_update_log(tmp_path
     assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: " "}) is None
     server = parser.parse_args(["server", "--update-log", str(tmp_path)])
     assert server.update_log == str(tmp_path)
+
+
+def test_the_snapshot_size_goes_from_the_launcher_to_every_ps_and_a_bad_one_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorfleet import environment
+    from tensorfleet.errors import ConfigError, LaunchConfigError
+    from tensorfleet.launch.cli import build_parser, server_config_fields
+    from tensorfleet.launch.launch_command import launch_env
+
+    parser = build_parser()
+    launch = ["launch", "--ps-update-log", str(tmp_path), "--ps-update-log-snapshot"]
+    env = launch_env(parser.parse_args([*launch, "256MiB", "--", "python", "t.py"]))
+    assert env[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] == "256MiB"
+    with pytest.raises(LaunchConfigError, match="no effect without --ps-update-log DIR"):
+        launch_env(parser.parse_args(["launch", "--ps-update-log-snapshot", "1G", "--", "t"]))
+    with pytest.raises(ConfigError, match="--ps-update-log-snapshot '1Q' is not a size"):
+        launch_env(parser.parse_args([*launch, "1Q", "--", "python", "t.py"]))
+    monkeypatch.setenv(environment.PS_UPDATE_LOG_VAR, str(tmp_path))
+    monkeypatch.setenv(environment.PS_UPDATE_LOG_SNAPSHOT_VAR, "256MiB")
+    fields = server_config_fields(parser.parse_args(["server"]))
+    assert fields["update_log_snapshot_bytes"] == 256 << 20  # from the launcher's environment
+    fields = server_config_fields(parser.parse_args(["server", "--update-log-snapshot", "0"]))
+    assert fields["update_log_snapshot_bytes"] == 0  # never; the option wins
+    assert ServiceConfig(0, WORKERS, **fields).update_log_snapshot_bytes == 0

@@ -25,6 +25,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from tensorfleet import environment
 from tensorfleet.cluster.resolver import ResolvedTask
@@ -127,9 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="log every update this ps applies since its newest checkpoint in DIR, so that "
         "the process that takes over after it is killed (SIGKILL) comes back at its last "
-        "acknowledged push instead of at that checkpoint; DIR holds up to two checkpoint "
-        "intervals of gradients (docs/reliability.md) (default: $TENSORFLEET_PS_UPDATE_LOG, "
-        "else no log)",
+        "acknowledged push instead of at that checkpoint; snapshots of the shard's state keep "
+        "DIR to about a snapshot and the updates after it (docs/reliability.md) (default: "
+        "$TENSORFLEET_PS_UPDATE_LOG, else no log)",
+    )
+    server.add_argument(
+        "--update-log-snapshot",
+        default=None,
+        metavar="SIZE",
+        help="with --update-log: write a snapshot of the shard's state to the log after SIZE "
+        "of logged updates (e.g. 512MiB, 2G; 0: never, the log then grows until the next "
+        "checkpoint); smaller keeps the log smaller and a restore shorter, for more snapshot "
+        "writes (default: $TENSORFLEET_PS_UPDATE_LOG_SNAPSHOT, else four times the shard's "
+        "state, at least 64 MiB)",
     )
     server.set_defaults(handler=_server)
 
@@ -242,6 +253,27 @@ def threads_reason_with_environment(
     return f"{environment.INTRA_OP_THREADS_VAR}={value}, {who}{overrode}"
 
 
+def server_config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``ServerConfig`` fields ``tensorfleet server``'s options (and, where an option is
+    not given, the environment the launcher sets) give; the others keep their defaults."""
+    fields = (
+        ("liveness_timeout_s", args.liveness_timeout),
+        ("end_grace_s", args.end_grace),
+        ("preempt_grace_s", args.preempt_grace),
+        ("max_memory", _memory_size(args.max_memory)),
+        ("timeline", args.timeline),
+        ("update_log_dir", args.update_log or environment.ps_update_log_dir()),
+        (
+            "update_log_snapshot_bytes",
+            _memory_size(
+                args.update_log_snapshot or environment.ps_update_log_snapshot(),
+                "--update-log-snapshot",
+            ),
+        ),
+    )
+    return {field: value for field, value in fields if value is not None}
+
+
 def _server(args: argparse.Namespace) -> int:
     """``tensorfleet server``: run one ps task until training is over."""
     # Imported here so that the CLI (and `launch`) work without the server's dependencies.
@@ -266,18 +298,7 @@ def _server(args: argparse.Namespace) -> int:
             secret=security.secret,
             config=ServerConfig(  # options not given keep the config's own defaults
                 encrypt=security.encrypt,
-                **{
-                    field: value
-                    for field, value in (
-                        ("liveness_timeout_s", args.liveness_timeout),
-                        ("end_grace_s", args.end_grace),
-                        ("preempt_grace_s", args.preempt_grace),
-                        ("max_memory", _memory_size(args.max_memory)),
-                        ("timeline", args.timeline),
-                        ("update_log_dir", args.update_log or environment.ps_update_log_dir()),
-                    )
-                    if value is not None
-                },
+                **server_config_fields(args),
             ),
         )
     except (
@@ -339,8 +360,8 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory_size(text: str | None) -> int | None:
-    """``--max-memory``'s value in bytes (None when not given)."""
+def _memory_size(text: str | None, flag: str = "--max-memory") -> int | None:
+    """The value of a size option (``flag``) in bytes (None when not given)."""
     from tensorfleet.ps.memory_budget import parse_memory_size
 
-    return None if text is None else parse_memory_size(text)
+    return None if text is None else parse_memory_size(text, flag)

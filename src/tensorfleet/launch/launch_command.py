@@ -45,6 +45,7 @@ from tensorfleet.launch.supervisor import (
     ClusterSupervisor,
 )
 from tensorfleet.launch.warm_spares import DEFAULT_PS_SPARES, DEFAULT_SPARES
+from tensorfleet.ps.memory_budget import parse_memory_size
 
 #: Signals to the launcher that are forwarded to the tasks as SIGTERM. SIGHUP too: with the
 #: tasks in their own sessions, a closed terminal would otherwise orphan them.
@@ -236,8 +237,18 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         metavar="DIR",
         help="every ps task logs each update it applies since its newest checkpoint in DIR "
         "(sets TENSORFLEET_PS_UPDATE_LOG for the tasks), so that a ps killed with SIGKILL "
-        "comes back at its last acknowledged push, not at that checkpoint; DIR holds up to "
-        "two checkpoint intervals of gradients per ps (docs/reliability.md) (default: no log)",
+        "comes back at its last acknowledged push, not at that checkpoint; snapshots of each "
+        "shard's state keep DIR to about a snapshot and the updates after it per ps "
+        "(docs/reliability.md) (default: no log)",
+    )
+    launch.add_argument(
+        "--ps-update-log-snapshot",
+        default=None,
+        metavar="SIZE",
+        help="with --ps-update-log: each ps writes a snapshot of its state to the log after "
+        "SIZE of logged updates (e.g. 512MiB, 2G; 0: never) (sets "
+        "TENSORFLEET_PS_UPDATE_LOG_SNAPSHOT) (default: four times the shard's state, at "
+        "least 64 MiB)",
     )
     launch.add_argument(
         "--no-live",
@@ -303,6 +314,14 @@ def launch_env(args: argparse.Namespace) -> dict[str, str] | None:
         env[environment.ENCRYPT_VAR] = "1"
     if args.ps_update_log:
         env[environment.PS_UPDATE_LOG_VAR] = os.path.abspath(args.ps_update_log)
+    if args.ps_update_log_snapshot is not None:
+        if not args.ps_update_log:
+            raise LaunchConfigError(
+                f"--ps-update-log-snapshot {args.ps_update_log_snapshot} has no effect without "
+                "--ps-update-log DIR: give both, or leave it out"
+            )
+        parse_memory_size(args.ps_update_log_snapshot, "--ps-update-log-snapshot")  # checked now
+        env[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] = args.ps_update_log_snapshot
     return env or None
 
 

@@ -44,13 +44,14 @@ class TableDoesNotFit(TensorfleetError, ValueError):
     """A table's share of a ps shard exceeds that shard's memory limit."""
 
 
-def parse_memory_size(text: str) -> int:
-    """Bytes of ``"512MiB"``, ``"4G"`` (decimal), ``"4GiB"`` (binary), ``"1000000"``."""
+def parse_memory_size(text: str, flag: str = "--max-memory") -> int:
+    """Bytes of ``"512MiB"``, ``"4G"`` (decimal), ``"4GiB"`` (binary), ``"1000000"``; the error
+    names ``flag``."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ConfigError(
-            f"--max-memory {text!r} is not a size; write e.g. 4GiB, 512MiB, 8G or a number of "
+            f"{flag} {text!r} is not a size; write e.g. 4GiB, 512MiB, 8G or a number of "
             f"bytes (units: {', '.join(u for u in _UNITS if u)})"
         )
     return int(float(match.group(1)) * _UNITS[unit])
