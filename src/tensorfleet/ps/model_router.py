@@ -82,7 +82,17 @@ class ModelRouter:
     ) -> ServiceOutcome:
         """Run the request loop until every model's training is over, ``stop`` is set, or
         ``preempt`` is set and the task is drained (:mod:`tensorfleet.ps.preemption_drain`:
-        the outcome is then ``preempted``)."""
+        the outcome is then ``preempted``). Every model's update log is closed when it ends
+        (the space allocated ahead of its records given back)."""
+        try:
+            return self._serve(stop, preempt)
+        finally:
+            for service in self.models.values():
+                service.close_update_log()
+
+    def _serve(
+        self, stop: threading.Event | None, preempt: threading.Event | None
+    ) -> ServiceOutcome:
         while True:
             reason = self._finished_reason(stop) or self._preempted(preempt)
             if reason is not None:

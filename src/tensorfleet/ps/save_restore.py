@@ -75,6 +75,13 @@ class SaveRestoreHandling:
             else UpdateLog(directory, shard_file_stem(self.config.shard_index, self.config.model))
         )
 
+    def close_update_log(self) -> None:
+        """Close the update log's segment (it stays, for a later restore), giving back the
+        space allocated ahead of its records: a process ending without it kept 64 MiB of
+        ``/dev/shm`` per ps held by the last segment's file."""
+        if self.update_log is not None:
+            self.update_log.close()
+
     @contextmanager
     def _logging_update(
         self,

@@ -190,16 +190,21 @@ class ParameterService(
         return self.roster.lost
 
     def serve(self, stop: threading.Event | None = None) -> ServiceOutcome:
-        """Run the request loop until training is over (or ``stop`` is set)."""
-        while True:
-            reason = self._finished_reason(stop)
-            if reason is not None:
-                return ServiceOutcome(reason, self.global_step, progress=self.where_training_is())
-            if self.socket.poll(0.2):
-                request = self.socket.receive()
-                if request is not None:
-                    self.handle(request)
-            self.housekeeping()
+        """Run the request loop until training is over (or ``stop`` is set); the update log
+        is closed when it ends (:meth:`close_update_log`)."""
+        try:
+            while True:
+                reason = self._finished_reason(stop)
+                if reason is not None:
+                    progress = self.where_training_is()
+                    return ServiceOutcome(reason, self.global_step, progress=progress)
+                if self.socket.poll(0.2):
+                    request = self.socket.receive()
+                    if request is not None:
+                        self.handle(request)
+                self.housekeeping()
+        finally:
+            self.close_update_log()
 
     def housekeeping(self) -> None:
         """What the loop does between requests: act on lost workers, expire waits."""
