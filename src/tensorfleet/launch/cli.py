@@ -29,7 +29,7 @@ from typing import Any
 
 from tensorfleet import environment
 from tensorfleet.cluster.resolver import ResolvedTask
-from tensorfleet.errors import Preempted, TensorfleetError
+from tensorfleet.errors import ConfigError, Preempted, TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
 from tensorfleet.launch.task_flags import (
@@ -256,20 +256,24 @@ def threads_reason_with_environment(
 def server_config_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The ``ServerConfig`` fields ``tensorfleet server``'s options (and, where an option is
     not given, the environment the launcher sets) give; the others keep their defaults."""
+    update_log_dir = args.update_log or environment.ps_update_log_dir()
+    if args.update_log_snapshot is not None and update_log_dir is None:
+        raise ConfigError(
+            f"--update-log-snapshot {args.update_log_snapshot} has no effect without an update "
+            f"log: give --update-log DIR (or {environment.PS_UPDATE_LOG_VAR}), or leave it out"
+        )
+    snapshot, snapshot_source = args.update_log_snapshot, "--update-log-snapshot"
+    if snapshot is None and update_log_dir is not None:
+        snapshot = environment.ps_update_log_snapshot()
+        snapshot_source = environment.PS_UPDATE_LOG_SNAPSHOT_VAR
     fields = (
         ("liveness_timeout_s", args.liveness_timeout),
         ("end_grace_s", args.end_grace),
         ("preempt_grace_s", args.preempt_grace),
         ("max_memory", _memory_size(args.max_memory)),
         ("timeline", args.timeline),
-        ("update_log_dir", args.update_log or environment.ps_update_log_dir()),
-        (
-            "update_log_snapshot_bytes",
-            _memory_size(
-                args.update_log_snapshot or environment.ps_update_log_snapshot(),
-                "--update-log-snapshot",
-            ),
-        ),
+        ("update_log_dir", update_log_dir),
+        ("update_log_snapshot_bytes", _memory_size(snapshot, snapshot_source)),
     )
     return {field: value for field, value in fields if value is not None}
 

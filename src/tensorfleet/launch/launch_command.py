@@ -322,6 +322,9 @@ def launch_env(args: argparse.Namespace) -> dict[str, str] | None:
             )
         parse_memory_size(args.ps_update_log_snapshot, "--ps-update-log-snapshot")  # checked now
         env[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] = args.ps_update_log_snapshot
+    elif (inherited := environment.ps_update_log_snapshot()) is not None:
+        # the tasks inherit it: a bad one is refused now, not by every ps after the start
+        parse_memory_size(inherited, environment.PS_UPDATE_LOG_SNAPSHOT_VAR)
     return env or None
 
 
