@@ -347,6 +347,10 @@ class ClusterSupervisor(
                     f"cannot start {task.name} with command {task.command!r}: {exc}. Check "
                     "that the program exists and is executable (with --ps-command for ps tasks)"
                 ) from exc
+        # each task's process, to signal or watch (a restart's line names the new one)
+        pids = [f"{task.name} as pid {task.pid}" for task in self._tasks if task.pid is not None]
+        if pids:
+            self.output.message("started " + ", ".join(pids))
         # no spare yet: they start once the run is at work (launch/spare_start.py)
 
     def wait(self, timeout: float | None = None) -> int:
