@@ -39,7 +39,7 @@ that starts for it (its own, or a snapshot naming it), takes the snapshot's stat
 replays the records after it; every segment older than a snapshot is deleted once the
 snapshot is whole in its file. So the log holds at most about a snapshot and
 ``snapshot_after_bytes`` of records, twice over around a checkpoint (the CNN: under 200 MB),
-and a restore replays at most that many bytes of records (the CNN: 12 pushes). Writing a
+and a restore replays at most that many bytes of records (the CNN: 12 steps' pushes). Writing a
 snapshot costs the shard's state once per ``snapshot_after_bytes`` logged (a quarter more
 bytes written per push, by default). A snapshot's invariant is the replay's: its state is
 bit for bit the shard's after the record before it (the records after it continue from
