@@ -34,6 +34,7 @@ from tensorfleet.ps.shard_checkpoint import (
     check_worker_data,
     decode_shard,
     encode_shard,
+    encode_shard_pieces,
     read_metadata,
 )
 from tensorfleet.ps.store import VariableStore
@@ -151,6 +152,19 @@ def _raw(header: bytes, data: bytes = b"") -> bytes:
 
 
 # -- round trips -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ema_decay", [None, 0.9])
+def test_the_pieces_of_a_snapshot_are_the_document_written_at_once(ema_decay: float | None) -> None:
+    """The update log writes a snapshot as pieces, uncopied: one after the other they must be
+    the very document ``encode_shard`` makes (decoded by safetensors' own parser)."""
+    store = _store(Adam(lr=0.01), updates=2, ema_decay=ema_decay)
+    values, ema, optimizer = store.checkpoint_parts(copy=False)
+    fields = dict(shard=1, global_step=5, version=store.version, rule=store.rule.to_wire(),
+                  layout=store.layout, values=values, ema=ema, optimizer=optimizer,
+                  worker_data={"worker:0": {"epoch": 1}})  # fmt: skip
+    pieces = encode_shard_pieces(**fields)
+    assert b"".join(bytes(piece) for piece in pieces) == bytes(encode_shard(**fields))
 
 
 @pytest.mark.parametrize("rule_name", sorted(RULES))
