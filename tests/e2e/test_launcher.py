@@ -139,7 +139,7 @@ def test_every_task_gets_prefixed_output_and_its_environment(log: io.StringIO) -
         assert info["secret"] == lc.secret, text
         assert info["launcher"] == "1" and info["unbuffered"] == "1", text
         assert info["pid"] == lc.pids[name], text
-    started = ", ".join(f"{name} as pid {info['pid']}" for name, info in infos.items())
+    started = ", ".join(f"{name} as pid {infos[name]['pid']}" for name in names)  # start order
     assert f"started {started}" in text, text  # each task's pid, to signal or watch it
     for address in lc.cluster["ps"] + lc.cluster["worker"]:
         host, _, port = address.rpartition(":")
