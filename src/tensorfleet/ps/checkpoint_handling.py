@@ -26,6 +26,25 @@ from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.auth import Buffer
 
 
+def _shard_fields(
+    shard_index: int, store: VariableStore, global_step: int, worker_data: dict[str, dict]
+) -> dict[str, Any]:
+    """What a shard document says of the shard's dense state (the keyword arguments of
+    :func:`encode_shard`): views of the live state, to be encoded before the store changes."""
+    values, ema, optimizer = store.checkpoint_parts(copy=False)
+    return {
+        "shard": shard_index,
+        "global_step": global_step,
+        "version": store.version,
+        "rule": store.rule.to_wire(),
+        "layout": store.layout,
+        "values": values,
+        "ema": ema,
+        "optimizer": optimizer,
+        "worker_data": worker_data,
+    }
+
+
 def save_document(
     shard_index: int,
     store: VariableStore,
@@ -36,20 +55,8 @@ def save_document(
 ) -> bytes:
     """The shard's state as one safetensors document (a checkpoint's shard file), with the
     persistent ``buffers`` it holds."""
-    values, ema, optimizer = store.checkpoint_parts(copy=False)  # copied by encode
-    return encode_shard(
-        shard=shard_index,
-        global_step=global_step,
-        version=store.version,
-        rule=store.rule.to_wire(),
-        layout=store.layout,
-        values=values,
-        ema=ema,
-        optimizer=optimizer,
-        worker_data=worker_data,
-        buffers=buffers,
-        tables=tables,
-    )
+    fields = _shard_fields(shard_index, store, global_step, worker_data)
+    return encode_shard(**fields, buffers=buffers, tables=tables)  # copied by the encoding
 
 
 def snapshot_pieces(
@@ -57,18 +64,7 @@ def snapshot_pieces(
 ) -> list[memoryview]:
     """The shard's dense state as the pieces of a shard document without buffers or tables
     (the update log's snapshot), uncopied: write them before the store changes."""
-    values, ema, optimizer = store.checkpoint_parts(copy=False)
-    return encode_shard_pieces(
-        shard=shard_index,
-        global_step=global_step,
-        version=store.version,
-        rule=store.rule.to_wire(),
-        layout=store.layout,
-        values=values,
-        ema=ema,
-        optimizer=optimizer,
-        worker_data=worker_data,
-    )
+    return encode_shard_pieces(**_shard_fields(shard_index, store, global_step, worker_data))
 
 
 def checked_checkpoint(

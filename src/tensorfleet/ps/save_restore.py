@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,7 +82,6 @@ class SaveRestoreHandling:
         if self.update_log is not None:
             self.update_log.close()
 
-    @contextmanager
     def _logging_update(
         self,
         gradients: list[torch.Tensor],
@@ -90,15 +89,28 @@ class SaveRestoreHandling:
         part: tuple[int, int] | None = None,
         counts: bool = True,
         data: dict[str, Any] | None = None,
-    ) -> Iterator[None]:
+    ) -> AbstractContextManager[None]:
         """Log the update the block applies: its record (the version and ``global_step_after``
         it leaves) is written on the log's thread while the block applies it, and is whole
         when the block ends, before the push is answered; then a snapshot of the shard's
         dense state when the log's records since the last one call for it. A block that
-        raises leaves no record. Nothing without a log."""
+        raises leaves no record. Without a log, a context that does nothing (every push of
+        the apply loop enters it)."""
         if self.update_log is None:
-            yield
-            return
+            return nullcontext()
+        return self._logged_update(gradients, global_step_after, part, counts, data)
+
+    @contextmanager
+    def _logged_update(
+        self,
+        gradients: list[torch.Tensor],
+        global_step_after: int,
+        part: tuple[int, int] | None,
+        counts: bool,
+        data: dict[str, Any] | None,
+    ) -> Iterator[None]:
+        """:meth:`_logging_update` with a log."""
+        assert self.update_log is not None
         pending = self.update_log.append_beside(
             [g.contiguous() for g in gradients],
             part,
