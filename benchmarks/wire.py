@@ -69,7 +69,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -316,45 +318,63 @@ MOVES = {
 
 
 def interleaved(
-    model_bytes: int, batches: int, per_batch: int, baseline_src: Path | None = None
+    model_bytes: int,
+    batches: int,
+    per_batch: int,
+    baseline_src: Path | None = None,
+    only: Sequence[str] = (),
 ) -> dict[str, list[float]]:
-    """Seconds per round trip for each kind, measured in alternating batches so that the
+    """Seconds per round trip for each kind (``only``: those and the baselines they are
+    compared with; empty: every kind), measured in alternating batches so that the
     machine's drift (this is a shared 2-core VM) hits every kind alike."""
     torch.set_num_threads(1)
-    raw = RawEcho(model_bytes, (batches + 1) * per_batch)
-    raw_sgd = RawEcho(model_bytes, (batches + 1) * per_batch, sgd=True)
-    sealed_echo = ZmqEcho(os.urandom(model_bytes), curve=False, aes_gcm=True)
-    ours = TensorfleetPs(model_bytes)
-    streamed = TensorfleetPs(model_bytes, part_bytes=1 << 20)
-    streamed_sealed = TensorfleetPs(model_bytes, encrypt=True, part_bytes=1 << 20)
-    encrypted = TensorfleetPs(model_bytes, encrypt=True)
-    local = TensorfleetPs(model_bytes, shared_memory=True)
-    streaming = TensorfleetPs(model_bytes, payload_stream=True)
-    if not local.shared_memory or ours.shared_memory:
-        raise RuntimeError("the shared-memory fast path was not chosen as asked")
-    if not streaming.streamed or ours.streamed:
-        raise RuntimeError("the payload stream was not opened as asked")
-    kinds = {
-        "raw_tcp_echo": raw.round_trip,
-        "raw_tcp_sgd": raw_sgd.round_trip,
-        "zmq_aes_gcm_echo": sealed_echo.round_trip,
-        "push_pull": ours.push_pull,
-        "push_pull_parts": streamed.push_pull_parts,
-        "push_pull_parts_encrypted": streamed_sealed.push_pull_parts,
-        "pull": ours.pull,
-        "push_pull_encrypted": encrypted.push_pull,
-        "push_pull_shared_memory": local.push_pull,
-        "pull_shared_memory": local.pull,
-        "push_pull_stream": streaming.push_pull,
-        "pull_stream": streaming.pull,
-    }
-    baseline = None
-    if baseline_src is not None:
-        baseline = TensorfleetPs(model_bytes, ps_src=baseline_src)
-        kinds["push_pull_baseline"] = baseline.push_pull
-        kinds["pull_baseline"] = baseline.pull
-    times: dict[str, list[float]] = {name: [] for name in kinds}
+    wanted = chosen_kinds(only, baseline_src is not None)
+    rounds = (batches + 1) * per_batch
+    servers: list[Any] = []
+
+    def started(server: Any) -> Any:
+        servers.append(server)
+        return server
+
+    kinds: dict[str, Callable[[], None]] = {}
     try:
+        if "raw_tcp_echo" in wanted:
+            kinds["raw_tcp_echo"] = started(RawEcho(model_bytes, rounds)).round_trip
+        if "raw_tcp_sgd" in wanted:
+            kinds["raw_tcp_sgd"] = started(RawEcho(model_bytes, rounds, sgd=True)).round_trip
+        if "zmq_aes_gcm_echo" in wanted:
+            echo = started(ZmqEcho(os.urandom(model_bytes), curve=False, aes_gcm=True))
+            kinds["zmq_aes_gcm_echo"] = echo.round_trip
+        ps_kinds = {
+            # kind: (the ps's options, the round trip's method)
+            "push_pull": ({}, "push_pull"),
+            "push_pull_parts": ({"part_bytes": 1 << 20}, "push_pull_parts"),
+            "push_pull_parts_encrypted": (
+                {"encrypt": True, "part_bytes": 1 << 20},
+                "push_pull_parts",
+            ),
+            "pull": ({}, "pull"),
+            "push_pull_encrypted": ({"encrypt": True}, "push_pull"),
+            "push_pull_shared_memory": ({"shared_memory": True}, "push_pull"),
+            "pull_shared_memory": ({"shared_memory": True}, "pull"),
+            "push_pull_stream": ({"payload_stream": True}, "push_pull"),
+            "pull_stream": ({"payload_stream": True}, "pull"),
+            "push_pull_baseline": ({"ps_src": baseline_src}, "push_pull"),
+            "pull_baseline": ({"ps_src": baseline_src}, "pull"),
+        }
+        by_options: dict[str, TensorfleetPs] = {}
+        for name, (options, method) in ps_kinds.items():
+            if name not in wanted:
+                continue
+            key = repr(sorted(options.items()))
+            if key not in by_options:
+                ps = by_options[key] = started(TensorfleetPs(model_bytes, **options))
+                if ps.shared_memory != bool(options.get("shared_memory")):
+                    raise RuntimeError("the shared-memory fast path was not chosen as asked")
+                if ps.streamed != bool(options.get("payload_stream")):
+                    raise RuntimeError("the payload stream was not opened as asked")
+            kinds[name] = getattr(by_options[key], method)
+        times: dict[str, list[float]] = {name: [] for name in kinds}
         for batch in range(batches + 1):
             for name, call in kinds.items():
                 for _ in range(per_batch):
@@ -363,14 +383,29 @@ def interleaved(
                     if batch > 0:  # the first batch warms up
                         times[name].append(time.perf_counter() - start)
     finally:
-        raw.close()
-        raw_sgd.close()
-        sealed_echo.close()
-        sealed_echo.server.wait(timeout=30)
-        for ps in (ours, streamed, streamed_sealed, encrypted, local, streaming, baseline):
-            if ps is not None:
-                ps.close()
+        for server in servers:
+            server.close()
+            if isinstance(server, ZmqEcho):
+                server.server.wait(timeout=30)
     return times
+
+
+def chosen_kinds(only: Sequence[str], with_baseline: bool) -> list[str]:
+    """The kinds a run measures: ``only`` (every kind when empty), the raw TCP echo every
+    ratio is taken against, and the floor each chosen kind is also compared with
+    (``raw_tcp_sgd`` for the updating kinds, ``zmq_aes_gcm_echo`` for the sealed ones)."""
+    every = [name for name in MOVES if with_baseline or not name.endswith("_baseline")]
+    unknown = sorted(set(only) - set(every))
+    if unknown:
+        raise ValueError(f"no such kind {unknown}: choose among {every}")
+    if not only:
+        return every
+    wanted = {"raw_tcp_echo", *only}
+    if wanted & set(UPDATING):
+        wanted.add("raw_tcp_sgd")
+    if wanted & set(SEALED):
+        wanted.add("zmq_aes_gcm_echo")
+    return [name for name in every if name in wanted]
 
 
 def summary(times: list[float], bytes_moved: int) -> dict[str, float]:
@@ -397,8 +432,20 @@ def main() -> int:
         default=None,
         help="the src directory of another checkout: its ps in the same rounds (an A/B)",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="KIND",
+        help="measure only these kinds (and the baselines their ratios need), e.g. "
+        "--only push_pull_shared_memory pull_shared_memory",
+    )
     add_out_dir_option(parser)
     args = parser.parse_args()
+    try:
+        chosen_kinds(args.only, args.baseline_src is not None)
+    except ValueError as error:
+        parser.error(str(error))
     if args.baseline_src is not None and not (args.baseline_src / "tensorfleet").is_dir():
         parser.error(
             f"--baseline-src {args.baseline_src} has no tensorfleet package: give the src "
@@ -412,7 +459,7 @@ def main() -> int:
     ]
     for megabytes in args.megabytes:
         model_bytes = int(megabytes * 1e6) // 4 * 4
-        times = interleaved(model_bytes, args.batches, args.per_batch, args.baseline_src)
+        times = interleaved(model_bytes, args.batches, args.per_batch, args.baseline_src, args.only)
         rows = {name: summary(t, MOVES[name] * model_bytes) for name, t in times.items()}
         for name, row in rows.items():
             row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
