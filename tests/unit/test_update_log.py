@@ -6,6 +6,7 @@ async in buckets, sync; SGD and Adam), driven through real services on loopback 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -19,8 +20,10 @@ import torch
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import decode_shard, encode_shard
+from tensorfleet.ps.space_ahead import AHEAD_BYTES
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_log import UpdateLog
+from tensorfleet.ps.update_log_room import free_bytes, log_bound, missing_room
 from tensorfleet.ps.update_log_segment import (
     CRC32_FORMAT,
     MAGIC,
@@ -531,6 +534,50 @@ def test_a_log_write_that_fails_answers_the_push_and_logs_again_from_the_next_ch
     assert update_log.appended == logged + len(WORKERS)  # logging again
 
 
+def test_a_log_without_room_logs_nothing_says_so_once_and_starts_again_when_it_has_room(
+    services: list, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log whose bound (twice the state and the records between snapshots) is more than
+    half the free space of its file system does not start: the pushes are answered, nothing
+    is written, one warning names the figures and the fixes; the next checkpoint asks again,
+    and with room (a smaller snapshot interval) the log starts and says so."""
+    workers = _start(services, tmp_path, snapshot_bytes=free_bytes(tmp_path))
+    chief = workers["worker:0"]
+    chief.call(
+        "create",
+        _create_body(SGD(lr=0.1), "async"),
+        [as_buffer(v) for v in _gradients(3)],
+        TIMEOUT_S,
+    )
+    service = services[0][0].service
+    with caplog.at_level(logging.WARNING, logger="tensorfleet.ps"):
+        for seed in (1, 2):
+            _save(chief)
+            _push_round(workers, "async", seed=seed, step=seed)
+        refusals = [r.getMessage() for r in caplog.records if "no update log in" in r.getMessage()]
+        assert len(refusals) == 1, refusals  # said once, for both checkpoints
+        assert "more than 50% of the" in refusals[0] and "--ps-update-log DIR" in refusals[0]
+        assert service.update_log.appended == 0
+        assert not list(tmp_path.glob("*.updatelog"))
+        service.config = dataclasses.replace(service.config, update_log_snapshot_bytes=1 << 20)
+        _save(chief)
+        _push_round(workers, "async", seed=3, step=3)
+    assert service.update_log.appended == len(WORKERS)
+    assert any("has room now: logging again" in r.getMessage() for r in caplog.records)
+
+
+def test_the_bound_of_a_log_and_the_room_it_needs() -> None:
+    assert log_bound(10 << 20, 0) is None and log_bound(10 << 20, None) is None  # no bound
+    assert log_bound(10 << 20, 64 << 20) == 2 * (74 << 20) + AHEAD_BYTES
+    directory = Path("/")
+    free = free_bytes(directory)
+    assert missing_room(directory, None, 0, "ps:0", 1) is None  # without snapshots: no rule
+    assert missing_room(directory, free // 4, 0, "ps:0", 1) is None
+    reason = missing_room(directory, free, 0, "ps:0", 3 << 30)
+    assert reason is not None and "ps:0: no update log in /" in reason and "3.0 GiB" in reason
+    assert missing_room(directory, free, free, "ps:0", 1) is None  # its own segments count
+
+
 def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
     services: list, tmp_path: Path
 ) -> None:
@@ -561,27 +608,11 @@ def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
     assert len(updates) == 3 * 2 * 2 + 2 * 2  # (rounds x workers x buckets) then one round
 
 
-def test_the_launcher_flag_sets_the_directory_of_every_tasks_update_log(tmp_path: Path) -> None:
-    from tensorfleet import environment
-    from tensorfleet.launch.cli import build_parser
-    from tensorfleet.launch.launch_command import launch_env
-
-    parser = build_parser()
-    args = parser.parse_args(["launch", "--ps-update-log", "logs", "--", "python", "t.py"])
-    directory = str(Path("logs").resolve())
-    assert launch_env(args) == {environment.PS_UPDATE_LOG_VAR: directory}
-    assert launch_env(parser.parse_args(["launch", "--", "python", "t.py"])) is None
-    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: directory}) == directory
-    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: " "}) is None
-    server = parser.parse_args(["server", "--update-log", str(tmp_path)])
-    assert server.update_log == str(tmp_path)
-
-
 def test_the_snapshot_size_goes_from_the_launcher_to_every_ps_and_a_bad_one_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tensorfleet import environment
-    from tensorfleet.errors import ConfigError, LaunchConfigError
+    from tensorfleet.errors import ConfigError
     from tensorfleet.launch.cli import build_parser, server_config_fields
     from tensorfleet.launch.launch_command import launch_env
 
@@ -589,8 +620,6 @@ def test_the_snapshot_size_goes_from_the_launcher_to_every_ps_and_a_bad_one_is_r
     launch = ["launch", "--ps-update-log", str(tmp_path), "--ps-update-log-snapshot"]
     env = launch_env(parser.parse_args([*launch, "256MiB", "--", "python", "t.py"]))
     assert env[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] == "256MiB"
-    with pytest.raises(LaunchConfigError, match="no effect without --ps-update-log DIR"):
-        launch_env(parser.parse_args(["launch", "--ps-update-log-snapshot", "1G", "--", "t"]))
     with pytest.raises(ConfigError, match="--ps-update-log-snapshot '1Q' is not a size"):
         launch_env(parser.parse_args([*launch, "1Q", "--", "python", "t.py"]))
     monkeypatch.setenv(environment.PS_UPDATE_LOG_VAR, str(tmp_path))

@@ -34,6 +34,7 @@ from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard
 from tensorfleet.ps.update_log import UpdateLog, shard_file_stem, snapshot_after_bytes
+from tensorfleet.ps.update_log_room import log_bound, missing_room
 from tensorfleet.ps.update_log_segment import Base, Segment, document_crc
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class SaveRestoreHandling:
     last_save_at: float | None
     update_log: UpdateLog | None
     owns_global_step: bool
+    update_log_lacked_room: bool = False
+    """Whether the update log was last refused for want of room (said once)."""
 
     def _open_update_log(self) -> None:
         """The shard's update log, when its settings name a directory."""
@@ -96,7 +99,7 @@ class SaveRestoreHandling:
         dense state when the log's records since the last one call for it. A block that
         raises leaves no record. Without a log, a context that does nothing (every push of
         the apply loop enters it)."""
-        if self.update_log is None:
+        if self.update_log is None or not self.update_log.open:
             return nullcontext()
         return self._logged_update(gradients, global_step_after, part, counts, data)
 
@@ -159,17 +162,50 @@ class SaveRestoreHandling:
             data = {task: self.worker_data[task]}
         return self._logging_update(gradients, global_step_after, part, counts, data)
 
-    def _size_snapshots(self) -> None:
+    def _size_snapshots(self) -> int:
         """Set when the update log writes a snapshot: the shard's setting, or by default
-        from the size of its dense state (values, moving average, optimizer state)."""
+        from the size of its dense state (values, moving average, optimizer state), whose
+        bytes it returns."""
         assert self.update_log is not None
+        values, ema, optimizer = self.store.checkpoint_parts(copy=False)
+        tensors = [*values.values(), *(ema or {}).values()]
+        tensors += [t for state in optimizer.values() for t in state.values()]
+        state_bytes = sum(t.nbytes for t in tensors)
         setting = self.config.update_log_snapshot_bytes
         if setting is None:
-            values, ema, optimizer = self.store.checkpoint_parts(copy=False)
-            tensors = [*values.values(), *(ema or {}).values()]
-            tensors += [t for state in optimizer.values() for t in state.values()]
-            setting = snapshot_after_bytes(sum(t.nbytes for t in tensors))
+            setting = snapshot_after_bytes(state_bytes)
         self.update_log.snapshot_after_bytes = setting or None
+        return state_bytes
+
+    def _log_has_room(self) -> bool:
+        """Whether the update log may start (or go on) from here: its bound fits in the room
+        its file system has (:mod:`tensorfleet.ps.update_log_room`). Without room the log
+        stops until the next checkpoint asks again; the first refusal is logged with the
+        figures and the fixes, a later start after one is logged too."""
+        assert self.update_log is not None
+        state_bytes = self._size_snapshots()
+        reason = missing_room(
+            self.update_log.directory,
+            log_bound(state_bytes, self.update_log.snapshot_after_bytes),
+            self.update_log.held_bytes(),
+            self.config.name,
+            state_bytes,
+        )
+        if reason is not None:
+            if not self.update_log_lacked_room:
+                log.warning("%s", reason)
+            self.update_log_lacked_room = True
+            self.update_log.suspend()
+            return False
+        if self.update_log_lacked_room:
+            log.warning(
+                "%s: the update log in %s has room now: logging again from global step %d",
+                self.config.name,
+                self.update_log.directory,
+                self.global_step,
+            )
+        self.update_log_lacked_room = False
+        return True
 
     def _save(self, request: Request) -> None:
         """The shard's state as one safetensors document (a checkpoint's shard file); the
@@ -183,8 +219,7 @@ class SaveRestoreHandling:
             self.buffer_bank.values,
             self.tables.documents(request.body.get("tables_since")),
         )
-        if self.update_log is not None:
-            self._size_snapshots()
+        if self.update_log is not None and self._log_has_room():
             self.update_log.start(
                 Base(document_crc(document), self.store.version, self.global_step)
             )
@@ -269,7 +304,8 @@ class SaveRestoreHandling:
                 self.config.name,
                 self.update_log.directory,
             )
-            self.update_log.start(Base(crc, version, global_step))
+            if self._log_has_room():
+                self.update_log.start(Base(crc, version, global_step))
             return
         started, replayed, last = time.monotonic(), 0, None
         # The global step is this shard's own where it counts it (it owns it, or every sync
@@ -302,9 +338,11 @@ class SaveRestoreHandling:
         if self.aggregator is not None:
             self.aggregator.step = self.global_step
         if last is None:  # the first segment's snapshot did not fit: log again from here
-            self.update_log.start(Base(crc, version, global_step))
+            if self._log_has_room():
+                self.update_log.start(Base(crc, version, global_step))
             return
         self.update_log.continue_after(segments, last)
+        self._log_has_room()  # (without room, it stops here: said once)
         taken = [s.path.name for s in segments if s.path.name <= last.path.name]
         log.warning(
             "%s: replayed %d updates of the update log (%s%s) in %.2f s: at global step %d, "

@@ -57,10 +57,13 @@ loses what the kernel had not written to disk, so there the guarantee is the che
 rows (``TableRequests``) and the persistent buffers of ``BufferBank`` come back at the
 checkpoint, as before. What the log holds is bounded by its snapshots (above), not by the
 checkpoint interval: for the CNN, 33 MB were left after 200 pushes (1.3 GB without
-snapshots). It is still opt-in, because each push pays for its record: the bytes written,
-and on a machine whose cores the workers use the log's thread takes CPU from them (the CNN
-on 1 ps + 3 workers on 2 cores, docs/reliability.md): ``tensorfleet server --update-log
-DIR``, ``tensorfleet launch --ps-update-log DIR``, or ``TENSORFLEET_PS_UPDATE_LOG=DIR``.
+snapshots). A shard starts its log only where that bound fits in half the free space
+(:mod:`tensorfleet.ps.update_log_room`). Each push pays for its record: the bytes written,
+and on a machine whose cores the workers use the log's thread takes CPU from them (the CNN on
+1 ps + 3 workers on 2 cores: 0.93x-0.98x the steps/s without it, docs/reliability.md).
+``tensorfleet launch`` keeps the log by default in a directory of the launch in ``/dev/shm``
+(:mod:`tensorfleet.launch.update_log_directory`); ``tensorfleet server --update-log DIR`` or
+``TENSORFLEET_PS_UPDATE_LOG=DIR`` for a ps started by hand.
 
 Why a log and not a standby. The other way to lose nothing is a standby shard that receives
 and applies every push as the ps does: each push's gradients sent twice over the network and
@@ -202,6 +205,23 @@ class UpdateLog:
             if match and match["shard"] == self.stem:
                 found.append((int(match["seq"]), path))
         return sorted(found)
+
+    @property
+    def open(self) -> bool:
+        """Whether a segment is open for records (none before the shard's first checkpoint,
+        after :meth:`suspend` or :meth:`close`: updates are then not logged)."""
+        return self._fd is not None
+
+    def held_bytes(self) -> int:
+        """The bytes this shard's segment files take on their file system (the space
+        allocated ahead of the records included)."""
+        held = 0
+        for _, path in self.segments():
+            try:
+                held += path.stat().st_blocks * 512
+            except FileNotFoundError:  # deleted meanwhile by the deleting thread
+                pass
+        return held
 
     def start(self, base: Base) -> None:
         """Start a new segment after a checkpoint (``base``); keep what a restore of the
