@@ -64,6 +64,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,6 +78,7 @@ from storm_outages import percentile, split_table  # noqa: E402
 
 from tensorfleet import environment  # noqa: E402
 from tensorfleet.errors import CheckpointError, LaunchError  # noqa: E402
+from tensorfleet.launch import update_log_directory  # noqa: E402
 from tensorfleet.launch.local_cluster import LocalCluster  # noqa: E402
 from tensorfleet.launch.output import PlainOutput  # noqa: E402
 from tensorfleet.launch.warm_spares import DEFAULT_PS_SPARES, DEFAULT_SPARES  # noqa: E402
@@ -192,17 +195,24 @@ def example_command(args: argparse.Namespace, logdir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def update_log_env(args: argparse.Namespace) -> dict[str, str] | None:
-    """What ``tensorfleet launch --ps-update-log DIR`` sets for the tasks (None: no log)."""
-    if args.ps_update_log is None:
-        return None
-    return {environment.PS_UPDATE_LOG_VAR: str(args.ps_update_log.resolve())}
+@contextmanager
+def update_log_env(args: argparse.Namespace) -> Iterator[dict[str, str]]:
+    """What ``tensorfleet launch`` sets for the tasks of one run with ``--ps-update-log``'s
+    value (a directory, ``off``, or by default ``auto``: a new directory of the run in
+    ``/dev/shm``, removed when the run ends), as the launcher chooses it."""
+    chosen = update_log_directory.choose(args.ps_update_log, "local")
+    try:
+        path = "" if chosen.path is None else str(chosen.path)
+        yield {environment.PS_UPDATE_LOG_VAR: path}
+    finally:
+        chosen.remove()
 
 
 def run(
-    args: argparse.Namespace, workdir: Path, name: str, kills: int
+    args: argparse.Namespace, workdir: Path, name: str, kills: int, log_env: dict[str, str]
 ) -> tuple[int, Watch, list[Kill], list[int], float]:
-    """Run the cluster, killing ``kills`` random tasks; (status, watch, kills, pids, seconds)."""
+    """Run the cluster, killing ``kills`` random tasks, with ``log_env`` (the update log's
+    variable, :func:`update_log_env`); (status, watch, kills, pids, seconds)."""
     logdir = workdir / name
     watch = Watch(workdir / f"{name}.log", echo=args.echo)
     spares = args.spares if kills else 0  # the launcher's default for the disturbed run
@@ -214,7 +224,7 @@ def run(
         output=watch,
         spares=spares,
         ps_spares=ps_spares,
-        env=update_log_env(args),
+        env=log_env,
     )
     rng = random.Random(args.seed)
     done: list[Kill] = []
@@ -424,9 +434,10 @@ def step_lines_between(watch: Watch, start: float, end: float) -> int:
 
 
 def storm_run(
-    args: argparse.Namespace, workdir: Path
+    args: argparse.Namespace, workdir: Path, log_env: dict[str, str]
 ) -> tuple[int, Watch, list[Fault], list[int], dict[str, float]]:
-    """The disturbed run: calm, then the storm, then training to its end."""
+    """The disturbed run: calm, then the storm, then training to its end (``log_env``: the
+    update log's variable, :func:`update_log_env`)."""
     logdir = workdir / "storm"
     watch = Watch(workdir / "storm.log", echo=args.echo)
     cluster = LocalCluster(
@@ -436,7 +447,7 @@ def storm_run(
         output=watch,
         spares=args.spares,
         ps_spares=args.ps_spares,
-        env=update_log_env(args),
+        env=log_env,
     )  # the launcher's defaults otherwise: restart policy, grace periods
     rng = random.Random(args.seed)
     faults: list[Fault] = []
@@ -598,11 +609,13 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
 
 def storm_main(args: argparse.Namespace, workdir: Path) -> int:
     """The storm, the undisturbed run, the checks and the report."""
-    status, watch, faults, pids, times = storm_run(args, workdir)
+    with update_log_env(args) as log_env:
+        status, watch, faults, pids, times = storm_run(args, workdir, log_env)
     base_accuracy = None
     base_status: int | None = None
     if not args.no_baseline:
-        base_status, base_watch, _, base_pids, _ = run(args, workdir, "baseline", 0)
+        with update_log_env(args) as log_env:
+            base_status, base_watch, _, base_pids, _ = run(args, workdir, "baseline", 0, log_env)
         base_accuracy = base_watch.accuracy
         pids += base_pids + base_watch.spare_pids
     time.sleep(1.0)  # SIGKILL is delivered asynchronously; give the kernel a moment
@@ -836,11 +849,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--ps-update-log",
-        type=Path,
         default=None,
-        metavar="DIR",
-        help="the ps keeps its update log in DIR (tensorfleet launch --ps-update-log): a ps "
-        "SIGKILL then loses no acknowledged step (default: none, the launcher's default)",
+        metavar="DIR|auto|off",
+        help="where the ps keeps its update log, as tensorfleet launch --ps-update-log: a ps "
+        "SIGKILL then loses no acknowledged step; off: no log (default: auto, the "
+        "launcher's default: a directory of each run in /dev/shm, removed after it)",
     )
     parser.add_argument(
         "--max-gradient-age",
@@ -867,14 +880,18 @@ def main() -> int:
     print(f"chaos: logs and checkpoints in {workdir}", flush=True)
     if args.storm:
         return storm_main(args, workdir)
-    status, watch, kills, pids, seconds = run(args, workdir, "chaos", args.kills)
+    with update_log_env(args) as log_env:
+        status, watch, kills, pids, seconds = run(args, workdir, "chaos", args.kills, log_env)
     if len(kills) < args.kills:
         print(
             f"chaos: training ended after {len(kills)} of {args.kills} kills; pass more "
             f"--steps (now {args.steps}) so that every kill lands while it trains",
             flush=True,
         )
-    base_status, base_watch, _, base_pids, base_seconds = run(args, workdir, "baseline", 0)
+    with update_log_env(args) as log_env:
+        base_status, base_watch, _, base_pids, base_seconds = run(
+            args, workdir, "baseline", 0, log_env
+        )
     time.sleep(1.0)  # SIGKILL is delivered asynchronously; give the kernel a moment
     left = [pid for pid in pids + base_pids if alive(pid)]
     count, corrupt = verify_checkpoints(workdir / "chaos" / "checkpoints")

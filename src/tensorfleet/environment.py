@@ -70,16 +70,27 @@ def encryption_requested(environ_: Mapping[str, str] | None = None) -> bool:
 
 
 #: A directory: the ps tasks log every update they apply there, so that a ps killed with
-#: SIGKILL is restored to its last acknowledged push (``tensorfleet server --update-log``;
-#: ``tensorfleet launch --ps-update-log`` sets it).
+#: SIGKILL is restored to its last acknowledged push (``tensorfleet server --update-log``).
+#: ``tensorfleet launch`` sets it for its tasks (``--ps-update-log``: by default a directory
+#: of the launch in ``/dev/shm``); ``off`` (or ``0``, ``no``, ``false``, ``none``): no log; in
+#: the launcher's own environment, ``auto`` is its default.
 PS_UPDATE_LOG_VAR = "TENSORFLEET_PS_UPDATE_LOG"
+#: The values of ``TENSORFLEET_PS_UPDATE_LOG`` (and ``--ps-update-log``) that mean no log.
+UPDATE_LOG_OFF_WORDS = ("off", "0", "no", "false", "none")
+
+
+def ps_update_log_choice(environ_: Mapping[str, str] | None = None) -> str | None:
+    """``TENSORFLEET_PS_UPDATE_LOG`` as set (stripped; None: unset or empty): a directory,
+    ``auto`` or an off word (the launcher's choices)."""
+    value = (environ() if environ_ is None else environ_).get(PS_UPDATE_LOG_VAR, "").strip()
+    return value or None
 
 
 def ps_update_log_dir(environ_: Mapping[str, str] | None = None) -> str | None:
-    """The directory ``TENSORFLEET_PS_UPDATE_LOG`` names for the ps update log (None: unset
-    or empty)."""
-    value = (environ() if environ_ is None else environ_).get(PS_UPDATE_LOG_VAR, "").strip()
-    return value or None
+    """The directory ``TENSORFLEET_PS_UPDATE_LOG`` names for the ps update log (None: unset,
+    empty, or an off word)."""
+    value = ps_update_log_choice(environ_)
+    return None if value is None or value.lower() in UPDATE_LOG_OFF_WORDS else value
 
 
 #: A size (``512MiB``, ``2G``, bytes; ``0``: never): the ps update log writes a snapshot of the

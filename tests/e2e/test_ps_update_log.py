@@ -6,16 +6,22 @@ the spare is restored from the newest checkpoint and replays the log, and comes 
 global step no lower than the last one a worker printed (a step line is printed after its
 push was acknowledged) before the kill. Training then runs to the end. The same with the ps
 SIGSTOPped and never resumed: the launcher replaces it (``launch/stopped_ps.py``) and the
-spare replays the log as after a kill.
+spare replays the log as after a kill. And ``tensorfleet launch`` with no update-log option:
+its default log (a directory of the launch in ``/dev/shm``) brings a killed ps back the same
+way, and is gone when the launch ends.
 
 Synchronized through the launcher's output; no timing is asserted.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import select
 import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,3 +131,82 @@ def test_a_stopped_ps_is_replaced_and_the_update_log_keeps_every_step(tmp_path: 
     assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
     pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]
     assert_all_gone(pids, text)
+
+
+LOG_LINE = re.compile(r"ps update log: (/\S+) \(a ps killed with SIGKILL comes back")
+STARTED_PS = re.compile(r"started ps:0 as pid (\d+)")
+PLAIN_STEP = re.compile(r"^\[worker:\d+\] Worker: \d+, Step: (\d+)")
+
+
+class LauncherLines:
+    """The lines of a ``tensorfleet launch`` process, read with a deadline each."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process, self.seen, self._rest = process, [], b""
+
+    def next(self, deadline: float) -> str | None:
+        """The next line (None at the end of the output)."""
+        assert self.process.stdout is not None
+        while b"\n" not in self._rest:
+            left = deadline - time.monotonic()
+            assert left > 0, "no line in time:\n" + "\n".join(self.seen)
+            ready, _, _ = select.select([self.process.stdout], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(self.process.stdout.fileno(), 65536)
+            if not chunk:
+                if not self._rest:
+                    return None
+                self._rest += b"\n"
+            self._rest += chunk
+        line, self._rest = self._rest.split(b"\n", 1)
+        self.seen.append(line.decode(errors="replace"))
+        return self.seen[-1]
+
+    def until(self, pattern: re.Pattern[str], deadline: float) -> re.Match[str]:
+        while (line := self.next(deadline)) is not None:
+            if match := pattern.search(line):
+                return match
+        raise AssertionError(f"{pattern.pattern!r} never came:\n" + "\n".join(self.seen))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.seen)
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="Fashion-MNIST is not installed (make data)")
+def test_the_launchers_default_log_brings_a_killed_ps_back_and_is_gone_at_the_end(
+    tmp_path: Path,
+) -> None:
+    command = [
+        sys.executable, "-m", "tensorfleet", "launch", "--ps", "1", "--workers", "2",
+        "--no-live", "--", sys.executable, str(EXAMPLE), "--steps", "100", "--log-every", "1",
+        "--train-limit", "3000", "--test-limit", "1000", "--logdir", str(tmp_path / "run"),
+        "--checkpoint-steps", "25", "--summary-steps", "100000",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != environment.PS_UPDATE_LOG_VAR}
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    lines = LauncherLines(process)
+    deadline = time.monotonic() + 200
+    try:
+        log_dir = Path(lines.until(LOG_LINE, deadline).group(1))
+        assert log_dir.parent == Path("/dev/shm") and log_dir.is_dir(), lines.text
+        ps_pid = int(lines.until(STARTED_PS, deadline).group(1))
+        acknowledged = 0
+        while acknowledged < 35:  # past the checkpoint at 25, before the one at 50
+            acknowledged = max(acknowledged, int(lines.until(PLAIN_STEP, deadline).group(1)))
+        os.kill(ps_pid, signal.SIGKILL)
+        replayed = lines.until(REPLAYED, deadline)
+        assert int(replayed.group(3)) < acknowledged <= int(replayed.group(2)), lines.text
+        assert list(log_dir.glob("ps-0.*.updatelog")), lines.text
+        while lines.next(deadline) is not None:
+            pass
+        assert process.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, lines.text
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", lines.text, re.M), lines.text
+    assert not log_dir.exists(), lines.text  # removed with the launch

@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="log every update this ps applies since its newest checkpoint in DIR, so that "
         "the process that takes over after it is killed (SIGKILL) comes back at its last "
         "acknowledged push instead of at that checkpoint; snapshots of the shard's state keep "
-        "DIR to about a snapshot and the updates after it (docs/reliability.md) (default: "
-        "$TENSORFLEET_PS_UPDATE_LOG, else no log)",
+        "DIR to about a snapshot and the updates after it, and the log starts only where "
+        "that fits in half the free space (docs/reliability.md); off: no log (default: "
+        "$TENSORFLEET_PS_UPDATE_LOG, which tensorfleet launch sets, else no log)",
     )
     server.add_argument(
         "--update-log-snapshot",
@@ -253,10 +254,27 @@ def threads_reason_with_environment(
     return f"{environment.INTRA_OP_THREADS_VAR}={value}, {who}{overrode}"
 
 
+def server_update_log_dir(flag: str | None) -> str | None:
+    """The directory of a ``tensorfleet server``'s update log: ``--update-log`` (``flag``),
+    else ``TENSORFLEET_PS_UPDATE_LOG`` (the launcher sets it); None for unset or an off word.
+    ``auto`` is the launcher's choice, not a directory: refused, naming the fix."""
+    value, source = flag, "--update-log"
+    if value is None:
+        value, source = environment.ps_update_log_choice(), environment.PS_UPDATE_LOG_VAR
+    if value is None or value.strip().lower() in environment.UPDATE_LOG_OFF_WORDS:
+        return None
+    if value.strip().lower() == "auto":
+        raise ConfigError(
+            f"{source} auto: auto is tensorfleet launch's choice (a directory of the launch in "
+            "/dev/shm), which a ps started by hand does not have: give a directory, or off"
+        )
+    return value
+
+
 def server_config_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The ``ServerConfig`` fields ``tensorfleet server``'s options (and, where an option is
     not given, the environment the launcher sets) give; the others keep their defaults."""
-    update_log_dir = args.update_log or environment.ps_update_log_dir()
+    update_log_dir = server_update_log_dir(args.update_log)
     if args.update_log_snapshot is not None and update_log_dir is None:
         raise ConfigError(
             f"--update-log-snapshot {args.update_log_snapshot} has no effect without an update "

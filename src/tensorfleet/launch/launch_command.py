@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import shlex
 import signal
 import sys
@@ -26,7 +25,7 @@ from typing import Any, NoReturn
 
 from tensorfleet import environment
 from tensorfleet.errors import LaunchConfigError, LaunchError
-from tensorfleet.launch import stopped_ps
+from tensorfleet.launch import stopped_ps, update_log_directory
 from tensorfleet.launch.backends.base import Backend
 from tensorfleet.launch.backends.local import LocalBackend
 from tensorfleet.launch.output import LiveOutput, Output, PlainOutput
@@ -44,6 +43,7 @@ from tensorfleet.launch.supervisor import (
     DEFAULT_KILL_TIMEOUT,
     ClusterSupervisor,
 )
+from tensorfleet.launch.update_log_directory import UpdateLogDirectory
 from tensorfleet.launch.warm_spares import DEFAULT_PS_SPARES, DEFAULT_SPARES
 from tensorfleet.ps.memory_budget import parse_memory_size
 
@@ -190,8 +190,8 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="a ps task whose process stays stopped (SIGSTOP) for S seconds is killed and "
         "restarted, so that a new process (a warm spare) serves its shard (default: auto: "
-        f"{stopped_ps.AFTER_WITH_LOG_S:g} s with --ps-update-log, which loses nothing, "
-        f"{stopped_ps.AFTER_WITHOUT_LOG_S:g} s without, which trains the steps since the "
+        f"{stopped_ps.AFTER_WITH_LOG_S:g} s with the update log (the default), which loses "
+        f"nothing, {stopped_ps.AFTER_WITHOUT_LOG_S:g} s with --ps-update-log off, which trains the steps since the "
         "newest checkpoint again; off or 0: never; local backend only)",
     )
     backends = launch.add_argument_group("backend")
@@ -234,12 +234,15 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
     launch.add_argument(
         "--ps-update-log",
         default=None,
-        metavar="DIR",
-        help="every ps task logs each update it applies since its newest checkpoint in DIR "
-        "(sets TENSORFLEET_PS_UPDATE_LOG for the tasks), so that a ps killed with SIGKILL "
-        "comes back at its last acknowledged push, not at that checkpoint; snapshots of each "
-        "shard's state keep DIR to about a snapshot and the updates after it per ps "
-        "(docs/reliability.md) (default: no log)",
+        metavar="DIR|auto|off",
+        help="every ps task logs each update it applies since its newest checkpoint, so that "
+        "a ps killed with SIGKILL comes back at its last acknowledged push, not at that "
+        "checkpoint (sets TENSORFLEET_PS_UPDATE_LOG for the tasks); auto: in a directory of "
+        "this launch in /dev/shm, removed at the end (local backend only); DIR: in DIR, kept "
+        "after the run; off: no log. Snapshots of each shard's state keep the log to about a "
+        "snapshot and the updates after it per ps, and a ps whose log would not fit in half "
+        "the free space there logs nothing and says so (docs/reliability.md) (default: "
+        "$TENSORFLEET_PS_UPDATE_LOG, else auto)",
     )
     launch.add_argument(
         "--ps-update-log-snapshot",
@@ -307,18 +310,23 @@ def restart_policy_from(args: argparse.Namespace) -> RestartPolicy:
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
-def launch_env(args: argparse.Namespace) -> dict[str, str] | None:
-    """The environment every task gets from the launcher's own options (None: nothing)."""
+def launch_env(
+    args: argparse.Namespace, update_log: UpdateLogDirectory | None = None
+) -> dict[str, str] | None:
+    """The environment every task gets from the launcher's own options (None: nothing);
+    ``update_log``: the launch's update log, as :func:`update_log_directory.choose` chose it
+    (None: none chosen, e.g. a caller that only checks the options)."""
     env = {}
     if args.encrypt:
         env[environment.ENCRYPT_VAR] = "1"
-    if args.ps_update_log:
-        env[environment.PS_UPDATE_LOG_VAR] = os.path.abspath(args.ps_update_log)
+    if update_log is not None:
+        # an empty value when off: the tasks do not inherit a directory (or `auto`) from here
+        env[environment.PS_UPDATE_LOG_VAR] = "" if update_log.path is None else str(update_log.path)
     if args.ps_update_log_snapshot is not None:
-        if not args.ps_update_log:
+        if update_log is not None and update_log.path is None:
             raise LaunchConfigError(
                 f"--ps-update-log-snapshot {args.ps_update_log_snapshot} has no effect without "
-                "--ps-update-log DIR: give both, or leave it out"
+                "an update log (it is off here): leave it out, or give --ps-update-log DIR"
             )
         parse_memory_size(args.ps_update_log_snapshot, "--ps-update-log-snapshot")  # checked now
         env[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] = args.ps_update_log_snapshot
@@ -396,38 +404,45 @@ def run_launch(args: argparse.Namespace) -> int:
         output = PlainOutput() if live.console.is_dumb_terminal else live
     else:
         output = PlainOutput()
-    backend = backend_from(args)
+    update_log = update_log_directory.choose(args.ps_update_log, args.backend)
     try:
-        cluster = ClusterSupervisor(
-            args.ps,
-            args.workers,
-            command,
-            backend=backend,
-            ps_command=ps_command,
-            env=launch_env(args),
-            task_env=task_env,
-            grace_period=args.grace_period,
-            kill_timeout=args.kill_timeout,
-            output=output,
-            restart_policy=policy,
-            spares=(DEFAULT_SPARES if args.backend == "local" else 0)
-            if args.spares is None
-            else args.spares,
-            ps_spares=ps_spares,
-            replace_stopped_ps=replace_stopped_ps,
-        )
-    except BaseException:
-        backend.close()
-        raise
-    with _forward_signals(cluster.interrupt), output:
+        env = launch_env(args, update_log)  # a bad snapshot size: refused before the start
+        backend = backend_from(args)
         try:
-            if resources.gpu_line is not None:
-                output.message(resources.gpu_line)  # the first line: which worker has which GPU
-            cluster.start()
-            return cluster.wait()
-        finally:
-            # Never leave a child behind, whatever happened above (even a bug of ours).
-            cluster.stop()
+            cluster = ClusterSupervisor(
+                args.ps,
+                args.workers,
+                command,
+                backend=backend,
+                ps_command=ps_command,
+                env=env,
+                task_env=task_env,
+                grace_period=args.grace_period,
+                kill_timeout=args.kill_timeout,
+                output=output,
+                restart_policy=policy,
+                spares=(DEFAULT_SPARES if args.backend == "local" else 0)
+                if args.spares is None
+                else args.spares,
+                ps_spares=ps_spares,
+                replace_stopped_ps=replace_stopped_ps,
+            )
+        except BaseException:
+            backend.close()
+            raise
+        with _forward_signals(cluster.interrupt), output:
+            try:
+                if resources.gpu_line is not None:
+                    output.message(resources.gpu_line)  # the first line: which worker has which GPU
+                if args.ps:
+                    output.message(update_log.line)
+                cluster.start()
+                return cluster.wait()
+            finally:
+                # Never leave a child behind, whatever happened above (even a bug of ours).
+                cluster.stop()
+    finally:
+        update_log.remove()  # after the tasks are gone: none of them writes there any more
 
 
 @contextmanager

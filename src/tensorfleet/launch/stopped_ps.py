@@ -7,7 +7,7 @@ process from ``/proc/<pid>/stat`` every :data:`POLL_S`. A ps seen stopped (state
 ``SIGSTOP``, or a job-control stop such as ``SIGTSTP``) at every look for ``after_s``
 seconds gets ``SIGKILL`` on its process group and is restarted as any ps killed by a signal
 is: its identity goes to a warm spare ps when one waits, the chief restores the shard from
-the newest checkpoint, and with the ps update log (``--ps-update-log``) the restored shard
+the newest checkpoint, and with the ps update log (``--ps-update-log``, on by default) the restored shard
 replays every update the stopped process acknowledged, so nothing is lost. The line that says
 so names the process, how long it was stopped, what the replacement loses and the option.
 
@@ -100,8 +100,8 @@ def parse_after(value: str) -> float | str | None:
     if choice == "off":
         return None
     choices = (
-        f"give auto (the default: {AFTER_WITH_LOG_S:g} s with --ps-update-log, "
-        f"{AFTER_WITHOUT_LOG_S:g} s without), off (or 0), or seconds such as 5"
+        f"give auto (the default: {AFTER_WITH_LOG_S:g} s with the update log, "
+        f"{AFTER_WITHOUT_LOG_S:g} s with --ps-update-log off), off (or 0), or seconds such as 5"
     )
     try:
         seconds = float(choice)
@@ -213,8 +213,8 @@ class StoppedPsReplacement:
         loses = (
             "the update log replays every update it acknowledged: nothing is lost"
             if self._stopped_ps_plan[1]
-            else "the steps since its newest checkpoint are trained again; --ps-update-log "
-            "would keep them"
+            else "the steps since its newest checkpoint are trained again; the update log "
+            "(--ps-update-log, on by default under tensorfleet launch) would keep them"
         )
         self.output.message(
             f"{task.name} (pid {pid}) has been stopped for {stopped_s:.1f} s (process state "
