@@ -296,13 +296,20 @@ class UpdateLog:
         the last update. Empty: no segment of that document (deleted, or never written).
         The chain stops at a segment that does not open."""
         segments = self.segments()
+        opened: dict[Path, Segment | None] = {}  # each file opened (and a bad one said) once
+
+        def segment(path: Path) -> Segment | None:
+            if path not in opened:
+                opened[path] = self._open_segment(path)
+            return opened[path]
+
         for index in range(len(segments) - 1, -1, -1):
-            first = self._open_segment(segments[index][1])
+            first = segment(segments[index][1])
             if first is None or not first.starts_for(crc):
                 continue
             chain = [first]
             for _, path in segments[index + 1 :]:
-                following = self._open_segment(path)
+                following = segment(path)
                 if following is None:
                     break
                 chain.append(following)

@@ -55,6 +55,14 @@ class UpdateLogCorrupt(CheckpointError):
     """A complete record of an update log whose bytes are not what was written."""
 
 
+class SegmentCutShort(UpdateLogCorrupt):
+    """A segment whose first record (its checkpoint's base or a snapshot) was never written
+    whole: its process died while writing it. Nothing logged after it was acknowledged (a
+    segment's first record is whole before any update is logged in it, and a snapshot is
+    written before the reply to the push it follows), so a restore ends with the segment
+    before it and loses nothing."""
+
+
 def _xxh3_64(pieces: Sequence[bytes | memoryview]) -> int:
     """The XXH3-64 of ``pieces`` one after the other (no copy of them)."""
     state = xxhash.xxh3_64()
@@ -161,8 +169,14 @@ class Segment:
             first = _read_record(
                 path, file, len(MAGIC), os.fstat(file.fileno()).st_size, record_format
             )
-        kind = None if first is None else first[0].get("kind")
-        if first is None or kind not in ("base", "snapshot"):
+        if first is None:
+            raise SegmentCutShort(
+                f"update log {path}: its first record (a snapshot, or the start after a "
+                "checkpoint) was cut short: the process died while writing it. Nothing logged "
+                "after it was acknowledged: the replay ends with the segment before it"
+            )
+        kind = first[0].get("kind")
+        if kind not in ("base", "snapshot"):
             raise _corrupt(path, len(MAGIC), "is not the segment's base or snapshot record")
         header, payload, self.valid_bytes = first
         try:
