@@ -607,10 +607,23 @@ def measure_storm_recovery(fault: Fault, started: float, watch: Watch) -> None:
             fault.phases = {**phases, "first step": fault.recovered_s}
 
 
+def write_timeline(watch: Watch, faults: list[Fault], start: float, path: Path) -> None:
+    """Every line of the disturbed run and every fault, in order, with the seconds since
+    ``start`` (the storm's log file has the lines without their times): where a slow
+    recovery's seconds went, e.g. the chief's lines between a ps's restart and its restore."""
+    entries = [(at, task, text.splitlines()[0] if text else "") for at, task, text in watch.events]
+    entries += [(start + f.at_s, "storm", f"{f.kind} {f.task}") for f in faults]
+    with path.open("w") as file:
+        for at, task, text in sorted(entries, key=lambda entry: entry[0]):
+            file.write(f"{at - start:9.3f} [{task}] {text}\n")
+    print(f"chaos: the disturbed run's lines with their times: {path}", flush=True)
+
+
 def storm_main(args: argparse.Namespace, workdir: Path) -> int:
     """The storm, the undisturbed run, the checks and the report."""
     with update_log_env(args) as log_env:
         status, watch, faults, pids, times = storm_run(args, workdir, log_env)
+    write_timeline(watch, faults, times["run_start"], workdir / "storm-timeline.txt")
     base_accuracy = None
     base_status: int | None = None
     if not args.no_baseline:

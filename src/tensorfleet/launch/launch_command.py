@@ -404,7 +404,8 @@ def run_launch(args: argparse.Namespace) -> int:
         output = PlainOutput() if live.console.is_dumb_terminal else live
     else:
         output = PlainOutput()
-    update_log = update_log_directory.choose(args.ps_update_log, args.backend)
+    # no ps tasks (all-reduce): no log to keep, nothing made
+    update_log = update_log_directory.choose(args.ps_update_log, args.backend) if args.ps else None
     try:
         env = launch_env(args, update_log)  # a bad snapshot size: refused before the start
         backend = backend_from(args)
@@ -434,7 +435,7 @@ def run_launch(args: argparse.Namespace) -> int:
             try:
                 if resources.gpu_line is not None:
                     output.message(resources.gpu_line)  # the first line: which worker has which GPU
-                if args.ps:
+                if update_log is not None:
                     output.message(update_log.line)
                 cluster.start()
                 return cluster.wait()
@@ -442,7 +443,8 @@ def run_launch(args: argparse.Namespace) -> int:
                 # Never leave a child behind, whatever happened above (even a bug of ours).
                 cluster.stop()
     finally:
-        update_log.remove()  # after the tasks are gone: none of them writes there any more
+        if update_log is not None:  # after the tasks are gone: none of them writes there now
+            update_log.remove()
 
 
 @contextmanager
