@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -577,11 +578,20 @@ def test_the_bound_of_a_log_and_the_room_it_needs() -> None:
     assert log_bound(10 << 20, 64 << 20) == 2 * (74 << 20) + AHEAD_BYTES
     directory = Path("/")
     free = free_bytes(directory)
-    assert missing_room(directory, None, 0, "ps:0", 1) is None  # without snapshots: no rule
-    assert missing_room(directory, free // 4, 0, "ps:0", 1) is None
-    reason = missing_room(directory, free, 0, "ps:0", 3 << 30)
-    assert reason is not None and "ps:0: no update log in /" in reason and "3.0 GiB" in reason
-    assert missing_room(directory, free, free, "ps:0", 1) is None  # its own segments count
+    assert missing_room(directory, 1 << 20, None, 0, "ps:0") is None  # no snapshots: no rule
+    assert missing_room(directory, 1 << 20, 64 << 20, 0, "ps:0") is None
+    state = free // 16
+    reason = missing_room(directory, state, free, 0, "ps:0")
+    assert reason is not None and "ps:0: no update log in /" in reason, reason
+    assert "twice this shard's state of" in reason and "allocated ahead" in reason, reason
+    assert missing_room(directory, 1 << 20, free // 8, 4 * free, "ps:0") is None  # own segments
+    # the snapshot interval the refusal suggests does fit
+    suggested = re.search(r"--ps-update-log-snapshot (\d+)MiB or less fits", reason)
+    assert suggested is not None, reason
+    assert missing_room(directory, state, int(suggested[1]) << 20, 0, "ps:0") is None
+    # a state that alone takes more than the room: no interval would do
+    too_big = missing_room(directory, free, 64 << 20, 0, "ps:0")
+    assert too_big is not None and "would not fit there either" in too_big, too_big
 
 
 def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(

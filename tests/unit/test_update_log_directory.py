@@ -54,8 +54,9 @@ def test_a_directory_given_is_kept_and_off_is_no_log(tmp_path: Path) -> None:
     for word in ("off", "0", "OFF", "none"):
         off = choose(word, "local", root=tmp_path)
         assert off.path is None and "ps update log: off" in off.line, word
-    with pytest.raises(LaunchConfigError, match="--ps-update-log is empty"):
-        choose(" ", "local", root=tmp_path)
+    for empty in (" ", ""):
+        with pytest.raises(LaunchConfigError, match="--ps-update-log is empty"):
+            choose(empty, "local", root=tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["logs"]  # nothing made for those
 
 
@@ -81,26 +82,57 @@ def test_auto_is_no_log_on_ray_and_where_the_root_cannot_be_written(tmp_path: Pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_directories_of_launchers_that_are_gone_are_removed_and_the_others_kept(
-    tmp_path: Path,
-) -> None:
+def _launch_directories(root: Path) -> tuple[Path, Path, Path, Path]:
+    """Under ``root``: a directory of a launcher that is gone, one of a pid now reused (this
+    process's, another start time), one of this live process, and one not a launch's."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     own = f"{os.getpid()}-{process_start(os.getpid())}"
-    dead = tmp_path / f"{PREFIX}{gone.pid}-{12345}-aaaa"
-    reused = tmp_path / f"{PREFIX}{os.getpid()}-1-bbbb"  # this pid, another start: reused
-    alive = tmp_path / f"{PREFIX}{own}-cccc"
-    other = tmp_path / "tensorfleet-something-else"
+    dead = root / f"{PREFIX}{gone.pid}-{12345}-aaaa"
+    reused = root / f"{PREFIX}{os.getpid()}-1-bbbb"
+    alive = root / f"{PREFIX}{own}-cccc"
+    other = root / "tensorfleet-something-else"
     for path in (dead, reused, alive, other):
         path.mkdir()
-        (path / "ps-0.00000001.updatelog").write_bytes(b"x")
-    assert sorted(remove_orphans(tmp_path)) == sorted([dead, reused])
+        (path / "ps-0.00000001.updatelog").write_bytes(b"x" * 8192)
+    return dead, reused, alive, other
+
+
+def test_the_directories_of_launchers_that_are_gone_are_removed_and_the_others_kept(
+    tmp_path: Path,
+) -> None:
+    dead, reused, alive, other = _launch_directories(tmp_path)
+    removed = remove_orphans(tmp_path)
+    assert sorted(path for path, _ in removed) == sorted([dead, reused])
+    assert all(size >= 8192 for _, size in removed)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other.name])
-    chosen = choose(None, "local", root=tmp_path)  # a launch removes orphans as it starts
-    assert alive.is_dir() and chosen.path is not None and chosen.path.is_dir()
 
 
-def test_the_tasks_get_the_chosen_directory_or_an_empty_value_when_off(tmp_path: Path) -> None:
+@pytest.mark.parametrize("choice", ["auto", "off", "a directory"])
+def test_a_local_launch_removes_the_orphans_whatever_its_choice_and_says_so(
+    tmp_path: Path, choice: str
+) -> None:
+    """A user who turned the log off (e.g. for a small /dev/shm) still gets the memory of a
+    killed launcher's directory back (the trial of this change found it kept)."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    dead, reused, alive, _ = _launch_directories(root)
+    flag = {"auto": None, "off": "off", "a directory": str(tmp_path / "kept")}[choice]
+    chosen = choose(flag, "local", root=root)
+    assert not dead.exists() and not reused.exists() and alive.is_dir()
+    assert chosen.cleanup is not None, chosen
+    assert chosen.cleanup.startswith(
+        f"removed 2 ps update log directories of launches that are gone from {root}"
+    )
+    assert dead.name in chosen.cleanup and reused.name in chosen.cleanup
+    assert choose("off", "local", root=root).cleanup is None  # nothing left to remove
+    assert choose("off", "ray", root=root).cleanup is None  # not this host's to clean
+    chosen.remove()
+
+
+def test_the_tasks_get_the_chosen_directory_or_an_empty_value_when_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     parser = build_parser()
     args = parser.parse_args(["launch", "--", "python", "t.py"])
     chosen = choose(None, "local", root=tmp_path)
@@ -111,6 +143,10 @@ def test_the_tasks_get_the_chosen_directory_or_an_empty_value_when_off(tmp_path:
     assert launch_env(sized, chosen)[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] == "1G"
     with pytest.raises(LaunchConfigError, match="no effect without an update log"):
         launch_env(sized, off)
+    monkeypatch.setenv(environment.PS_UPDATE_LOG_SNAPSHOT_VAR, "1G")  # the same, inherited
+    assert launch_env(args, chosen)[environment.PS_UPDATE_LOG_VAR] == str(chosen.path)
+    with pytest.raises(LaunchConfigError, match="TENSORFLEET_PS_UPDATE_LOG_SNAPSHOT=1G has no"):
+        launch_env(args, off)
     chosen.remove()
 
 

@@ -332,6 +332,11 @@ def launch_env(
         env[environment.PS_UPDATE_LOG_SNAPSHOT_VAR] = args.ps_update_log_snapshot
     elif (inherited := environment.ps_update_log_snapshot()) is not None:
         # the tasks inherit it: a bad one is refused now, not by every ps after the start
+        if update_log is not None and update_log.path is None:
+            raise LaunchConfigError(
+                f"{environment.PS_UPDATE_LOG_SNAPSHOT_VAR}={inherited} has no effect without an "
+                "update log (it is off here): unset it, or give --ps-update-log DIR"
+            )
         parse_memory_size(inherited, environment.PS_UPDATE_LOG_SNAPSHOT_VAR)
     return env or None
 
@@ -436,6 +441,8 @@ def run_launch(args: argparse.Namespace) -> int:
                 if resources.gpu_line is not None:
                     output.message(resources.gpu_line)  # the first line: which worker has which GPU
                 if update_log is not None:
+                    if update_log.cleanup is not None:
+                        output.message(update_log.cleanup)
                     output.message(update_log.line)
                 cluster.start()
                 return cluster.wait()

@@ -5,9 +5,11 @@ What. ``--ps-update-log`` chooses: ``DIR`` (kept after the run: a later launch r
 the same checkpoints replays it too), ``off`` (no log), or by default ``auto``: on the local
 backend, a new directory ``/dev/shm/tensorfleet-update-log-<pid>-<start>`` named for the
 launcher's process, given to every task as ``TENSORFLEET_PS_UPDATE_LOG`` and removed with
-everything in it when the launch ends. A launch whose process was killed before it could
-remove its directory leaves it behind; the next launch removes every such directory of the
-same user whose launcher is gone (:func:`remove_orphans`). Where ``/dev/shm`` is missing or
+everything in it when the launch ends. A relative ``DIR`` is taken from the current
+directory; an empty value is refused. A launch whose process was killed before it could
+remove its directory leaves it behind; the next local launch of the same user, whatever its
+own choice, removes every such directory whose launcher is gone and says so in one line
+(:func:`remove_orphans`). Where ``/dev/shm`` is missing or
 not writable, and on the Ray backend (its tasks may run on other hosts), ``auto`` is no log,
 and the launcher's line says why. Each ps still asks whether its log has room before it
 starts it (:mod:`tensorfleet.ps.update_log_room`: a large shard in a small ``/dev/shm``
@@ -31,6 +33,7 @@ wants it to outlive the run names a directory.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import shutil
@@ -51,11 +54,13 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class UpdateLogDirectory:
     """What a launch gives its tasks: ``path`` (None: no log), whether the launch made it
-    (and removes it at its end), and the line the launcher prints about it."""
+    (and removes it at its end), the line the launcher prints about it, and the line saying
+    which orphaned directories it removed (None: none)."""
 
     path: Path | None
     owned: bool
     line: str
+    cleanup: str | None = None
 
     def remove(self) -> None:
         """Remove the directory and its segments when this launch made it."""
@@ -66,11 +71,20 @@ class UpdateLogDirectory:
 def choose(flag: str | None, backend: str, root: Path = SHARED_MEMORY_ROOT) -> UpdateLogDirectory:
     """The update log the ``--ps-update-log`` value ``flag`` asks for (None: the launcher's
     own ``TENSORFLEET_PS_UPDATE_LOG`` if set, else ``auto``) on ``backend``; ``auto`` makes the
-    launch's directory under ``root`` (after removing orphaned ones)."""
+    launch's directory under ``root``. On the local backend, whatever the choice, the
+    directories under ``root`` of launchers that are gone are removed first (said in
+    ``cleanup``)."""
+    cleanup = None
+    if backend == "local" and root.is_dir():
+        cleanup = _said(root, remove_orphans(root))
+    return dataclasses.replace(_chosen(flag, backend, root), cleanup=cleanup)
+
+
+def _chosen(flag: str | None, backend: str, root: Path) -> UpdateLogDirectory:
     source = "--ps-update-log"
     if flag is None:
-        flag, source = environment.ps_update_log_choice(), environment.PS_UPDATE_LOG_VAR
-    choice = (flag or AUTO).strip()
+        flag, source = environment.ps_update_log_choice() or AUTO, environment.PS_UPDATE_LOG_VAR
+    choice = flag.strip()
     if not choice:
         raise LaunchConfigError(f"{source} is empty: give a directory, auto or off")
     if choice.lower() in environment.UPDATE_LOG_OFF_WORDS:
@@ -100,7 +114,6 @@ def choose(flag: str | None, backend: str, root: Path = SHARED_MEMORY_ROOT) -> U
             f"ps update log: off ({root} is missing or not writable here; give "
             "--ps-update-log DIR to keep it elsewhere)",
         )
-    remove_orphans(root)
     path = root / f"{PREFIX}{os.getpid()}-{process_start(os.getpid())}-{secrets.token_hex(4)}"
     path.mkdir(mode=0o700)
     return UpdateLogDirectory(
@@ -108,6 +121,18 @@ def choose(flag: str | None, backend: str, root: Path = SHARED_MEMORY_ROOT) -> U
         True,
         f"ps update log: {path} (a ps killed with SIGKILL comes back at its last "
         "acknowledged push; removed at the end; --ps-update-log DIR keeps it, off: none)",
+    )
+
+
+def _said(root: Path, removed: list[tuple[Path, int]]) -> str | None:
+    """The line that says which orphaned directories were removed (None: none)."""
+    if not removed:
+        return None
+    total = sum(size for _, size in removed)
+    names = ", ".join(path.name for path, _ in removed)
+    return (
+        f"removed {len(removed)} ps update log director{'y' if len(removed) == 1 else 'ies'} "
+        f"of launches that are gone from {root} ({total / (1 << 20):.0f} MiB): {names}"
     )
 
 
@@ -123,9 +148,10 @@ def process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def remove_orphans(root: Path) -> list[Path]:
+def remove_orphans(root: Path) -> list[tuple[Path, int]]:
     """Remove the launch directories under ``root`` of this user whose launcher process is
-    gone (killed before it could remove its own); the ones removed."""
+    gone (killed before it could remove its own); the ones removed, with the bytes each
+    held."""
     removed = []
     uid = os.getuid()
     for path in root.glob(PREFIX + "*"):
@@ -138,6 +164,18 @@ def remove_orphans(root: Path) -> list[Path]:
             continue
         if pid_text.isdigit() and process_start(int(pid_text)) == start:
             continue  # its launcher still runs
+        size = _bytes_held(path)
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
+        removed.append((path, size))
     return removed
+
+
+def _bytes_held(directory: Path) -> int:
+    """The bytes the files in ``directory`` take on their file system."""
+    held = 0
+    for file in directory.iterdir():
+        try:
+            held += file.stat().st_blocks * 512
+        except OSError:
+            pass
+    return held

@@ -34,7 +34,7 @@ from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard
 from tensorfleet.ps.update_log import UpdateLog, shard_file_stem, snapshot_after_bytes
-from tensorfleet.ps.update_log_room import log_bound, missing_room
+from tensorfleet.ps.update_log_room import missing_room
 from tensorfleet.ps.update_log_segment import Base, Segment, document_crc
 
 if TYPE_CHECKING:
@@ -77,6 +77,13 @@ class SaveRestoreHandling:
             if directory is None
             else UpdateLog(directory, shard_file_stem(self.config.shard_index, self.config.model))
         )
+        if self.update_log is not None:
+            log.info(
+                "%s: update log in %s (from the first checkpoint on, a ps killed with SIGKILL "
+                "comes back at its last acknowledged push)",
+                self.config.name,
+                self.update_log.directory,
+            )
 
     def close_update_log(self) -> None:
         """Close the update log's segment (it stays, for a later restore), giving back the
@@ -186,10 +193,10 @@ class SaveRestoreHandling:
         state_bytes = self._size_snapshots()
         reason = missing_room(
             self.update_log.directory,
-            log_bound(state_bytes, self.update_log.snapshot_after_bytes),
+            state_bytes,
+            self.update_log.snapshot_after_bytes,
             self.update_log.held_bytes(),
             self.config.name,
-            state_bytes,
         )
         if reason is not None:
             if not self.update_log_lacked_room:

@@ -57,23 +57,37 @@ def free_bytes(directory: Path) -> int:
 
 
 def missing_room(
-    directory: Path, bound: int | None, held_bytes: int, shard_name: str, state_bytes: int
+    directory: Path,
+    state_bytes: int,
+    snapshot_after_bytes: int | None,
+    held_bytes: int,
+    shard_name: str,
 ) -> str | None:
-    """Why the log of ``shard_name`` (whose state takes ``state_bytes``) may not start in
-    ``directory``, or None when it has room: ``bound`` against :data:`ROOM_SHARE` of the free
-    space, the ``held_bytes`` of the shard's own segments counted as free."""
-    if bound is None:
+    """Why the log of ``shard_name`` may not start in ``directory``, or None when it has
+    room: the :func:`log_bound` of its ``state_bytes`` and ``snapshot_after_bytes`` against
+    :data:`ROOM_SHARE` of the free space, the ``held_bytes`` of the shard's own segments
+    counted as free. The reason spells the bound out and names the largest snapshot interval
+    that would fit, if one would."""
+    bound = log_bound(state_bytes, snapshot_after_bytes)
+    if bound is None or snapshot_after_bytes is None:
         return None
-    free = free_bytes(directory) + held_bytes
-    if bound <= ROOM_SHARE * free:
+    room = ROOM_SHARE * (free_bytes(directory) + held_bytes)
+    if bound <= room:
         return None
+    fitting = int((room - AHEAD_BYTES) / 2 - state_bytes) >> 20 << 20  # whole MiB
+    fix = (
+        f"or write snapshots more often (--ps-update-log-snapshot {fitting >> 20}MiB or less "
+        "fits there)"
+        if fitting >= 1 << 20
+        else "(more frequent snapshots would not fit there either)"
+    )
     return (
-        f"{shard_name}: no update log in {directory}: it could hold up to "
-        f"{_size(bound)} (twice this shard's state of {_size(state_bytes)} and the updates "
-        f"logged between snapshots), more than {ROOM_SHARE:.0%} of the {_size(free)} free "
-        "there; a ps killed with SIGKILL comes back at its newest checkpoint. Give the log "
-        "a directory with room (tensorfleet launch --ps-update-log DIR, tensorfleet server "
-        "--update-log DIR) or write snapshots more often (--ps-update-log-snapshot SIZE); "
+        f"{shard_name}: no update log in {directory}: it could hold up to {_size(bound)} "
+        f"(twice this shard's state of {_size(state_bytes)} and the {_size(snapshot_after_bytes)} "
+        f"of updates logged between snapshots, plus {_size(AHEAD_BYTES)} allocated ahead), more "
+        f"than {ROOM_SHARE:.0%} of the {_size(int(room / ROOM_SHARE))} free there; a ps killed "
+        "with SIGKILL comes back at its newest checkpoint. Give the log a directory with room "
+        f"(tensorfleet launch --ps-update-log DIR, tensorfleet server --update-log DIR) {fix}; "
         "asked again at the next checkpoint"
     )
 
