@@ -9,19 +9,20 @@ everything in it when the launch ends. A relative ``DIR`` is taken from the curr
 directory; an empty value is refused. A launch whose process was killed before it could
 remove its directory leaves it behind; the next local launch of the same user, whatever its
 own choice, removes every such directory whose launcher is gone and says so in one line
-(:func:`remove_orphans`). Where ``/dev/shm`` is missing or
-not writable, and on the Ray backend (its tasks may run on other hosts), ``auto`` is no log,
-and the launcher's line says why. Each ps still asks whether its log has room before it
+(:func:`remove_orphans`). Where ``/dev/shm`` is missing or not writable, and on the Ray
+backend (its tasks may run on other hosts), ``auto`` is no log, and the launcher's line says
+why. Each ps still asks whether its log has room before it
 starts it (:mod:`tensorfleet.ps.update_log_room`: a large shard in a small ``/dev/shm``
 logs nothing, in one line with the fix).
 
 Why on by default. Without the log, a ps killed with SIGKILL (the OOM killer, a kill from
 outside) comes back at its newest checkpoint and every step since is trained again; with it,
-at its last acknowledged push. Its cost on a training run was measured as within the
-machine's spread: the CNN on 1 ps + 3 workers on 2 cores, 5 runs each alternated, 32.1
-against 32.8 global steps/s (0.98x; same-round ratios 0.73x-1.03x, median 1.02x;
-``benchmarks/recovery.py --only training``, docs/reliability.md), and its size is bounded by
-its snapshots (the CNN: under 200 MB). Why ``/dev/shm``: a record is written before its push
+at its last acknowledged push. Its cost on a training run, the CNN on 1 ps + 3 workers
+sharing 2 cores (``benchmarks/recovery.py --only training``, docs/reliability.md): 0.93x and
+0.94x the steps/s without it in two runs of 3 rounds a side, 0.98x in one of 5 (32.1 against
+32.8 global steps/s; same-round ratios 0.73x-1.03x, median 1.02x: within the machine's
+spread), against up to a checkpoint interval of steps trained again at every ps SIGKILL
+without it; its size is bounded by its snapshots (the CNN: under 200 MB). Why ``/dev/shm``: a record is written before its push
 is answered, and a write to memory costs the push 2.3 ms for the CNN's 6.5 MB where one to
 the disk cost several times that; a killed *process* loses nothing written there (a lost
 host does, as it loses the tasks: the checkpoint covers that).
