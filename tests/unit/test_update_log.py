@@ -340,6 +340,13 @@ def _create_body(rule: Any, mode: str) -> dict[str, Any]:
     }
 
 
+def _create(chief: Channel, rule: Any, mode: str, seed: int) -> None:
+    """The chief creates the shard's variables with ``rule`` in ``mode`` (sync, or async for
+    the others), from the values of ``_gradients(seed)``."""
+    body = _create_body(rule, "sync" if mode == "sync" else "async")
+    chief.call("create", body, [as_buffer(v) for v in _gradients(seed)], TIMEOUT_S)
+
+
 def _push_round(workers: dict[str, Channel], mode: str, seed: int, step: int) -> None:
     """One push per worker (sync: both join the step ``step``); buckets: two parts."""
     if mode == "buckets":
@@ -393,9 +400,7 @@ def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
     snapshot taken after the newer checkpoint."""
     workers = _start(services, tmp_path, snapshot_bytes)
     chief = workers["worker:0"]
-    initial = _gradients(1000)
-    chief.call("create", _create_body(rule, "sync" if mode == "sync" else "async"),
-               [as_buffer(v) for v in initial], TIMEOUT_S)  # fmt: skip
+    _create(chief, rule, mode, seed=1000)
     for i in range(3):
         _push_round(workers, mode, seed=i, step=i)
     checkpoint = _save(chief)
@@ -437,12 +442,7 @@ def test_a_restore_of_a_checkpoint_without_its_log_keeps_the_checkpoints_state(
 ) -> None:
     workers = _start(services, tmp_path / "first")
     chief = workers["worker:0"]
-    chief.call(
-        "create",
-        _create_body(SGD(lr=0.1), "async"),
-        [as_buffer(v) for v in _gradients(5)],
-        TIMEOUT_S,
-    )
+    _create(chief, SGD(lr=0.1), "async", seed=5)
     _push_round(workers, "async", seed=1, step=0)
     checkpoint = _save(chief)
     _push_round(workers, "async", seed=2, step=1)
@@ -464,8 +464,7 @@ def test_a_snapshot_of_another_shard_is_refused_and_the_restore_keeps_the_checkp
 ) -> None:
     workers = _start(services, tmp_path / "first")
     chief = workers["worker:0"]
-    body = _create_body(SGD(lr=0.1), "async")
-    chief.call("create", body, [as_buffer(v) for v in _gradients(5)], TIMEOUT_S)
+    _create(chief, SGD(lr=0.1), "async", seed=5)
     checkpoint = _save(chief)
     stop_services(services[0], services[1])
     services[0].clear()
@@ -481,7 +480,7 @@ def test_a_snapshot_of_another_shard_is_refused_and_the_restore_keeps_the_checkp
     log.snapshot([foreign], state.version, state.global_step)
     log.close()
     workers = _start(services, tmp_path / "second")
-    body = {**body, "restore": True, "global_step": state.global_step}
+    body = {**_create_body(SGD(lr=0.1), "async"), "restore": True, "global_step": state.global_step}
     with caplog.at_level(logging.ERROR, logger="tensorfleet.ps"):
         created = workers["worker:0"].call("create", body, [checkpoint], TIMEOUT_S).body
     assert created["global_step"] == state.global_step
@@ -496,8 +495,7 @@ def test_the_space_allocated_ahead_is_given_back_when_the_ps_ends(
     its records (``du`` showed it, ``ls`` did not: found in a new user's trial)."""
     workers = _start(services, tmp_path)
     chief = workers["worker:0"]
-    body = _create_body(SGD(lr=0.1), "async")
-    chief.call("create", body, [as_buffer(v) for v in _gradients(3)], TIMEOUT_S)
+    _create(chief, SGD(lr=0.1), "async", seed=3)
     _save(chief)
     _push_round(workers, "async", seed=1, step=0)
     update_log = services[0][0].service.update_log
@@ -518,8 +516,7 @@ def test_a_log_write_that_fails_answers_the_push_and_logs_again_from_the_next_ch
     once, and starts again at the next checkpoint."""
     workers = _start(services, tmp_path)
     chief = workers["worker:0"]
-    body = _create_body(SGD(lr=0.1), "async")
-    chief.call("create", body, [as_buffer(v) for v in _gradients(3)], TIMEOUT_S)
+    _create(chief, SGD(lr=0.1), "async", seed=3)
     _save(chief)
     service = services[0][0].service
     update_log = service.update_log
@@ -550,12 +547,7 @@ def test_a_log_without_room_logs_nothing_says_so_once_and_starts_again_when_it_h
     and with room (a smaller snapshot interval) the log starts and says so."""
     workers = _start(services, tmp_path, snapshot_bytes=free_bytes(tmp_path))
     chief = workers["worker:0"]
-    chief.call(
-        "create",
-        _create_body(SGD(lr=0.1), "async"),
-        [as_buffer(v) for v in _gradients(3)],
-        TIMEOUT_S,
-    )
+    _create(chief, SGD(lr=0.1), "async", seed=3)
     service = services[0][0].service
     with caplog.at_level(logging.WARNING, logger="tensorfleet.ps"):
         for seed in (1, 2):
@@ -601,8 +593,7 @@ def test_a_shard_that_kept_running_restored_with_the_others_replays_its_own_log(
     did not restart takes the checkpoint and replays its own log, back to where it was."""
     workers = _start(services, tmp_path)
     chief = workers["worker:0"]
-    body = _create_body(Adam(lr=0.01), "async")
-    chief.call("create", body, [as_buffer(v) for v in _gradients(7)], TIMEOUT_S)
+    _create(chief, Adam(lr=0.01), "async", seed=7)
     _push_round(workers, "buckets", seed=1, step=0)
     checkpoint = _save(chief)
     for i in range(2, 5):

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from tensorfleet import environment
 from tensorfleet.errors import LaunchConfigError
+from tensorfleet.ps.update_log_room import bytes_on_disk
 
 #: Where ``auto`` puts the launch's directory.
 SHARED_MEMORY_ROOT = Path("/dev/shm")
@@ -165,18 +166,7 @@ def remove_orphans(root: Path) -> list[tuple[Path, int]]:
             continue
         if pid_text.isdigit() and process_start(int(pid_text)) == start:
             continue  # its launcher still runs
-        size = _bytes_held(path)
+        size = bytes_on_disk(path.iterdir())
         shutil.rmtree(path, ignore_errors=True)
         removed.append((path, size))
     return removed
-
-
-def _bytes_held(directory: Path) -> int:
-    """The bytes the files in ``directory`` take on their file system."""
-    held = 0
-    for file in directory.iterdir():
-        try:
-            held += file.stat().st_blocks * 512
-        except OSError:
-            pass
-    return held

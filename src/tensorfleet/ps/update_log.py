@@ -98,6 +98,7 @@ import torch
 
 from tensorfleet.errors import CheckpointError
 from tensorfleet.ps.space_ahead import SpaceAhead
+from tensorfleet.ps.update_log_room import bytes_on_disk
 from tensorfleet.ps.update_log_segment import (
     XXH3_FORMAT,
     Base,
@@ -215,13 +216,7 @@ class UpdateLog:
     def held_bytes(self) -> int:
         """The bytes this shard's segment files take on their file system (the space
         allocated ahead of the records included)."""
-        held = 0
-        for _, path in self.segments():
-            try:
-                held += path.stat().st_blocks * 512
-            except FileNotFoundError:  # deleted meanwhile by the deleting thread
-                pass
-        return held
+        return bytes_on_disk(path for _, path in self.segments())
 
     def start(self, base: Base) -> None:
         """Start a new segment after a checkpoint (``base``); keep what a restore of the

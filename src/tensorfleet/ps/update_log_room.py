@@ -32,6 +32,7 @@ shard can tell, and the rule does not apply (the setting is the user's choice).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from tensorfleet.ps.space_ahead import AHEAD_BYTES
@@ -48,6 +49,19 @@ def log_bound(dense_state_bytes: int, snapshot_after_bytes: int | None) -> int |
     if not snapshot_after_bytes:
         return None
     return 2 * (dense_state_bytes + snapshot_after_bytes) + AHEAD_BYTES
+
+
+def bytes_on_disk(paths: Iterable[Path]) -> int:
+    """The bytes the files ``paths`` take on their file system (allocated blocks: the space a
+    log allocated ahead of its records counts, a file's unwritten holes do not); a file gone
+    meanwhile (a deleting thread) counts nothing."""
+    held = 0
+    for path in paths:
+        try:
+            held += path.stat().st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return held
 
 
 def free_bytes(directory: Path) -> int:
