@@ -202,6 +202,37 @@ def test_one_process_trains_a_table_like_one_ps_and_one_worker(tmp_path):
         assert torch.allclose(torch.tensor(got_param), want.detach(), atol=1e-6)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_rows_created_ahead_on_the_shards_train_as_lazy_rows(tmp_path, workers):
+    """``EmbeddingTable.create_all_rows()`` in a cluster (2 ps): every worker calls it as the
+    session starts; each row is created once, by whichever call reached its shard first (the
+    counts the calls return add up to the table's rows), every shard says so in its log, and
+    with one worker the trained table and head are the ones of one process with lazy rows
+    (the rows are created with the values a first lookup gives them)."""
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable, str(PROGRAMS / "sparse_embedding_worker.py"), str(out), "async",
+        str(STEPS), "--table-only", "--rows-ahead",
+    ]  # fmt: skip
+    run = run_local_cluster(2, workers, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    program = _program()
+    created = [int((tmp_path / f"result.json.created.{k}").read_text()) for k in range(workers)]
+    assert sum(created) == program.IDS, f"{created}\n{run}"
+    for shard in range(2):
+        assert f"ps:{shard}: table 'embedding': all 20 of its rows on this shard created" in str(
+            run
+        ), str(run)
+    if workers == 1:
+        result = json.loads(out.read_text())
+        assert result["global_step"] == STEPS, str(run)
+        table, head = _one_process_session(STEPS)
+        got = torch.tensor(result["table"])
+        assert torch.allclose(got, table, atol=1e-6), (got - table).abs().max()
+        for got_param, want in zip(result["out"], head, strict=True):
+            assert torch.allclose(torch.tensor(got_param), want.detach(), atol=1e-6)
+
+
 def test_a_sparse_gradient_becomes_the_dense_gradient_with_duplicates_summed():
     embedding = torch.nn.Embedding(6, 3, sparse=True)
     embedding(torch.tensor([1, 4, 1])).sum().backward()

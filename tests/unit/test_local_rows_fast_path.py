@@ -87,19 +87,67 @@ def test_a_tables_own_gradient_skips_the_scans_a_peers_push_gets(monkeypatch) ->
         source.push_own_rows("t", [SparseRows(torch.tensor([3]), torch.ones(1, DIM + 1))])
 
 
+@pytest.mark.parametrize("shards", [1, 3])
+def test_rows_created_after_lookups_keep_theirs_and_train_as_lazy_rows(shards: int) -> None:
+    """create_all_rows() after some steps creates only the rows not created yet: the rows
+    trained so far keep their values and slots, a second call creates nothing, and the
+    training that follows is bit for bit the lazy one's."""
+    sources = []
+    for ahead in (False, True):
+        table = EmbeddingTable(ROWS, DIM, name="t", initializer=tfl.RowInitializer("normal", 1.0))
+        source = LocalRowSource(
+            [table], num_shards=shards, rule=SparseRowRule("adagrad", {"lr": 0.1})
+        )
+        _train(table, steps=3)
+        if ahead:
+            existing = sum(s.store("t").size for s in source.shards)
+            assert 0 < existing < ROWS
+            assert table.create_all_rows() == ROWS - existing
+            assert table.create_all_rows() == 0
+        _train(table, steps=6)
+        sources.append(source)
+    lazy, ahead = (_table_rows(source, "t") for source in sources)
+    assert len(ahead) == ROWS
+    for row, values in lazy.items():
+        assert torch.equal(values, ahead[row]), row
+    slots = [s.shards[0].store("t")._slots["sum"] for s in sources]
+    lazy_ids, ahead_ids = (s.shards[0].store("t")._ids for s in sources)
+    for k in range(sources[0].shards[0].store("t").size):  # each lazy row's slot, kept
+        position = int((ahead_ids == lazy_ids[k]).nonzero()[0])
+        assert torch.equal(slots[0][k], slots[1][position])
+
+
+def test_create_rows_creates_a_range_and_lays_a_table_out_by_index() -> None:
+    """RowStore.create_rows: only the missing rows of the range; a table created whole, in
+    order, from empty, holds each row at its local index (no position lookups); refused,
+    nothing changed, for a range outside the shard and a table of given rows."""
+    from tensorfleet.ps.row_partition import RowPartition, TableSpec
+
+    spec, rule = TableSpec("t", 30, DIM), SparseRowRule("sgd", {"lr": 0.1})
+    store = row_store.RowStore(spec, RowPartition(30, 3), 1, rule)  # local rows 0..9: ids 1, 4, ..
+    assert store.create_rows(0, 4) == 4 and store.create_rows(2, 6) == 2
+    assert store.create_rows(6, 10) == 4 and store.size == 10 and store._whole
+    assert store.create_rows(0, 10) == 0 and store.create_all() == 0
+    assert torch.equal(store.created_rows(), torch.arange(1, 30, 3))
+    out_of_order = row_store.RowStore(spec, RowPartition(30, 3), 1, rule)
+    out_of_order.pull(torch.tensor([13]))  # local row 4 first
+    assert out_of_order.create_all() == 9 and out_of_order.size == 10
+    assert not out_of_order._whole  # positions still looked up: row 13 kept its place
+    assert torch.equal(out_of_order.pull(torch.tensor([1, 13])), store.pull(torch.tensor([1, 13])))
+    with pytest.raises(SparseGradientError, match=r"rows \[8, 12\) to create are outside"):
+        store.create_rows(8, 12)
+    given = TableSpec("g", 30, DIM, initializer=tfl.RowInitializer("given"))
+    with pytest.raises(SparseGradientError, match="given rows"):
+        row_store.RowStore(given, RowPartition(30, 3), 1, rule).create_rows(0, 1)
+
+
 def test_create_all_rows_is_refused_where_it_cannot_hold() -> None:
     raw = EmbeddingTable(ROWS, DIM, name="raw", ids="raw")
     LocalRowSource([raw])
     with pytest.raises(ConfigError, match="ids='raw'"):
         raw.create_all_rows()
 
-    table = EmbeddingTable(ROWS, DIM, name="t")
-    LocalRowSource([table])
-    table(torch.tensor([1, 2]))
-    with pytest.raises(SparseGradientError, match="has 2 rows"):
-        table.create_all_rows()  # rows exist already: too late
-
-    class ShardSource:  # rows on ps shards: no create_all_rows
+    class ShardSource:  # a row source that cannot create rows ahead
         def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
             return torch.zeros(ids.numel(), DIM)
 
@@ -108,5 +156,5 @@ def test_create_all_rows_is_refused_where_it_cannot_hold() -> None:
 
     remote = EmbeddingTable(ROWS, DIM, name="r")
     remote.attach(ShardSource(), 1)
-    with pytest.raises(UsageError, match="ps shards"):
+    with pytest.raises(UsageError, match="ShardSource.* cannot create rows ahead"):
         remote.create_all_rows()

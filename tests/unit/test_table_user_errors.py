@@ -1,6 +1,6 @@
 """What a new user of the tables hit, each answered with a clear error: a dense rule given to a
 LocalRowSource, mode='max_staleness' (a setting, not a mode), create_all_rows() on a table that
-has rows, and the tables' errors reachable as tfl.X."""
+has rows (creates the rest: never too late), and the tables' errors reachable as tfl.X."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ def test_max_staleness_as_a_mode_says_how_to_ask_for_it() -> None:
         tfl.TrainingSession(None, model, optimizer=tfl.optim.SGD(lr=0.1), mode="max_staleness")
 
 
-def test_create_all_rows_on_a_table_with_rows_says_when_to_call_it() -> None:
+def test_create_all_rows_on_a_table_with_rows_creates_the_rest() -> None:
     table = tfl.EmbeddingTable(100, 4, name="b")
     tfl.LocalRowSource([table])
-    table(torch.tensor([3]))  # a lookup creates row 3
-    with pytest.raises(tfl.SparseGradientError, match="create_all_rows.* Fix: call"):
-        table.create_all_rows()
+    before = table(torch.tensor([3])).detach()  # a lookup creates row 3
+    assert table.create_all_rows() == 99  # never too late: row 3 kept
+    assert torch.equal(table(torch.tensor([3])).detach(), before)
 
 
 def test_the_tables_errors_are_reachable_from_the_package() -> None:

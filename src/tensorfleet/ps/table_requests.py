@@ -1,23 +1,27 @@
 """The embedding-table requests a ps shard answers, served from its
 :class:`~tensorfleet.ps.shard_tables.ShardTables`.
 
-=================  =====================================================================
-``table_create``   a table (spec, partition, row-sparse rule) -> ``created``, ``complete``
-                   (idempotent; refused over the shard's ``max_memory``, naming the table
-                   and the fix)
-``pull_rows``      table name + int64 row ids (one buffer) -> the rows (one buffer)
-``push_rows``      table name + a :class:`~tensorfleet.ps.sparse_rows.SparseRows` (two
-                   buffers) -> applied at once with the table's row-sparse rule (async);
-                   in sync training (with the ``step`` of the rows) and with
-                   ``max_staleness``, checked and held (:mod:`tensorfleet.ps.held_row_gradients`)
-``fill_rows``      a table of given rows: ids + their values (two buffers, a chunk) -> set;
-                   the reply carries the store's ``incarnation``, ``version``, ``complete``
-``pull_changed``   a table of given rows, ``since`` (``[incarnation, version]`` a worker last
-                   saw, or none), ``start``, ``max_rows`` -> the ids and values of the rows
-                   changed since then (all of them for another incarnation), at most
-                   ``max_rows``, with the store's ``incarnation``, ``version`` and ``next``
-                   (the position to go on from, or none)
-=================  =====================================================================
+=====================  =================================================================
+``table_create``       a table (spec, partition, row-sparse rule) -> ``created``, ``complete``
+                       (idempotent; refused over the shard's ``max_memory``, naming the table
+                       and the fix)
+``table_create_rows``  table name, ``start``, ``stop`` -> ``created``, ``rows``: the rows of
+                       local indices ``[start, stop)`` not created yet, created now as their
+                       first lookup would (:meth:`RowStore.create_rows`; a worker's
+                       ``EmbeddingTable.create_all_rows()`` sends one range per request)
+``pull_rows``          table name + int64 row ids (one buffer) -> the rows (one buffer)
+``push_rows``          table name + a :class:`~tensorfleet.ps.sparse_rows.SparseRows` (two
+                       buffers) -> applied at once with the table's row-sparse rule (async);
+                       in sync training (with the ``step`` of the rows) and with
+                       ``max_staleness``, checked and held (:mod:`tensorfleet.ps.held_row_gradients`)
+``fill_rows``          a table of given rows: ids + their values (two buffers, a chunk) -> set;
+                       the reply carries the store's ``incarnation``, ``version``, ``complete``
+``pull_changed``       a table of given rows, ``since`` (``[incarnation, version]`` a worker last
+                       saw, or none), ``start``, ``max_rows`` -> the ids and values of the rows
+                       changed since then (all of them for another incarnation), at most
+                       ``max_rows``, with the store's ``incarnation``, ``version`` and ``next``
+                       (the position to go on from, or none)
+=====================  =================================================================
 
 The last two serve the ``sparse=True`` ``nn.Embedding`` weights the workers mirror whole
 (:mod:`tensorfleet.worker.mirrored_embeddings`): the chief creates such a table from its
@@ -95,6 +99,7 @@ class TableRequests:
         """The requests this module answers, by operation name."""
         return {
             "table_create": self._create,
+            "table_create_rows": self._create_rows,
             "pull_rows": self._pull_rows,
             "push_rows": self._push_rows,
             "fill_rows": self._fill_rows,
@@ -174,6 +179,26 @@ class TableRequests:
         if created:
             log.info("ps:%d: created %s", self.shard, self.tables.describe(spec.name))
         self.socket.reply(request, {"created": created, "complete": complete})
+
+    def _create_rows(self, request: Request) -> None:
+        name = self._name(request)
+        start, stop = request.body.get("start"), request.body.get("stop")
+        for key, value in (("start", start), ("stop", stop)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ProtocolError(f"table_create_rows: {key} must be an int, got {value!r:.40}")
+        store = self._tables().store(name)
+        if not isinstance(store, RowStore):
+            raise ConfigError(
+                f"table {name!r} has ids='raw': it has no fixed set of rows to create ahead (a "
+                f"row is created per id seen); fix: leave its rows lazy"
+            )
+        created = store.create_rows(start, stop)
+        if created and store.size == store.local_rows:
+            log.info(
+                "ps:%d: table %r: all %s of its rows on this shard created",
+                self.shard, name, f"{store.local_rows:,d}",
+            )  # fmt: skip
+        self.socket.reply(request, {"created": created, "rows": store.size})
 
     def _pull_rows(self, request: Request) -> None:
         name = self._name(request)

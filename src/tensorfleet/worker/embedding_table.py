@@ -462,27 +462,39 @@ class EmbeddingTable(nn.Module):
             self._source.push_rows(self.spec().name, parts)
         return rows
 
-    def create_all_rows(self) -> None:
-        """Create every row now, from the initializer (the values a lookup would create them
-        with), instead of at each row's first lookup: one process only (a
-        :class:`LocalRowSource`, e.g. a ``TrainingSession`` without a cluster), a table of
-        row numbers, before its first step. Then no step creates rows or looks up where a
-        row is stored, as with ``nn.Embedding``, which initializes its weight in its
-        constructor; the memory is the whole table's at once (values and the rule's slots),
-        and creating takes about 0.6 CPU seconds per million rows of 8 (docs/sparse.md). UsageError where rows live on ps
-        shards (they are created there as steps first use them)."""
+    def create_all_rows(self) -> int:
+        """Create every row not created yet, from the initializer (the values a lookup would
+        create them with), instead of at each row's first lookup, as ``nn.Embedding``
+        initializes its weight in its constructor; returns how many rows it created. Then no
+        step creates rows, and a table created whole, before any lookup, holds each row at
+        its own index (no step looks up where a row is stored). Rows that exist keep their
+        values and optimizer slots, so a call is never too late and a second one creates
+        nothing.
+
+        In one process (a :class:`LocalRowSource`, e.g. a ``TrainingSession`` without a
+        cluster) the rows are created here; in a cluster, on the ps shards, a range of rows
+        per request and every shard at once (``table_create_rows``), so that a shard answers
+        the other workers between the ranges; any worker may call it, the others' calls then
+        create nothing. The memory is the whole table's at once (values and the rule's
+        slots), and creating takes about 0.6 CPU seconds per million rows of 8
+        (docs/sparse.md). Refused for a table of raw ids (ConfigError: it has no fixed rows)
+        and a row source that cannot create rows ahead (UsageError)."""
         if self._source is None:
             self._refuse_released()
             raise TableNotAttached(self._not_attached())
+        if self.raw_ids:
+            raise ConfigError(
+                f"{self._label()} has ids='raw': it has no fixed set of rows to create ahead "
+                f"(a row is created per id seen); fix: leave its rows lazy"
+            )
         create = getattr(self._source, "create_all_rows", None)
         if create is None:
             raise UsageError(
-                f"{self._label()}: its rows live on the ps shards, which create each row when "
-                f"a step first uses it; create_all_rows() is for one process (a "
-                f"TrainingSession without a cluster, or a tfl.LocalRowSource); fix: drop the "
-                f"call in a cluster"
+                f"{self._label()}: its row source ({type(self._source).__name__}) cannot "
+                f"create rows ahead (tfl.LocalRowSource and a cluster's ps shards can); fix: "
+                f"drop the call, its rows are created as steps first use them"
             )
-        create(self.spec().name)
+        return create(self.spec().name, self.partition, self.dim)
 
     def extra_repr(self) -> str:
         hashing = f", hash_ids=True (seed {self.hash_seed})" if self.hash_ids else ""

@@ -74,9 +74,14 @@ class LocalRowSource:
         partition put them on ``shard``, so they are not scanned again."""
         return self.shards[shard].store(table).pull(ids, trusted=True)
 
-    def create_all_rows(self, table: str) -> None:
-        """Create every row of ``table`` on every shard now, as ``nn.Embedding`` does in its
-        constructor (see :meth:`EmbeddingTable.create_all_rows`)."""
+    def create_all_rows(
+        self, table: str, partition: RowPartition | None = None, dim: int | None = None
+    ) -> int:
+        """Create every row of ``table`` not created yet, on every shard, now, as
+        ``nn.Embedding`` does in its constructor; returns how many (see
+        :meth:`EmbeddingTable.create_all_rows`; ``partition`` and ``dim`` are the table's,
+        which this source knows already)."""
+        created = 0
         for shard in self.shards:
             store = shard.store(table)
             if not isinstance(store, RowStore):
@@ -84,7 +89,8 @@ class LocalRowSource:
                     f"table {table!r} has ids='raw': it has no fixed set of rows to create "
                     f"ahead (a row is created per id seen); fix: leave its rows lazy"
                 )
-            store.create_all()
+            created += store.create_all()
+        return created
 
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
         """Apply ``parts`` (one per shard), each checked as a ps checks a worker's push."""

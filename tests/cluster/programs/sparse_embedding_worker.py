@@ -2,13 +2,14 @@
 ``nn.EmbeddingBag(sparse=True)`` learns labels that are a known function of the ids.
 
     sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--table-only]
-        [--prefetch]
-                               [--checkpoint-dir D] [--optimizer sgd|adagrad|sparse_adam]
+        [--prefetch] [--rows-ahead] [--checkpoint-dir D] [--optimizer sgd|adagrad|sparse_adam]
 
 ``--table``: the first lookup is a ``tfl.EmbeddingTable`` whose rows live on the ps shards.
 ``--table-only``: the model is that table and a linear head (2 dense variables), so that on
 3 ps or more some shard holds only table rows. ``--optimizer sparse_adam``: Adam for the
-head and lazy Adam (``sparse_optimizer``) for the sparse weights.
+head and lazy Adam (``sparse_optimizer``) for the sparse weights. ``--rows-ahead``: every
+worker calls ``EmbeddingTable.create_all_rows()`` right after the session started and writes
+how many rows its call created to ``OUT.created.<index>``.
 
 The chief writes OUT (JSON): the loss on all the data before and after training (with
 ``--table-only`` also the trained table's rows and the head's parameters). Without a table
@@ -106,6 +107,9 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--prefetch", action="store_true", help="--table-only: rows ahead")
+    parser.add_argument(
+        "--rows-ahead", action="store_true", help="--table-only: create_all_rows() first"
+    )
     args = parser.parse_args()
     optimizer, sparse_optimizer = OPTIMIZERS[args.optimizer]
     torch.set_num_threads(1)
@@ -120,6 +124,10 @@ def main() -> int:
         hooks=[tfl.StopAtStep(last_step=args.steps)], max_staleness=args.max_staleness,
         checkpoint_dir=args.checkpoint_dir,
     ) as sess:  # fmt: skip
+        if args.rows_ahead:  # every worker asks; the rows one of them created are not again
+            created = model.embedding.create_all_rows()
+            with open(f"{args.out}.created.{task.index}", "w") as f:
+                f.write(str(created))
         with torch.no_grad():  # a table can be read once the session attached it
             before = F.cross_entropy(model(ids), labels).item()
         while not sess.should_stop():
