@@ -30,14 +30,17 @@ Two more parts (``--parts tables click growing``, all by default):
 * ``click``: the click model of ``examples/click_fm.py`` (a factorization machine, one
   1M x 8 table) on a fixed data set of ``--click-examples`` examples, ``--click-epochs``
   epochs of batches of 256 (``programs/click_speed.py``), for each optimizer
-  (``--click-optimizers``: adagrad, sparse_adam, sgd) five runs side by side in each round
+  (``--click-optimizers``: adagrad, sparse_adam, sgd) seven runs side by side in each round
   (``--click-modes``: all by default; ``torch`` always):
   a plain PyTorch loop (``nn.Embedding(sparse=True)`` and torch's optimizer), a one-process
   ``TrainingSession`` with a ``tfl.EmbeddingTable``, the same with every row created before
   the loop (``EmbeddingTable.create_all_rows()``, as the plain loop's ``nn.Embedding``
   initializes its weight before it; ``--rows-ahead``), and the same session as 2 ps + 2
   workers (async), without and with each step's lookup sent ahead with the step before's
-  exchange (``cluster_prefetch``: ``EmbeddingTable.prefetch``, ``--prefetch``). Reported: examples/s over the training loops, the workers' CPU seconds, the
+  exchange (``cluster_prefetch``: ``EmbeddingTable.prefetch``, ``--prefetch``), each also
+  with every row created on the ps shards before the loop (``cluster_ahead``,
+  ``cluster_ahead_prefetch``: every worker calls ``create_all_rows()``; the plain loop's
+  table is whole before its loop too). Reported: examples/s over the training loops, the workers' CPU seconds, the
   held-out AUC, and per round the ratios to the plain loop (examples/s; one process also
   CPU seconds, the measure a loaded machine disturbs least);
 * ``growing``: a raw-id table (``ids="raw"``) whose ids arrive over time (half of each batch
@@ -76,7 +79,10 @@ from tensorfleet.launch.output import Output  # noqa: E402
 
 WORKER = HERE / "programs" / "sparse_table_worker.py"
 CLICK = HERE / "programs" / "click_speed.py"
-CLICK_MODES = ("torch", "local", "local_ahead", "cluster", "cluster_prefetch")
+CLICK_MODES = (
+    "torch", "local", "local_ahead", "cluster", "cluster_prefetch", "cluster_ahead",
+    "cluster_ahead_prefetch",
+)  # fmt: skip
 CLICK_OPTIMIZERS = ("adagrad", "sparse_adam", "sgd")
 PARTS = ("tables", "click", "growing")
 GIB = 2**30
@@ -200,9 +206,10 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
     the last end), their CPU seconds, the held-out AUC."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        options = {"local_ahead": ["--rows-ahead"], "cluster_prefetch": ["--prefetch"]}
-        extra = options.get(mode, [])
-        program_mode = mode.removesuffix("_ahead").removesuffix("_prefetch")
+        extra = (["--rows-ahead"] if "_ahead" in mode else []) + (
+            ["--prefetch"] if mode.endswith("_prefetch") else []
+        )
+        program_mode = mode.split("_")[0]
         if program_mode == "cluster":  # each worker reports its step's phases
             extra += ["--timeline", str(Path(tmp) / "traces")]
         command = [sys.executable, str(CLICK), str(out), "--mode", program_mode,
@@ -408,7 +415,10 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
     label = {"torch": "plain PyTorch loop", "local": "tensorfleet, one process",
              "local_ahead": "tensorfleet, one process, rows created ahead",
              "cluster": "tensorfleet, 2 ps + 2 workers (async)",
-             "cluster_prefetch": "tensorfleet, 2 ps + 2 workers (async), next rows ahead"}  # fmt: skip
+             "cluster_prefetch": "tensorfleet, 2 ps + 2 workers (async), next rows ahead",
+             "cluster_ahead": "tensorfleet, 2 ps + 2 workers (async), rows created ahead",
+             "cluster_ahead_prefetch": "tensorfleet, 2 ps + 2 workers (async), rows created "
+             "ahead, next rows ahead"}  # fmt: skip
     table = [
         "| run | optimizer | examples/s | loop s | CPU s (workers) | held-out AUC | examples/s "
         "vs plain PyTorch | CPU s: plain PyTorch / this | a worker's step, ms: forward "

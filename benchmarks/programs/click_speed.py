@@ -17,10 +17,11 @@ same batches in the same order (cluster: worker ``r`` of ``W`` takes batches ``r
   cluster (``server=None``) with the matching ``tfl.optim`` rules;
 * ``cluster``: the same session as a task of a ``tensorfleet`` cluster (``async``).
 
-``--rows-ahead`` (``local``): the table creates all its rows before the loop
+``--rows-ahead``: the table creates all its rows before the loop
 (``EmbeddingTable.create_all_rows()``, as ``nn.Embedding`` initializes its weight in its
 constructor) instead of at each row's first lookup; the CPU seconds that took are reported
-as ``setup_cpu_s``, outside the loop's. ``--prefetch`` (``cluster``): before each step the
+as ``setup_cpu_s``, outside the loop's (``cluster``: the rows are created on the ps shards,
+every worker asking before its loop; its own CPU seconds only). ``--prefetch`` (``cluster``): before each step the
 table is told the next batch's ids (``EmbeddingTable.prefetch``), so that its lookup travels
 with this step's exchange; the chief reports ``lookups_ahead``. ``--timeline DIR`` (``cluster``): each task writes its
 Chrome trace there, and each worker reports its step's phases in milliseconds per step
@@ -144,7 +145,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--profile", help="write a cProfile of the training loop there")
     parser.add_argument(
-        "--rows-ahead", action="store_true", help="local: create every row before the loop"
+        "--rows-ahead", action="store_true", help="create every row before the loop"
     )
     parser.add_argument(
         "--prefetch", action="store_true", help="cluster: each lookup sent with the step before"
@@ -193,7 +194,7 @@ def main() -> int:
             progress_secs=None, timeline=args.timeline, **session_rules(args.optimizer),
         )  # fmt: skip
         with session as sess:
-            if args.rows_ahead and args.mode == "local":
+            if args.rows_ahead:
                 setup = time.process_time()
                 model.embedding.create_all_rows()
                 report["setup_cpu_s"] = time.process_time() - setup
