@@ -42,7 +42,12 @@ they sleep; docs/devices.md), unless the environment sets it; and the ps with th
 threads the launcher plans for the ps of 1 ps + 1 worker on this host
 (``TENSORFLEET_INTRA_OP_THREADS``, :func:`~tensorfleet.cluster.thread_budget.planned_threads`:
 the two take turns, so each gets every core; ``tensorfleet server`` alone takes 1), unless
-the environment sets it.
+the environment sets it. The client (this process, the worker's end of every kind) takes the
+threads the same plan gives the worker (``--client-threads`` chooses): its gather of the
+gradients into a same-host request is a copy that torch splits over them, as a launched
+worker's is. Before 2026-11-29 it took 1 thread, where the launcher gives a worker taking
+turns with its ps every core; the same-host rows were then slower than a launched worker's
+exchange (docs/wire-performance.md, "Measured again (2026-11-29)").
 
 Ratios are bytes per second against the raw echo of the same size (a pull moves half the
 bytes of an echo); the rows that apply an update also get a ratio against ``raw_tcp_sgd``,
@@ -103,6 +108,8 @@ PAYLOAD_STREAM_VAR = "TENSORFLEET_PAYLOAD_STREAM"
 
 #: The ps's torch threads: what ``tensorfleet launch`` plans for the ps of 1 ps + 1 worker here.
 PS_THREADS = planned_threads(1, 1, host_cpu_count())["ps:0"]
+#: The client's torch threads: what ``tensorfleet launch`` plans for its worker.
+CLIENT_THREADS = planned_threads(1, 1, host_cpu_count())["worker:0"]
 #: Seconds a streamed part may take to be answered.
 STEP_TIMEOUT_S = 60.0
 
@@ -323,11 +330,13 @@ def interleaved(
     per_batch: int,
     baseline_src: Path | None = None,
     only: Sequence[str] = (),
+    client_threads: int = CLIENT_THREADS,
 ) -> dict[str, list[float]]:
     """Seconds per round trip for each kind (``only``: those and the baselines they are
     compared with; empty: every kind), measured in alternating batches so that the
-    machine's drift (this is a shared 2-core VM) hits every kind alike."""
-    torch.set_num_threads(1)
+    machine's drift (this is a shared 2-core VM) hits every kind alike; this process (the
+    client of every kind) with ``client_threads`` torch threads."""
+    torch.set_num_threads(client_threads)
     wanted = chosen_kinds(only, baseline_src is not None)
     rounds = (batches + 1) * per_batch
     servers: list[Any] = []
@@ -440,6 +449,13 @@ def main() -> int:
         help="measure only these kinds (and the baselines their ratios need), e.g. "
         "--only push_pull_shared_memory pull_shared_memory",
     )
+    parser.add_argument(
+        "--client-threads",
+        type=int,
+        default=CLIENT_THREADS,
+        help=f"this process's torch threads (default {CLIENT_THREADS}: the launcher's plan for "
+        "the worker of 1 ps + 1 worker on this host)",
+    )
     add_out_dir_option(parser)
     args = parser.parse_args()
     try:
@@ -459,7 +475,10 @@ def main() -> int:
     ]
     for megabytes in args.megabytes:
         model_bytes = int(megabytes * 1e6) // 4 * 4
-        times = interleaved(model_bytes, args.batches, args.per_batch, args.baseline_src, args.only)
+        times = interleaved(
+            model_bytes, args.batches, args.per_batch, args.baseline_src, args.only,
+            args.client_threads,
+        )  # fmt: skip
         rows = {name: summary(t, MOVES[name] * model_bytes) for name, t in times.items()}
         for name, row in rows.items():
             row["ratio_vs_raw_tcp"] = row["gb_per_s"] / rows["raw_tcp_echo"]["gb_per_s"]
@@ -486,13 +505,14 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "gomp_spincount": os.environ["GOMP_SPINCOUNT"],
         "ps_threads": os.environ.get(INTRA_OP_THREADS_VAR, str(PS_THREADS)),
+        "client_threads": args.client_threads,
         "sizes": sizes,
     }
     heading = (
         f"{result['benchmark']}, {args.batches * args.per_batch} round trips each, "
         f"interleaved, GOMP_SPINCOUNT={result['gomp_spincount']} in every process, "
-        f"{result['ps_threads']} torch thread(s) in the ps, "
-        f"{result['date']}"
+        f"{result['ps_threads']} torch thread(s) in the ps, {args.client_threads} in the "
+        f"client, {result['date']}"
     )
     write_results("wire", result, heading, table)
     return 0
