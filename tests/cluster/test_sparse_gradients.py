@@ -233,6 +233,28 @@ def test_rows_created_ahead_on_the_shards_train_as_lazy_rows(tmp_path, workers):
             assert torch.allclose(torch.tensor(got_param), want.detach(), atol=1e-6)
 
 
+def test_a_table_model_trains_with_prefetch(tmp_path):
+    """``Overlap(prefetch=True)`` applies to a model with an embedding table (async): a
+    step leaves its row pushes in flight with its dense replies, and they are awaited at the
+    next step's exchange and before ``cluster_stats()`` and the session's end, so every row
+    push of every step was applied on every shard (each counts a step per push, empty parts
+    too) and none dropped; the model trains, and no warning says prefetch is off."""
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable, str(PROGRAMS / "sparse_embedding_worker.py"), str(out), "async",
+        str(STEPS), "--table-only", "--overlap-prefetch", "--prefetch",
+    ]  # fmt: skip
+    run = run_local_cluster(2, 1, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    result = json.loads(out.read_text())
+    assert "is off for this model" not in str(run), str(run)
+    assert result["after"] < 0.5 * result["before"], f"{result}\n{run}"
+    steps = result["global_step"]
+    assert steps >= STEPS, str(run)
+    assert result["table_steps"] == [steps, steps], f"{result}\n{run}"
+    assert result["dropped_row_pushes"] == 0, str(run)
+
+
 def test_a_sparse_gradient_becomes_the_dense_gradient_with_duplicates_summed():
     embedding = torch.nn.Embedding(6, 3, sparse=True)
     embedding(torch.tensor([1, 4, 1])).sum().backward()

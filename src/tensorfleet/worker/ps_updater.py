@@ -217,12 +217,16 @@ class PsUpdater:
         self._named_params, self._rule = named_params, rule
 
     def _prefetch_blockers(self) -> list[str]:
-        """What this model exchanges after each step's outcome (so prefetch cannot apply)."""
+        """What this model exchanges after each step's outcome (so prefetch cannot apply).
+
+        Not the embedding tables: where prefetch applies (async without ``max_staleness``)
+        a shard applies a step's rows as they arrive, and a lookup sent after them on the
+        same channel reads them updated, whether or not the step waited for the replies;
+        with prefetch a step's row pushes are awaited at the next step's exchange, as its
+        dense replies are (:meth:`exchange`)."""
         blockers = []
         if self.buffers is not None:
             blockers.append(f"persistent buffers {sorted(self.buffers.buffers)}")
-        if self.tables is not None:
-            blockers.append(f"embedding tables {[t.table_name for t in self.tables.tables]}")
         if self.mirrored is not None:
             blockers.append(f"sparse=True embedding weights {sorted(self.mirrored.names)}")
         return blockers
@@ -311,9 +315,12 @@ class PsUpdater:
         return StepOverlap(lambda: self.overlapped)
 
     def _settle(self, failed: bool = False) -> None:
-        """Complete the overlapped exchange before any other operation."""
+        """Complete the overlapped exchange before any other operation: its dense replies
+        and, with prefetch, the last step's row pushes."""
         if self.overlapped is not None:
             self.overlapped.settle(discard=failed)
+        if self._row_source is not None:
+            self._row_source.settle_pushes(failed=failed)
 
     @staticmethod
     def _checkpoint_for_restarted(
@@ -345,7 +352,10 @@ class PsUpdater:
         sparse embedding weights, and exchange the buffers."""
         sync_step = step if self.discipline is not None and self.discipline.mode == "sync" else None
         rows = self._row_source
+        prefetching = self.overlapped is not None and self.overlapped.prefetch
         if rows is not None:  # the rows' replies are awaited after the dense exchange's
+            if prefetching:  # the step before's, left in flight with its dense replies
+                rows.settle_pushes()
             rows.defer_pushes()
         try:
             if self.mirrored is not None:
@@ -363,7 +373,7 @@ class PsUpdater:
             if rows is not None:
                 rows.settle_pushes(failed=True)
             raise
-        if rows is not None:
+        if rows is not None and not prefetching:  # with prefetch: at the next exchange
             rows.settle_pushes()
         if self.mirrored is not None:
             self.mirrored.pull()  # after the dense reply: this step's rows are applied

@@ -31,10 +31,12 @@ go during the backward only when nothing after the backward may still change or 
 gradients: not when the worker clips (``clip_grad_norm`` needs the whole gradient's norm),
 and not when a hook overrides ``before_update`` (the NaN guard checks every gradient and may
 veto the step; a bucket already applied cannot be taken back): then the step pushes after
-the hooks, with prefetch still on. Prefetch is off for a model with persistent buffers,
-``tfl.EmbeddingTable`` s or ``sparse=True`` embedding weights (their exchanges follow the
-gradients' outcome each step; :func:`kept_prefetch` logs a warning naming them when
-prefetch was asked for). The ``sparse=True`` weights are never in a bucket: the ps holds
+the hooks, with prefetch still on. Prefetch is off for a model with persistent buffers or
+``sparse=True`` embedding weights (their exchanges follow the gradients' outcome each step;
+:func:`kept_prefetch` logs a warning naming them when prefetch was asked for). It applies to
+``tfl.EmbeddingTable`` s: a step's row pushes stay in flight with its dense replies and are
+awaited at the next step's exchange (a shard applies rows as they arrive, and a lookup sent
+after them on the same channel reads them updated; since 2026-11-29). The ``sparse=True`` weights are never in a bucket: the ps holds
 them as rows; the rows of their gradients are pushed (``push_rows``) when the step's
 exchange begins, after the backward, and their changed rows pulled (``pull_changed``) after
 the dense reply. With a device engine (in-graph replicas, pipelines) there is no overlap at all,

@@ -2,14 +2,18 @@
 ``nn.EmbeddingBag(sparse=True)`` learns labels that are a known function of the ids.
 
     sparse_embedding_worker.py OUT MODE STEPS [--max-staleness S] [--table] [--table-only]
-        [--prefetch] [--rows-ahead] [--checkpoint-dir D] [--optimizer sgd|adagrad|sparse_adam]
+        [--prefetch] [--rows-ahead] [--overlap-prefetch] [--checkpoint-dir D]
+        [--optimizer sgd|adagrad|sparse_adam]
 
 ``--table``: the first lookup is a ``tfl.EmbeddingTable`` whose rows live on the ps shards.
 ``--table-only``: the model is that table and a linear head (2 dense variables), so that on
 3 ps or more some shard holds only table rows. ``--optimizer sparse_adam``: Adam for the
 head and lazy Adam (``sparse_optimizer``) for the sparse weights. ``--rows-ahead``: every
 worker calls ``EmbeddingTable.create_all_rows()`` right after the session started and writes
-how many rows its call created to ``OUT.created.<index>``.
+how many rows its call created to ``OUT.created.<index>``. ``--overlap-prefetch``: the session
+has ``overlap=tfl.Overlap(prefetch=True)`` (a step does not wait for its replies); the chief's
+OUT then also holds each shard's table update count after the session's last step
+(``table_steps``, from ``cluster_stats()``) and the row pushes its worker dropped.
 
 The chief writes OUT (JSON): the loss on all the data before and after training (with
 ``--table-only`` also the trained table's rows and the head's parameters). Without a table
@@ -110,6 +114,7 @@ def main() -> int:
     parser.add_argument(
         "--rows-ahead", action="store_true", help="--table-only: create_all_rows() first"
     )
+    parser.add_argument("--overlap-prefetch", action="store_true", help="Overlap(prefetch=True)")
     args = parser.parse_args()
     optimizer, sparse_optimizer = OPTIMIZERS[args.optimizer]
     torch.set_num_threads(1)
@@ -123,6 +128,7 @@ def main() -> int:
         server, model, optimizer=optimizer, mode=args.mode, sparse_optimizer=sparse_optimizer,
         hooks=[tfl.StopAtStep(last_step=args.steps)], max_staleness=args.max_staleness,
         checkpoint_dir=args.checkpoint_dir,
+        **({"overlap": tfl.Overlap(prefetch=True)} if args.overlap_prefetch else {}),
     ) as sess:  # fmt: skip
         if args.rows_ahead:  # every worker asks; the rows one of them created are not again
             created = model.embedding.create_all_rows()
@@ -149,6 +155,12 @@ def main() -> int:
             with torch.no_grad():
                 after = F.cross_entropy(model(ids), labels).item()
                 result = {"before": before, "after": after, "global_step": sess.global_step}
+                if args.overlap_prefetch:  # every row push applied, none left in flight
+                    stats = sess.cluster_stats()
+                    result["table_steps"] = [
+                        shard["tables"]["embedding"]["step"] for shard in stats
+                    ]
+                    result["dropped_row_pushes"] = sess._updater._row_source.dropped_pushes
                 if args.table_only:  # the trained model, for a one-process reference
                     result["lookups_ahead"] = model.embedding.lookups_ahead
                     result["table"] = model.embedding(torch.arange(IDS)).tolist()
