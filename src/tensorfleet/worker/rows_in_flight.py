@@ -6,7 +6,11 @@ as rows), :class:`~tensorfleet.worker.ps_row_source.PsRowSource` sends each shar
 of the row gradients (``push_rows``) and, while a :class:`RowsInFlight` is open, does not
 wait for the replies: the dense exchange (the gradients' push, or the last bucket of the
 overlapped push) goes right after on the same channels, and the rows' replies are taken once
-its replies are in (:meth:`RowsInFlight.settle`).
+its replies are in (:meth:`RowsInFlight.settle`). With ``Overlap(prefetch=True)`` a step
+does not wait for its dense replies either: its rows stay in flight with them and are
+settled at the next step's exchange, before its own rows are sent (and before a pull, a
+checkpoint, ``cluster_stats()`` and the session's end: ``PsUpdater.exchange`` and
+``PsUpdater._settle``), so at most one step's row pushes are in flight.
 
 Why: the step of the click model on 2 ps was mostly waiting (about three quarters of the
 worker's step, measured by ``benchmarks/sparse_tables.py --parts click``): a lookup per shard,
