@@ -24,6 +24,15 @@ after T steps unseen. The chief also prints the table's numbers from ``cluster_s
     tensorfleet launch --ps 2 --workers 2 -- python examples/click_fm.py --steps 600 --raw-ids
     tensorfleet launch --ps 2 --workers 2 -- python examples/click_fm.py --steps 300 --raw-ids \
         --admit-after 2 --expire-after-steps 200
+
+``--rows-ahead``: every worker calls ``model.embedding.create_all_rows()`` as its session
+starts, so that the ps shards hold the whole table before the first step, as an
+``nn.Embedding`` is whole from its constructor (each row created once, by whichever call
+reaches its shard first; each worker prints how many its call created). ``--prefetch``: the
+session's ``overlap=tfl.Overlap(prefetch=True)``: a step does not wait for its replies (the
+dense values at most one step stale; the rows never, docs/timeline.md).
+
+    tensorfleet launch --ps 2 --workers 2 -- python examples/click_fm.py --rows-ahead --prefetch
 """
 
 from __future__ import annotations
@@ -102,6 +111,12 @@ def main() -> int:
     parser.add_argument(
         "--expire-after-steps", type=int, help="--raw-ids: evict rows unseen for T steps (never)"
     )
+    parser.add_argument(
+        "--rows-ahead", action="store_true", help="create every row before the first step"
+    )
+    parser.add_argument(
+        "--prefetch", action="store_true", help="a step does not wait for its replies"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task()
@@ -118,7 +133,10 @@ def main() -> int:
     with tfl.TrainingSession(
         server, model, optimizer=tfl.optim.Adagrad(lr=args.lr), mode="async",
         hooks=[tfl.StopAtStep(last_step=args.steps)], log_placement=True,
+        **({"overlap": tfl.Overlap(prefetch=True)} if args.prefetch else {}),
     ) as sess:  # fmt: skip
+        if args.rows_ahead:  # every worker asks; a row is created once, by the first call
+            print(f"rows created ahead: {model.embedding.create_all_rows():,d}", flush=True)
         seed = 1000 + task.rank
         batch = make_clicks(BATCH, seed)
         while not sess.should_stop():

@@ -55,3 +55,22 @@ def test_click_fm_with_raw_ids_learns_and_admits_and_evicts_rows():
     assert numbers["admitted"] > numbers["rows live"] > 0, table
     assert numbers["evicted"] == numbers["admitted"] - numbers["rows live"], table
     assert numbers["dropped rows"] > 0, table
+
+
+def test_click_fm_with_rows_ahead_and_prefetch_learns():
+    """``--rows-ahead --prefetch``: both workers ask the shards to create every row of the
+    1M-row table before their first step (the counts they print add up to the table's rows:
+    each row created once), every step leaves its replies in flight, and it still learns."""
+    command = [sys.executable, str(EXAMPLE), "--steps", "300", "--rows-ahead", "--prefetch"]
+    run = run_local_cluster(2, 2, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    created = 0
+    for worker in ("worker:0", "worker:1"):
+        (line,) = [line for line in run.output.of(worker) if "rows created ahead" in line]
+        created += int(line.rsplit(" ", 1)[1].replace(",", ""))
+    assert created == 1_000_000, str(run)
+    assert "is off for this model" not in str(run), str(run)
+    held_out = [line for line in run.output.of("worker:0") if line.startswith("held-out:")]
+    assert len(held_out) == 1, str(run)
+    auc = float(re.search(r"AUC ([0-9.]+) \(known", held_out[0]).group(1))
+    assert auc > 0.6, f"held-out AUC {auc} (0.5 is chance)\n{run}"
