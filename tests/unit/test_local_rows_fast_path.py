@@ -158,3 +158,21 @@ def test_create_all_rows_is_refused_where_it_cannot_hold() -> None:
     remote.attach(ShardSource(), 1)
     with pytest.raises(UsageError, match="ShardSource.* cannot create rows ahead"):
         remote.create_all_rows()
+
+
+def test_a_cpu_lookups_gradient_is_f_embeddings_bit_for_bit() -> None:
+    """On the CPU a lookup gathers its rows with ``index_select`` (a cheaper backward than
+    ``F.embedding``'s): the gradient of the batch's rows is still F.embedding's, bit for
+    bit, with ids repeated many times."""
+    table = EmbeddingTable(ROWS, DIM, name="t", initializer=tfl.RowInitializer("normal", 1.0))
+    LocalRowSource([table])
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, ROWS, (37, 11), generator=generator)  # about 8 uses per row
+    weights = torch.randn(37, 11, DIM, generator=generator)
+    (table(ids) * weights).sum().backward()
+    got = table.take_gradient()
+    unique, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+    rows = table(unique).detach().requires_grad_(True)  # the same rows, not updated since
+    torch.nn.functional.embedding(inverse, rows).backward(weights.reshape(-1, DIM))
+    assert torch.equal(got.indices, unique)
+    assert torch.equal(got.values, rows.grad)

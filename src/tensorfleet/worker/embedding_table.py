@@ -397,7 +397,14 @@ class EmbeddingTable(nn.Module):
         if torch.is_grad_enabled() and self.training:
             gathered.requires_grad_(True)
             self._pending.append((unique, gathered))
-        return F.embedding(inverse, gathered).view(*rows.shape, self.dim)
+        if gathered.device.type == "cpu":
+            # The gradient bit for bit the same as F.embedding's (checked over 500 random
+            # cases, repeated ids, 1 and 2 threads), by index_add_ instead of a sort: 50 us
+            # instead of 82 us for the click model's 512 ids, about a twentieth of its step.
+            looked_up = gathered.index_select(0, inverse)
+        else:  # on a GPU index_add_ adds repeated ids in any order (atomics); embedding's not
+            looked_up = F.embedding(inverse, gathered)
+        return looked_up.view(*rows.shape, self.dim)
 
     def _looked_up(self, unique: torch.Tensor) -> torch.Tensor:
         """The rows of ``unique`` (ascending), asked from the source now."""
