@@ -118,6 +118,9 @@ def main() -> int:
         "--prefetch", action="store_true", help="a step does not wait for its replies"
     )
     args = parser.parse_args()
+    if args.raw_ids and args.rows_ahead:
+        parser.error("--rows-ahead creates the rows of a table of row numbers; with --raw-ids "
+                     "a row is created per id seen: drop one of the two")  # fmt: skip
     torch.set_num_threads(1)
     task = tfl.resolve_task()
     server = tfl.Server(task.cluster, task.job, task.index)

@@ -74,3 +74,16 @@ def test_click_fm_with_rows_ahead_and_prefetch_learns():
     assert len(held_out) == 1, str(run)
     auc = float(re.search(r"AUC ([0-9.]+) \(known", held_out[0]).group(1))
     assert auc > 0.6, f"held-out AUC {auc} (0.5 is chance)\n{run}"
+
+
+def test_click_fm_refuses_rows_ahead_with_raw_ids():
+    """A table of raw ids has no fixed rows to create: the example says so when it reads its
+    arguments, before any task starts, instead of every worker failing in its session."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--raw-ids", "--rows-ahead"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done
+    assert "--rows-ahead creates the rows of a table of row numbers" in done.stderr, done.stderr

@@ -190,7 +190,7 @@ class TableRequests:
         if not isinstance(store, RowStore):
             raise ConfigError(
                 f"table {name!r} has ids='raw': it has no fixed set of rows to create ahead (a "
-                f"row is created per id seen); fix: leave its rows lazy"
+                f"row is created per id seen); fix: do not call create_all_rows() on it"
             )
         created = store.create_rows(start, stop)
         if created and store.size == store.local_rows:

@@ -492,7 +492,7 @@ class EmbeddingTable(nn.Module):
         if self.raw_ids:
             raise ConfigError(
                 f"{self._label()} has ids='raw': it has no fixed set of rows to create ahead "
-                f"(a row is created per id seen); fix: leave its rows lazy"
+                f"(a row is created per id seen); fix: do not call create_all_rows() on it"
             )
         create = getattr(self._source, "create_all_rows", None)
         if create is None:

@@ -87,7 +87,8 @@ class LocalRowSource:
             if not isinstance(store, RowStore):
                 raise ConfigError(
                     f"table {table!r} has ids='raw': it has no fixed set of rows to create "
-                    f"ahead (a row is created per id seen); fix: leave its rows lazy"
+                    f"ahead (a row is created per id seen); fix: do not call "
+                    f"create_all_rows() on it"
                 )
             created += store.create_all()
         return created
