@@ -86,11 +86,10 @@ def ps_update_log_choice(environ_: Mapping[str, str] | None = None) -> str | Non
     return value or None
 
 
-def ps_update_log_dir(environ_: Mapping[str, str] | None = None) -> str | None:
-    """The directory ``TENSORFLEET_PS_UPDATE_LOG`` names for the ps update log (None: unset,
-    empty, or an off word)."""
-    value = ps_update_log_choice(environ_)
-    return None if value is None or value.lower() in UPDATE_LOG_OFF_WORDS else value
+def update_log_off(value: str) -> bool:
+    """Whether a ``--ps-update-log`` / ``--update-log`` / ``TENSORFLEET_PS_UPDATE_LOG`` value
+    is one of :data:`UPDATE_LOG_OFF_WORDS` (no log)."""
+    return value.strip().lower() in UPDATE_LOG_OFF_WORDS
 
 
 #: A size (``512MiB``, ``2G``, bytes; ``0``: never): the ps update log writes a snapshot of the

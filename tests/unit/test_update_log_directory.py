@@ -161,7 +161,8 @@ def test_a_ps_started_by_hand_takes_a_directory_or_off_and_refuses_auto(
     assert server_update_log_dir("off") is None  # the option wins
     monkeypatch.setenv(environment.PS_UPDATE_LOG_VAR, "")  # the launcher's off
     assert server_update_log_dir(None) is None
-    assert environment.ps_update_log_dir({environment.PS_UPDATE_LOG_VAR: "no"}) is None
+    monkeypatch.setenv(environment.PS_UPDATE_LOG_VAR, "no")  # an off word
+    assert server_update_log_dir(None) is None
     with pytest.raises(ConfigError, match="--update-log auto: auto is tensorfleet launch's"):
         server_update_log_dir("auto")
     monkeypatch.setenv(environment.PS_UPDATE_LOG_VAR, "auto")

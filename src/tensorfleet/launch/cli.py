@@ -261,7 +261,7 @@ def server_update_log_dir(flag: str | None) -> str | None:
     value, source = flag, "--update-log"
     if value is None:
         value, source = environment.ps_update_log_choice(), environment.PS_UPDATE_LOG_VAR
-    if value is None or value.strip().lower() in environment.UPDATE_LOG_OFF_WORDS:
+    if value is None or environment.update_log_off(value):
         return None
     if value.strip().lower() == "auto":
         raise ConfigError(

@@ -191,8 +191,9 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         help="a ps task whose process stays stopped (SIGSTOP) for S seconds is killed and "
         "restarted, so that a new process (a warm spare) serves its shard (default: auto: "
         f"{stopped_ps.AFTER_WITH_LOG_S:g} s with the update log (the default), which loses "
-        f"nothing, {stopped_ps.AFTER_WITHOUT_LOG_S:g} s with --ps-update-log off, which trains the steps since the "
-        "newest checkpoint again; off or 0: never; local backend only)",
+        f"nothing, {stopped_ps.AFTER_WITHOUT_LOG_S:g} s with --ps-update-log off, which "
+        "trains the steps since the newest checkpoint again; off or 0: never; local backend "
+        "only)",
     )
     backends = launch.add_argument_group("backend")
     backends.add_argument(

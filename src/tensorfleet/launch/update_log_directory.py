@@ -89,7 +89,7 @@ def _chosen(flag: str | None, backend: str, root: Path) -> UpdateLogDirectory:
     choice = flag.strip()
     if not choice:
         raise LaunchConfigError(f"{source} is empty: give a directory, auto or off")
-    if choice.lower() in environment.UPDATE_LOG_OFF_WORDS:
+    if environment.update_log_off(choice):
         return UpdateLogDirectory(
             None,
             False,
