@@ -30,7 +30,8 @@ exchange).
 
 Each process writes ``OUT`` (``cluster``: ``OUT.<rank>``, JSON): the wall-clock start and end
 of its training loop (``time.time()``, comparable between the processes of one machine), the
-CPU seconds it spent in the loop, the examples it trained on and (``torch``, ``local``, the
+CPU seconds it spent in the loop (``local``, ``cluster``: also by thread, ``cpu_s_threads``:
+the loop's own thread, the channels' threads, ZeroMQ's I/O thread), the examples it trained on and (``torch``, ``local``, the
 cluster's chief) the held-out AUC.
 """
 
@@ -39,7 +40,9 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +139,27 @@ def step_phases(trace: dict) -> dict[str, float]:
     }
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds each thread of this process has spent (``/proc/self/task``), by the
+    thread's Python name where it has one and the kernel's (``ZMQbg/IO/0``, ...) where not:
+    where a worker's CPU goes between the training loop's thread, the channels' threads and
+    ZeroMQ's."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    seconds: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        comm, fields = stat.split("(", 1)[1].rsplit(")", 1)
+        utime, stime = fields.split()[11:13]
+        tid = int(task.name)
+        name = names.get(tid) or ("MainThread" if tid == os.getpid() else comm)
+        seconds[name] = seconds.get(name, 0.0) + (int(utime) + int(stime)) / tick
+    return seconds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -143,7 +167,10 @@ def main() -> int:
     parser.add_argument("--optimizer", choices=tuple(LR), required=True)
     parser.add_argument("--examples", type=int, default=200_000)
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--profile", help="write a cProfile of the training loop there")
+    parser.add_argument(
+        "--profile",
+        help="write a cProfile of the training loop there (the loop's thread's CPU time)",
+    )
     parser.add_argument(
         "--rows-ahead", action="store_true", help="create every row before the loop"
     )
@@ -163,7 +190,7 @@ def main() -> int:
     if args.profile:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.thread_time)
     if args.mode == "torch":
         model = TorchFactorizationMachine()
         optimizers = torch_optimizers(model, args.optimizer)
@@ -200,6 +227,7 @@ def main() -> int:
                 report["setup_cpu_s"] = time.process_time() - setup
             trained = 0
             started, cpu = time.time(), time.process_time()
+            threads_before = thread_cpu_seconds()
             if profiler:
                 profiler.enable()
             for k, rows in enumerate(mine):
@@ -213,6 +241,10 @@ def main() -> int:
             if profiler:
                 profiler.disable()
             report.update(start=started, end=time.time(), cpu_s=time.process_time() - cpu)
+            report["cpu_s_threads"] = {
+                name: round(spent - threads_before.get(name, 0.0), 3)
+                for name, spent in thread_cpu_seconds().items()
+            }
             report["examples"] = trained
             report["lookups_ahead"] = model.embedding.lookups_ahead
             if sess.is_chief:
