@@ -81,6 +81,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         "host_allreduce",
     ),
     "task_start": Benchmark("task_start", (), ("--repeats", "1", "--steps", "5"), "task_start"),
+    "request_cost": Benchmark(
+        "request_cost", (), ("--rounds", "100", "--batches", "2"), "request_cost"
+    ),
     "ps_capacity": Benchmark(
         "ps_capacity", (), ("--workers", "1", "4", "--duration", "1"), "ps_capacity"
     ),

@@ -49,6 +49,7 @@ RUNNABLE = {
     "ps_sharding_links.py",
     "raw_id_tables.py",
     "recovery.py",
+    "request_cost.py",
     "run_all.py",
     "sparse_tables.py",
     "storm_outages.py",
