@@ -39,6 +39,7 @@ from tensorfleet.errors import (
 )
 from tensorfleet.wire import message as wire
 from tensorfleet.wire import shared_memory as shm
+from tensorfleet.wire import zmq_frames
 from tensorfleet.wire.auth import (
     REPLY_ROLE,
     REQUEST_ROLE,
@@ -203,7 +204,7 @@ class Channel:
             wire.KIND_REQUEST, header, buffers, self._signer, in_frames, sealer=sealer
         )
         try:
-            self._socket.send_multipart(frames, copy=False)
+            zmq_frames.send_frames(self._socket, frames)
         except zmq.Again:
             raise DeadlineExceeded(
                 f"cannot queue '{op}' for {self.peer_name} at {self.address} within "
@@ -365,7 +366,7 @@ class Channel:
         return self.wait(self.send(op, body, buffers, timeout_s), timeout_s)
 
     def _receive_one(self) -> None:
-        frames = [f.buffer for f in self._socket.recv_multipart(copy=False)]
+        frames = [f.buffer for f in zmq_frames.receive_frames(self._socket)]
         notice = wire.decode_notice(frames)
         if notice is not None:
             if self.server_session is None:  # before the handshake, a notice explains a refusal

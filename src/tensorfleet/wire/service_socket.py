@@ -47,7 +47,7 @@ from tensorfleet.errors import (
     ServiceRestarted,
 )
 from tensorfleet.wire import message as wire
-from tensorfleet.wire import service_streams
+from tensorfleet.wire import service_streams, zmq_frames
 from tensorfleet.wire import shared_memory as shm
 from tensorfleet.wire.auth import (
     REPLY_ROLE,
@@ -194,9 +194,10 @@ class ServiceSocket:
             held = released[1]
             self._frame = held.origin
             return self._take(held.peer, list(held.frames), held.payload)
-        if not self._socket.poll(0):  # woken for a payload that is not done yet
+        try:
+            frames = zmq_frames.receive_frames(self._socket, zmq_frames.NOBLOCK)
+        except zmq.Again:  # woken for a payload that is not done yet
             return None
-        frames = self._socket.recv_multipart(copy=False)
         peer = frames[0].bytes
         self._frame = frames[0]  # the peer's address, for the log lines of a rejection
         if self._invalid_by_peer.get(peer, 0) >= QUARANTINE_AFTER_INVALID:
@@ -457,8 +458,8 @@ class ServiceSocket:
         )
         tracked = bool(buffers) and in_frames
         try:
-            tracker = self._socket.send_multipart(
-                [request.peer, *frames], copy=False, flags=zmq.NOBLOCK, track=tracked
+            tracker = zmq_frames.send_frames(
+                self._socket, [request.peer, *frames], zmq_frames.NOBLOCK, track=tracked
             )
         except zmq.Again:
             self.rejected["unsent_reply"] += 1
