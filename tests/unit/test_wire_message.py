@@ -12,6 +12,7 @@ import struct
 
 import msgpack
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -422,6 +423,34 @@ def test_large_payloads_are_authenticated_chunk_by_chunk_on_two_threads() -> Non
     changed[2 * CHUNK_BYTES + 1] ^= 0x40  # in the third chunk
     with pytest.raises(AuthenticationError, match="chunk 3 of 4"):
         decode([*tampered[:3], bytes(changed)], KIND_REQUEST, verifier, Limits())
+
+
+def test_small_payloads_are_tagged_and_checked_in_one_loop_as_the_chunks_say() -> None:
+    """Below the two-thread size, the tags come from one plain loop over the buffers: the same
+    tags, chunk for chunk, as the chunk jobs give, and a tampered chunk named by its index."""
+    from tensorfleet.wire.auth import (
+        CHUNK_BYTES,
+        PARALLEL_MIN_BYTES,
+        chunk_jobs,
+        gmac,
+        nonce,
+    )
+
+    signer, verifier = _request_pair()
+    buffers = [b"ids", b"", os.urandom(CHUNK_BYTES + 5), os.urandom(100)]  # 4 chunks
+    assert sum(len(b) for b in buffers) < PARALLEL_MIN_BYTES
+    counter = signer.counter + 1
+    jobs, _ = chunk_jobs(buffers)
+    aead = AESGCM(signer._key)
+    expected = b"".join(gmac(aead, nonce(counter, index), data) for index, data in jobs)
+    frames = [bytes(f) for f in encode(KIND_REQUEST, {"op": "push"}, buffers, signer)]
+    assert frames[2] == expected and len(jobs) == 4
+    changed = bytearray(frames[5])  # the third buffer: chunks 2 and 3
+    changed[CHUNK_BYTES + 1] ^= 0x01  # in chunk 3
+    with pytest.raises(AuthenticationError, match="chunk 3 of 4"):
+        decode([*frames[:5], bytes(changed), frames[6]], KIND_REQUEST, verifier, Limits())
+    message = decode(frames, KIND_REQUEST, verifier, Limits())  # untouched: accepted
+    assert [bytes(b) for b in message.buffers] == buffers
 
 
 def test_chunk_tags_swapped_between_chunks_are_refused() -> None:

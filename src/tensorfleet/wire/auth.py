@@ -74,6 +74,8 @@ CHUNK_BYTES = 1 << 20
 PARALLEL_MIN_BYTES = 2 << 20
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+#: The nonce's layout: the chunk's index, then the message's counter.
+_NONCE = struct.Struct(">IQ")
 
 
 def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
@@ -92,7 +94,7 @@ def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
 def nonce(counter: int, index: int = 0) -> bytes:
     """The 96-bit GCM nonce ``index || counter``. Index 0 is the message's own tag (or its
     sealed header, :mod:`tensorfleet.wire.encryption`); chunks use 1, 2, ..."""
-    return struct.pack(">IQ", index, counter)
+    return _NONCE.pack(index, counter)
 
 
 def chunk_spans(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -103,6 +105,11 @@ def chunk_spans(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
         for i, size in enumerate(sizes)
         for start in range(0, size, CHUNK_BYTES)
     ]
+
+
+def chunk_count(sizes: Iterable[int]) -> int:
+    """How many chunks buffers of ``sizes`` are cut into (``len(chunk_spans(sizes))``)."""
+    return sum(-(-size // CHUNK_BYTES) for size in sizes)
 
 
 def in_parallel(jobs: list, run, total_bytes: int) -> list:
@@ -153,13 +160,32 @@ def gmac_chunk_tags(key: bytes, counter: int, buffers: Sequence[Buffer]) -> byte
     """The AES-GMAC tags of every chunk of ``buffers`` (see :func:`chunk_spans`) under
     ``key`` and ``counter`` (each chunk its own nonce), concatenated; computed on two
     threads for large payloads (:func:`in_parallel`)."""
-    jobs, total = chunk_jobs(buffers)
-    aead = AESGCM(key)
+    return _chunk_tags(AESGCM(key), counter, buffers)
 
-    def run(job: tuple[int, memoryview]) -> bytes:
-        return gmac(aead, nonce(counter, job[0]), job[1])
 
-    return b"".join(in_parallel(jobs, run, total))
+def _chunk_tags(aead: AESGCM, counter: int, buffers: Sequence[Buffer]) -> bytes:
+    """:func:`gmac_chunk_tags` with the key's ``AESGCM`` made already. A payload below
+    :data:`PARALLEL_MIN_BYTES` is tagged in one plain loop: most messages carry a few small
+    buffers, and the jobs and views of the two-thread path cost more than their tags."""
+    if not buffers:
+        return b""
+    views = [bytes_view(b) for b in buffers]
+    total = sum(v.nbytes for v in views)
+    if total >= PARALLEL_MIN_BYTES:
+        jobs = _jobs_of(views)
+
+        def run(job: tuple[int, memoryview]) -> bytes:
+            return gmac(aead, nonce(counter, job[0]), job[1])
+
+        return b"".join(in_parallel(jobs, run, total))
+    encrypt, pack, tags, index = aead.encrypt, _NONCE.pack, [], 0
+    for view in views:
+        size = view.nbytes
+        for start in range(0, size, CHUNK_BYTES):
+            index += 1
+            chunk = view if size <= CHUNK_BYTES else view[start : start + CHUNK_BYTES]
+            tags.append(encrypt(pack(index, counter), b"", chunk))
+    return b"".join(tags)
 
 
 def gmac(aead: AESGCM, nonce_bytes: bytes, data: Buffer) -> bytes:
@@ -182,10 +208,14 @@ def gmac_matches(aead: AESGCM, nonce_bytes: bytes, tag: bytes, data: Buffer) -> 
 
 
 def chunk_jobs(buffers: Sequence[Buffer]) -> tuple[list[tuple[int, memoryview]], int]:
+    """Every chunk of ``buffers`` with its index (1, 2, ...), and the payload's bytes."""
     views = [bytes_view(b) for b in buffers]
+    return _jobs_of(views), sum(v.nbytes for v in views)
+
+
+def _jobs_of(views: Sequence[memoryview]) -> list[tuple[int, memoryview]]:
     spans = chunk_spans([v.nbytes for v in views])
-    jobs = [(index + 1, views[b][start:stop]) for index, (b, start, stop) in enumerate(spans)]
-    return jobs, sum(v.nbytes for v in views)
+    return [(index + 1, views[b][start:stop]) for index, (b, start, stop) in enumerate(spans)]
 
 
 class MessageSigner:
@@ -216,7 +246,7 @@ class MessageSigner:
 
     def chunk_tags(self, counter: int, buffers: Sequence[Buffer]) -> bytes:
         """The tags of every chunk of ``buffers`` (see :func:`chunk_spans`), concatenated."""
-        return gmac_chunk_tags(self._key, counter, buffers)
+        return _chunk_tags(self._aead, counter, buffers)
 
     def chunk_tag(self, counter: int, index: int, chunk: Buffer) -> bytes:
         """The tag of one chunk (``index`` 1, 2, ... of the message ``counter``): the one
@@ -230,8 +260,8 @@ class VerifiedHeader:
     """A message whose envelope and header verified, its payload not yet (see
     :meth:`MessageVerifier.check` and :meth:`MessageVerifier.accept`)."""
 
-    def __init__(self, session_id: bytes, counter: int, key: bytes) -> None:
-        self.session_id, self.counter, self.key = session_id, counter, key
+    def __init__(self, session_id: bytes, counter: int, key: bytes, aead: AESGCM) -> None:
+        self.session_id, self.counter, self.key, self.aead = session_id, counter, key, aead
 
 
 class MessageVerifier:
@@ -248,6 +278,9 @@ class MessageVerifier:
         self._role = role
         self._max_sessions = max_sessions
         self._keys: OrderedDict[bytes, bytes] = OrderedDict()
+        self._aeads: dict[bytes, AESGCM] = {}
+        """Each remembered session's ``AESGCM`` (its key schedule made once, not per
+        message)."""
         self._last_counter: dict[bytes, int] = {}
 
     def verify(self, session_id: bytes, counter: int, tag: bytes, parts: Iterable[Buffer]) -> None:
@@ -271,45 +304,77 @@ class MessageVerifier:
         key = self._keys.get(session_id)
         if key is None:
             key = derive_session_key(self._secret, session_id, self._role)
-        if not gmac_matches(AESGCM(key), nonce(counter), bytes(tag), b"".join(parts)):
+            aead = AESGCM(key)
+        else:
+            aead = self._aeads[session_id]
+        if not gmac_matches(aead, nonce(counter), bytes(tag), b"".join(parts)):
             raise AuthenticationError(
                 "message authentication failed: the sender does not hold this cluster's secret "
                 "(or the message was altered)"
             )
-        return VerifiedHeader(session_id, counter, key)
+        return VerifiedHeader(session_id, counter, key, aead)
 
     def accept(
         self, verified: VerifiedHeader, chunk_tags: Buffer, buffers: Sequence[Buffer]
     ) -> None:
         """Verify every chunk of ``buffers`` against ``chunk_tags`` (their count was checked by
         the caller against the header), then record the counter: the message is accepted."""
-        jobs, total = chunk_jobs(buffers)
+        views = [bytes_view(b) for b in buffers]
+        chunks = chunk_count(v.nbytes for v in views)
         tags = memoryview(chunk_tags)
-        if tags.nbytes != TAG_BYTES * len(jobs):
+        if tags.nbytes != TAG_BYTES * chunks:
             raise AuthenticationError(
-                f"{tags.nbytes // TAG_BYTES} chunk tags for {len(jobs)} chunks of payload"
+                f"{tags.nbytes // TAG_BYTES} chunk tags for {chunks} chunks of payload"
             )
-        aead, counter = AESGCM(verified.key), verified.counter
+        aead, counter = verified.aead, verified.counter
+        total = sum(v.nbytes for v in views)
+        if total >= PARALLEL_MIN_BYTES:
+            jobs = _jobs_of(views)
 
-        def run(job: tuple[int, memoryview]) -> bool:
-            index, data = job
-            expected = bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES])
-            return gmac_matches(aead, nonce(counter, index), expected, data)
+            def run(job: tuple[int, memoryview]) -> bool:
+                index, data = job
+                expected = bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES])
+                return gmac_matches(aead, nonce(counter, index), expected, data)
 
-        bad = [
-            job[0] for job, ok in zip(jobs, in_parallel(jobs, run, total), strict=True) if not ok
-        ]
-        if bad:
+            verdicts = in_parallel(jobs, run, total)
+            bad = next((job[0] for job, ok in zip(jobs, verdicts, strict=True) if not ok), None)
+        else:  # a few small buffers: one plain loop (see _chunk_tags)
+            bad = _first_bad_chunk(aead, counter, views, tags)
+        if bad is not None:
             raise AuthenticationError(
-                f"payload authentication failed in chunk {bad[0]} of {len(jobs)}: the payload "
+                f"payload authentication failed in chunk {bad} of {chunks}: the payload "
                 "was altered (or the sender does not hold this cluster's secret)"
             )
-        self._remember(verified.session_id, verified.key, verified.counter)
+        self._remember(verified.session_id, verified.key, aead, verified.counter)
 
-    def _remember(self, session_id: bytes, key: bytes, counter: int) -> None:
+    def _remember(self, session_id: bytes, key: bytes, aead: AESGCM, counter: int) -> None:
         self._keys[session_id] = key
         self._keys.move_to_end(session_id)
+        self._aeads[session_id] = aead
         self._last_counter[session_id] = counter
         while len(self._keys) > self._max_sessions:
             old, _ = self._keys.popitem(last=False)
+            self._aeads.pop(old, None)
             self._last_counter.pop(old, None)
+
+
+def _first_bad_chunk(
+    aead: AESGCM, counter: int, views: Sequence[memoryview], tags: memoryview
+) -> int | None:
+    """The index (1, 2, ...) of the first chunk of ``views`` whose tag in ``tags`` does not
+    match, or None when all match."""
+    decrypt, pack, index = aead.decrypt, _NONCE.pack, 0
+    for view in views:
+        size = view.nbytes
+        for start in range(0, size, CHUNK_BYTES):
+            index += 1
+            chunk = view if size <= CHUNK_BYTES else view[start : start + CHUNK_BYTES]
+            try:
+                decrypt(
+                    pack(index, counter),
+                    bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES]),
+                    chunk,
+                )
+            except InvalidTag:
+                return index
+    return None

@@ -42,7 +42,7 @@ from tensorfleet.wire.auth import (
     Buffer,
     MessageSigner,
     MessageVerifier,
-    chunk_spans,
+    chunk_count,
 )
 from tensorfleet.wire.encryption import Opener, Sealer
 
@@ -292,7 +292,7 @@ def decode(
                 "carries none"
             )
     else:
-        chunks = len(chunk_spans(sizes))
+        chunks = chunk_count(sizes)
         if views[2].nbytes != TAG_BYTES * chunks:
             raise ProtocolError(
                 f"{views[2].nbytes} bytes of chunk tags for {chunks} chunks ({TAG_BYTES} bytes each)"
