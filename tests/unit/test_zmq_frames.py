@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from tensorfleet.errors import UsageError
-from tensorfleet.wire.zmq_frames import NOBLOCK, receive_frames, send_frames
+from tensorfleet.wire.zmq_frames import NOBLOCK, readable, receive_frames, send_frames
 
 
 @pytest.fixture
@@ -46,9 +46,14 @@ def test_frames_arrive_whole_and_in_order_both_ways(pair: tuple[zmq.Socket, zmq.
 def test_nothing_waiting_is_zmq_again_without_blocking(
     pair: tuple[zmq.Socket, zmq.Socket],
 ) -> None:
-    router, _ = pair
+    router, dealer = pair
+    assert not readable(router)
     with pytest.raises(zmq.Again):
         receive_frames(router, NOBLOCK)
+    send_frames(dealer, [b"one"])
+    assert router.poll(5000) and readable(router)  # still there: asking took nothing
+    receive_frames(router, NOBLOCK)
+    assert not readable(router)
 
 
 def test_a_part_that_is_not_a_buffer_is_refused_before_any_part_leaves(

@@ -333,7 +333,7 @@ class Channel:
 
     def _receive_queued(self, request_id: int) -> None:
         """Take the messages ZeroMQ holds already (without waiting), until ``request_id``'s."""
-        while request_id not in self._arrived and self._socket.poll(0, zmq.POLLIN):
+        while request_id not in self._arrived and zmq_frames.readable(self._socket):
             self._receive_one()
 
     def _lost_to_disconnect(self, request_id: int) -> bool:
@@ -520,7 +520,7 @@ class Channel:
 
     def _count_disconnects(self) -> None:
         """Take the connection events that arrived (without waiting)."""
-        while self._monitor.poll(0):
+        while zmq_frames.readable(self._monitor):
             event = recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._disconnects += 1

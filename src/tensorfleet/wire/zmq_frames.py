@@ -34,6 +34,8 @@ from tensorfleet.errors import UsageError
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 _send = _CompiledSocket.send
 _recv = _CompiledSocket.recv
@@ -65,6 +67,12 @@ def send_frames(
     for index in range(last):
         _send(socket, frames[index], more, copy, track)
     return _send(socket, frames[last], flags, copy, track)
+
+
+def readable(socket: zmq.Socket) -> bool:
+    """Whether a message is waiting on ``socket`` now (its ``ZMQ_EVENTS``), without waiting:
+    ``socket.poll(0)`` says the same but builds a ``zmq.Poller`` at every call."""
+    return bool(_get(socket, _EVENTS) & _POLLIN)
 
 
 def receive_frames(socket: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
