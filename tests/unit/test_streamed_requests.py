@@ -8,6 +8,7 @@ later reply takes the stream that failed, and the next hello opens a new stream.
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections.abc import Callable, Iterator
 
@@ -200,3 +201,28 @@ def test_held_requests_leave_in_order_only_when_their_payload_is_done() -> None:
     finally:
         held.close()
     held.wake()  # after close: nothing is written anywhere
+
+
+def test_a_wake_is_drained_once_and_leaves_the_pipe_quiet() -> None:
+    """The service polls the wake pipe: after a wake it is readable until the next drain,
+    which empties it; a drain with no wake since leaves it (and the poll) quiet."""
+    held = HeldRequests()
+
+    def readable() -> bool:
+        return bool(select.select([held.fileno()], [], [], 0)[0])
+
+    try:
+        assert not readable()
+        held.next_ready()  # nothing written: nothing to read
+        assert not readable()
+        held.wake()
+        held.wake()
+        assert readable()
+        held.next_ready()
+        assert not readable()  # both wakes drained by one drain
+        held.wake()
+        assert readable()
+        held.next_ready()
+        assert not readable()
+    finally:
+        held.close()

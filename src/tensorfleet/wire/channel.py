@@ -257,6 +257,9 @@ class Channel:
                 raise self._connection_lost(request_id)
         deadline = time.monotonic() + timeout_s
         while request_id not in self._arrived:
+            if zmq_frames.readable(self._socket):  # a reply waits: no poll system call
+                self._receive_one()
+                continue
             remaining = deadline - time.monotonic()
             slice_s = remaining if abort is None else min(remaining, ABORT_CHECK_S)
             ready = dict(self._poller.poll(max(1, int(slice_s * 1000)))) if remaining > 0 else {}

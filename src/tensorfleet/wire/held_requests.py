@@ -60,6 +60,10 @@ class HeldRequests:
         # Held by a wake and by close: a wake never writes to a descriptor closed (and reused).
         self._pipe_lock = threading.Lock()
         self._closed = False
+        self._woken = False
+        """Set by :meth:`wake` after it wrote to the pipe, cleared by :meth:`_drain` before
+        it reads: a drain with nothing written since the last one reads nothing and makes no
+        system call (every request of the service's loop asks for one)."""
 
     def fileno(self) -> int:
         """The descriptor a poller watches: readable after :meth:`wake`."""
@@ -74,6 +78,10 @@ class HeldRequests:
                 os.write(self._wake_write, b"\0")
             except BlockingIOError:
                 pass  # the pipe is full of wake-ups already: the poll wakes anyway
+            # After the write: a drain that sees the flag finds the byte (set before it, a
+            # drain between the two would clear the flag and miss the byte, leaving the pipe
+            # readable with no drain to come, and the service's poll spinning).
+            self._woken = True
 
     def holds(self, session_id: bytes) -> bool:
         """Whether messages of ``session_id`` are held (a new one must queue behind them)."""
@@ -113,8 +121,9 @@ class HeldRequests:
         return message.payload is None or message.payload.done
 
     def _drain(self) -> None:
-        if self._closed:
+        if self._closed or not self._woken:
             return
+        self._woken = False  # before the read: a wake from now on is drained next time
         try:
             while os.read(self._wake_read, 4096):
                 pass

@@ -180,7 +180,7 @@ class ServiceSocket:
     def poll(self, timeout_s: float) -> bool:
         """Whether a message is waiting (or a held request can be served: its payload came
         in on its stream), after waiting up to ``timeout_s``."""
-        if self._held.ready():
+        if self._held.ready() or zmq_frames.readable(self._socket):  # no poll syscall then
             return True
         return bool(self._poller.poll(max(0, int(timeout_s * 1000))))
 
