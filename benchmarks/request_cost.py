@@ -233,6 +233,7 @@ def main() -> int:
     heading = (
         f"Request cost per round trip, a {args.kilobytes} KB model in {args.variables} "
         f"variables, medians of {args.batches} batches of {args.rounds} ({os.cpu_count()} CPUs)"
+        + (f"; *_baseline: the package in {args.baseline_src}" if args.baseline_src else "")
     )
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "batches": batches,
               "medians": medians}  # fmt: skip

@@ -40,7 +40,9 @@ Two more parts (``--parts tables click growing``, all by default):
   exchange (``cluster_prefetch``: ``EmbeddingTable.prefetch``, ``--prefetch``), each also
   with every row created on the ps shards before the loop (``cluster_ahead``,
   ``cluster_ahead_prefetch``: every worker calls ``create_all_rows()``; the plain loop's
-  table is whole before its loop too). Reported: examples/s over the training loops, the workers' CPU seconds, the
+  table is whole before its loop too); with ``--baseline-src DIR``, also ``cluster_baseline``:
+  2 ps + 2 workers running the package in ``DIR`` (another checkout's ``src``), an A/B of a
+  change in the same rounds. Reported: examples/s over the training loops, the workers' CPU seconds, the
   held-out AUC, and per round the ratios to the plain loop (examples/s; one process also
   CPU seconds, the measure a loaded machine disturbs least);
 * ``growing``: a raw-id table (``ids="raw"``) whose ids arrive over time (half of each batch
@@ -198,12 +200,20 @@ def run(name: str, worker_args: list[str], timeout_s: float) -> dict:
     return report
 
 
-def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: float) -> dict:
+def run_click(
+    mode: str,
+    optimizer: str,
+    examples: int,
+    epochs: int,
+    timeout_s: float,
+    src: Path = ROOT / "src",
+) -> dict:
     """The click model (``programs/click_speed.py``) trained ``epochs`` times over
     ``examples`` examples: by a plain PyTorch loop (``torch``), a one-process session
-    (``local``) or 2 ps + 2 workers (``cluster``, async). Returns examples/s over the
-    training loops (cluster: all the workers' examples over the span from the first start to
-    the last end), their CPU seconds, the held-out AUC."""
+    (``local``) or 2 ps + 2 workers (``cluster``, async), every process running the package
+    in ``src``. Returns examples/s over the training loops (cluster: all the workers'
+    examples over the span from the first start to the last end), their CPU seconds, the
+    held-out AUC."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
         extra = (["--rows-ahead"] if "_ahead" in mode else []) + (
@@ -215,7 +225,7 @@ def run_click(mode: str, optimizer: str, examples: int, epochs: int, timeout_s: 
         command = [sys.executable, str(CLICK), str(out), "--mode", program_mode,
                    "--optimizer", optimizer, "--examples", str(examples), "--epochs",
                    str(epochs), *extra]  # fmt: skip
-        env = {"PYTHONPATH": str(ROOT / "src")}
+        env = {"PYTHONPATH": str(src)}
         if program_mode == "cluster":
             capture = Capture()
             cluster = LocalCluster(2, 2, command, output=capture, grace_period=30, env=env)
@@ -382,8 +392,9 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
         one = {}
         for optimizer in args.click_optimizers:
             for mode in args.click_modes:
+                src = args.baseline_src if mode.endswith("_baseline") else ROOT / "src"
                 one[f"{mode}_{optimizer}"] = run_click(
-                    mode, optimizer, args.click_examples, args.click_epochs, 1800
+                    mode, optimizer, args.click_examples, args.click_epochs, 1800, src
                 )
         rounds.append(one)
     rows, ratios = {}, {}
@@ -418,7 +429,9 @@ def measure_click(args: argparse.Namespace) -> tuple[dict, list[str]]:
              "cluster_prefetch": "tensorfleet, 2 ps + 2 workers (async), next rows ahead",
              "cluster_ahead": "tensorfleet, 2 ps + 2 workers (async), rows created ahead",
              "cluster_ahead_prefetch": "tensorfleet, 2 ps + 2 workers (async), rows created "
-             "ahead, next rows ahead"}  # fmt: skip
+             "ahead, next rows ahead",
+             "cluster_baseline": f"tensorfleet of {args.baseline_src}, 2 ps + 2 workers "
+             "(async)"}  # fmt: skip
     table = [
         "| run | optimizer | examples/s | loop s | CPU s (workers) | held-out AUC | examples/s "
         "vs plain PyTorch | CPU s: plain PyTorch / this | a worker's step, ms: forward "
@@ -525,9 +538,16 @@ def main() -> int:
     parser.add_argument("--growing-steps", type=int, default=300)
     parser.add_argument("--growing-batch", type=int, default=8192, help="ids per step")
     parser.add_argument("--growing-expire", type=int, default=50)
+    parser.add_argument(
+        "--baseline-src", type=Path,
+        help="click: also run 2 ps + 2 workers with the package in DIR (another checkout's "
+        "src), in the same rounds (cluster_baseline): an A/B of a change",
+    )  # fmt: skip
     add_out_dir_option(parser)
     args = parser.parse_args()
     args.click_modes = ["torch", *(m for m in CLICK_MODES[1:] if m in args.click_modes)]
+    if args.baseline_src is not None:
+        args.click_modes.append("cluster_baseline")
     result: dict = {
         "benchmark": "embedding tables: rows vs the dense table, the click model against "
         "plain PyTorch, a growing raw-id table",
