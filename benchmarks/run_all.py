@@ -321,6 +321,20 @@ def headlines(results: dict[str, dict | None]) -> list[tuple[str, str, str, str]
                             "floor of the wire targets",
                         )
                     )
+    cost = results.get("request_cost")
+    if cost:
+        echo = cost["medians"]["zmq_echo"]
+        for kind in ("heartbeat", "push_pull"):
+            row = cost["medians"][kind]
+            rows.append(
+                (
+                    "request_cost",
+                    f"{kind}: CPU per round trip, client thread + ps, vs a bare ZeroMQ echo",
+                    f"{row['client_us']:.0f} + {row['server_us']:.0f} us = "
+                    f"{(row['client_us'] + row['server_us']) / (echo['client_us'] + echo['server_us']):.2f}x",
+                    "",
+                )
+            )
     capacity = results.get("ps_capacity")
     if capacity:
         for name, row in capacity["rows"].items():
