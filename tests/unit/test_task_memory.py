@@ -31,7 +31,19 @@ def test_a_tasks_record_reaches_the_summary_line_and_a_missing_one_is_a_question
     # The unit depends on how big this test process has grown (MiB or GiB): compare
     # with the formatting of the number recorded, not with a fixed unit.
     assert line.startswith(f"peak memory (RSS): ps:0 {format_bytes(int(recorded))}")
-    assert line.endswith("worker:0 ? (no record: killed?)")
+    assert line.endswith("worker:0 ? (no record)")  # no exit status known: no reason given
+
+
+def test_a_missing_record_says_why_from_the_tasks_exit_status(tmp_path) -> None:
+    markers = task_markers.TaskMarkers()
+    markers.directory = tmp_path
+    task_memory.write_now("ps:0", {task_markers.MARKERS_VAR: str(tmp_path)})
+    line = peak_memory_line(
+        ["ps:0", "worker:0", "worker:1"], markers, {"ps:0": 0, "worker:0": -9, "worker:1": 0}
+    )
+    assert line is not None
+    assert "worker:0 ? (no record: ended by SIGKILL)" in line
+    assert line.endswith("worker:1 ? (no record: it exited (code 0) without starting a tfl.Server)")
 
 
 def test_no_record_at_all_gives_no_line(tmp_path) -> None:

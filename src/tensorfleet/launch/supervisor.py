@@ -558,7 +558,7 @@ class ClusterSupervisor(
         result = run_status(workers, failed, self._interrupt)
         self.output.message(ending_line(result, workers, time.monotonic() - self._start_time))
         self._phase, self._phase_deadline, self._result = DONE, None, result
-        memory = peak_memory_line([t.name for t in self._tasks], self._markers)
+        memory = peak_memory_line([t.name for t in self._tasks], self._markers, self.returncodes)
         if memory is not None:
             self.output.message(memory)
         self._markers.remove()
