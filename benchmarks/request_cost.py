@@ -26,7 +26,8 @@ batches so that the machine's drift hits them alike:
 For each kind: the client's CPU per round trip (the thread that sends and waits,
 ``time.thread_time``; ZeroMQ's I/O thread is counted with the process's other threads in
 ``client_process_cpu_us``), the server's (the whole ps or echo process, ``/proc``), and the
-wall time. Ratios are each kind's CPU (client thread + server process) against
+wall time. The two process columns come from ``/proc``'s clock ticks (10 ms here): per round
+trip their resolution is 10 ms / ``--rounds`` (5 us at the default 2,000). Ratios are each kind's CPU (client thread + server process) against
 ``zmq_echo``'s of the same run.
 
     .venv/bin/python benchmarks/request_cost.py [--rounds 2000 --batches 5]
@@ -178,6 +179,24 @@ class ClientProcess:
             self.process.kill()
 
 
+def baseline_problem(src: Path) -> str | None:
+    """Why ``src`` cannot be the baseline's package (None when it can): it must be another
+    checkout's ``src`` directory, beside that checkout's ``benchmarks/wire.py``."""
+    if not (src / "tensorfleet" / "__init__.py").is_file():
+        return (
+            f"--baseline-src {src}: no tensorfleet package there; give the src directory of "
+            f"another checkout (e.g. git clone -q . /tmp/before && git -C /tmp/before checkout "
+            f"-q COMMIT, then --baseline-src /tmp/before/src)"
+        )
+    if not (src.parent / "benchmarks" / "wire.py").is_file():
+        return (
+            f"--baseline-src {src}: its checkout has no benchmarks/wire.py beside it (at "
+            f"{src.parent / 'benchmarks'}), which the baseline's client runs; give the src "
+            f"directory of a whole checkout"
+        )
+    return None
+
+
 def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """Each kind's batches, interleaved (one batch of every kind per round)."""
     kinds = [k for k in KINDS if not k.endswith("_baseline") or args.baseline_src]
@@ -211,6 +230,10 @@ def main() -> int:
     parser.add_argument("--name", default="request_cost", help="the results' file name")
     add_out_dir_option(parser)
     args = parser.parse_args()
+    if args.baseline_src is not None:
+        problem = baseline_problem(args.baseline_src)
+        if problem:
+            parser.error(problem)
     batches = measure(args)
     medians = {
         kind: {key: statistics.median(b[key] for b in runs) for key in runs[0]}

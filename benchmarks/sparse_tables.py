@@ -547,6 +547,12 @@ def main() -> int:
     args = parser.parse_args()
     args.click_modes = ["torch", *(m for m in CLICK_MODES[1:] if m in args.click_modes)]
     if args.baseline_src is not None:
+        if not (args.baseline_src / "tensorfleet" / "__init__.py").is_file():
+            parser.error(
+                f"--baseline-src {args.baseline_src}: no tensorfleet package there; give the "
+                "src directory of another checkout (e.g. git clone -q . /tmp/before && git -C "
+                "/tmp/before checkout -q COMMIT, then --baseline-src /tmp/before/src)"
+            )
         args.click_modes.append("cluster_baseline")
     result: dict = {
         "benchmark": "embedding tables: rows vs the dense table, the click model against "

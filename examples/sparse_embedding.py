@@ -14,6 +14,7 @@ fresh model: the weight comes back whole, reassembled from the shards' rows.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 
 import torch
@@ -45,7 +46,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--mode", default="async", choices=["async", "sync"])
-    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where the chief keeps its checkpoints (default: a temporary directory, removed "
+        "when the example ends)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task()
@@ -53,6 +59,21 @@ def main() -> int:
     torch.manual_seed(0)
     model = Model()
     checkpoints = args.checkpoint_dir or tempfile.mkdtemp(prefix="sparse-embedding-")
+    try:
+        return train(args, task, server, model, checkpoints)
+    finally:
+        if args.checkpoint_dir is None:  # ours: nothing of it is left in /tmp
+            shutil.rmtree(checkpoints, ignore_errors=True)
+
+
+def train(
+    args: argparse.Namespace,
+    task: tfl.ResolvedTask,
+    server: tfl.Server,
+    model: nn.Module,
+    checkpoints: str,
+) -> int:
+    """Train, then (the chief) load the final checkpoint strictly into a fresh model."""
     held_ids, held_y = make_data(4096, seed=10**6)
     with tfl.TrainingSession(
         server, model, optimizer=tfl.optim.Adam(lr=0.01), mode=args.mode,

@@ -31,3 +31,14 @@ def test_sparse_embedding_learns_and_its_checkpoint_loads_strictly(tmp_path):
     assert "[200000, 16], loaded strictly" in lines[0]
     placement = "\n".join(run.output.of("worker:0"))
     assert "embedding.weight  [200000, 16]  ps:0,ps:1 (rows mod 2)" in placement, str(run)
+
+
+def test_without_a_checkpoint_dir_its_temporary_one_is_removed(tmp_path):
+    """Each worker's default checkpoint directory is a temporary one, gone when it ends."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    command = [sys.executable, str(EXAMPLE), "--steps", "20"]
+    run = run_local_cluster(2, 2, command, timeout_s=200, env={"TMPDIR": str(temporary)})
+    assert run.returncode == 0, str(run)
+    assert any(line.startswith("held-out mse") for line in run.output.of("worker:0")), str(run)
+    assert not list(temporary.glob("sparse-embedding-*")), str(run)

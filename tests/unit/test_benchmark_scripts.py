@@ -646,3 +646,12 @@ def test_gpu_check_stops_a_part_past_its_limit(monkeypatch: pytest.MonkeyPatch) 
     output, status = gpu.run_limited([sys.executable, "-c", program], dict(os.environ), 3)
     assert status is None
     assert output.endswith("(stopped after 3 s)")
+
+
+def test_request_cost_refuses_a_baseline_that_is_not_a_checkouts_src(tmp_path: Path) -> None:
+    request_cost = _load_path(BENCHMARKS / "request_cost.py")
+    assert request_cost.baseline_problem(ROOT / "src") is None
+    assert "no tensorfleet package there" in request_cost.baseline_problem(tmp_path)
+    (tmp_path / "src" / "tensorfleet").mkdir(parents=True)
+    (tmp_path / "src" / "tensorfleet" / "__init__.py").write_text("")
+    assert "no benchmarks/wire.py" in request_cost.baseline_problem(tmp_path / "src")
