@@ -123,3 +123,30 @@ def test_a_failed_fold_is_named_with_its_directory_and_reruns_once_that_is_delet
     shutil.rmtree(tmp_path / "cv" / "trials" / "0001")
     result = run()
     assert len(result.scores) == 3 and all(0.5 < s <= 1.0 for s in result.scores), result
+
+
+def test_an_entry_module_that_starts_the_ensemble_at_import_is_told_where_the_call_belongs(
+    tmp_path,
+):
+    """The snippet written as one file, without the ``__main__`` guard: each member's trial
+    imports the module, which starts the same ensemble again. Every member fails saying so,
+    and the run's error says how to run a failed member again."""
+    programs = tmp_path / "programs"
+    programs.mkdir()
+    directory = tmp_path / "ens"
+    (programs / "unguarded_members.py").write_text(
+        "import sys\n"
+        "from tensorfleet.patterns.ensemble import run_ensemble\n"
+        f"sys.path.insert(0, {PROGRAMS[0]!r})\n"
+        "from model_trials import member  # noqa: E402\n"
+        f"run_ensemble('unguarded_members:member', [{{'seed': 0}}, {{'seed': 1}}], {str(directory)!r},\n"
+        f"             pythonpath=[{str(programs)!r}])\n"
+    )
+    with pytest.raises(TensorfleetError) as raised:
+        run_ensemble(
+            "unguarded_members:member", [{"seed": 0}, {"seed": 1}], directory, pythonpath=[str(programs)],
+            progress=quiet(),
+        )  # fmt: skip
+    text = str(raised.value)
+    assert "started that sweep again" in text and '__name__ == "__main__"' in text, text
+    assert f"{directory}/trials/0000" in text and f"{directory}/trials/0001" in text, text

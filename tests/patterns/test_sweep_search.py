@@ -11,6 +11,7 @@ import pytest
 from tensorfleet.patterns.search import COMPLETE, OptunaSearch, resumed_sampler_seed
 from tensorfleet.patterns.search_space import SweepConfigError, grid_summary, parse_space
 from tensorfleet.patterns.study_storage import open_study_storage
+from tensorfleet.patterns.sweep import Sweep
 from tensorfleet.patterns.sweep_config import SweepConfig, load_config
 from tensorfleet.patterns.sweep_report import PlainProgress, TrialRecord, why_no_plot
 
@@ -214,3 +215,22 @@ def test_a_list_search_file_may_leave_the_space_out_and_others_may_not(tmp_path)
     grid.write_text("entry: t:f\nmetric: score\n")
     with pytest.raises(SweepConfigError, match="missing setting 'space'"):
         load_config(grid)
+
+
+def test_a_misspelt_setting_is_refused_with_the_setting_meant(tmp_path):
+    path = tmp_path / "sweep.json"
+    path.write_text('{"entry": "m:f", "space": {"x": [1, 2]}, "metric": "loss", "slot": 2}')
+    with pytest.raises(
+        SweepConfigError, match=r"unknown settings \['slot'\] \('slot': did you mean 'slots'\?\)"
+    ):
+        load_config(path)
+
+
+def test_a_resume_with_another_configuration_names_both_values(tmp_path):
+    first = SweepConfig(**{**_settings(), "search": "grid", "trials": None})
+    Sweep(first, tmp_path, PlainProgress("loss", io.StringIO()))._prepare()
+    other = SweepConfig(**{**_settings(), "search": "grid", "trials": None, "metric": "error"})
+    with pytest.raises(
+        SweepConfigError, match=r"differs in \['metric'\]: metric: 'loss' there, 'error' now"
+    ):
+        Sweep(other, tmp_path, PlainProgress("loss", io.StringIO()))._prepare()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tensorfleet.errors import AuthenticationError
+from tensorfleet.errors import AuthenticationError, ConfigTypeError
 from tensorfleet.wire.auth import (
     REPLY_ROLE,
     REQUEST_ROLE,
@@ -199,3 +199,14 @@ def test_failed_verifications_do_not_occupy_session_slots() -> None:
     # The good session is still remembered: its replay is refused.
     with pytest.raises(AuthenticationError, match="replayed"):
         verifier.verify(good.session_id, *message, PARTS)
+
+
+def test_a_text_secret_is_refused_with_the_fix() -> None:
+    """A secret given as str (easy from the docs' snippets) fails naming the type and the fix,
+    not deep in the key derivation."""
+    with pytest.raises(ConfigTypeError, match=r"must be bytes, got str; fix: pass secret.encode"):
+        MessageSigner("my-secret", REQUEST_ROLE)  # type: ignore[arg-type]
+    with pytest.raises(ConfigTypeError, match="must be bytes"):
+        MessageVerifier("my-secret", REQUEST_ROLE).verify(  # type: ignore[arg-type]
+            b"s" * SESSION_ID_BYTES, 1, b"t" * 16, [b"x"]
+        )

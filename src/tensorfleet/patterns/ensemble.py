@@ -135,7 +135,13 @@ def run_ensemble(
             failed.append(record.number)
         rows.append(row)
     if not probs or labels is None:
-        raise TensorfleetError(f"no member of the ensemble completed; see {directory}/results.csv")
+        errors = "; ".join(f"member {r['member']}: {r['error']}" for r in rows if r["error"])
+        raise TensorfleetError(
+            f"no member of the ensemble completed ({errors or 'no error recorded'}; see "
+            f"{directory}/results.csv). A member that failed stays recorded as failed: to run it "
+            f"again, delete its directory ({', '.join(f'{directory}/trials/{n:04d}' for n in failed)})"
+            " or give another directory"
+        )
     average = torch.stack(probs).mean(dim=0)
     result = EnsembleResult(accuracy(average, labels), rows, failed, directory)
     (directory / "ensemble.json").write_text(

@@ -89,6 +89,7 @@ from tensorfleet.patterns.trial import (
     OUTPUT_FILE,
     PARAMS_FILE,
     STOP_FILE,
+    TRIAL_DIR_VAR,
     MetricsReader,
 )
 from tensorfleet.patterns.trial_main import (
@@ -192,10 +193,16 @@ class Sweep:
         if stored.exists():
             previous = json.loads(stored.read_text())
             if previous != json.loads(json.dumps(described)):
-                changed = sorted(k for k in described if previous.get(k) != described[k])
+                now = json.loads(json.dumps(described))
+                changed = sorted(
+                    k for k in set(previous) | set(now) if previous.get(k) != now.get(k)
+                )
+                was = ", ".join(
+                    f"{k}: {previous.get(k)!r} there, {now.get(k)!r} now" for k in changed
+                )
                 raise SweepConfigError(
                     f"{self.directory} holds a sweep with another configuration (differs in "
-                    f"{changed}); resume it with the same config, or use a new directory"
+                    f"{changed}: {was}); resume it with the same config, or use a new directory"
                 )
         else:
             _write_atomic(stored, json.dumps(described, indent=2))
@@ -301,16 +308,30 @@ class Sweep:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 lock.close()
-                raise SweepBusy(
-                    f"another sweep is running in {self.directory} (it holds {path}); wait for "
-                    "it, or use another directory"
-                ) from None
+                raise SweepBusy(self._busy_reason(path)) from None
             try:
                 if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
                     return lock
             except FileNotFoundError:
                 pass
             lock.close()  # the sweep before us removed the file as we opened it: again
+
+    def _busy_reason(self, path: Path) -> str:
+        """Why the lock is taken: another sweep, or (a trial of this very sweep starting it
+        again) the entry's module calling the sweep when the trial imports it."""
+        trial = os.environ.get(TRIAL_DIR_VAR)
+        if trial and Path(trial).resolve().is_relative_to(self.directory.resolve()):
+            return (
+                f"this process is a trial of the sweep in {self.directory} ({TRIAL_DIR_VAR}="
+                f"{trial}) and started that sweep again: the trial imported the entry's module, "
+                "whose top level calls run_sweep / run_ensemble / run_cross_validation; fix: put "
+                'that call under `if __name__ == "__main__":` (or the entry function in a '
+                "module of its own)"
+            )
+        return (
+            f"another sweep is running in {self.directory} (it holds {path}); wait for it, or "
+            "use another directory"
+        )
 
     def _search(self) -> Search:
         if self.config.search == "optuna":

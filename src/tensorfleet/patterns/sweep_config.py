@@ -18,6 +18,7 @@ Example (YAML)::
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import inspect
 import re
@@ -312,8 +313,12 @@ def load_config(path: str | Path) -> SweepConfig:
     known = {f.name for f in fields(SweepConfig) if f.init}
     unknown = sorted(set(raw) - known)
     if unknown:
+        guesses = {u: difflib.get_close_matches(u, known, n=1) for u in unknown}
+        meant = "; ".join(f"{u!r}: did you mean {g[0]!r}?" for u, g in guesses.items() if g)
         raise SweepConfigError(
-            f"{path}: unknown settings {unknown}; the settings are {sorted(known)}"
+            f"{path}: unknown settings {unknown}"
+            + (f" ({meant})" if meant else "")
+            + f"; the settings are {sorted(known)}"
         )
     listed = raw.get("search") == "list"  # its space may be left out (from configurations)
     for required in ("metric",) if listed else ("space", "metric"):

@@ -58,7 +58,12 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tensorfleet.errors import AuthenticationError, ConfigError, ReplayedMessage
+from tensorfleet.errors import (
+    AuthenticationError,
+    ConfigError,
+    ConfigTypeError,
+    ReplayedMessage,
+)
 
 SESSION_ID_BYTES = 16
 TAG_BYTES = 16
@@ -82,6 +87,12 @@ def derive_session_key(secret: bytes, session_id: bytes, role: str) -> bytes:
     """The 256-bit key of one sender session in one direction."""
     if role not in _ROLES:
         raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
+    if not isinstance(secret, (bytes, bytearray)):
+        raise ConfigTypeError(
+            f"the cluster secret must be bytes, got {type(secret).__name__}; fix: pass "
+            "secret.encode() for a text secret, or the bytes "
+            "tensorfleet.wire.secret.load_secret() reads from $TENSORFLEET_SECRET"
+        )
     hkdf = HKDF(
         algorithm=hashes.SHA256(),
         length=32,
