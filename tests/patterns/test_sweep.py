@@ -252,6 +252,38 @@ def test_a_killed_sweep_resumes_without_running_a_finished_trial_again(tmp_path)
     assert sorted(p.name for p in (directory / "interrupted").iterdir()) == ["0002-1", "0003-1"]
 
 
+def test_a_sweep_stopped_by_sigterm_exits_130_saying_how_to_resume(tmp_path):
+    gate = tmp_path / "gate"  # never created: trials 2 and 3 wait for it
+    cfg_path = tmp_path / "sweep.yaml"
+    cfg_path.write_text(
+        "entry: sweep_trials:gated\n"
+        "space: {x: [0, 1, 2, 3]}\n"
+        "metric: loss\n"
+        "slots: 2\n"
+        f"pythonpath: [{PROGRAMS}]\n"
+    )
+    directory = tmp_path / "sweep"
+    env = dict(os.environ, SWEEP_TEST_GATE=str(gate), SWEEP_TEST_COMPLETIONS=str(tmp_path / "c"))
+    argv = [sys.executable, "-m", "tensorfleet", "sweep", str(cfg_path), "--dir", str(directory),
+            "--no-live"]  # fmt: skip
+    sweep = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (directory / "trials" / "0002" / "metrics.jsonl").exists():
+            assert sweep.poll() is None, sweep.communicate()[0].decode()
+            assert time.monotonic() < deadline, "trial 2 did not start in 60 s"
+            time.sleep(0.05)
+        sweep.send_signal(signal.SIGTERM)
+        output = sweep.communicate(timeout=60)[0].decode()
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode == 130, output
+    assert f"sweep: interrupted; the trials that finished are kept in {directory}" in output, output
+    assert "run the same command again to resume" in output, output
+
+
 def test_an_optuna_sweep_with_a_median_pruner_prunes_and_resumes_from_its_study(tmp_path):
     pytest.importorskip("optuna")
     cfg = config(

@@ -68,7 +68,15 @@ def _sweep(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, interrupt)
-    result = run_sweep(config, directory, live=False if args.no_live else None)
+    try:
+        result = run_sweep(config, directory, live=False if args.no_live else None)
+    except KeyboardInterrupt:
+        print(
+            f"sweep: interrupted; the trials that finished are kept in {directory}: run the "
+            "same command again to resume",
+            file=sys.stderr,
+        )
+        raise
     print(json.dumps({"best": result.best, "results": str(result.results_json)}))
     if not any(r.state == COMPLETE for r in result.records):
         print(
