@@ -169,6 +169,16 @@ def test_a_missing_problem_factory_is_refused_naming_it(tmp_path):
         config.load_problem()
 
 
+def test_a_missing_problem_file_says_where_it_looked_and_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = PopulationConfig(problem="no_such.py:make", hyperparameters={"lr": {"values": LRS}})
+    with pytest.raises(PbtConfigError) as caught:
+        config.load_problem()
+    message = str(caught.value)
+    assert str(tmp_path.resolve() / "no_such.py") in message, message
+    assert f"relative to {str(tmp_path.resolve())!r}" in message and "fix:" in message, message
+
+
 def test_the_pbt_example_runs(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "pbt_schedule.py"), "--dir", str(tmp_path),

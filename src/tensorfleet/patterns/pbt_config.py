@@ -205,7 +205,10 @@ class PopulationConfig:
                 path = Path(self.base_dir) / path
             if not path.is_file():
                 raise PbtConfigError(
-                    f"problem file {str(path)!r} does not exist ({self.problem!r})"
+                    f"problem file {str(path.resolve())!r} does not exist ({self.problem!r}, "
+                    f"relative to {str(Path(self.base_dir).resolve())!r}: the config file's "
+                    "directory, or the working directory for a PopulationConfig made in Python); "
+                    "fix: give the file's path from there, or an absolute one"
                 )
             module_name = f"_tensorfleet_pbt_problem_{path.stem}"
             spec = importlib.util.spec_from_file_location(module_name, path)
