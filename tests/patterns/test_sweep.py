@@ -185,8 +185,10 @@ def test_bad_input_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "d").exists(), "nothing may start before the config is valid"
 
 
-def test_a_killed_sweep_resumes_without_running_a_finished_trial_again(tmp_path):
-    gate, completions = tmp_path / "gate", tmp_path / "completions.txt"
+def _gated_sweep(tmp_path: Path) -> tuple[list[str], dict[str, str], Path]:
+    """``tensorfleet sweep`` of 4 trials in 2 slots of ``sweep_trials:gated``: trials 0 and 1
+    finish, 2 and 3 wait for ``tmp_path/gate``, each completion is written to
+    ``tmp_path/completions.txt``. The command, its environment and the sweep's directory."""
     cfg_path = tmp_path / "sweep.yaml"
     cfg_path.write_text(
         "entry: sweep_trials:gated\n"
@@ -196,17 +198,19 @@ def test_a_killed_sweep_resumes_without_running_a_finished_trial_again(tmp_path)
         f"pythonpath: [{PROGRAMS}]\n"
     )
     directory = tmp_path / "sweep"
-    env = dict(os.environ, SWEEP_TEST_GATE=str(gate), SWEEP_TEST_COMPLETIONS=str(completions))
-    argv = [
-        sys.executable,
-        "-m",
-        "tensorfleet",
-        "sweep",
-        str(cfg_path),
-        "--dir",
-        str(directory),
-        "--no-live",
-    ]
+    env = dict(
+        os.environ,
+        SWEEP_TEST_GATE=str(tmp_path / "gate"),
+        SWEEP_TEST_COMPLETIONS=str(tmp_path / "completions.txt"),
+    )
+    argv = [sys.executable, "-m", "tensorfleet", "sweep", str(cfg_path), "--dir", str(directory),
+            "--no-live"]  # fmt: skip
+    return argv, env, directory
+
+
+def test_a_killed_sweep_resumes_without_running_a_finished_trial_again(tmp_path):
+    gate, completions = tmp_path / "gate", tmp_path / "completions.txt"
+    argv, env, directory = _gated_sweep(tmp_path)
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = []
     try:
@@ -253,19 +257,7 @@ def test_a_killed_sweep_resumes_without_running_a_finished_trial_again(tmp_path)
 
 
 def test_a_sweep_stopped_by_sigterm_exits_130_saying_how_to_resume(tmp_path):
-    gate = tmp_path / "gate"  # never created: trials 2 and 3 wait for it
-    cfg_path = tmp_path / "sweep.yaml"
-    cfg_path.write_text(
-        "entry: sweep_trials:gated\n"
-        "space: {x: [0, 1, 2, 3]}\n"
-        "metric: loss\n"
-        "slots: 2\n"
-        f"pythonpath: [{PROGRAMS}]\n"
-    )
-    directory = tmp_path / "sweep"
-    env = dict(os.environ, SWEEP_TEST_GATE=str(gate), SWEEP_TEST_COMPLETIONS=str(tmp_path / "c"))
-    argv = [sys.executable, "-m", "tensorfleet", "sweep", str(cfg_path), "--dir", str(directory),
-            "--no-live"]  # fmt: skip
+    argv, env, directory = _gated_sweep(tmp_path)  # no gate: trials 2 and 3 wait for it
     sweep = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
