@@ -47,7 +47,13 @@ def test_options_train_through_a_cluster_and_checkpoint_plain_names(
     result = json.loads(out.read_text())
     losses = result["losses"]
     assert all(torch.isfinite(torch.tensor(losses))), f"{losses}\n{run}"
-    assert losses[-1] < losses[0] - 0.05, f"the loss did not decrease: {losses}\n{run}"
+    # The model the chief ended with against the one it started from, on the batch every
+    # worker trains on: in async mode the chief may take only a few of the 20 global steps
+    # (the other worker running ahead under load), so its own losses are not compared.
+    assert result["final_loss"] < result["initial_loss"] - 0.05, (
+        f"the loss did not decrease: {result['initial_loss']} -> {result['final_loss']} "
+        f"(the chief's steps: {losses})\n{run}"
+    )
     assert result["refused"] == 0, str(run)
     assert result["channels_last"], "the ps's values must keep the model's memory order"
     plain = _program().SmallCNN()

@@ -1,7 +1,8 @@
 """A worker for the fast-compute test: a small CNN trained with ``ComputeOptions`` (and,
 in the ps modes, bf16 gradients on the wire and the fused Adam), checkpoints in a directory.
-The chief writes its losses, its parameter names and shapes and the global step to the JSON
-file given.
+The chief writes its losses, the loss of its initial and of its final parameters on the batch
+every worker trains on, its parameter names and shapes and the global step to the JSON file
+given.
 
     compute_worker.py OUT CHECKPOINT_DIR MODE STEPS [--channels-last] [--autocast bf16]
                       [--wire-dtype bf16] [--values-wire-dtype bf16] [--fused]
@@ -61,6 +62,8 @@ def main() -> int:
     generator = torch.Generator().manual_seed(5)  # one fixed batch: the loss must go down
     x = torch.randn(BATCH, 1, 8, 8, generator=generator)
     y = torch.randint(0, 3, (BATCH,), generator=generator)
+    with torch.no_grad():  # the initial parameters' loss (the chief's are the ps's first values)
+        initial_loss = F.cross_entropy(model(x), y).item()
     losses = []
     rounded_after_step: list[bool] = []
     with tfl.TrainingSession(
@@ -80,10 +83,14 @@ def main() -> int:
             rounded_after_step.append(all(_is_bf16(p) for p in model.parameters()))
         stats = sess.cluster_stats()
     if sess.is_chief:
+        with torch.no_grad():  # the values the session ended with: every worker's updates
+            final_loss = F.cross_entropy(model(x), y).item()
         with open(args.out, "w") as f:
             json.dump(
                 {
                     "losses": losses,
+                    "initial_loss": initial_loss,
+                    "final_loss": final_loss,
                     "rounded_after_step": rounded_after_step,
                     "exact_at_end": not all(_is_bf16(p) for p in model.parameters()),
                     "names": [[n, list(p.shape)] for n, p in model.named_parameters()],
