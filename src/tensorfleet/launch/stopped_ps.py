@@ -8,8 +8,9 @@ process from ``/proc/<pid>/stat`` every :data:`POLL_S`. A ps seen stopped (state
 seconds gets ``SIGKILL`` on its process group and is restarted as any ps killed by a signal
 is: its identity goes to a warm spare ps when one waits, the chief restores the shard from
 the newest checkpoint, and with the ps update log (``--ps-update-log``, on by default) the
-restored shard replays every update the stopped process acknowledged, so nothing is lost. The line that says
-so names the process, how long it was stopped, what the replacement loses and the option.
+restored shard replays every update the stopped process acknowledged, so nothing is lost.
+The line that says so names the process, how long it was stopped, what the replacement loses
+and the option.
 
 The rule, and its invariant: **only a process that was not running is replaced.** A ps busy
 with a long piece of work (a checkpoint of a large shard, a restore, a swap storm, a slow

@@ -176,27 +176,21 @@ def gmac_chunk_tags(key: bytes, counter: int, buffers: Sequence[Buffer]) -> byte
 
 def _chunk_tags(aead: AESGCM, counter: int, buffers: Sequence[Buffer]) -> bytes:
     """:func:`gmac_chunk_tags` with the key's ``AESGCM`` made already. A payload below
-    :data:`PARALLEL_MIN_BYTES` is tagged in one plain loop: most messages carry a few small
-    buffers, and the jobs and views of the two-thread path cost more than their tags."""
+    :data:`PARALLEL_MIN_BYTES` is tagged on this thread alone, in one loop: most messages
+    carry a few small buffers, whose tags cost less than a helper's hand-offs."""
     if not buffers:
         return b""
     views = [bytes_view(b) for b in buffers]
     total = sum(v.nbytes for v in views)
+    jobs = _jobs_of(views)
     if total >= PARALLEL_MIN_BYTES:
-        jobs = _jobs_of(views)
 
         def run(job: tuple[int, memoryview]) -> bytes:
             return gmac(aead, nonce(counter, job[0]), job[1])
 
         return b"".join(in_parallel(jobs, run, total))
-    encrypt, pack, tags, index = aead.encrypt, _NONCE.pack, [], 0
-    for view in views:
-        size = view.nbytes
-        for start in range(0, size, CHUNK_BYTES):
-            index += 1
-            chunk = view if size <= CHUNK_BYTES else view[start : start + CHUNK_BYTES]
-            tags.append(encrypt(pack(index, counter), b"", chunk))
-    return b"".join(tags)
+    encrypt, pack = aead.encrypt, _NONCE.pack
+    return b"".join(encrypt(pack(index, counter), b"", chunk) for index, chunk in jobs)
 
 
 def gmac(aead: AESGCM, nonce_bytes: bytes, data: Buffer) -> bytes:
@@ -225,8 +219,19 @@ def chunk_jobs(buffers: Sequence[Buffer]) -> tuple[list[tuple[int, memoryview]],
 
 
 def _jobs_of(views: Sequence[memoryview]) -> list[tuple[int, memoryview]]:
-    spans = chunk_spans([v.nbytes for v in views])
-    return [(index + 1, views[b][start:stop]) for index, (b, start, stop) in enumerate(spans)]
+    """Every chunk of ``views`` with its index (1, 2, ...), as :func:`chunk_spans` cuts them;
+    a buffer of one chunk is its own view (no slice made: most messages carry a few small
+    buffers)."""
+    jobs: list[tuple[int, memoryview]] = []
+    for view in views:
+        size = view.nbytes
+        if size <= CHUNK_BYTES:
+            if size:
+                jobs.append((len(jobs) + 1, view))
+            continue
+        for start in range(0, size, CHUNK_BYTES):
+            jobs.append((len(jobs) + 1, view[start : start + CHUNK_BYTES]))
+    return jobs
 
 
 class MessageSigner:
@@ -331,7 +336,8 @@ class MessageVerifier:
         """Verify every chunk of ``buffers`` against ``chunk_tags`` (their count was checked by
         the caller against the header), then record the counter: the message is accepted."""
         views = [bytes_view(b) for b in buffers]
-        chunks = chunk_count(v.nbytes for v in views)
+        jobs = _jobs_of(views)
+        chunks = len(jobs)
         tags = memoryview(chunk_tags)
         if tags.nbytes != TAG_BYTES * chunks:
             raise AuthenticationError(
@@ -340,7 +346,6 @@ class MessageVerifier:
         aead, counter = verified.aead, verified.counter
         total = sum(v.nbytes for v in views)
         if total >= PARALLEL_MIN_BYTES:
-            jobs = _jobs_of(views)
 
             def run(job: tuple[int, memoryview]) -> bool:
                 index, data = job
@@ -350,7 +355,7 @@ class MessageVerifier:
             verdicts = in_parallel(jobs, run, total)
             bad = next((job[0] for job, ok in zip(jobs, verdicts, strict=True) if not ok), None)
         else:  # a few small buffers: one plain loop (see _chunk_tags)
-            bad = _first_bad_chunk(aead, counter, views, tags)
+            bad = _first_bad_chunk(aead, counter, jobs, tags)
         if bad is not None:
             raise AuthenticationError(
                 f"payload authentication failed in chunk {bad} of {chunks}: the payload "
@@ -370,22 +375,18 @@ class MessageVerifier:
 
 
 def _first_bad_chunk(
-    aead: AESGCM, counter: int, views: Sequence[memoryview], tags: memoryview
+    aead: AESGCM, counter: int, jobs: Sequence[tuple[int, memoryview]], tags: memoryview
 ) -> int | None:
-    """The index (1, 2, ...) of the first chunk of ``views`` whose tag in ``tags`` does not
-    match, or None when all match."""
-    decrypt, pack, index = aead.decrypt, _NONCE.pack, 0
-    for view in views:
-        size = view.nbytes
-        for start in range(0, size, CHUNK_BYTES):
-            index += 1
-            chunk = view if size <= CHUNK_BYTES else view[start : start + CHUNK_BYTES]
-            try:
-                decrypt(
-                    pack(index, counter),
-                    bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES]),
-                    chunk,
-                )
-            except InvalidTag:
-                return index
+    """The index of the first chunk of ``jobs`` (:func:`_jobs_of`) whose tag in ``tags`` does
+    not match, or None when all match: one plain loop, for a payload of a few small buffers."""
+    decrypt, pack = aead.decrypt, _NONCE.pack
+    for index, chunk in jobs:
+        try:
+            decrypt(
+                pack(index, counter),
+                bytes(tags[(index - 1) * TAG_BYTES : index * TAG_BYTES]),
+                chunk,
+            )
+        except InvalidTag:
+            return index
     return None
