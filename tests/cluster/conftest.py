@@ -86,39 +86,8 @@ def run_local_cluster(
 ) -> ClusterRun:
     """Run a cluster to the end (or ``timeout_s``); always stop every process. ``env``: more
     variables for every task; ``ps_command``: the ps tasks' program (default: the built-in
-    parameter server).
-
-    Run again once, on fresh ports, when a task could not listen on the free port it was
-    given because another process took it in between (``launch/ports.py``: the window
-    between choosing a port and the task's bind; with two test processes opening
-    connections it was hit once, 2026-11-29). Nothing of the run under test had started:
-    the task failed at its bind."""
-    run = _run_local_cluster_once(
-        num_ps, num_workers, worker_command, timeout_s, grace_period, env, ps_command
-    )
-    if run.returncode != 0 and _port_taken_at_start(run.output.transcript()):
-        print(f"a task's port was taken before it could listen; running again:\n{run}")
-        run = _run_local_cluster_once(
-            num_ps, num_workers, worker_command, timeout_s, grace_period, env, ps_command
-        )
-    return run
-
-
-def _port_taken_at_start(transcript: str) -> bool:
-    """Whether a task ended because the port it was given was in use when it bound it."""
-    return "cannot listen on" in transcript and "Address already in use" in transcript
-
-
-def _run_local_cluster_once(
-    num_ps: int,
-    num_workers: int,
-    worker_command: Sequence[str],
-    timeout_s: float,
-    grace_period: float,
-    env: dict[str, str] | None,
-    ps_command: Sequence[str] | None,
-) -> ClusterRun:
-    """:func:`run_local_cluster`'s run, once."""
+    parameter server). The cluster's ports are held from their choice to the run's end
+    (``launch/ports.py``), so no other test process can take one before its task binds it."""
     output = RecordingOutput()
     cluster = LocalCluster(
         num_ps,

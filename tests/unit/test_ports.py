@@ -1,12 +1,16 @@
-"""Free localhost ports for the tasks of a local cluster."""
+"""Ports for the tasks of a local cluster: chosen free, and held for the run."""
 
 from __future__ import annotations
 
+import datetime
+import errno
 import socket
 
 import pytest
+import zmq
 
-from tensorfleet.launch.ports import LOOPBACK, free_port, free_ports
+from tensorfleet.launch.backends.local import LocalBackend
+from tensorfleet.launch.ports import LOOPBACK, PortReservation, free_port, free_ports
 
 
 def test_ports_are_distinct_and_bindable() -> None:
@@ -35,8 +39,92 @@ def test_zero_and_negative_counts() -> None:
     assert free_ports(0) == []
     with pytest.raises(ValueError, match="count of ports"):
         free_ports(-1)
+    with pytest.raises(ValueError, match="count of ports"):
+        PortReservation(-1)
 
 
 def test_foreign_address_is_an_error() -> None:
     with pytest.raises(OSError):
         free_ports(1, "192.0.2.1")  # TEST-NET-1: never an address of this machine
+    with pytest.raises(OSError):
+        PortReservation(1, "192.0.2.1")
+
+
+def _plain_bind_error(port: int) -> int | None:
+    """The errno of binding ``port`` without SO_REUSEADDR (a program that picked that number),
+    None when it could."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError as exc:
+            return exc.errno
+    return None
+
+
+def test_a_held_port_is_refused_to_others_until_released() -> None:
+    with PortReservation(4) as reservation:
+        assert len(set(reservation.ports)) == 4
+        assert all(_plain_bind_error(port) == errno.EADDRINUSE for port in reservation.ports)
+    assert not reservation.held
+    assert all(_plain_bind_error(port) is None for port in reservation.ports)
+
+
+def test_the_kernel_never_hands_out_a_held_port() -> None:
+    """The window the reservation closes: another process's ``bind(0)`` (and an outgoing
+    connection's ephemeral port, chosen by the same rule) taking a task's port. Closed sockets'
+    ports come back within this many binds (each of 16 ports has a chance in about 28,000 per
+    bind: they would come back about 11 times); held ones never do."""
+    with PortReservation(16) as reservation:
+        held = set(reservation.ports)
+        handed_out = set()
+        for _ in range(20_000):
+            with socket.socket() as sock:
+                sock.bind((LOOPBACK, 0))
+                handed_out.add(sock.getsockname()[1])
+        assert not handed_out & held
+
+
+def test_a_zeromq_service_listens_on_a_held_port_and_again_after_it_closed() -> None:
+    """A ps binds its port as ZeroMQ does (SO_REUSEADDR), also when restarted in place (each
+    round its own context, terminated as a process's would be at its exit: a closed socket's
+    listener is gone only once ZeroMQ's I/O thread closed it)."""
+    with PortReservation(1) as reservation:
+        endpoint = f"tcp://{LOOPBACK}:{reservation.ports[0]}"
+        for _ in range(2):  # the task, then its restart on the same address
+            context = zmq.Context()
+            service = context.socket(zmq.ROUTER)
+            client = context.socket(zmq.DEALER)
+            try:
+                service.bind(endpoint)
+                client.connect(endpoint)
+                client.send(b"hello")
+                assert service.poll(10_000), "the service received nothing in 10 s"
+                assert service.recv_multipart()[1] == b"hello"
+            finally:
+                client.close(0)
+                service.close(0)
+                context.term()
+
+
+def test_the_all_reduce_rendezvous_listens_on_a_held_port() -> None:
+    """In ``allreduce`` mode the chief's address is torch.distributed's TCPStore."""
+    import torch.distributed as dist
+
+    with PortReservation(1) as reservation:
+        store = dist.TCPStore(
+            LOOPBACK, reservation.ports[0], 1, True, timeout=datetime.timedelta(seconds=10)
+        )
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+        del store
+
+
+def test_the_local_backend_holds_its_addresses_until_closed() -> None:
+    backend = LocalBackend(fork_tasks=False)
+    addresses = backend.allocate(["ps:0", "worker:0"])
+    ports = [int(address.rsplit(":", 1)[1]) for address in addresses]
+    try:
+        assert all(_plain_bind_error(port) == errno.EADDRINUSE for port in ports)
+    finally:
+        backend.close()
+    assert all(_plain_bind_error(port) is None for port in ports)

@@ -1,7 +1,9 @@
 """The local backend: every task a process on this machine, forked from the run's task fork
 server or started fresh as a child of the launcher.
 
-Addresses are free loopback ports (:func:`~tensorfleet.launch.ports.free_ports`), so a local
+Addresses are loopback ports the backend holds until it is closed
+(:class:`~tensorfleet.launch.ports.PortReservation`: no other process is handed a task's port
+between its choice and the task's bind, or while a task is restarted on it), so a local
 cluster is never reachable from other machines. A task whose command is this interpreter
 running a script or a module is forked from one interpreter that imported torch and
 tensorfleet once (:mod:`tensorfleet.launch.backends.task_forks`: why, and which tasks); any
@@ -30,7 +32,7 @@ from tensorfleet.launch.backends.task_forks import (
     forks_enabled,
     group_has_live_member,
 )
-from tensorfleet.launch.ports import LOOPBACK, free_ports
+from tensorfleet.launch.ports import LOOPBACK, PortReservation
 
 
 class LocalProcess(TaskProcess):
@@ -97,14 +99,17 @@ class LocalBackend(Backend):
         self._server: TaskForkServer | None = None
         self._server_lock = threading.Lock()
         self._said: set[str] = set()  # why tasks started fresh, each said once
+        self._reservations: list[PortReservation] = []  # released by close()
 
     def allocate(self, names: Sequence[str]) -> list[str]:
+        """One loopback address per name, its port held until :meth:`close`."""
         try:
-            ports = free_ports(len(names), self.host)
+            reservation = PortReservation(len(names), self.host)
         except OSError as exc:
             raise LaunchError(f"cannot find free ports on {self.host}: {exc}") from exc
+        self._reservations.append(reservation)
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return [f"{host}:{port}" for port in ports]
+        return [f"{host}:{port}" for port in reservation.ports]
 
     def environment(self, variables: Mapping[str, str]) -> dict[str, str]:
         env = dict(environment.environ())
@@ -183,11 +188,15 @@ class LocalBackend(Backend):
             return self._server
 
     def close(self) -> None:
-        """End the run's task fork server, if one started. Idempotent."""
+        """End the run's task fork server, if one started, and release the tasks' ports.
+        Idempotent."""
         with self._server_lock:
             server, self._server = self._server, None
         if server is not None:
             server.close()
+        reservations, self._reservations = self._reservations, []
+        for reservation in reservations:
+            reservation.release()
 
     def _start_fresh(
         self,
