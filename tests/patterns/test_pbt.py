@@ -177,6 +177,11 @@ def test_a_missing_problem_file_says_where_it_looked_and_the_fix(tmp_path, monke
     message = str(caught.value)
     assert str(tmp_path.resolve() / "no_such.py") in message, message
     assert f"relative to {str(tmp_path.resolve())!r}" in message and "fix:" in message, message
+    from tensorfleet.patterns.pbt import run_pbt
+
+    with pytest.raises(PbtConfigError, match="no_such.py"):  # refused before its directory
+        run_pbt(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_pbt_example_runs(tmp_path):

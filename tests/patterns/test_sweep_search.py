@@ -160,6 +160,26 @@ def test_env_and_pythonpath_of_the_wrong_shape_are_refused(tmp_path):
         load_config(path)
 
 
+def test_a_pythonpath_entry_that_does_not_exist_is_refused_with_where_it_was_looked_for(
+    tmp_path, monkeypatch
+):
+    """Before, a misspelt entry was accepted and every trial failed on its import."""
+    (tmp_path / "src").mkdir()
+    path = tmp_path / "s.yaml"
+    path.write_text("entry: m:f\nspace: {x: [1]}\nmetric: m\npythonpath: [src, scr]\n")
+    with pytest.raises(SweepConfigError) as refused:
+        load_config(path)
+    message = str(refused.value)
+    assert "s.yaml: pythonpath names 1 path(s) that do not exist" in message, message
+    assert str(tmp_path.resolve() / "scr") in message and "correct or remove" in message
+    assert f"taken from the config file's directory, {tmp_path.resolve()}" in message, message
+    path.write_text("entry: m:f\nspace: {x: [1]}\nmetric: m\npythonpath: [src]\n")
+    assert str(tmp_path.resolve() / "src") in load_config(path).pythonpath
+    monkeypatch.chdir(tmp_path)  # the Python API: relative to the working directory
+    with pytest.raises(SweepConfigError, match=r"'lib'.*taken from the working directory"):
+        SweepConfig(**{**_settings(), "pythonpath": ["src", "lib"]})
+
+
 def test_a_sampler_whose_package_is_missing_is_refused_up_front():
     if importlib.util.find_spec("cmaes") is not None:
         pytest.skip("the cmaes package is installed here")

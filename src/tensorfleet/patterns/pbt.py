@@ -121,9 +121,9 @@ def run_pbt(
     member's step or of the ps otherwise (the run then resumes from its last round)."""
     config.validate()
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     state = _read_state(directory, config)
     problem = problem if problem is not None else config.load_problem()
+    directory.mkdir(parents=True, exist_ok=True)  # after every refusal: none leaves a directory
     secret = secrets.token_bytes(32)
     address = f"127.0.0.1:{_loopback_port()}"
     workers = tuple(f"worker:{i}" for i in range(config.members))

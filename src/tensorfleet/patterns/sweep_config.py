@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -294,10 +295,25 @@ def check_pruner_options(pruner: str, options: object) -> None:
         ) from None
 
 
-def _check_pythonpath(pythonpath: object) -> None:
+def _check_pythonpath_type(pythonpath: object) -> list[str]:
+    """``pythonpath`` itself when it is a list of strings."""
     if not isinstance(pythonpath, list) or not all(isinstance(p, str) for p in pythonpath):
         raise SweepConfigError(
             f"pythonpath must be a list of directories, got {pythonpath!r} (e.g. pythonpath: [src])"
+        )
+    return pythonpath
+
+
+def _check_pythonpath(pythonpath: object, relative_to: str = "the working directory") -> None:
+    """A list of paths that exist: an entry that does not would leave the trials' imports
+    failing one by one, each saying only that a module is missing."""
+    missing = [p for p in _check_pythonpath_type(pythonpath) if not os.path.exists(p)]
+    if missing:
+        raise SweepConfigError(
+            f"pythonpath names {len(missing)} path(s) that do not exist: "
+            + ", ".join(repr(p) for p in missing)
+            + f" (absolute: {', '.join(os.path.abspath(p) for p in missing)}; a relative entry "
+            f"is taken from {relative_to}): correct or remove them"
         )
 
 
@@ -328,12 +344,18 @@ def load_config(path: str | Path) -> SweepConfig:
         raw.setdefault("space", {})
     raw.setdefault("pythonpath", [])
     try:
-        _check_pythonpath(raw["pythonpath"])
+        _check_pythonpath_type(raw["pythonpath"])  # where the entries lie: once resolved
     except SweepConfigError as exc:
         raise SweepConfigError(f"{path}: {exc}") from None
     raw["pythonpath"] = [str((path.parent / p).resolve()) for p in raw["pythonpath"]] + [
         str(path.parent.resolve())
     ]
+    try:
+        _check_pythonpath(
+            raw["pythonpath"], f"the config file's directory, {path.parent.resolve()}"
+        )
+    except SweepConfigError as exc:
+        raise SweepConfigError(f"{path}: {exc}") from None
     try:
         return SweepConfig(**raw)
     except SweepConfigError as exc:
