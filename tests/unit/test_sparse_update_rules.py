@@ -140,3 +140,30 @@ def test_a_table_under_a_fused_or_foreach_dense_rule_takes_the_rule_without_them
     have their own, so the row-sparse rule drops them (and keeps the arithmetic)."""
     rule = SparseRowRule.from_dense("adagrad", {"lr": 0.1, "fused": True, "foreach": False})
     assert rule.hyperparameters == SparseRowRule("adagrad", {"lr": 0.1}).hyperparameters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [1, 8, 13, 64, 130])
+def test_rows_are_added_with_the_rounding_of_torchs_dense_plus_sparse_kernel(dtype, dim) -> None:
+    """``_add_rows`` gathers, adds and copies back (float32, float64: about twice as fast on
+    random rows of a large table) where torch's optimizers add a sparse tensor: the same bits,
+    over random tables, rows, magnitudes and alphas (1 included: the moments' sums)."""
+    from tensorfleet.ps.sparse_update_rules import _add_rows
+
+    generator = torch.Generator().manual_seed(dim)
+    for case in range(40):
+        scale = float(torch.rand(1, generator=generator)) * 10 ** (case % 7 - 3)
+        table = (torch.randn(500, dim, generator=generator) * scale).to(dtype)
+        rows = torch.unique(torch.randint(0, 500, (200,), generator=generator))
+        rows = rows[torch.randperm(rows.numel(), generator=generator)]  # slots: any order
+        update = torch.randn(rows.numel(), dim, generator=generator).to(dtype)
+        alpha = 1.0 if case % 4 == 0 else -float(torch.rand(1, generator=generator)) * 3
+        expected = table.clone()
+        sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), update, expected.shape)
+        expected.add_(sparse, alpha=alpha)
+        got = table.clone()
+        returned = _add_rows(got, rows, update, alpha=alpha)
+        assert torch.equal(got, expected), f"case {case}: alpha {alpha}"
+        assert torch.equal(returned, expected[rows]), f"case {case}: the rows returned"
+        returned.zero_()  # its own memory: the table keeps its rows
+        assert torch.equal(got, expected)
