@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import errno
 import socket
 
@@ -63,9 +62,14 @@ def _plain_bind_error(port: int) -> int | None:
 
 def test_a_held_port_is_refused_to_others_until_released() -> None:
     with PortReservation(4) as reservation:
-        assert len(set(reservation.ports)) == 4
+        assert len(set(reservation.ports)) == 4 and reservation.held == reservation.ports
         assert all(_plain_bind_error(port) == errno.EADDRINUSE for port in reservation.ports)
-    assert not reservation.held
+        first, *others = reservation.ports
+        reservation.release([first])  # one port given back, the others still held
+        assert reservation.held == others
+        assert _plain_bind_error(first) is None
+        assert all(_plain_bind_error(port) == errno.EADDRINUSE for port in others)
+    assert reservation.held == []
     assert all(_plain_bind_error(port) is None for port in reservation.ports)
 
 
@@ -106,25 +110,15 @@ def test_a_zeromq_service_listens_on_a_held_port_and_again_after_it_closed() -> 
                 context.term()
 
 
-def test_the_all_reduce_rendezvous_listens_on_a_held_port() -> None:
-    """In ``allreduce`` mode the chief's address is torch.distributed's TCPStore."""
-    import torch.distributed as dist
-
-    with PortReservation(1) as reservation:
-        store = dist.TCPStore(
-            LOOPBACK, reservation.ports[0], 1, True, timeout=datetime.timedelta(seconds=10)
-        )
-        store.set("key", "value")
-        assert store.get("key") == b"value"
-        del store
-
-
-def test_the_local_backend_holds_its_addresses_until_closed() -> None:
+def test_the_local_backend_holds_the_addresses_asked_for_until_closed() -> None:
+    """The launcher holds the ports of the ps tasks that run its own server; a program of
+    the user's (a worker, a ``--ps-command``) may bind its port without SO_REUSEADDR."""
     backend = LocalBackend(fork_tasks=False)
-    addresses = backend.allocate(["ps:0", "worker:0"])
-    ports = [int(address.rsplit(":", 1)[1]) for address in addresses]
+    addresses = backend.allocate(["ps:0", "worker:0", "worker:1"], held=["ps:0"])
+    ps, *workers = [int(address.rsplit(":", 1)[1]) for address in addresses]
     try:
-        assert all(_plain_bind_error(port) == errno.EADDRINUSE for port in ports)
+        assert _plain_bind_error(ps) == errno.EADDRINUSE
+        assert all(_plain_bind_error(port) is None for port in workers)
     finally:
         backend.close()
-    assert all(_plain_bind_error(port) is None for port in ports)
+    assert _plain_bind_error(ps) is None

@@ -1,4 +1,4 @@
-"""TCP ports on this machine for the tasks of a local cluster, held for the whole run.
+"""TCP ports on this machine for the tasks of a local cluster, the ps's held for the run.
 
 A port is found by binding ``host:0`` (the kernel picks an unused one). Closing that socket
 and handing the number to a task leaves a window between the close and the task's bind in
@@ -8,8 +8,8 @@ two processes, 2026-11-29: a ps failed at its bind with "Address already in use"
 same window opens again every time a task is restarted in place on its address.
 
 :class:`PortReservation` closes the window instead of retrying around it: the launcher keeps
-one socket bound to each task's port, with ``SO_REUSEADDR`` and never listening, until the run
-ends. On Linux such a socket lets another socket bind the same address only if that one sets
+one socket bound to each port of a ps task that runs its own server, with ``SO_REUSEADDR`` and
+never listening, until the run ends. On Linux such a socket lets another socket bind the same address only if that one sets
 ``SO_REUSEADDR`` too and nothing listens there yet: ZeroMQ's listeners and torch.distributed's
 ``TCPStore`` set it, so the task binds its port as if it were free, and its restarts bind it
 again; the kernel's choice of a port for ``bind(0)`` or for an outgoing connection skips a
@@ -17,11 +17,17 @@ port that has a bound socket, and a program that binds the port by number withou
 is refused. The alternative, choosing fresh ports and starting the cluster again when a task
 failed at its bind, would restart tasks that had already started, and could not help a task
 restarted in place later in the run (its address is in every other task's cluster spec).
+
+The hold is only for a program known to bind with ``SO_REUSEADDR``, tensorfleet's own server.
+A program of the user's (a worker script, a ``--ps-command``) may bind its port with a plain
+socket, which a held port would refuse: its port is only free when chosen, as
+:func:`free_ports` gives it. (In ``ps`` modes the workers listen on nothing.)
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Collection
 
 from tensorfleet.errors import ConfigError
 
@@ -65,16 +71,20 @@ class PortReservation:
         self.ports: list[int] = [sock.getsockname()[1] for sock in self._sockets]
 
     @property
-    def held(self) -> bool:
-        """Whether the ports are still held (:meth:`release` not called yet)."""
-        return bool(self._sockets)
+    def held(self) -> list[int]:
+        """The ports still held, in order."""
+        return [sock.getsockname()[1] for sock in self._sockets]
 
-    def release(self) -> None:
-        """Close the holding sockets: the ports are free for anyone again. Idempotent; what
-        listens on a port meanwhile keeps listening."""
-        sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            sock.close()
+    def release(self, ports: Collection[int] | None = None) -> None:
+        """Close the sockets holding ``ports`` (None: all): those ports are free for anyone
+        again. Idempotent; what listens on a port meanwhile keeps listening."""
+        kept = []
+        for sock in self._sockets:
+            if ports is None or sock.getsockname()[1] in ports:
+                sock.close()
+            else:
+                kept.append(sock)
+        self._sockets = kept
 
     def __enter__(self) -> PortReservation:
         return self

@@ -234,7 +234,11 @@ class ClusterSupervisor(
                 f"task_env names task(s) {unknown} that this cluster does not have; its tasks "
                 f"are {', '.join(t.name for t in self._tasks)}"
             )
-        addresses = backend.allocate([t.name for t in self._tasks])
+        own_server = ps_command is None  # tensorfleet's own server binds with SO_REUSEADDR
+        addresses = backend.allocate(
+            [t.name for t in self._tasks],
+            held=[t.name for t in self._tasks if t.job == "ps" and own_server],
+        )
         #: The cluster spec every task gets in TF_CONFIG: ``{"ps": [...], "worker": [...]}``.
         self.cluster: dict[str, list[str]] = {
             "ps": addresses[:num_ps],

@@ -12,7 +12,7 @@ supervisor turns them into events on its queue, so a backend never decides anyth
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 
 class TaskProcess(ABC):
@@ -52,10 +52,14 @@ class Backend(ABC):
     name: str
 
     @abstractmethod
-    def allocate(self, names: Sequence[str]) -> list[str]:
+    def allocate(self, names: Sequence[str], held: Collection[str] = ()) -> list[str]:
         """One ``host:port`` address per task name (``"worker:1"``), in order, each free on
-        the host where that task will run. Raises :class:`~tensorfleet.errors.LaunchError`
-        when the addresses cannot be found."""
+        the host where that task will run. ``held``: the tasks whose program binds its port
+        with ``SO_REUSEADDR`` (tensorfleet's own server): a backend that can keeps their
+        ports bound for the run, so that no other process takes one before the task binds
+        it or while it restarts (:class:`~tensorfleet.launch.ports.PortReservation`); the
+        others' ports are only free when chosen. Raises
+        :class:`~tensorfleet.errors.LaunchError` when the addresses cannot be found."""
 
     @abstractmethod
     def spawn(

@@ -1,10 +1,10 @@
 """The local backend: every task a process on this machine, forked from the run's task fork
 server or started fresh as a child of the launcher.
 
-Addresses are loopback ports the backend holds until it is closed
-(:class:`~tensorfleet.launch.ports.PortReservation`: no other process is handed a task's port
-between its choice and the task's bind, or while a task is restarted on it), so a local
-cluster is never reachable from other machines. A task whose command is this interpreter
+Addresses are free loopback ports, so a local cluster is never reachable from other machines;
+those of tasks running tensorfleet's own server are held until the backend is closed
+(:class:`~tensorfleet.launch.ports.PortReservation`: no other process is handed such a port
+between its choice and the task's bind, or while the task is restarted on it). A task whose command is this interpreter
 running a script or a module is forked from one interpreter that imported torch and
 tensorfleet once (:mod:`tensorfleet.launch.backends.task_forks`: why, and which tasks); any
 other starts fresh, as every task does with ``TENSORFLEET_TASK_FORKS=0``. Each task runs in its
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import IO
 
 from tensorfleet import environment
@@ -101,12 +101,17 @@ class LocalBackend(Backend):
         self._said: set[str] = set()  # why tasks started fresh, each said once
         self._reservations: list[PortReservation] = []  # released by close()
 
-    def allocate(self, names: Sequence[str]) -> list[str]:
-        """One loopback address per name, its port held until :meth:`close`."""
+    def allocate(self, names: Sequence[str], held: Collection[str] = ()) -> list[str]:
+        """One loopback address per name; the ports of ``held`` kept bound until
+        :meth:`close`, the others free again once chosen (a program that binds its port
+        without ``SO_REUSEADDR``, a ``--ps-command`` of the user's, would be refused)."""
         try:
             reservation = PortReservation(len(names), self.host)
         except OSError as exc:
             raise LaunchError(f"cannot find free ports on {self.host}: {exc}") from exc
+        reservation.release(
+            [p for n, p in zip(names, reservation.ports, strict=True) if n not in held]
+        )
         self._reservations.append(reservation)
         host = f"[{self.host}]" if ":" in self.host else self.host
         return [f"{host}:{port}" for port in reservation.ports]

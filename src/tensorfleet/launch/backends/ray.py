@@ -35,7 +35,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from tensorfleet.errors import LaunchConfigError, LaunchError, ListenError
@@ -143,7 +143,8 @@ class RayBackend(Backend):
         for a ps task (its variables live in host memory: a GPU would sit idle)."""
         return 0.0 if name.partition(":")[0] == "ps" else self.gpus_per_task
 
-    def allocate(self, names: Sequence[str]) -> list[str]:
+    def allocate(self, names: Sequence[str], held: Collection[str] = ()) -> list[str]:
+        """Each actor reserves its task's address on its node (``held``: not kept there)."""
         ray = self._ray
         runners: dict[float, Any] = {}
         for name in names:
