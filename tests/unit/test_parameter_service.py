@@ -888,6 +888,40 @@ def test_two_shards_with_a_partitioned_variable_match_local_sgd(
     assert [s["version"] for s in stats] == [3, 3]
 
 
+def test_the_chief_does_not_wait_for_a_worker_that_never_joined_and_both_ends_name_it(
+    start_service: Callable[..., RunningService],
+    raw_peer: Callable[..., RawPeer],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker whose messages were all refused (another secret), or that never started, has
+    no push to finish: the chief ends at once, saying so, instead of waiting its whole
+    finish_s for a worker 'still running'; the ps's grace period (for a late worker to learn
+    that training is over) names it as never heard from, with the messages it refused."""
+    service = start_service(end_grace_s=0.5)
+    timeouts = ClientTimeouts(
+        connect_s=TIMEOUT_S, initialize_s=TIMEOUT_S, step_s=TIMEOUT_S, finish_s=TIMEOUT_S
+    )
+    model = [("w", torch.nn.Parameter(torch.ones(4, 2)))]
+    plan = plan_placement([VariableSpec("w", (4, 2), "float32", 4)], 1)
+    chief = ParameterClient([service.address], SECRET, "worker:0", timeouts)
+    intruder = raw_peer(service.address, WRONG_SECRET)  # worker:1 with another secret
+    intruder.send(intruder.frames("hello", _hello_body("worker:1")))
+    assert intruder.receive()["reason"] == "auth"
+    try:
+        chief.connect()
+        chief.register(model, plan, SGD(lr=LR), is_chief=True)
+        with caplog.at_level("WARNING"):
+            # not waited for (it was named among the workers still running, and waited for)
+            assert chief.finish(declare_end=True) == []
+    finally:
+        chief.close()
+    assert service.outcome() == ServiceOutcome("ended", 0)
+    text = caplog.text
+    assert "worker:1 never reached the parameter servers" in text, text
+    assert "worker:1: never heard from, not started or refused" in text, text
+    assert "'auth': 1" in text, text
+
+
 def test_end_and_grace_period_end_the_service(
     start_service: Callable[..., RunningService], connect: Callable[..., Channel]
 ) -> None:

@@ -113,11 +113,16 @@ class TrainingEndHandling:
             and now - self.end_declared_at >= self.config.end_grace_s
         ):
             missing = sorted(set(self.config.worker_tasks) - self.done_workers)
+            never = [t for t in self.roster.never_heard() if t in missing]
             log.warning(
-                "%s: ending %.0f s after the chief's end without 'done' from %s",
+                "%s: ending %.0f s after the chief's end without 'done' from %s%s",
                 self.config.name,
                 self.config.end_grace_s,
                 ", ".join(missing),
+                f" ({', '.join(never)}: never heard from, not started or refused; messages "
+                f"refused so far: {dict(self.socket.rejected) or 'none'})"
+                if never
+                else "",
             )
             return "ended"
         return None
@@ -155,18 +160,22 @@ class TrainingEndHandling:
         self._answer_wait_done()
 
     def _wait_done(self, request: Request) -> None:
-        """The chief waits here (after ``end``) until every other live worker has said
-        ``done``; at its deadline it is answered with the workers still running."""
+        """The chief waits here (after ``end``) until every other live worker that joined has
+        said ``done``; at its deadline it is answered with the workers still running. A worker
+        never heard from has no push to finish (it never started, or its messages are
+        refused): it is named in the answer (``never_joined``), not waited for."""
         self._waiting_for_done.append(request)
         self._answer_wait_done()
 
     def _answer_wait_done(self, expired: bool = False) -> None:
         now = time.monotonic()
         for request in list(self._waiting_for_done):
-            running = self.roster.running(exclude=request.body.get("task"))
+            chief = request.body.get("task")
+            never = self.roster.never_heard(exclude=chief)
+            running = [t for t in self.roster.running(exclude=chief) if t not in never]
             if not running or expired and request.deadline <= now:
                 self._waiting_for_done.remove(request)
-                self.socket.reply(request, {"running": running})
+                self.socket.reply(request, {"running": running, "never_joined": never})
 
     def _end(self, request: Request) -> None:
         if self.end_declared_at is None:

@@ -235,6 +235,11 @@ class WorkerRoster:
             t for t in self.workers if t != exclude and t not in self.done and t not in self.lost
         ]
 
+    def never_heard(self, exclude: object = None) -> list[str]:
+        """Workers this shard never heard from (other than ``exclude``), in cluster order: not
+        started yet, or their messages are refused (another secret)."""
+        return [t for t in self.workers if t != exclude and t not in self.heard]
+
     @property
     def all_done(self) -> bool:
         """Every worker said done (never true without workers)."""

@@ -466,12 +466,21 @@ class ParameterClient(ClientRecovery):
 
             replies = self._recovering(wait_done)
             running = sorted({t for r in replies for t in r.body.get("running", [])})
+            never = sorted({t for r in replies for t in r.body.get("never_joined", [])})
             if running:
                 log.warning(
                     "%s: %s still running %.0f s after the end of training; not waiting longer",
                     self.task_name,
                     ", ".join(running),
                     wait_s,
+                )
+            if never:
+                log.warning(
+                    "%s: %s never reached the parameter servers (not started, or its messages "
+                    "were refused: another secret? the ps's log counts refused messages); not "
+                    "waiting for it",
+                    self.task_name,
+                    ", ".join(never),
                 )
             if before_done is not None:
                 before_done()
