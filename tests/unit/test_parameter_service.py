@@ -607,6 +607,34 @@ def test_client_with_the_wrong_secret_is_told_and_cannot_push_or_pull(
     assert set(chief.call("stats", {}, timeout_s=TIMEOUT_S).body["rejected"]) == {"auth"}
 
 
+def test_a_secret_mismatch_says_where_this_tasks_secret_came_from(
+    service: RunningService, tmp_path
+) -> None:
+    """A new user's worker given ``--secret-file wrong-secret`` was told only that the
+    secrets differ; it is now told which of its secrets it used."""
+    from tensorfleet.wire.secret import load_secret
+
+    path = tmp_path / "wrong-secret"
+    path.write_bytes(WRONG_SECRET)
+    path.chmod(0o600)
+    secret = load_secret(secret_file=path, environ={})
+    assert secret == WRONG_SECRET and str(path) in repr(secret)
+    assert WRONG_SECRET.decode() not in repr(secret)  # its repr never shows the bytes
+    intruder = ParameterClient(
+        [service.address], secret, "worker:1", ClientTimeouts(connect_s=TIMEOUT_S)
+    )
+    try:
+        with pytest.raises(AuthenticationError) as excinfo:
+            intruder.connect()
+    finally:
+        intruder.close()
+    assert f"this task's secret came from secret file {path}." in str(excinfo.value)
+    from_env = load_secret(environ={"TENSORFLEET_SECRET": WRONG_SECRET.decode()})
+    assert from_env.source == "$TENSORFLEET_SECRET"
+    assert load_secret(from_env).source == "$TENSORFLEET_SECRET"  # tfl.Server loads it again
+    assert load_secret(WRONG_SECRET).source == "the secret argument"
+
+
 def test_well_formed_push_signed_with_another_secret_is_not_applied(
     service: RunningService, chief: Channel, raw_peer: Callable[..., RawPeer]
 ) -> None:

@@ -121,6 +121,8 @@ class Channel:
         self._disconnects = 0
         self._sent_at_disconnects: dict[int, int] = {}
         self._socket.connect(tcp_endpoint(address))
+        #: Where the secret came from (``ClusterSecret.source``), for a peer's refusal.
+        self._secret_source: str | None = getattr(secret, "source", None)
         self._signer = MessageSigner(secret, REQUEST_ROLE)
         self._verifier = MessageVerifier(secret, REPLY_ROLE, max_sessions=16)
         self.stream = ChannelStream(secret, address, peer_name, payload_stream)
@@ -373,7 +375,9 @@ class Channel:
         notice = wire.decode_notice(frames)
         if notice is not None:
             if self.server_session is None:  # before the handshake, a notice explains a refusal
-                raise wire.notice_error(notice, f"{self.peer_name} at {self.address}")
+                raise wire.notice_error(
+                    notice, f"{self.peer_name} at {self.address}", self._secret_source
+                )
             self.dropped["notice"] += 1
             return
         handshake = self._handshake

@@ -350,12 +350,15 @@ def decode_notice(frames: list[Buffer]) -> dict[str, Any] | None:
     return notice
 
 
-def notice_error(notice: dict[str, Any], peer: str) -> Exception:
-    """The exception a client raises for a notice received from ``peer``."""
+def notice_error(notice: dict[str, Any], peer: str, secret_source: str | None = None) -> Exception:
+    """The exception a client raises for a notice received from ``peer``; ``secret_source``:
+    where this task's secret came from (``ClusterSecret.source``), named in a secret
+    mismatch."""
     text = f"{peer} refused our messages: {notice['message']}"
     if notice.get("reason") == "auth":
+        ours = f"; this task's secret came from {secret_source}" if secret_source else ""
         return AuthenticationError(
-            f"secret mismatch: {text}. Every task must use the same cluster secret "
+            f"secret mismatch: {text}{ours}. Every task must use the same cluster secret "
             "(TENSORFLEET_SECRET / TENSORFLEET_SECRET_FILE, or --secret-file of `tensorfleet "
             "server`, `launch` and the examples)"
         )

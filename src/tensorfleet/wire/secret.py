@@ -30,6 +30,22 @@ log = logging.getLogger("tensorfleet.security")
 MIN_SECRET_LENGTH = 16
 
 
+class ClusterSecret(bytes):
+    """The secret's bytes, and where they came from (``source``: ``$TENSORFLEET_SECRET``,
+    ``secret file PATH`` ...), so that a peer's refusal ("secret mismatch") can say which
+    secret this task used; everything else takes it as the ``bytes`` it is."""
+
+    source: str
+
+    def __new__(cls, value: bytes, source: str) -> ClusterSecret:
+        secret = super().__new__(cls, value)
+        secret.source = source
+        return secret
+
+    def __repr__(self) -> str:  # never the bytes themselves, in a log or a traceback
+        return f"ClusterSecret(<{len(self)} bytes from {self.source}>)"
+
+
 def generate_secret() -> str:
     """A fresh random secret (64 hex characters, 256 bits), as the launcher hands out."""
     return secrets.token_hex(32)
@@ -39,16 +55,17 @@ def load_secret(
     secret: str | bytes | None = None,
     secret_file: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> bytes:
+) -> ClusterSecret:
     """Return the cluster secret from, in order: ``secret``, ``secret_file``,
     ``TENSORFLEET_SECRET``, ``TENSORFLEET_SECRET_FILE``.
 
     Raises :class:`AuthenticationError` naming every place looked at when none has one, or
     when the secret is shorter than :data:`MIN_SECRET_LENGTH`. Logs a warning when a secret
-    file can be read by other users (and uses it).
+    file can be read by other users (and uses it). The bytes come as a :class:`ClusterSecret`,
+    which says where they came from.
     """
     env = environment.environ() if environ is None else environ
-    source = "the secret argument"
+    source = secret.source if isinstance(secret, ClusterSecret) else "the secret argument"
     value: str | bytes | None = secret
     if value is None and secret_file is not None:
         value, source = _read_secret_file(Path(secret_file)), f"secret file {secret_file}"
@@ -75,7 +92,7 @@ def load_secret(
             f"the cluster secret from {source} is {len(raw)} bytes long; use at least "
             f"{MIN_SECRET_LENGTH} (a random 64-character hex string is best)"
         )
-    return raw
+    return ClusterSecret(raw, source)
 
 
 def _read_secret_file(path: Path) -> str:
