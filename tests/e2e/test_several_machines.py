@@ -86,3 +86,7 @@ def test_server_and_example_with_host_lists_a_secret_file_and_encryption(tmp_pat
     )[0]
     line = f"ps:0: {threads} torch thread(s) for applying updates (planned: {cores} core(s), 3 task(s) of the cluster on this host; --threads N to choose)"
     assert line in outputs["ps:0"], report
+    # Where its secret came from, and that --encrypt took effect (a new user found no line
+    # saying either).
+    security = f"ps:0: messages authenticated with the cluster secret from secret file {secret}; every message sealed with AES-256-GCM (--encrypt)"
+    assert security in outputs["ps:0"], report

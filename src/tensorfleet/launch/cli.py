@@ -339,6 +339,15 @@ def _server(args: argparse.Namespace) -> int:
         torch.get_num_threads(),
         threads_reason,
     )
+    logging.getLogger(__name__).info(
+        "%s:%d: messages authenticated with the cluster secret from %s; %s",
+        task.job,
+        task.index,
+        getattr(server.secret, "source", "the secret argument"),
+        "every message sealed with AES-256-GCM (--encrypt)"
+        if server.encrypt
+        else "not encrypted (--encrypt on every task seals every message)",
+    )
     try:
         outcome = server.join()  # a SIGTERM meanwhile is a preemption (session/preemption.py)
     except Preempted as preempted:
