@@ -8,15 +8,16 @@ two processes, 2026-11-29: a ps failed at its bind with "Address already in use"
 same window opens again every time a task is restarted in place on its address.
 
 :class:`PortReservation` closes the window instead of retrying around it: the launcher keeps
-one socket bound to each port of a ps task that runs its own server, with ``SO_REUSEADDR`` and
-never listening, until the run ends. On Linux such a socket lets another socket bind the same address only if that one sets
-``SO_REUSEADDR`` too and nothing listens there yet: ZeroMQ's listeners and torch.distributed's
-``TCPStore`` set it, so the task binds its port as if it were free, and its restarts bind it
-again; the kernel's choice of a port for ``bind(0)`` or for an outgoing connection skips a
-port that has a bound socket, and a program that binds the port by number without the option
-is refused. The alternative, choosing fresh ports and starting the cluster again when a task
-failed at its bind, would restart tasks that had already started, and could not help a task
-restarted in place later in the run (its address is in every other task's cluster spec).
+one socket bound to each port of a ps task that runs its own server, with ``SO_REUSEADDR``
+and never listening, until the run ends. On Linux such a socket lets another socket bind the
+same address only if that one sets ``SO_REUSEADDR`` too and nothing listens there yet:
+ZeroMQ's listeners set it, so the ps binds its port as if it were free, and its restarts (a
+spare taking over) bind it again; the kernel's choice of a port for ``bind(0)`` or for an
+outgoing connection skips a port that has a bound socket, and a program that binds the port
+by number without the option is refused. The alternative, choosing fresh ports and starting
+the cluster again when a task failed at its bind, would restart tasks that had already
+started, and could not help a task restarted in place later in the run (its address is in
+every other task's cluster spec).
 
 The hold is only for a program known to bind with ``SO_REUSEADDR``, tensorfleet's own server.
 A program of the user's (a worker script, a ``--ps-command``) may bind its port with a plain
@@ -59,7 +60,7 @@ def _bound_sockets(count: int, host: str, reuse_address: bool) -> list[socket.so
 class PortReservation:
     """``count`` distinct ports of ``host``, each held by a bound socket (``SO_REUSEADDR``,
     not listening) until :meth:`release`: a task binds its port with ``SO_REUSEADDR`` as if it
-    were free (ZeroMQ and ``TCPStore`` do), no one else is handed it meanwhile.
+    were free (ZeroMQ does), no one else is handed it meanwhile.
 
     Raises ``ConfigError`` for a negative count and ``OSError`` when ``host`` is not an
     address of this machine. Also a context manager that releases on exit."""
