@@ -155,7 +155,7 @@ def test_a_preempted_ps_and_chief_save_first_and_lose_no_step(
 
     status, failures = run_beside(cluster, preempt_the_ps_then_the_chief, 240)
     text = output.log.getvalue()
-    assert not failures, f"{failures[0]}"
+    assert not failures, f"{failures[0]}\n{text}"
     assert seen["restored_step"] == seen["ps_step"], f"{seen}\n{text}"  # no step lost
     assert seen["chief_step"] > seen["ps_step"], f"{seen}\n{text}"
     assert status == 0, text

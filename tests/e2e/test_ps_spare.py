@@ -60,7 +60,7 @@ def test_a_killed_ps_is_taken_over_by_the_warm_spare_and_restored(tmp_path: Path
 
     status, failures = run_beside(cluster, kill_the_ps, 240)
     text = output.log.getvalue()
-    assert not failures, f"{failures[0]}"
+    assert not failures, f"{failures[0]}\n{text}"
     assert status == 0, text
     assert cluster.restarts["ps:0"] == 1, text
     assert re.search(
