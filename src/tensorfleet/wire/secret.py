@@ -45,6 +45,8 @@ class ClusterSecret(bytes):
     def __repr__(self) -> str:  # never the bytes themselves, in a log or a traceback
         return f"ClusterSecret(<{len(self)} bytes from {self.source}>)"
 
+    __str__ = __repr__  # nor in a message that formats it by mistake
+
 
 def generate_secret() -> str:
     """A fresh random secret (64 hex characters, 256 bits), as the launcher hands out."""
