@@ -192,8 +192,8 @@ class Sweep:
         described = self.config.describe()
         if stored.exists():
             previous = json.loads(stored.read_text())
-            if previous != json.loads(json.dumps(described)):
-                now = json.loads(json.dumps(described))
+            now = json.loads(json.dumps(described))  # as it would read back from the file
+            if previous != now:
                 changed = sorted(
                     k for k in set(previous) | set(now) if previous.get(k) != now.get(k)
                 )

@@ -40,8 +40,8 @@ after them on the same channel reads them updated; since 2026-11-29). The ``spar
 weights are never in a bucket: the ps holds them as rows; the rows of their gradients are
 pushed (``push_rows``) when the step's exchange begins, after the backward, and their
 changed rows pulled (``pull_changed``) after the dense reply. With a device engine (in-graph
-replicas, pipelines) there is no overlap at all, buckets nor prefetch: the engine's own backward gives no hooks (the session logs it, see
-:mod:`tensorfleet.session.device_engines`). With ``wire_dtype="bf16"`` each bucket's gradients
+replicas, pipelines) there is no overlap at all, buckets nor prefetch: the engine's own
+backward gives no hooks (the session logs it, see :mod:`tensorfleet.session.device_engines`). With ``wire_dtype="bf16"`` each bucket's gradients
 are encoded with the error feedback of their own elements, so buckets and whole pushes send
 the same bytes (:mod:`tensorfleet.wire.gradient_encoding`).
 

@@ -4,12 +4,13 @@ server or started fresh as a child of the launcher.
 Addresses are free loopback ports, so a local cluster is never reachable from other machines;
 those of tasks running tensorfleet's own server are held until the backend is closed
 (:class:`~tensorfleet.launch.ports.PortReservation`: no other process is handed such a port
-between its choice and the task's bind, or while the task is restarted on it). A task whose command is this interpreter
-running a script or a module is forked from one interpreter that imported torch and
-tensorfleet once (:mod:`tensorfleet.launch.backends.task_forks`: why, and which tasks); any
-other starts fresh, as every task does with ``TENSORFLEET_TASK_FORKS=0``. Each task runs in its
-own session (process group); one reader thread per process relays its merged stdout/stderr
-line by line; its exit is reported by a waiter thread (a fresh child) or by the fork server.
+between its choice and the task's bind, or while the task is restarted on it). A task whose
+command is this interpreter running a script or a module is forked from one interpreter that
+imported torch and tensorfleet once (:mod:`tensorfleet.launch.backends.task_forks`: why, and
+which tasks); any other starts fresh, as every task does with ``TENSORFLEET_TASK_FORKS=0``.
+Each task runs in its own session (process group); one reader thread per process relays its
+merged stdout/stderr line by line; its exit is reported by a waiter thread (a fresh child) or
+by the fork server.
 """
 
 from __future__ import annotations
