@@ -470,3 +470,21 @@ def test_logging_hook_in_a_local_session_prints_every_n_steps() -> None:
         f"local: global step 2, loss {losses[1]:.4f}",
         f"local: global step 4, loss {losses[3]:.4f}",
     ]
+
+
+def test_every_parameter_has_no_gradient_when_a_step_begins() -> None:
+    """The step clears the gradients of the step before (frozen parameters' included, as
+    ``Module.zero_grad`` does), so that the backward never adds to old ones."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model[0].bias.requires_grad_(False)
+    seen: list[bool] = []
+
+    def loss() -> torch.Tensor:
+        seen.append(all(p.grad is None for p in model.parameters()))
+        return model(torch.ones(1, 3)).sum()
+
+    with TrainingSession(None, model, optimizer=SGD(lr=0.1), progress_secs=None) as sess:
+        model[0].bias.grad = torch.ones(4)  # set by hand: cleared too
+        for _ in range(3):
+            sess.step(loss)
+    assert seen == [True, True, True]
