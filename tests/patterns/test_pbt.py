@@ -122,7 +122,10 @@ def test_a_killed_pbt_run_resumes_with_the_whole_population_and_ends_as_an_unkil
     assert not (tmp_path / "run" / "result.json").exists()
     resumed = run_cli(config, tmp_path / "run")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "pbt: resuming 4 members from checkpoints/round-0002 (round 2 of 5)" in resumed.stdout
+    assert (
+        "pbt: resuming 4 members from checkpoints/round-0002 (2 of 5 rounds done; round 3 next)"
+        in resumed.stdout
+    )
     lineage = check_lineage(tmp_path / "run")
     whole, done = whole_run  # the same configuration, never killed
     assert done.returncode == 0, done.stdout + done.stderr
@@ -230,7 +233,7 @@ def test_a_failed_member_step_ends_the_run_and_the_same_run_resumes_in_process(t
 
     with pytest.raises(RuntimeError, match="member 1 broke at step 9"):
         run_pbt(config, tmp_path / "run", _FailingProblem(at=STEPS + 3))  # in round 2
-    assert "pbt: round 1: member-1 failed: RuntimeError('member 1 broke at step 9')" in (
+    assert "pbt round 2/5: member-1 failed: RuntimeError('member 1 broke at step 9')" in (
         capsys.readouterr().err
     )
     state = json.loads((tmp_path / "run" / "pbt_state.json").read_text())

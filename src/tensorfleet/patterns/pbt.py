@@ -213,8 +213,8 @@ def _start_members(
             member.global_step = resume[0]
     if state is not None:
         print(
-            f"pbt: resuming {len(members)} members from {state['checkpoint']} (round "
-            f"{first_round} of {config.rounds})",
+            f"pbt: resuming {len(members)} members from {state['checkpoint']} ({first_round} "
+            f"of {config.rounds} rounds done; round {first_round + 1} next)",
             flush=True,
         )
     return lineage, first_round
@@ -248,13 +248,16 @@ def _train_round(
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise DeadlineExceeded(
-                    f"pbt round {round_index}: {name} did not finish its "
+                    f"pbt round {round_index + 1}/{config.rounds}: {name} did not finish its "
                     f"{config.steps_per_round} steps within round_timeout_s="
                     f"{config.round_timeout_s:g} s; raise round_timeout_s or lower "
                     "steps_per_round"
                 ) from None
             except BaseException as exc:  # say which member's step failed, keep the error
-                print(f"pbt: round {round_index}: {name} failed: {exc!r}", file=sys.stderr)
+                print(
+                    f"pbt round {round_index + 1}/{config.rounds}: {name} failed: {exc!r}",
+                    file=sys.stderr,
+                )
                 raise
         finished = True
     finally:
