@@ -201,14 +201,14 @@ class NanGuard(Hook):
         self.max_consecutive = max_consecutive
         self.skipped = 0
         self._in_a_row = 0
+        self._params: list[torch.Tensor] | None = None
+
+    def begin(self, session: TrainingSession) -> None:
+        self._params = list(session.model.parameters())  # not walked again at every step
 
     def before_update(self, session: TrainingSession, loss: torch.Tensor) -> bool:
         value = float(loss.detach())
-        finite = math.isfinite(value) and all(
-            bool(torch.isfinite(p.grad).all())
-            for p in session.model.parameters()
-            if p.grad is not None
-        )
+        finite = math.isfinite(value) and self._gradients_finite(session)
         if finite:
             self._in_a_row = 0
             return True
@@ -224,3 +224,13 @@ class NanGuard(Hook):
             )
         self.skipped += 1
         return False
+
+    def _gradients_finite(self, session: TrainingSession) -> bool:
+        """Whether every gradient is finite, read once per device (a GPU is not waited for
+        once per parameter)."""
+        params = self._params if self._params is not None else session.model.parameters()
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for param in params:
+            if param.grad is not None:
+                by_device.setdefault(param.grad.device, []).append(param.grad.isfinite().all())
+        return all(bool(torch.stack(checks).all()) for checks in by_device.values())
