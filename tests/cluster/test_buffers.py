@@ -29,16 +29,17 @@ def _program():
     return module
 
 
-def _run(tmp_path, mode: str, num_ps: int):
-    """Train STEPS steps of bn_worker.py on ``num_ps`` ps and WORKERS workers; returns the
-    run, every worker's result and the checkpoint directory."""
-    out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
+def _run(tmp_path, mode: str, num_ps: int, steps: int = STEPS, out_name: str = "out"):
+    """Train to global step ``steps`` with bn_worker.py on ``num_ps`` ps and WORKERS workers
+    (from the newest checkpoint in ``tmp_path/checkpoints``, if any); returns the run, every
+    worker's result and the checkpoint directory."""
+    out, checkpoints = tmp_path / out_name, tmp_path / "checkpoints"
     command = [
-        sys.executable, str(PROGRAMS / "bn_worker.py"), str(out), mode, str(STEPS), str(checkpoints),
+        sys.executable, str(PROGRAMS / "bn_worker.py"), str(out), mode, str(steps), str(checkpoints),
     ]  # fmt: skip
     run = run_local_cluster(num_ps, WORKERS, command, timeout_s=200)
     assert run.returncode == 0, str(run)
-    results = [json.loads((tmp_path / f"out.{i}.json").read_text()) for i in range(WORKERS)]
+    results = [json.loads((tmp_path / f"{out_name}.{i}.json").read_text()) for i in range(WORKERS)]
     return run, results, checkpoints
 
 
@@ -120,3 +121,17 @@ def test_sync_with_mean_buffers_matches_one_process_simulation(sync_run):
     for name, expected in reference.items():
         difference = (torch.tensor(chief[name], dtype=expected.dtype) - expected).abs().max()
         assert float(difference) < 1e-5, f"{name}: |distributed - reference| = {difference}\n{run}"
+
+
+def test_a_second_run_of_the_same_command_resumes_the_buffers(tmp_path):
+    """The checkpoint lists the buffers in its own order, the model in its own: the second
+    run restores them and trains on (it was refused at its first pull: 'buffers [...] do
+    not match this shard's [the same names in another order]')."""
+    _, first, checkpoints = _run(tmp_path, "async", 1)
+    run, second, _ = _run(tmp_path, "async", 1, steps=2 * STEPS, out_name="again")
+    assert second[0]["global_step"] >= 2 * STEPS, str(run)
+    before, after = first[0]["trained"], second[0]["trained"]
+    assert after["seen"][0] > before["seen"][0], str(run)  # counted on from the checkpoint
+    assert after["bn.num_batches_tracked"] > before["bn.num_batches_tracked"], str(run)
+    loaded = tfl.load_checkpoint(checkpoints, _program().make_model())
+    assert int(loaded["bn.num_batches_tracked"]) == after["bn.num_batches_tracked"], str(run)

@@ -1,5 +1,7 @@
 """The shard's buffer bank: creation (the chief's values, a checkpoint's winning), async and
-sync combining, pushes that made no step, and refusals that name what is wrong."""
+sync combining, pushes that made no step, a checkpoint's buffers listed in another order than
+the model's, a restored shard serving before any create, requests held until the create of a
+shard that has no buffers, and refusals that name what is wrong."""
 
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def test_a_worker_other_than_the_chief_waits_for_the_chiefs_values():
 def test_a_checkpoints_values_win_over_the_chiefs():
     socket = RecordingSocket()
     bank = BufferBank(socket, 2, set)
-    bank.take_checkpoint({"m": torch.full((2,), 7.0)})
+    bank.take_checkpoint({"m": torch.full((2,), 7.0)}, "async")
     start = {"m": torch.zeros(2)}
     request = _request("buffers_create", {"chief": True, **describe(start)}, list(start.values()))
     bank.handlers()["buffers_create"](request)
@@ -112,9 +114,73 @@ def test_mismatches_are_refused_naming_the_buffer():
         bank.handlers()["buffers_create"](
             _request("buffers_create", {"chief": True, **describe(other)}, [torch.zeros(3)])
         )
-    with pytest.raises(ConfigError, match="do not match this shard's"):
+    with pytest.raises(
+        ConfigError, match=r"buffers \['x'\] are not on this shard \(it holds \['m'\]\)"
+    ):
         bank.handlers()["buffers_pull"](_request("buffers_pull", {"names": ["x"]}))
     with pytest.raises(ProtocolError, match="shape"):
         _push(bank, "worker:0", [1.0, 2.0, 3.0])
     with pytest.raises(ProtocolError, match="needs lists"):
         bank.handlers()["buffers_create"](_request("buffers_create", {"names": "m"}))
+
+
+def _pull(bank: BufferBank, names: list[str]) -> Request:
+    request = _request("buffers_pull", {"task": "worker:1", "names": names})
+    bank.handlers()["buffers_pull"](request)
+    return request
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_checkpoint_in_another_order_serves_the_models_order(mode: str) -> None:
+    """A checkpoint lists its buffers in its own order; every request is answered in the
+    order of the names it gives, and sync combines each buffer with its own pushes."""
+    socket = RecordingSocket()
+    bank = BufferBank(socket, 2, set)
+    bank.take_checkpoint({"b": torch.full((2,), 2.0), "a": torch.full((2,), 1.0)}, mode)
+    model = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    create = _request(
+        "buffers_create", {"chief": True, "mode": mode, **describe(model)}, list(model.values())
+    )
+    bank.handlers()["buffers_create"](create)
+    assert [t.tolist() for t in socket.replies[create.request_id]] == [[1.0, 1.0], [2.0, 2.0]]
+    if mode == "sync":
+        bank.step_made(0, ["worker:0", "worker:1"])
+    pushes = [
+        _request(
+            "buffers_push",
+            {"task": task, "step": 0, "names": ["a", "b"]},
+            [torch.full((2,), 10.0 + k), torch.full((2,), 20.0 + k)],
+        )
+        for k, task in enumerate(["worker:0", "worker:1"])
+    ]
+    for push in pushes:
+        bank.handlers()["buffers_push"](push)
+    a, b = ([10.5, 10.5], [20.5, 20.5]) if mode == "sync" else ([11.0, 11.0], [21.0, 21.0])
+    assert [t.tolist() for t in socket.replies[pushes[1].request_id]] == [a, b]
+    assert [t.tolist() for t in socket.replies[_pull(bank, ["b", "a"]).request_id]] == [b, a]
+
+
+def test_a_shard_restored_from_a_checkpoint_serves_its_buffers_before_any_create() -> None:
+    """A ps restarted and restored (its chief sends no create until its recovery ends)
+    answers the workers' pulls and pushes with the checkpoint's buffers at once."""
+    socket = RecordingSocket()
+    bank = BufferBank(socket, 2, set)
+    bank.take_checkpoint({"m": torch.full((2,), 7.0)}, "async")
+    assert torch.equal(socket.replies[_pull(bank, ["m"]).request_id][0], torch.full((2,), 7.0))
+    push = _push(bank, "worker:1", [3.0, 4.0])
+    assert torch.equal(socket.replies[push.request_id][0], torch.tensor([3.0, 4.0]))
+
+
+def test_requests_to_a_shard_without_buffers_wait_for_the_chiefs_create() -> None:
+    """A ps restarted without a checkpoint holds a worker's pull and push until the chief
+    creates the buffers again (its recovery does), then answers them in order."""
+    socket = RecordingSocket()
+    bank = BufferBank(socket, 2, set)
+    pull = _pull(bank, ["m"])
+    push = _push(bank, "worker:1", [3.0, 4.0])
+    assert pull.request_id not in socket.replies and push.request_id not in socket.replies
+    chiefs = {"m": torch.ones(2)}
+    create = _request("buffers_create", {"chief": True, **describe(chiefs)}, list(chiefs.values()))
+    bank.handlers()["buffers_create"](create)
+    assert torch.equal(socket.replies[pull.request_id][0], torch.ones(2))
+    assert torch.equal(socket.replies[push.request_id][0], torch.tensor([3.0, 4.0]))

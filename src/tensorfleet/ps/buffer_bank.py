@@ -24,7 +24,11 @@ only for models that have buffers.
 =================  =====================================================================
 
 The values are part of the shard's checkpoint document (``buffer/<name>``), so a checkpoint
-restores them and a ps restarted from a checkpoint serves them again.
+restores them and a ps restarted from a checkpoint serves them at once, without waiting for
+a create (:meth:`BufferBank.take_checkpoint`). Requests name their buffers; the order of the
+names is the requester's (a checkpoint lists them in its own order), and a shard answers in
+it. A pull or push that reaches a shard with no buffers yet (restarted without a checkpoint)
+is held until the chief's create, which its recovery sends again.
 """
 
 from __future__ import annotations
@@ -88,12 +92,20 @@ class BufferBank:
             del self._contributors[old]
             self._pending.pop(old, None)
             for request in self._held.pop(old, []):
-                self._reply(request)
+                self._reply(request, self._known_names(request))
         self._release(step)
 
-    def take_checkpoint(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Hold ``buffers`` (a checkpoint's): they win over any create."""
+    def take_checkpoint(self, buffers: dict[str, torch.Tensor], mode: str) -> None:
+        """Hold ``buffers`` (a checkpoint's): they win over any create, and are served at
+        once, combined as ``mode`` (the shard's update mode) says: a restarted shard that
+        was restored answers the workers' pulls before any create comes again."""
         self.values.update({name: tensor.clone() for name, tensor in buffers.items()})
+        if not buffers:
+            return
+        self.mode = mode
+        self.policies.update(resolve_policies({name: t.dtype for name, t in buffers.items()}, mode))
+        self._created = True
+        self._serve_waiting()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -117,19 +129,29 @@ class BufferBank:
         if request.body.get("chief") is not True and not self._created:
             self._waiting_for_create.append(request)
             return
-        if not self._created:
-            self.policies = resolve_policies(dict(zip(names, dtypes, strict=True)), mode)
-            self.mode = mode
+        missing = {n: d for n, d in zip(names, dtypes, strict=True) if n not in self.values}
+        if not self._created or missing:
+            if not self._created:
+                self.mode = mode
+            self.policies.update(resolve_policies(missing, self.mode))
             for name, dtype, shape, raw in zip(names, dtypes, shapes, request.buffers, strict=True):
-                if name not in self.values:  # a checkpoint's value wins
+                if name in missing:  # a checkpoint's value wins
                     self.values[name] = from_buffer(raw, dtype, shape).clone()
             self._created = True
         self._reply(request, names)
+        self._serve_waiting()
+
+    def _serve_waiting(self) -> None:
+        """The requests held until the shard had buffers, served now."""
         waiting, self._waiting_for_create = self._waiting_for_create, []
+        handlers = self.handlers()
         for waiter in waiting:
-            self._create(waiter)
+            handlers[waiter.op](waiter)
 
     def _push(self, request: Request) -> None:
+        if not self._created:
+            self._waiting_for_create.append(request)
+            return
         names = self._known_names(request)
         if len(request.buffers) != len(names):
             raise ProtocolError(f"buffers_push: {len(request.buffers)} values for {len(names)}")
@@ -153,11 +175,14 @@ class BufferBank:
             self.counters["buffer_pushes_ignored"] += 1
             self._reply(request, names)
             return
-        self._pending.setdefault(step, {})[task] = [v.clone() for v in pushed.values()]
+        self._pending.setdefault(step, {})[task] = {n: v.clone() for n, v in pushed.items()}
         self._held.setdefault(step, []).append(request)
         self._release(step)
 
     def _pull(self, request: Request) -> None:
+        if not self._created:
+            self._waiting_for_create.append(request)
+            return
         self._reply(request, self._known_names(request))
 
     # -- internals -----------------------------------------------------------------------------
@@ -171,33 +196,31 @@ class BufferBank:
         if not expected <= set(pending):
             return
         order = sorted(pending)
-        names = list(self.values)
-        for index, name in enumerate(names):
+        for name in pending[order[0]]:  # every worker of a model pushes the same buffers
             self.values[name] = combine(
                 name,
                 self.policies[name],
                 self.values[name],
-                [pending[task][index] for task in order],
+                [pending[task][name] for task in order if name in pending[task]],
                 self.num_workers,
             )
         self.counters["buffer_pushes"] += len(order)
         del self._pending[step]
         for request in self._held.pop(step, []):
-            self._reply(request)
+            self._reply(request, self._known_names(request))
 
     def _known_names(self, request: Request) -> list[str]:
-        if not self._created:
-            raise ConfigError(
-                "this shard holds no buffers yet: the chief creates them (buffers_create) when "
-                "training starts"
-            )
+        """The buffers a request names, in its order (all the shard's when it names none)."""
         names = request.body.get("names")
         if names is None:
             return list(self.values)
-        if names != list(self.values):
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ProtocolError(f"'names' must be a list of strings, got {names!r}")
+        unknown = [name for name in names if name not in self.values]
+        if unknown:
             raise ConfigError(
-                f"buffers {names} do not match this shard's {list(self.values)}; fix: give every "
-                "worker the same model"
+                f"buffers {unknown} are not on this shard (it holds {sorted(self.values)}); "
+                "fix: give every worker the same model"
             )
         return names
 

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from tensorfleet.ps.store import VariableStore
     from tensorfleet.ps.sync_aggregator import SyncAggregator
     from tensorfleet.ps.table_requests import TableRequests
+    from tensorfleet.ps.update_discipline import UpdateDiscipline
     from tensorfleet.ps.worker_roster import WorkerRoster
     from tensorfleet.wire.service_socket import Request, ServiceSocket
 
@@ -62,6 +63,7 @@ class SaveRestoreHandling:
     tables: TableRequests
     aggregator: SyncAggregator | None
     roster: WorkerRoster
+    discipline: UpdateDiscipline
     checkpointing_chief: str | None
     last_save_at: float | None
     update_log: UpdateLog | None
@@ -280,7 +282,9 @@ class SaveRestoreHandling:
         are answered as dropped. Then the update log's segment of ``document``, replayed."""
         self.global_step = global_step
         self.worker_data = dict(checkpoint.worker_data)
-        self.buffer_bank.take_checkpoint(checkpoint.buffers)
+        self.buffer_bank.take_checkpoint(
+            checkpoint.buffers, "sync" if self.discipline.mode == "sync" else "async"
+        )
         self.tables.restore(checkpoint.tables)
         if self.aggregator is not None:
             waiting = self.aggregator.waiting

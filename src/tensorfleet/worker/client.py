@@ -121,6 +121,9 @@ class ParameterClient(ClientRecovery):
         self.recreate_tables: Callable[[Sequence[int]], None] | None = None
         """The chief's: give restarted shards (no checkpoint to restore) the tables that
         come from its values, before their variables are re-created from them."""
+        self.recreate_buffers: Callable[[], None] | None = None
+        """The chief's: create the model's persistent buffers again once restarted shards
+        were restored or re-created (a checkpoint's values win), so that they serve them."""
         self.restored_data: dict[str, Any] | None = None
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)

@@ -61,6 +61,7 @@ class ClientRecovery:
     is_chief: bool
     restore_shards: Callable[[], tuple[int, Sequence[bytes]] | None] | None
     recreate_tables: Callable[[Sequence[int]], None] | None
+    recreate_buffers: Callable[[], None] | None
     _fused: Any
     _last_global_step: int
     _hello: Callable[..., Any]
@@ -123,7 +124,12 @@ class ClientRecovery:
         checkpoint = self.restore_shards() if self.restore_shards is not None else None
         if checkpoint is not None:
             self._restore_now(checkpoint[1], checkpoint[0], fresh)
-            return
+        else:
+            self._recreate(fresh)
+        if self.recreate_buffers is not None:  # the others' buffer requests wait for it
+            self.recreate_buffers()
+
+    def _recreate(self, fresh: list[int]) -> None:
         log.warning(
             "%s: ps %s restarted without variables and there is no checkpoint to restore; "
             "re-creating them from the chief's current values at global step %d (their "

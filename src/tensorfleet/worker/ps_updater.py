@@ -268,12 +268,11 @@ class PsUpdater:
         if self.tables is not None:
             self.tables.create(self._rule, self.sparse_rule)
         if self.buffers is not None:
-            mode = (
-                "sync"
-                if self.discipline is not None and self.discipline.mode == "sync"
-                else "async"
-            )
-            self.buffers.create(mode, self.is_chief)
+            sync = self.discipline is not None and self.discipline.mode == "sync"
+            buffers, mode = self.buffers, "sync" if sync else "async"
+            buffers.create(mode, self.is_chief)
+            if self.is_chief:  # a restarted shard serves them again once they are created
+                self.client.recreate_buffers = lambda: buffers.create(mode, is_chief=True)
         self._overlap = self._automatic_overlap()
         if self._overlap is not None and self._during_backward is not None:
             self.overlapped = BucketedPush(

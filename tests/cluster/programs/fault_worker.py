@@ -1,5 +1,5 @@
-"""A worker for fault-injection tests: a small classifier trained through the parameter
-servers with checkpoints, a tracked data position and a little sleep per step, so that a
+"""A worker for fault-injection tests: a small classifier with BatchNorm trained through the
+parameter servers with checkpoints, a tracked data position and a little sleep per step, so that a
 test has time to kill tasks while it trains.
 
 Usage: fault_worker.py CHECKPOINT_DIR RESULT_JSON LAST_STEP MODE [REPLICAS_TO_AGGREGATE]
@@ -45,7 +45,11 @@ def main() -> int:
     task = tfl.resolve_task()
     server = tfl.Server(task.cluster, task.job, task.index)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+    # BatchNorm: the faults hit a model with persistent buffers (held on the ps beside the
+    # variables), as the users' models have them.
+    model = nn.Sequential(
+        nn.Linear(FEATURES, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, CLASSES)
+    )
     x, y = dataset()
     data = BatchStream(x, y, 32, shard_index=task.index, num_shards=task.num_workers, seed=1)
     with tfl.TrainingSession(
@@ -77,6 +81,7 @@ def main() -> int:
             time.sleep(STEP_SLEEP_S)
         if sess.is_chief:
             sess.pull()
+            model.eval()  # BatchNorm with the running statistics the ps holds
             with torch.no_grad():
                 accuracy = (model(x).argmax(1) == y).float().mean().item()
             with open(result_path, "w") as f:
