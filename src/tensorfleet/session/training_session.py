@@ -51,10 +51,10 @@ from tensorfleet.errors import (
     TensorfleetError,
     UsageError,
 )
-from tensorfleet.ps.model_namespace import check_model_name, label
+from tensorfleet.ps.model_namespace import check_model_name
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_rules import UpdateRule, rule_label
-from tensorfleet.session.checkpoints import Checkpoint, CheckpointDirectory
+from tensorfleet.session.checkpoints import CheckpointDirectory
 from tensorfleet.session.data_position import DataPosition, checked_data_position
 from tensorfleet.session.delta_checkpoints import DeltaPlan
 from tensorfleet.session.device_engines import placement_table, wanted_engines
@@ -63,6 +63,7 @@ from tensorfleet.session.open_session import require_open
 from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.server import Server
+from tensorfleet.session.session_checkpoints import SessionCheckpoints
 from tensorfleet.session.update_modes import (
     UpdateSettings,
     build_updater,
@@ -74,7 +75,6 @@ from tensorfleet.worker.compute_options import ComputeOptions, ComputeSetup
 from tensorfleet.worker.push_overlap import DEFAULT_OVERLAP, Overlap, checked_overlap
 from tensorfleet.worker.timeline import task_timeline
 from tensorfleet.worker.timeouts import ClientTimeouts
-from tensorfleet.worker.updater import StoredCheckpoint
 
 log = logging.getLogger("tensorfleet.session")
 
@@ -327,7 +327,7 @@ class TrainingSession:
                 print(heading + placement_table(self._updater, model, self.task_name), flush=True)
             self._updater.register(self._named_params, self.rule)
             restored = self._updater.restore(
-                _SessionCheckpoints(self) if self.checkpoints is not None else None,
+                SessionCheckpoints(self) if self.checkpoints is not None else None,
                 resume=self._restore,
             )
             self._global_step = restored.global_step
@@ -531,25 +531,6 @@ class TrainingSession:
         )
         return path
 
-    def _check_model(self, checkpoint: Checkpoint) -> None:
-        model = checkpoint.manifest.get("model", "")
-        if model != self.model_name:
-            raise CheckpointError(
-                f"checkpoint {checkpoint.path} belongs to {label(model)}, this session trains "
-                f"{label(self.model_name)}: give each model its own checkpoint_dir (a named "
-                "model saves under checkpoint_dir/<model_name>)"
-            )
-
-    def _check_shard_count(self, checkpoint: Checkpoint) -> None:
-        shards = len(self.server.ps_addresses) if self.server is not None else 1
-        shards = shards or 1  # allreduce: the chief's replica is the one shard
-        if len(checkpoint.documents) != shards:
-            raise CheckpointError(
-                f"checkpoint {checkpoint.path} has {len(checkpoint.documents)} shard files, the "
-                f"cluster has {shards} ps tasks: restore it with the same number of ps tasks, "
-                "or start fresh (restore=False; the example's --fresh)"
-            )
-
     def pull(self) -> int:
         """Fetch the newest parameters into the model (e.g. before evaluating); returns the
         global step they belong to."""
@@ -572,29 +553,3 @@ class TrainingSession:
         strict=False)``)."""
         require_open("moving_average()", started=self._started, closed=self._released)
         return self._updater.moving_average()
-
-
-class _SessionCheckpoints:
-    """The session's checkpoint directory as the updaters read it: the newest valid
-    checkpoint that fits the cluster, and the one report of a restore."""
-
-    def __init__(self, session: TrainingSession) -> None:
-        self._session = session
-
-    def newest(self) -> Checkpoint | None:
-        assert self._session.checkpoints is not None
-        checkpoint = self._session.checkpoints.newest_valid()
-        if checkpoint is not None:
-            self._session._check_model(checkpoint)
-            self._session._check_shard_count(checkpoint)
-        return checkpoint
-
-    def restoring(self, checkpoint: StoredCheckpoint) -> None:
-        session = self._session
-        print(
-            f"{session.task_name}: restoring checkpoint {checkpoint.path} (global step "
-            f"{checkpoint.global_step})",
-            flush=True,
-        )
-        session.last_checkpoint = checkpoint.path
-        session._deltas.reset()  # restored tables are new incarnations: the next one is full
