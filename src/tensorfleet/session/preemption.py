@@ -33,6 +33,17 @@ worker exits with status 143 as well, instead of retrying past the grace period.
 A second SIGTERM while the first is being handled ends the process at once (the default
 action), for the impatient and for the cases where saving hangs.
 
+Child processes die of the same SIGTERM when it is sent to the whole process group (Slurm,
+torchrun and ``tensorfleet launch`` signal a task's group): a ``DataLoader``'s workers end
+at once (torch makes them exit on a SIGTERM from anyone but their parent), and torch's
+SIGCHLD handler in the training process raises ``RuntimeError: DataLoader worker ... is
+killed by signal: Terminated`` wherever the main thread is, e.g. inside the step whose push
+is in flight. After the notice that handler's errors are logged instead
+(:func:`keep_child_deaths_out_of_the_step`), so the step in progress completes; the
+``DataLoader`` reports its dead workers again at its next batch, in the training loop, and
+the session takes an error that ends its ``with`` block after the notice for the preemption
+it follows (the chief's checkpoint, status 143), not for a failure that ends training.
+
 The handler is only installed from the main thread (Python delivers signals there); a
 session or server driven from another thread keeps the process's own SIGTERM handling.
 """
@@ -62,6 +73,7 @@ class PreemptionNotice:
         """Set by the first SIGTERM."""
         self._on_notice = on_notice
         self._previous: Any = None
+        self._previous_sigchld: Any = None
         self.installed = False
 
     def __enter__(self) -> PreemptionNotice:
@@ -78,6 +90,9 @@ class PreemptionNotice:
     ) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self._previous)
+            if self._previous_sigchld is not None:
+                signal.signal(signal.SIGCHLD, self._previous_sigchld)
+                self._previous_sigchld = None
             self.installed = False
             clear_preempted()
 
@@ -88,5 +103,29 @@ class PreemptionNotice:
             return
         self.received.set()
         mark_preempted()  # the waits below the session stop waiting (the client's recovery)
+        self._previous_sigchld = keep_child_deaths_out_of_the_step()
         if self._on_notice is not None:
             self._on_notice()
+
+
+def keep_child_deaths_out_of_the_step() -> Any:
+    """Wrap the process's SIGCHLD handler, when it is a Python one (torch's ``DataLoader``
+    installs one that raises when a worker dies), so that its errors are logged instead of
+    raised wherever the main thread is (see the module). Returns the handler it wrapped
+    (None: none was), for :class:`PreemptionNotice` to put back."""
+    previous = signal.getsignal(signal.SIGCHLD)
+    if not callable(previous):
+        return None
+
+    def logged(signum: int, frame: FrameType | None) -> None:
+        try:
+            previous(signum, frame)
+        except Exception as exc:  # noqa: BLE001 - logged; the DataLoader raises it again
+            log.warning(
+                "after the SIGTERM: %s (a child process ended by the same signal); the step "
+                "in progress completes first",
+                exc,
+            )
+
+    signal.signal(signal.SIGCHLD, logged)
+    return previous

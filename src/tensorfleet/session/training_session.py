@@ -309,7 +309,25 @@ class TrainingSession:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, Exception) and self._preempted_before(exc):
+            self._leave_preempted()  # Preempted (status 143), with the error as its context
         self.close(failed=exc is not None)
+
+    def _preempted_before(self, error: Exception) -> bool:
+        """Whether ``error`` ends the ``with`` block after a SIGTERM this session took (not
+        in a collective mode, which saves at its next agreement): then it is the preemption's
+        doing, e.g. a DataLoader whose workers died of the same signal (see
+        :mod:`~tensorfleet.session.preemption`), and the session leaves as preempted instead
+        of failing (a failed chief would declare training over)."""
+        if not self._preemption.received.is_set() or self._closed or self._updater.collective:
+            return False
+        log.warning(
+            "%s: the training loop ended with %r after a SIGTERM (a preemption: child processes "
+            "such as a DataLoader's workers die of the same signal); handled as the preemption",
+            self.task_name,
+            error,
+        )
+        return True
 
     def start(self) -> None:
         """Connect, initialize (chief) or wait for initialization (others), restore the newest
