@@ -27,13 +27,20 @@ def _program():
 
 
 def _one_process_reference(
-    program, rule_name: str, num_workers: int, clip: float | None = None, ema: float | None = None
+    program,
+    rule_name: str,
+    num_workers: int,
+    clip: float | None = None,
+    ema: float | None = None,
+    step_lr: int | None = None,
 ):
-    """One process, batch n*b: the concatenation of the workers' batches of each step."""
+    """One process, batch n*b: the concatenation of the workers' batches of each step (with
+    ``step_lr``, its learning rate halved every that many steps by torch's StepLR)."""
     model = program.make_model()
     x, y = program.make_data(STEPS, num_workers)
     rule = program.rule(rule_name)
     optimizer = rule.build(list(model.parameters()))
+    schedule = None if step_lr is None else torch.optim.lr_scheduler.StepLR(optimizer, step_lr, 0.5)
     averages = {k: v.detach().clone() for k, v in model.named_parameters()}
     for step in range(STEPS):
         start = step * num_workers * program.BATCH
@@ -46,6 +53,8 @@ def _one_process_reference(
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
         if ema is not None:
             for k, v in model.named_parameters():
                 averages[k].lerp_(v.detach(), 1 - ema)
@@ -83,6 +92,27 @@ def test_n_workers_of_batch_b_equal_one_process_of_batch_nb(
     reference, _ = _one_process_reference(program, rule, 3)
     difference = _max_difference(result["params"], reference)
     assert difference < 1e-5, f"max |distributed - one process| = {difference:.2e}\n{run}"
+
+
+@pytest.mark.parametrize(("mode", "num_ps", "rule"), [("sync", 2, "sgd"), ("allreduce", 0, "adam")])
+def test_a_learning_rate_schedule_on_every_worker_trains_as_in_one_process(
+    tmp_path, mode, num_ps, rule
+):
+    """Every worker halves ``sess.optimizer``'s learning rate every 3 steps (torch's StepLR):
+    the shards (sent with each push) or each replica's optimizer apply it as one process's
+    optimizer does."""
+    program = _program()
+    out = tmp_path / "result.json"
+    command = [sys.executable, str(PROGRAMS / "exact_worker.py"), str(out), mode, rule,
+               str(STEPS), "--step-lr", "3"]  # fmt: skip
+    run = run_local_cluster(num_ps, 2, command, timeout_s=200)
+    assert run.returncode == 0, str(run)
+    result = json.loads(out.read_text())
+    reference, _ = _one_process_reference(program, rule, 2, step_lr=3)
+    difference = _max_difference(result["params"], reference)
+    assert difference < 1e-5, f"max |distributed - one process| = {difference:.2e}\n{run}"
+    unscheduled, _ = _one_process_reference(program, rule, 2)
+    assert _max_difference(result["params"], unscheduled) > 1e-3, "the schedule changed nothing"
 
 
 def test_sync_clips_the_aggregated_gradient_and_keeps_a_moving_average(tmp_path):

@@ -347,8 +347,22 @@ def _create(chief: Channel, rule: Any, mode: str, seed: int) -> None:
     chief.call("create", body, [as_buffer(v) for v in _gradients(seed)], TIMEOUT_S)
 
 
-def _push_round(workers: dict[str, Channel], mode: str, seed: int, step: int) -> None:
-    """One push per worker (sync: both join the step ``step``); buckets: two parts."""
+def _push_round(
+    workers: dict[str, Channel], mode: str, seed: int, step: int, rule: Any = None
+) -> None:
+    """One push per worker (sync: both join the step ``step``); buckets: two parts. With
+    ``rule``, each push carries its hyperparameters with a learning rate of this round (a
+    worker's schedule: :mod:`tensorfleet.ps.pushed_hyperparameters`)."""
+    scheduled = (
+        {}
+        if rule is None
+        else {
+            "hyperparameters": {
+                **rule.hyperparameters,
+                "lr": rule.hyperparameters["lr"] / (1 + step),
+            }
+        }
+    )
     if mode == "buckets":
         for task, channel in workers.items():
             gradients = _gradients(seed + hash(task) % 7)
@@ -358,14 +372,14 @@ def _push_round(workers: dict[str, Channel], mode: str, seed: int, step: int) ->
             for i, ((start, stop), buffers) in enumerate(parts):
                 last = i == len(parts) - 1
                 body = {"task": task, "part": [start, stop], "last": last, "count_step": last,
-                        "data": {"n": seed} if last else None}  # fmt: skip
+                        "data": {"n": seed} if last else None, **scheduled}  # fmt: skip
                 if not last:
                     del body["data"]
                 channel.call("push", body, [as_buffer(b.contiguous()) for b in buffers], TIMEOUT_S)
         return
     sent = []
     for task, channel in workers.items():
-        body = {"task": task, "count_step": True, "step": step, "data": {"n": seed}}
+        body = {"task": task, "count_step": True, "step": step, "data": {"n": seed}, **scheduled}
         gradients = _gradients(seed + (1 if task == "worker:1" else 0))
         sent.append(
             (channel, channel.send("push", body, [as_buffer(g) for g in gradients], TIMEOUT_S))
@@ -397,18 +411,19 @@ def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
 ) -> None:
     """``snapshots``: one after every 150 bytes of records (a push's gradients are 100 bytes:
     every second push or so, some between the buckets of a push), so the replay starts at a
-    snapshot taken after the newer checkpoint."""
+    snapshot taken after the newer checkpoint. Every round's pushes carry another learning
+    rate (a schedule): the replay applies each record with its own."""
     workers = _start(services, tmp_path, snapshot_bytes)
     chief = workers["worker:0"]
     _create(chief, rule, mode, seed=1000)
     for i in range(3):
-        _push_round(workers, mode, seed=i, step=i)
+        _push_round(workers, mode, seed=i, step=i, rule=rule)
     checkpoint = _save(chief)
     for i in range(3, 6):
-        _push_round(workers, mode, seed=i, step=i)
+        _push_round(workers, mode, seed=i, step=i, rule=rule)
     _save(chief)  # a newer checkpoint, never written (its writer died): the chain goes on
     for i in range(6, 9):
-        _push_round(workers, mode, seed=i, step=i)
+        _push_round(workers, mode, seed=i, step=i, rule=rule)
     stop_services(services[0], services[1])  # the shard is "killed" now; its state:
     service = services[0][0].service
     live = decode_shard(_state_of(service))

@@ -272,3 +272,36 @@ def test_restore_without_resume_starts_from_the_initial_values(kind: str) -> Non
         finally:
             updater.finish(None, failed=True)
             updater.close()
+
+
+@pytest.mark.parametrize("kind", UPDATERS)
+def test_retune_applies_the_new_hyperparameters_from_the_next_update_on(kind: str) -> None:
+    """The session's schedule (``sess.optimizer``) reaches the rule wherever it runs: the
+    update after a retune equals torch's optimizer, given the same gradients, whose learning
+    rate was changed between its two steps, bit for bit, with the momentum kept."""
+    rule = Momentum(0.1, 0.9)
+    model = _model()
+    named = list(model.named_parameters())
+    reference = [p.detach().clone().requires_grad_(True) for _, p in named]
+    optimizer = torch.optim.SGD(reference, **rule.hyperparameters)
+    with UPDATERS[kind](named) as updater:
+        try:
+            updater.connect(torch.device("cpu"))
+            wrapped = updater.wrap(model)
+            updater.register(named, rule)
+            updater.restore(_Source(None))
+            updater.pull()
+            for step, lr in ((0, 0.1), (1, 0.025)):
+                if lr != 0.1:
+                    updater.retune({**rule.hyperparameters, "lr": lr})
+                _backward(wrapped, step + 1)
+                for mine, (_, param) in zip(reference, named, strict=True):
+                    mine.grad = param.grad.clone()  # the gradients this updater applies
+                optimizer.param_groups[0]["lr"] = lr
+                optimizer.step()
+                updater.exchange(step, None)
+            for mine, (name, param) in zip(reference, named, strict=True):
+                assert torch.equal(param.detach(), mine.detach()), name
+        finally:
+            updater.finish(None)
+            updater.close()

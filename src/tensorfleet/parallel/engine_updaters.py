@@ -55,6 +55,9 @@ class _Decorator:
     def exchange(self, step: int, data: Any) -> Any:
         return self.inner.exchange(step, data)
 
+    def retune(self, hyperparameters: dict[str, Any]) -> None:
+        self.inner.retune(hyperparameters)
+
     def skip(self, step: int) -> Any:
         return self.inner.skip(step)
 

@@ -158,6 +158,9 @@ class PipelineLeaderUpdater:
         self._require().send_values(_control(progress))
         return progress
 
+    def retune(self, hyperparameters: dict[str, Any]) -> None:
+        self.inner.retune(hyperparameters)
+
     def skip(self, step: int) -> Any:
         self._require().gather_gradients()  # the stages sent them; the update is vetoed
         progress = self.inner.skip(step)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tensorfleet.errors import NotInitialized, ProtocolError, RequestRefused
+from tensorfleet.errors import ConfigError, NotInitialized, ProtocolError, RequestRefused
 from tensorfleet.ps.model_namespace import check_model_name, label
 from tensorfleet.ps.service import ParameterService, check_same_version
 from tensorfleet.ps.update_rules import UpdateRule
@@ -113,18 +113,9 @@ def retuned_rule(rule: UpdateRule, hyperparameters: object) -> UpdateRule:
     """``rule`` with ``hyperparameters`` (a map of some of its hyperparameters) changed,
     checked as a rule sent at ``create`` is; RequestRefused for a key the rule does not
     take or a value of the wrong type."""
-    if not isinstance(hyperparameters, Mapping) or not hyperparameters:
-        raise ProtocolError(
-            f"'hyperparameters' must be a non-empty map of the rule's hyperparameters (e.g. "
-            f"{{'lr': 0.01}}), got {hyperparameters!r:.200}"
-        )
-    changed = {
-        key: tuple(value) if isinstance(value, list) else value
-        for key, value in hyperparameters.items()
-    }
     try:
-        return UpdateRule(rule.name, {**rule.hyperparameters, **changed})
-    except ValueError as exc:
+        return rule.retuned(hyperparameters)
+    except ConfigError as exc:
         raise RequestRefused(f"set_hyperparameters for rule {rule.name!r}: {exc}") from None
 
 

@@ -32,6 +32,7 @@ import torch
 
 from tensorfleet.errors import CheckpointError, ConfigError, ProtocolError
 from tensorfleet.ps import checkpoint_handling
+from tensorfleet.ps.pushed_hyperparameters import FIELD, take_pushed
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard
 from tensorfleet.ps.update_log import UpdateLog, shard_file_stem, snapshot_after_bytes
 from tensorfleet.ps.update_log_room import missing_room
@@ -130,6 +131,7 @@ class SaveRestoreHandling:
             self.store.version + (1 if counts else 0),
             global_step_after,
             data,
+            dict(self.store.rule.hyperparameters) if self.store.rule is not None else None,
         )
         try:
             yield
@@ -336,6 +338,8 @@ class SaveRestoreHandling:
                 )
                 break
             for update in segment.updates():
+                if update.hyperparameters is not None:  # as it was applied (a schedule's)
+                    take_pushed(self.store, {FIELD: update.hyperparameters}, self.config.name)
                 self.store.apply(update.gradients, part=update.part, counts=update.counts)
                 if counts_steps:
                     self.global_step = update.global_step

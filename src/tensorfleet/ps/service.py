@@ -77,6 +77,7 @@ from tensorfleet.ps.buffer_bank import BufferBank
 from tensorfleet.ps.gradient_age import GradientAge, read_based_on, resolve_limit
 from tensorfleet.ps.layout import FusedLayout, group_tensors
 from tensorfleet.ps.partial_push import PartialPushHandling
+from tensorfleet.ps.pushed_hyperparameters import take_pushed
 from tensorfleet.ps.save_restore import SaveRestoreHandling
 from tensorfleet.ps.service_settings import ServiceConfig
 from tensorfleet.ps.shard_checkpoint import ShardState, check_worker_data
@@ -374,6 +375,7 @@ class ParameterService(
     def _push(self, request: Request) -> None:
         self._require_initialized()
         body = request.body
+        take_pushed(self.store, body, self.config.name)  # a worker's schedule, if it has one
         value_encoding.requested(body)  # a dtype it cannot answer in: refused, not applied
         based_on = read_based_on(body)
         if body.get("part") is not None:

@@ -379,9 +379,12 @@ class UpdateLog:
         version: int,
         global_step: int,
         data: dict[str, Any] | None = None,
+        hyperparameters: dict[str, Any] | None = None,
     ) -> None:
         """Log one applied update (nothing when no segment is open: before the shard's first
-        checkpoint, there is nothing to replay onto)."""
+        checkpoint, there is nothing to replay onto), with the rule's ``hyperparameters`` it
+        was applied with (a worker's schedule changes them:
+        :mod:`~tensorfleet.ps.pushed_hyperparameters`)."""
         if self._fd is None:
             return
         buffers = [as_buffer(g) for g in gradients]
@@ -392,6 +395,7 @@ class UpdateLog:
             "version": version,
             "global_step": global_step,
             "data": data,
+            "hyperparameters": hyperparameters,
             "buffers": [
                 [dtype_name(g.dtype), b.nbytes] for g, b in zip(gradients, buffers, strict=True)
             ],
@@ -409,6 +413,7 @@ class UpdateLog:
         version: int,
         global_step: int,
         data: dict[str, Any] | None = None,
+        hyperparameters: dict[str, Any] | None = None,
     ) -> PendingAppend:
         """Start :meth:`append` on the log's writer thread and return at once, so that the
         shard applies the update while its record is checksummed and written (both release
@@ -420,7 +425,7 @@ class UpdateLog:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="tensorfleet-update-log")
         mark = (self._end, self._since_start, self.appended)
         future = self._writer.submit(
-            self.append, gradients, part, counts, version, global_step, data
+            self.append, gradients, part, counts, version, global_step, data, hyperparameters
         )
         self._pending = PendingAppend(self, future, mark)
         return self._pending

@@ -121,6 +121,9 @@ class Update:
     version: int
     global_step: int
     data: dict[str, Any] | None = None
+    hyperparameters: dict[str, Any] | None = None
+    """The rule's hyperparameters it was applied with (None in records written before they
+    were logged: the rule's own)."""
 
 
 def document_crc(document: bytes | memoryview) -> int:
@@ -297,6 +300,7 @@ def _update(path: Path, offset: int, header: dict, payload: memoryview) -> Updat
             int(header["version"]),
             int(header["global_step"]),
             header.get("data"),
+            header.get("hyperparameters"),
         )
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise _corrupt(path, offset, f"is not an update: {exc}") from exc

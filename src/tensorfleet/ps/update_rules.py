@@ -92,6 +92,23 @@ class UpdateRule:
         return cls(data["name"], hyper)
 
     @property
+    def hyperparameter_names(self) -> list[str]:
+        """Every hyperparameter this rule takes (those it was given and the others)."""
+        return sorted(_RULES[self.name].allowed)
+
+    def retuned(self, changes: object) -> UpdateRule:
+        """This rule with some of its hyperparameters changed (``changes``: a map of them,
+        as it comes from the network: lists stand for tuples), checked as a new rule is:
+        ConfigError for a key the rule does not take or a value of the wrong type."""
+        if not isinstance(changes, dict) or not changes:
+            raise ConfigError(
+                f"hyperparameters to change must be a non-empty map of the rule's hyperparameters "
+                f"(e.g. {{'lr': 0.01}}), got {changes!r:.200}"
+            )
+        changed = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+        return UpdateRule(self.name, {**self.hyperparameters, **changed})
+
+    @property
     def elementwise(self) -> bool:
         """Whether each element's update depends only on that element (its value, gradient
         and state) and the step count: then the rule may step any slice of a variable."""

@@ -62,6 +62,7 @@ from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
 from tensorfleet.session.open_session import require_open
 from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
+from tensorfleet.session.rule_optimizer import RuleOptimizer
 from tensorfleet.session.server import Server
 from tensorfleet.session.session_checkpoints import SessionCheckpoints
 from tensorfleet.session.update_modes import (
@@ -270,6 +271,7 @@ class TrainingSession:
         self.last_checkpoint: Path | None = None
         """The directory of the newest checkpoint this session saved or restored."""
         self._checkpoint_requested = False
+        self._rule_optimizer: RuleOptimizer | None = None
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
             raise ConfigError("the model has no trainable parameters")
@@ -431,6 +433,10 @@ class TrainingSession:
             hook.before_step(self)
         for param in self._all_params:
             param.grad = None
+        if self._rule_optimizer is not None:  # before the backward: its buckets may go then
+            self._rule_optimizer.step()  # a scheduler attached to it counts the step
+            if (hyperparameters := self._rule_optimizer.due()) is not None:
+                self._updater.retune(hyperparameters)
         self._overlap.before_forward()
         with self._timeline.span("compute"), self._compute.autocast():
             out = closure()
@@ -548,6 +554,18 @@ class TrainingSession:
             "%s: checkpoint of global step %d saved in %s", self.task_name, saved.global_step, path
         )
         return path
+
+    @property
+    def optimizer(self) -> RuleOptimizer:
+        """The update rule as a ``torch.optim.Optimizer`` with one parameter group holding its
+        hyperparameters: attach a torch learning-rate scheduler to it (``StepLR(sess.optimizer,
+        ...)``, ``OneCycleLR``, ``LambdaLR``, ``ReduceLROnPlateau``...) or set
+        ``sess.optimizer.param_groups[0]["lr"]``, and every update from the next step on
+        uses the new values, in every mode (on the ps shards: sent with each push). The
+        model is trained by the session, not by this object's ``step()``."""
+        if self._rule_optimizer is None:
+            self._rule_optimizer = RuleOptimizer(self.rule)
+        return self._rule_optimizer
 
     def pull(self) -> int:
         """Fetch the newest parameters into the model (e.g. before evaluating); returns the

@@ -304,6 +304,14 @@ class AllReduceUpdater:
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
         return self.push_pull(step=step, data=data)
 
+    def retune(self, hyperparameters: dict[str, Any]) -> None:
+        """The optimizer's parameter group takes them (checked by the rule first)."""
+        if self._optimizer is None or self._rule is None:
+            raise UsageError("register() the model before retuning its rule")
+        retuned = self._rule.retuned(hyperparameters)
+        for group in self._optimizer.param_groups:
+            group.update(retuned.hyperparameters)
+
     def skip(self, step: int) -> Progress:
         """Every replica must take part in each step: the gradients are zeroed (the averaged
         gradient is the same on all replicas, so they all skip alike) and no optimizer step

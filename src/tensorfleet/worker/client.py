@@ -124,6 +124,8 @@ class ParameterClient(ClientRecovery):
         self.recreate_buffers: Callable[[], None] | None = None
         """The chief's: create the model's persistent buffers again once restarted shards
         were restored or re-created (a checkpoint's values win), so that they serve them."""
+        self.hyperparameters: dict[str, Any] | None = None
+        """The update rule's hyperparameters every push carries (None: none, the rule's)."""
         self.restored_data: dict[str, Any] | None = None
         """This worker's data position as the ps last recorded it (None: none recorded)."""
         self._context = zmq.Context(io_threads=1)
@@ -418,9 +420,13 @@ class ParameterClient(ClientRecovery):
         version = self._values_versions[shard]
         return {} if version is None else {"based_on": version}
 
-    def push_fields(self) -> dict[str, str]:
-        """What every push names of how it travels: its gradients' and its values' dtypes."""
-        return {**self._wire_fields, **value_encoding.request_fields(self.values_dtype)}
+    def push_fields(self) -> dict[str, Any]:
+        """What every push names of how it travels (its gradients' and its values' dtypes)
+        and, once the session's schedule changed them, the rule's hyperparameters."""
+        fields = {**self._wire_fields, **value_encoding.request_fields(self.values_dtype)}
+        if self.hyperparameters is not None:
+            fields["hyperparameters"] = self.hyperparameters
+        return fields
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         """The moving average the shards keep, as fresh tensors by parameter name."""

@@ -203,6 +203,14 @@ class LocalUpdater:
     def exchange(self, step: int, data: DataPosition | None) -> Progress:
         return self.push_pull(step=step, data=data)
 
+    def retune(self, hyperparameters: dict[str, Any]) -> None:
+        """The optimizer's parameter group takes them (checked by the rule first)."""
+        if self._optimizer is None or self._rule is None:
+            raise UsageError("register() the model before retuning its rule")
+        retuned = self._rule.retuned(hyperparameters)
+        for group in self._optimizer.param_groups:
+            group.update(retuned.hyperparameters)
+
     def skip(self, step: int) -> Progress:
         """Nothing to exchange: the update is simply not applied (nor the tables' rows)."""
         if self.tables is not None:

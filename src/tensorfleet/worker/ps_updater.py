@@ -408,6 +408,14 @@ class PsUpdater:
                 self.buffers.push(step)
         return progress
 
+    def retune(self, hyperparameters: dict[str, Any]) -> None:
+        """Every push from now on carries them; each shard retunes its rule before applying
+        it (:mod:`tensorfleet.ps.pushed_hyperparameters`). Checked by the rule here first."""
+        if self._rule is None:
+            raise UsageError("register() the model before retuning its rule")
+        self._rule.retuned(hyperparameters)
+        self.client.hyperparameters = dict(hyperparameters)
+
     def skip(self, step: int) -> Progress:
         """async: push nothing and pull the newest values. sync: every step waits for its
         quota of workers, so this worker takes part with zero gradients."""

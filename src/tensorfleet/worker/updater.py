@@ -149,6 +149,13 @@ class Updater(Protocol):
         computed at; ``data``: this worker's data position after their batch."""
         ...
 
+    def retune(self, hyperparameters: dict[str, Any]) -> None:
+        """Apply the update rule with ``hyperparameters`` (all of the rule's, some changed)
+        from the next update on, keeping the optimizer state: the session's
+        :class:`~tensorfleet.session.rule_optimizer.RuleOptimizer` changed them. ConfigError
+        for one the rule does not take."""
+        ...
+
     def skip(self, step: int) -> Progress:
         """What a vetoed update (a hook's ``before_update`` returned False) does in this
         mode: nothing is applied from this worker, but a mode in which every worker takes

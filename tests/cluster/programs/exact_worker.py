@@ -5,6 +5,7 @@ The chief writes the final parameters (and the ps's stats) to the JSON file give
     exact_worker.py OUT MODE RULE STEPS [--clip C] [--ema D] [--replicas K]
                     [--max-staleness S] [--slow-worker I --slow-seconds T] [--step-seconds T]
                     [--checkpoint-dir DIR --checkpoint-steps N] [--stop-at N] [--hidden H]
+                    [--step-lr N]
 
 STEPS sizes the dataset; training stops at global step STEPS, or at --stop-at.
 """
@@ -70,6 +71,9 @@ def main() -> int:
     parser.add_argument(
         "--hidden", type=int, default=HIDDEN, help="hidden units (wide: payloads of 100s of KB)"
     )
+    parser.add_argument(
+        "--step-lr", type=int, default=None, help="halve the learning rate every N steps (StepLR)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     task = tfl.resolve_task(argv=[])
@@ -83,10 +87,17 @@ def main() -> int:
         checkpoint_dir=args.checkpoint_dir, save_checkpoint_steps=args.checkpoint_steps,
     ) as sess:  # fmt: skip
         made, dropped = 0, 0
+        schedule = (
+            None
+            if args.step_lr is None
+            else torch.optim.lr_scheduler.StepLR(sess.optimizer, args.step_lr, gamma=0.5)
+        )
         while not sess.should_stop():
             xb, yb = worker_batch(x, y, sess.global_step, task.index, task.num_workers)
             result = sess.step(lambda xb=xb, yb=yb: F.cross_entropy(sess.model(xb), yb))
             made, dropped = made + result.made_step, dropped + result.dropped
+            if schedule is not None:
+                schedule.step()
             time.sleep(args.slow_seconds if task.index == args.slow_worker else args.step_seconds)
         print(
             json.dumps({"task": str(task.task_id), "made_steps": made, "dropped": dropped}),
