@@ -202,3 +202,14 @@ class Preempted(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+def refusal_code(exc: Exception) -> str:
+    """The code a refusal caused by ``exc`` carries on the wire: a :class:`RemoteError`'s own
+    code (the ps raises the class the client will raise), ``ProtocolError`` for a request it
+    cannot understand, ``RequestRefused`` for content that does not fit (a ``ValueError``)."""
+    if isinstance(exc, RemoteError):
+        return exc.code
+    if isinstance(exc, ProtocolError):
+        return RemoteProtocolError.code
+    return RequestRefused.code

@@ -17,6 +17,10 @@ from tensorfleet.wire.tensors import as_buffer, from_buffer
 class RecordingSocket:
     def __init__(self) -> None:
         self.replies: dict[int, list[torch.Tensor]] = {}
+        self.refusals: dict[int, str] = {}
+
+    def fail(self, request: Request, error_type: str, text: str) -> None:
+        self.refusals[request.request_id] = text
 
     def reply(self, request: Request, body: dict, buffers: list) -> None:
         self.replies[request.request_id] = [
@@ -184,3 +188,15 @@ def test_requests_to_a_shard_without_buffers_wait_for_the_chiefs_create() -> Non
     bank.handlers()["buffers_create"](create)
     assert torch.equal(socket.replies[pull.request_id][0], torch.ones(2))
     assert torch.equal(socket.replies[push.request_id][0], torch.tensor([3.0, 4.0]))
+
+
+def test_a_held_request_that_does_not_fit_is_refused_and_the_others_are_served() -> None:
+    socket = RecordingSocket()
+    bank = BufferBank(socket, 2, set)
+    wrong, right = _pull(bank, ["x"]), _pull(bank, ["m"])
+    chiefs = {"m": torch.ones(2)}
+    create = _request("buffers_create", {"chief": True, **describe(chiefs)}, list(chiefs.values()))
+    bank.handlers()["buffers_create"](create)
+    assert "buffers ['x'] are not on this shard" in socket.refusals[wrong.request_id]
+    assert torch.equal(socket.replies[right.request_id][0], torch.ones(2))
+    assert create.request_id in socket.replies and create.request_id not in socket.refusals

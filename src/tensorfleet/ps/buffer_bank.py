@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tensorfleet.errors import ConfigError, ProtocolError
+from tensorfleet.errors import ConfigError, ProtocolError, RemoteError, refusal_code
 from tensorfleet.ps.buffer_policies import BufferPolicy, combine, resolve_policies
 from tensorfleet.wire.service_socket import Request, ServiceSocket
 from tensorfleet.wire.tensors import as_buffer, dtype_name, from_buffer, parse_dtype, parse_shape
@@ -142,11 +142,15 @@ class BufferBank:
         self._serve_waiting()
 
     def _serve_waiting(self) -> None:
-        """The requests held until the shard had buffers, served now."""
+        """The requests held until the shard had buffers, served now (one refused gets its
+        refusal; the others are served all the same)."""
         waiting, self._waiting_for_create = self._waiting_for_create, []
         handlers = self.handlers()
         for waiter in waiting:
-            handlers[waiter.op](waiter)
+            try:
+                handlers[waiter.op](waiter)
+            except (RemoteError, ProtocolError, ValueError) as exc:
+                self.socket.fail(waiter, refusal_code(exc), str(exc))
 
     def _push(self, request: Request) -> None:
         if not self._created:

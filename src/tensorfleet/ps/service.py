@@ -48,8 +48,8 @@ One service holds one model: a ps task runs one per model namespace behind
 :class:`~tensorfleet.ps.model_router.ModelRouter`, which owns the socket and the loop (its
 ``worker_tasks`` are then that model's workers, ``model`` its name).
 
-A refusal carries a code (:func:`refusal_code`) that the client raises as its
-:class:`~tensorfleet.errors.RemoteError` subclass.
+A refusal carries a code (:func:`~tensorfleet.errors.refusal_code`) that the client raises
+as its :class:`~tensorfleet.errors.RemoteError` subclass.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from tensorfleet.errors import (
     ProtocolError,
     RemoteError,
     RemoteProtocolError,
-    RequestRefused,
+    refusal_code,
 )
 from tensorfleet.ps import checkpoint_handling
 from tensorfleet.ps.buffer_bank import BufferBank
@@ -556,14 +556,3 @@ class ParameterService(
             self._answer_wait_done(expired=True)
         self._expire_held(now)
         self._expire_sync_step(now)
-
-
-def refusal_code(exc: Exception) -> str:
-    """The code a refusal caused by ``exc`` carries on the wire: a :class:`RemoteError`'s own
-    code (the ps raises the class the client will raise), ``ProtocolError`` for a request it
-    cannot understand, ``RequestRefused`` for content that does not fit (a ``ValueError``)."""
-    if isinstance(exc, RemoteError):
-        return exc.code
-    if isinstance(exc, ProtocolError):
-        return RemoteProtocolError.code
-    return RequestRefused.code
