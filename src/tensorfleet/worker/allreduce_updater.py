@@ -77,6 +77,7 @@ from tensorfleet.worker.updater import (
     NamedParams,
     Restored,
     SavedState,
+    retune_optimizer,
     whole_placement,
     zero_gradients,
 )
@@ -306,11 +307,7 @@ class AllReduceUpdater:
 
     def retune(self, hyperparameters: dict[str, Any]) -> None:
         """The optimizer's parameter group takes them (checked by the rule first)."""
-        if self._optimizer is None or self._rule is None:
-            raise UsageError("register() the model before retuning its rule")
-        retuned = self._rule.retuned(hyperparameters)
-        for group in self._optimizer.param_groups:
-            group.update(retuned.hyperparameters)
+        retune_optimizer(self._optimizer, self._rule, hyperparameters)
 
     def skip(self, step: int) -> Progress:
         """Every replica must take part in each step: the gradients are zeroed (the averaged

@@ -45,6 +45,7 @@ from tensorfleet.worker.updater import (
     NamedParams,
     Restored,
     SavedState,
+    retune_optimizer,
     whole_placement,
 )
 
@@ -205,11 +206,7 @@ class LocalUpdater:
 
     def retune(self, hyperparameters: dict[str, Any]) -> None:
         """The optimizer's parameter group takes them (checked by the rule first)."""
-        if self._optimizer is None or self._rule is None:
-            raise UsageError("register() the model before retuning its rule")
-        retuned = self._rule.retuned(hyperparameters)
-        for group in self._optimizer.param_groups:
-            group.update(retuned.hyperparameters)
+        retune_optimizer(self._optimizer, self._rule, hyperparameters)
 
     def skip(self, step: int) -> Progress:
         """Nothing to exchange: the update is simply not applied (nor the tables' rows)."""

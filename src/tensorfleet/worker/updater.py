@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from tensorfleet.errors import UsageError
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.worker.progress import Progress
@@ -93,6 +94,20 @@ class SavedState:
 def whole_placement(named_params: NamedParams) -> dict[str, dict[str, Any]]:
     """The placement of a one-document checkpoint: every parameter whole, in shard 0."""
     return {name: {"param": name, "rows": None, "shard": 0} for name, _ in named_params}
+
+
+def retune_optimizer(
+    optimizer: torch.optim.Optimizer | None,
+    rule: UpdateRule | None,
+    hyperparameters: dict[str, Any],
+) -> None:
+    """:meth:`Updater.retune` where the optimizer runs in this process (one process, each
+    all-reduce worker): its parameter groups take ``hyperparameters``, checked by ``rule``."""
+    if optimizer is None or rule is None:
+        raise UsageError("register() the model before retuning its rule")
+    retuned = rule.retuned(hyperparameters)
+    for group in optimizer.param_groups:
+        group.update(retuned.hyperparameters)
 
 
 def zero_gradients(named_params: NamedParams) -> None:
