@@ -45,6 +45,10 @@ def take_pushed(store: VariableStore, body: dict[str, Any], shard: str) -> None:
     pushed = body.get(FIELD)
     if pushed is None or store.rule is None:
         return
+    if isinstance(pushed, dict) and store.rule.hyperparameters == {
+        key: tuple(value) if isinstance(value, list) else value for key, value in pushed.items()
+    }:
+        return  # the rule's already (every push of a schedule carries them): nothing to check
     try:
         rule = store.rule.retuned(pushed)
     except ConfigError as exc:
