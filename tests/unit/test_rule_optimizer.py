@@ -88,3 +88,20 @@ def test_a_value_the_rule_cannot_take_is_refused_naming_it() -> None:
         with pytest.raises(ConfigError, match="lr='fast'"):
             sess.step(lambda: nn.functional.mse_loss(model(x), y))
         sess.request_stop()
+
+
+def test_a_schedule_brought_back_before_the_first_step_raises_no_warning() -> None:
+    """A resumed run steps its scheduler to the epoch it was at before any session step
+    (docs/concepts.md): torch would warn that the schedule's first value is skipped, which
+    is not so here (the values are read at each step)."""
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tfl.TrainingSession(
+            None, model, optimizer=tfl.optim.SGD(lr=0.1), progress_secs=None
+        ) as sess:
+            schedule = torch.optim.lr_scheduler.StepLR(sess.optimizer, step_size=1, gamma=0.5)
+            schedule.step()  # epoch 1 of a resumed run
+            x, y = _batch(0)
+            sess.step(lambda: nn.functional.mse_loss(model(x), y))
+            assert sess.optimizer.param_groups[0]["lr"] == 0.05

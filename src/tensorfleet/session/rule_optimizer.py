@@ -48,6 +48,11 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.rule = rule
         self._initial = dict(defaults)
         self._applied = dict(rule.hyperparameters)
+        # What torch's schedulers read to warn of a scheduler stepped before its optimizer
+        # (the first value of its schedule would be skipped). Here the values are read at
+        # each session step, whenever the scheduler moved them: a resumed run bringing its
+        # schedule to where it was, before any step, skips nothing.
+        self._opt_called = True
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         """Nothing: the session applies the rule. It calls this once per step."""

@@ -550,6 +550,9 @@ class TrainingSession:
         )
         self._deltas.written(path, saved.documents, saved.global_step)
         self.last_checkpoint = path
+        # The shards' global step as saved: newer than this worker's last reply in async
+        # mode, when other workers pushed since (a preempted chief's line names this one).
+        self._global_step = max(self._global_step, saved.global_step)
         log.info(
             "%s: checkpoint of global step %d saved in %s", self.task_name, saved.global_step, path
         )
