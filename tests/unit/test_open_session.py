@@ -56,3 +56,46 @@ def test_after_the_with_block_the_session_methods_raise_a_usage_error() -> None:
                 call(sess)
     finally:
         stop_services([service])
+
+
+def test_a_session_preempted_while_its_ps_is_gone_ends_without_waiting_for_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A SIGTERM while the step's exchange recovers from a ps that is gone (the whole job is
+    stopped, and the ps ended first) raises Preempted out of the step; the session then
+    says nothing more to the unreachable ps: no 'done' waited for until its silence is
+    noticed, no second recovery (a worker took 10 s more to stop)."""
+    import os
+    import signal
+    import threading
+
+    from tensorfleet.errors import Preempted
+    from tensorfleet.worker.timeouts import ClientTimeouts
+
+    service = serve_in_thread(
+        ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)
+    )
+    server = Server(
+        {"ps": [service.address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+    )
+    patient = ClientTimeouts(
+        connect_s=10.0, initialize_s=10.0, step_s=10.0, recover_s=60.0, ps_silence_s=30.0
+    )
+    fallback = signal.signal(signal.SIGTERM, lambda *_: None)  # should the session not take it
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        torch.manual_seed(0)
+        with pytest.raises(Preempted, match="unreachable"):
+            with TrainingSession(
+                server, nn.Linear(3, 2), SGD(lr=0.1), progress_secs=None, timeouts=patient
+            ) as sess:
+                sess.step(lambda: sess.model(torch.ones(2, 3)).sum())
+                stop_services([service])  # the ps is gone
+                timer.start()
+                while True:  # each step recovers until the SIGTERM ends the recovery
+                    sess.step(lambda: sess.model(torch.ones(2, 3)).sum())
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, fallback)
+    said = caplog.text
+    assert "'done'" not in said and said.count("recovering") == 1, said

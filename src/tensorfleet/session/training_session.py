@@ -311,6 +311,13 @@ class TrainingSession:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, Preempted) and not self._closed:
+            # Raised below the session (a recovery or a hello cut short by the SIGTERM): the
+            # parameter servers are unreachable, so nothing more is said to them ('done'
+            # would wait for their silence to be noticed, then recover again).
+            self._closed = True
+            self._release()
+            return
         if isinstance(exc, Exception) and self._preempted_before(exc):
             self._leave_preempted()  # Preempted (status 143), with the error as its context
         self.close(failed=exc is not None)
