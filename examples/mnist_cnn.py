@@ -26,6 +26,7 @@ data); ``--fresh`` deletes ``DIR`` first and starts over.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import sys
 from collections.abc import Sequence
@@ -182,6 +183,8 @@ def train(args: argparse.Namespace, extra_hooks: Sequence[tfl.Hook] = ()) -> Res
     torch.set_num_threads(args.threads or (2 if task is None else 1))
     server = None
     if task is not None:
+        if task.job == "ps":  # the lines `tensorfleet server` prints (Python shows WARNING only)
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
         security = task_security(args)  # --secret-file, --encrypt: as tensorfleet server reads them
         server = tfl.Server(
             task.cluster, task.job, task.index,

@@ -4,12 +4,15 @@ the placement report."""
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
+import tensorfleet as tfl
+from tensorfleet.cluster import resolver
 from tensorfleet.errors import ClusterConfigError
 from tensorfleet.ps.placement import VariableSpec, plan_placement
 from tensorfleet.worker.device import SoftPlacementWarning
@@ -58,7 +61,8 @@ def test_soft_placement_falls_back_to_cpu_with_one_warning():
     assert rows[-1].asked == "/device:GPU:7" and rows[-1].device == "/device:CPU:0"
 
 
-def test_a_spec_naming_another_task_is_refused():
+def test_a_spec_naming_another_task_is_refused(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(resolver, "_this_process", None)  # no task resolved in this process
     with pytest.raises(
         ClusterConfigError, match=r"names another task than this process's \(worker:0\)"
     ):
@@ -129,3 +133,22 @@ def test_a_module_built_under_another_cpu_index_shows_what_it_asked_for():
         plain = nn.Linear(2, 2)
     assert placement_rows(nn.Sequential(plain))[-1].asked == ""
     assert "runs on /device:CPU:0" not in placement_report(nn.Sequential(plain))
+
+
+def test_a_job_and_task_are_checked_against_the_task_resolve_task_found_from_the_flags(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A TensorFlow script names its task with --job_name/--task_index: the task
+    resolve_task() found from them is the one a device's '/job:' and '/task:' name."""
+    monkeypatch.setattr(resolver, "_this_process", None)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    flags = ["--job_name=worker", "--task_index=1", "--ps_hosts=h0:1", "--worker_hosts=h1:1,h2:1"]
+    monkeypatch.setattr(sys, "argv", ["trainer.py", *flags])
+    task = tfl.resolve_task()
+    assert (task.job, task.index) == ("worker", 1)
+    with device("/job:worker/task:1/cpu:0"):
+        layer = nn.Linear(2, 2)
+    assert requested_device(layer).to_string() == "/job:worker/task:1/device:CPU:0"
+    with pytest.raises(ClusterConfigError, match=r"another task than this process's \(worker:1\)"):
+        with device("/job:worker/task:0"):
+            pass

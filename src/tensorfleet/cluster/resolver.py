@@ -514,6 +514,16 @@ def _check_flags_agree_with_tf_config(
         check_agrees_with_tf_config(task, request.environ)
 
 
+_this_process: ResolvedTask | None = None
+"""The task :func:`resolve_task` last found for this process (from its flags, arguments or
+environment), for what asks later without them (:func:`tensorfleet.device`'s ``/job:``)."""
+
+
+def resolved_in_this_process() -> ResolvedTask | None:
+    """The task :func:`resolve_task` last found for this process, or None."""
+    return _this_process
+
+
 @overload
 def resolve_task(
     cluster: ClusterLike | None = ...,
@@ -588,6 +598,9 @@ def resolve_task(
         task = detector.detect(request)
         if task is not None:
             _check_flags_agree_with_tf_config(task, request, chosen)
+            if environ is None:  # this process's own: its device scopes ask for it
+                global _this_process
+                _this_process = task
             return task
     if allow_none:
         return None

@@ -156,8 +156,10 @@ class WorkerRoster:
                     )
                 if self._holder_alive(task):
                     log.warning(
-                        "%s: %s: process %s takes over from process %s (its launcher says that "
-                        "one is dead); requests of the old process are refused from now on",
+                        "%s: %s: process %s takes over from process %s (its launcher, or "
+                        "whoever ran it again, says that one is dead: "
+                        "TENSORFLEET_PREDECESSOR_DEAD=1); requests of the old process are "
+                        "refused from now on",
                         self.shard,
                         task,
                         instance,

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tensorfleet.cluster.device import DeviceSpec
-from tensorfleet.cluster.resolver import resolve_task
+from tensorfleet.cluster.resolver import resolve_task, resolved_in_this_process
 from tensorfleet.cluster.spec import TaskId
 from tensorfleet.errors import ClusterConfigError
 from tensorfleet.worker.device import torch_device
@@ -142,12 +142,14 @@ def _local_task(task: TaskId | str | None, spec: DeviceSpec) -> TaskId:
         return task
     if isinstance(task, str):
         return TaskId.parse(task)
-    resolved = resolve_task(argv=[], allow_none=True)
+    # The task resolve_task() found for this process (its flags too), else its environment.
+    resolved = resolved_in_this_process() or resolve_task(argv=[], allow_none=True)
     if resolved is None:
         raise ClusterConfigError(
             f"device {spec.to_string()!r} names a job or task, but this process's task is "
-            "unknown (no TF_CONFIG or Slurm environment): pass task='worker:0', or drop the "
-            "'/job:'/'/task:' part"
+            "unknown (no resolve_task() yet, no TF_CONFIG or Slurm environment): call "
+            "tfl.resolve_task() first, pass task='JOB:INDEX' (this process's task, e.g. "
+            "task='worker:1'), or drop the '/job:'/'/task:' part"
         )
     return TaskId(resolved.job, resolved.index)
 
