@@ -57,6 +57,7 @@ _EXPORTS = {
     "export_checkpoint": "tensorfleet.session.checkpoints",
     "load_checkpoint": "tensorfleet.session.checkpoints",
     "load_table_rows": "tensorfleet.session.checkpoints",
+    "checkpoints_iterator": "tensorfleet.session.checkpoint_watch",
     "Hook": "tensorfleet.session.hooks",
     "LoggingHook": "tensorfleet.session.hooks",
     "StepResult": "tensorfleet.session.hooks",
@@ -148,6 +149,7 @@ if TYPE_CHECKING:
     from tensorfleet.ps.row_initializer import RowInitializer
     from tensorfleet.ps.sparse_rows import SparseGradientError
     from tensorfleet.ps.sparse_update_rules import SparseRuleError
+    from tensorfleet.session.checkpoint_watch import checkpoints_iterator
     from tensorfleet.session.checkpoints import (
         export_checkpoint,
         load_checkpoint,

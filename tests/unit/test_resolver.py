@@ -666,3 +666,11 @@ def test_slurm_allocation_that_fits_the_shape():
     environ = slurm_env(2, TENSORFLEET_SLURM_NUM_PS="1", TENSORFLEET_SLURM_NUM_WORKERS="6")
     task = resolve(environ=environ)
     assert (task.job, task.index, task.cluster) == ("worker", 1, ClusterSpec(SLURM_CLUSTER))
+
+
+def test_tf_configs_evaluator_task_is_told_to_run_on_the_checkpoints() -> None:
+    """Estimator and Kubeflow give an evaluator a TF_CONFIG task outside the cluster: the
+    refusal says what tensorfleet offers instead."""
+    tf_config = {"cluster": {"worker": ["h1:2222"]}, "task": {"type": "evaluator", "index": 0}}
+    with pytest.raises(ClusterConfigError, match=r"tfl\.checkpoints_iterator\(checkpoint_dir\)"):
+        resolve_task(argv=[], environ={"TF_CONFIG": json.dumps(tf_config)})

@@ -63,10 +63,17 @@ class ResolvedTask:
                 f"ResolvedTask.cluster must be a ClusterSpec, got {type(self.cluster).__name__}"
             )
         if self.job not in self.cluster.jobs:
+            evaluator = (
+                " An evaluator is no task of a tensorfleet cluster: run it as a program of its "
+                "own that evaluates each new checkpoint (tfl.checkpoints_iterator(checkpoint_dir) "
+                "and tfl.load_checkpoint; docs/reliability.md, 'An evaluator')."
+                if self.job == "evaluator"
+                else ""
+            )
             raise ClusterConfigError(
                 f"{self.source}: this task is {self.job}:{self.index} but the cluster has no "
                 f"job {self.job!r}; its jobs are {self.cluster.jobs}. Use one of those job "
-                "names, or add the job to the cluster"
+                f"names, or add the job to the cluster.{evaluator}"
             )
         if self.index not in self.cluster.task_indices(self.job):
             raise ClusterConfigError(
