@@ -9,6 +9,7 @@ update, that it is being held).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -214,7 +215,7 @@ def test_summing_in_arrival_order_would_have_given_other_bits() -> None:
 
 
 def test_a_push_for_an_older_step_is_dropped_at_once_and_counted(
-    cluster: Callable[..., RunningService],
+    cluster: Callable[..., RunningService], caplog: pytest.LogCaptureFixture
 ) -> None:
     channels = _sync_cluster(cluster, WORKERS[:2])
     first = _send_push(channels["worker:0"], "worker:0", step=0)
@@ -235,6 +236,9 @@ def test_a_push_for_an_older_step_is_dropped_at_once_and_counted(
     stats = _stats(channels["worker:1"])
     assert stats["dropped"] == {"worker:0": 1}
     assert (stats["version"], stats["pushes"], stats["refused"]) == (1, 2, 0)
+    caplog.set_level(logging.INFO, logger="tensorfleet.ps")
+    channels["worker:0"].call("end", {"task": "worker:0"}, timeout_s=TIMEOUT_S)
+    assert "1 gradient dropped as too late for a step (worker:0 1)" in caplog.text
 
 
 def test_with_backup_workers_the_first_k_make_the_step_and_the_late_one_is_dropped(

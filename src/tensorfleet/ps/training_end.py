@@ -181,9 +181,20 @@ class TrainingEndHandling:
         if self.end_declared_at is None:
             self.end_declared_at = time.monotonic()
             log.info(
-                "%s: the chief declared training over %s%s",
+                "%s: the chief declared training over %s%s%s",
                 self.config.name,
                 self.where_training_is(),
                 "" if self.gradient_age is None else f"; {self.gradient_age.summary()}",
+                "" if self.aggregator is None else f"; {_sync_drops(self.aggregator)}",
             )
         self.socket.reply(request, {"grace_s": self.config.end_grace_s})
+
+
+def _sync_drops(aggregator: SyncAggregator) -> str:
+    """The sync steps' stale gradients, as the end line says them (async says its own)."""
+    dropped = aggregator.dropped
+    if not dropped:
+        return "no gradient dropped as too late for its step"
+    each = ", ".join(f"{task} {count}" for task, count in sorted(dropped.items()))
+    total = sum(dropped.values())
+    return f"{total} gradient{'' if total == 1 else 's'} dropped as too late for a step ({each})"
