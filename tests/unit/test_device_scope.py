@@ -68,6 +68,9 @@ def test_a_spec_naming_another_task_is_refused(monkeypatch: pytest.MonkeyPatch):
     ):
         with device("/job:worker/task:1", task="worker:0"):
             pass
+    with pytest.raises(ClusterConfigError, match=r"placement= \('greedy' or 'round_robin'\)"):
+        with device("/job:ps/task:0", task="worker:0"):
+            pass
     with pytest.raises(ClusterConfigError, match="replica 2"):
         with device("/replica:2/cpu:0", task="worker:0"):
             pass

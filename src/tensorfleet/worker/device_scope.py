@@ -128,11 +128,18 @@ def _check_task(spec: DeviceSpec, task: TaskId | str | None) -> TaskId | None:
     if (spec.job is not None and spec.job != here.job) or (
         spec.task is not None and spec.task != here.index
     ):
+        to_ps = (
+            " Variables go to the ps shards without a device: TrainingSession's placement= "
+            "('greedy' or 'round_robin') and partition_threshold_bytes= place them, as "
+            "replica_device_setter did."
+            if spec.job == "ps"
+            else ""
+        )
         raise ClusterConfigError(
             f"device {spec.to_string()!r} names another task than this process's ({here}): a "
             "module computes in the process that builds it. Build it in that task's program, "
             "split the model into pipeline stages (tensorfleet.parallel), or drop the "
-            "'/job:'/'/task:' part"
+            f"'/job:'/'/task:' part.{to_ps}"
         )
     return here
 
