@@ -42,7 +42,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tensorfleet import task_markers
 from tensorfleet.errors import (
     CheckpointError,
     ConfigError,
@@ -60,6 +59,12 @@ from tensorfleet.session.delta_checkpoints import DeltaPlan
 from tensorfleet.session.device_engines import placement_table, wanted_engines
 from tensorfleet.session.hooks import CheckpointHook, Hook, StepResult, can_veto
 from tensorfleet.session.open_session import require_open
+from tensorfleet.session.preempted_exit import (
+    end_without_the_ps,
+    ended_by_the_preemption,
+    leave_after_the_error,
+    leave_preempted,
+)
 from tensorfleet.session.preemption import PreemptionNotice
 from tensorfleet.session.progress_hook import default_progress_hook
 from tensorfleet.session.rule_optimizer import RuleOptimizer
@@ -311,32 +316,12 @@ class TrainingSession:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if isinstance(exc, Preempted) and not self._closed:
-            # Raised below the session (a recovery or a hello cut short by the SIGTERM): the
-            # parameter servers are unreachable, so nothing more is said to them ('done'
-            # would wait for their silence to be noticed, then recover again).
-            self._closed = True
-            self._release()
+        if isinstance(exc, Preempted) and not self._closed:  # the ps unreachable: see the module
+            end_without_the_ps(self)
             return
-        if isinstance(exc, Exception) and self._preempted_before(exc):
-            self._leave_preempted()  # Preempted (status 143), with the error as its context
+        if isinstance(exc, Exception) and ended_by_the_preemption(self, exc):
+            leave_after_the_error(self)  # Preempted (status 143), with the error as context
         self.close(failed=exc is not None)
-
-    def _preempted_before(self, error: Exception) -> bool:
-        """Whether ``error`` ends the ``with`` block after a SIGTERM this session took (not
-        in a collective mode, which saves at its next agreement): then it is the preemption's
-        doing, e.g. a DataLoader whose workers died of the same signal (see
-        :mod:`~tensorfleet.session.preemption`), and the session leaves as preempted instead
-        of failing (a failed chief would declare training over)."""
-        if not self._preemption.received.is_set() or self._closed or self._updater.collective:
-            return False
-        log.warning(
-            "%s: the training loop ended with %r after a SIGTERM (a preemption: child processes "
-            "such as a DataLoader's workers die of the same signal); handled as the preemption",
-            self.task_name,
-            error,
-        )
-        return True
 
     def start(self) -> None:
         """Connect, initialize (chief) or wait for initialization (others), restore the newest
@@ -420,10 +405,9 @@ class TrainingSession:
             self._stop_requested, checkpoint = self._updater.agree(
                 self._stop_requested, self._checkpoint_requested or preempted
             )
-            if checkpoint:
-                self._save()
+            saved = self._save() if checkpoint else None
             if preempted:
-                self._leave_preempted()
+                self._leave_preempted(saved)
         return self._stop_requested
 
     def request_stop(self) -> None:
@@ -482,27 +466,9 @@ class TrainingSession:
             self._leave_preempted()
         return result
 
-    def _leave_preempted(self) -> None:
-        """After a SIGTERM (see the module): the chief saves a checkpoint (done already in a
-        collective mode), the shards are told this worker left, and :class:`Preempted` ends
-        the process with status 143 so that it is restarted."""
-        saved = ""
-        if not self._updater.collective and self.is_chief and self.checkpoints is not None:
-            saved = f"; checkpoint saved in {self._save()}"
-        log.warning(
-            "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 (a preemption)",
-            self.task_name,
-            self._global_step,
-            saved,
-        )
-        self._closed = True
-        try:
-            self._updater.leave()
-        finally:
-            self._release()
-        if not self._updater.collective:  # nothing sent from here on: a launcher restarts it now
-            task_markers.mark_left(self.task_name)
-        raise Preempted(f"{self.task_name}: preempted at global step {self._global_step}")
+    def _leave_preempted(self, saved_in: Path | None = None) -> None:
+        """After a SIGTERM: see :mod:`~tensorfleet.session.preempted_exit`."""
+        leave_preempted(self, saved_in)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

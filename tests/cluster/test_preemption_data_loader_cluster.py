@@ -1,0 +1,67 @@
+"""The whole job stopped (SIGTERM to every task's process group, as the launcher, Slurm and
+torchrun do) while the workers read a ``DataLoader`` with worker processes, which die of the
+same signal: the run still ends as a preemption, with the chief's checkpoint at that step
+(status 143), in ``async`` on a ps and in ``allreduce``, whose checkpoint is collective: a
+worker whose loop finds its dead loader before it asks ``should_stop()`` takes part in it
+from the session's exit. The same command then resumes at that step."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorfleet.launch.local_cluster import LocalCluster
+from tests.cluster.conftest import PROGRAMS, RecordingOutput
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+PROGRESS = re.compile(r"progress worker=\d+ global_step=(\d+)")
+STARTED = re.compile(r"started worker=0 global_step=(\d+)")
+STEPS = 100_000  # far past where the SIGTERM comes
+
+
+def _run(
+    tmp_path: Path, mode: str, num_ps: int, stop_after: int | None
+) -> tuple[int, RecordingOutput]:
+    output = RecordingOutput()
+    command = [sys.executable, str(PROGRAMS / "loader_worker.py"), str(tmp_path / "ckpt"), mode,
+               str(STEPS if stop_after is not None else 1)]  # fmt: skip
+    cluster = LocalCluster(
+        num_ps, 2, command, output=output, grace_period=10.0, max_restarts=0,
+        env={"PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    try:
+        cluster.start()
+        if stop_after is not None:
+            output.wait_for(
+                lambda lines: any(
+                    int(m.group(1)) >= stop_after for _, t in lines if (m := PROGRESS.search(t))
+                ),
+                f"global step {stop_after}",
+                120,
+            )
+            cluster.interrupt()  # as the launcher does on its own SIGTERM
+        code = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    return code, output
+
+
+@pytest.mark.parametrize(("mode", "num_ps"), [("async", 1), ("allreduce", 0)])
+def test_a_stopped_job_reading_a_data_loader_saves_and_resumes(tmp_path, mode, num_ps):
+    code, output = _run(tmp_path, mode, num_ps, stop_after=20)
+    transcript = output.transcript()
+    assert code == 143, transcript
+    saved = re.search(
+        r"worker:0: preempted \(SIGTERM\) at global step (\d+); checkpoint", transcript
+    )
+    assert saved, transcript
+    step = int(saved.group(1))
+    assert (tmp_path / "ckpt" / f"step-{step:08d}").is_dir(), transcript
+    _, again = _run(tmp_path, mode, num_ps, stop_after=None)  # resumes, one step more at most
+    started = [int(m.group(1)) for _, t in again.lines if (m := STARTED.search(t))]
+    assert started == [step], again.transcript()
