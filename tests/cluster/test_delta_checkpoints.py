@@ -1,7 +1,9 @@
 """A ps killed with SIGKILL between two delta checkpoints of the embedding tables: the
 launcher restarts it, the chief restores every shard from the newest chain (a full
-checkpoint and the deltas after it) and training goes on to the end; every checkpoint left
-on disk reads back whole (keep-last-K kept the bases the kept deltas need)."""
+checkpoint and the deltas after it), the shard's update log replays what it applied since
+(the log names a checkpoint by its dense state, which the merged chain holds too), and
+training goes on to the end; every checkpoint left on disk reads back whole (keep-last-K
+kept the bases the kept deltas need)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ def test_a_ps_killed_between_two_delta_checkpoints_restores_from_the_chain_and_t
         str(result_path),
         str(LAST_STEP),
     ]
-    ps_command = [sys.executable, "-m", "tensorfleet", "server", "--liveness-timeout", "4"]
+    ps_command = [sys.executable, "-m", "tensorfleet", "server", "--liveness-timeout", "4",
+                  "--update-log", str(tmp_path / "update-log")]  # fmt: skip
     cluster = LocalCluster(
         2,
         1,
@@ -107,6 +110,11 @@ def test_a_ps_killed_between_two_delta_checkpoints_restores_from_the_chain_and_t
     # the newest checkpoint when the ps died: the delta seen, or a later one of its chain
     assert restored[-1] == max(kinds_then) >= saved_step, (restored, kinds_then, transcript)
     assert kinds_then[restored[-1]] == "delta", (restored, kinds_then)
+    # The update log found the delta's segment (it names the dense state the merged chain
+    # holds too) and replayed what the killed process applied since: no step lost.
+    killed = "\n".join(output.of("ps:1"))
+    assert "no update log of this checkpoint" not in killed, transcript
+    assert re.search(r"replayed \d+ updates of the update log", killed), transcript
     result = json.loads(result_path.read_text())
     assert result["global_step"] >= LAST_STEP, result
     assert result["loss_after"] < result["loss_before"], result

@@ -32,7 +32,7 @@ from tensorfleet.ps.update_log_segment import (
     Base,
     Segment,
     UpdateLogCorrupt,
-    document_crc,
+    checkpoint_id,
     encode_record,
 )
 from tensorfleet.ps.update_rules import SGD, Adam
@@ -390,6 +390,14 @@ def _push_round(
         channel.wait(request, TIMEOUT_S)
 
 
+def _id_of(document: bytes) -> int:
+    """The id a segment of the update log names the checkpoint of ``document`` by."""
+    state = decode_shard(document)
+    return checkpoint_id(
+        state.shard, state.global_step, state.version, state.values, state.ema, state.optimizer
+    )
+
+
 def _save(channel: Channel) -> bytes:
     reply = channel.call("save", {"task": "worker:0"}, timeout_s=TIMEOUT_S)
     return bytes(reply.buffers[0])
@@ -432,7 +440,7 @@ def test_a_restore_replays_the_log_to_the_killed_shards_state_bit_for_bit(
     if snapshot_bytes:  # one after the newer checkpoint: the only segment kept serves both
         assert service.update_log.wait_for_deletions(TIMEOUT_S)
         assert service.update_log.snapshots >= 2 and len(service.update_log.segments()) == 1
-        assert service.update_log.find(document_crc(checkpoint))[0].snapshot is not None
+        assert service.update_log.find(_id_of(checkpoint))[0].snapshot is not None
     else:
         assert service.update_log.snapshots == 0
     workers = _start(services, tmp_path, snapshot_bytes)  # the process that takes over
@@ -491,7 +499,7 @@ def test_a_snapshot_of_another_shard_is_refused_and_the_restore_keeps_the_checkp
         worker_data={},
     )  # fmt: skip
     log = UpdateLog(tmp_path / "second", "ps-0")
-    log.start(Base(document_crc(checkpoint), state.version, state.global_step))
+    log.start(Base(_id_of(checkpoint), state.version, state.global_step))
     log.snapshot([foreign], state.version, state.global_step)
     log.close()
     workers = _start(services, tmp_path / "second")

@@ -22,6 +22,7 @@ from tensorfleet.ps.shard_checkpoint import (
     encode_shard_pieces,
 )
 from tensorfleet.ps.store import VariableStore
+from tensorfleet.ps.update_log_segment import checkpoint_id
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.wire.auth import Buffer
 
@@ -57,6 +58,13 @@ def save_document(
     persistent ``buffers`` it holds."""
     fields = _shard_fields(shard_index, store, global_step, worker_data)
     return encode_shard(**fields, buffers=buffers, tables=tables)  # copied by the encoding
+
+
+def live_checkpoint_id(shard_index: int, store: VariableStore, global_step: int) -> int:
+    """:func:`~tensorfleet.ps.update_log_segment.checkpoint_id` of the shard's live dense
+    state (what a save's document holds of it)."""
+    values, ema, optimizer = store.checkpoint_parts(copy=False)
+    return checkpoint_id(shard_index, global_step, store.version, values, ema, optimizer)
 
 
 def snapshot_pieces(

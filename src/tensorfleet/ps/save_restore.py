@@ -36,7 +36,7 @@ from tensorfleet.ps.pushed_hyperparameters import FIELD, take_pushed
 from tensorfleet.ps.shard_checkpoint import ShardState, decode_shard
 from tensorfleet.ps.update_log import UpdateLog, shard_file_stem, snapshot_after_bytes
 from tensorfleet.ps.update_log_room import missing_room
-from tensorfleet.ps.update_log_segment import Base, Segment, document_crc
+from tensorfleet.ps.update_log_segment import Base, Segment, checkpoint_id
 
 if TYPE_CHECKING:
     from tensorfleet.ps.buffer_bank import BufferBank
@@ -232,7 +232,13 @@ class SaveRestoreHandling:
         )
         if self.update_log is not None and self._log_has_room():
             self.update_log.start(
-                Base(document_crc(document), self.store.version, self.global_step)
+                Base(
+                    checkpoint_handling.live_checkpoint_id(
+                        self.config.shard_index, self.store, self.global_step
+                    ),
+                    self.store.version,
+                    self.global_step,
+                )
             )
         self.socket.reply(
             request,
@@ -264,7 +270,7 @@ class SaveRestoreHandling:
             self.store.rule.name,
         )
         checkpoint_handling.restore_into(self.store, checkpoint)
-        self._take_progress(request.body.get("global_step"), checkpoint, request.buffers[0])
+        self._take_progress(request.body.get("global_step"), checkpoint)
         self.socket.reply(request, self._progress())  # type: ignore[attr-defined]
 
     def _resume_step_of_recreated_shard(self, global_step: object) -> None:
@@ -276,12 +282,10 @@ class SaveRestoreHandling:
         if self.aggregator is not None:
             self.aggregator.step = global_step
 
-    def _take_progress(
-        self, global_step: int, checkpoint: ShardState, document: bytes | memoryview
-    ) -> None:
+    def _take_progress(self, global_step: int, checkpoint: ShardState) -> None:
         """After a restore: the global step of the checkpoint (the same on every shard), the
         workers' data positions; sync gradients collected for a step that no longer exists
-        are answered as dropped. Then the update log's segment of ``document``, replayed."""
+        are answered as dropped. Then the update log's segment of ``checkpoint``, replayed."""
         self.global_step = global_step
         self.worker_data = dict(checkpoint.worker_data)
         self.buffer_bank.take_checkpoint(
@@ -301,14 +305,24 @@ class SaveRestoreHandling:
             global_step,
         )
         if self.update_log is not None:
-            self._replay(document, checkpoint.version, global_step)
+            self._replay(checkpoint, global_step)
 
-    def _replay(self, document: bytes | memoryview, version: int, global_step: int) -> None:
-        """Replay the update log's segments from ``document`` on, onto the restored state: a
-        snapshot's state is taken as it is, each record applied in order."""
+    def _replay(self, checkpoint: ShardState, global_step: int) -> None:
+        """Replay the update log's segments from ``checkpoint`` on (found by its dense state,
+        :func:`~tensorfleet.ps.update_log_segment.checkpoint_id`: a delta checkpoint's chain
+        is restored merged), onto the restored state: a snapshot's state is taken as it is,
+        each record applied in order."""
         assert self.update_log is not None
         self._size_snapshots()
-        crc = document_crc(document)
+        version = checkpoint.version
+        crc = checkpoint_id(
+            checkpoint.shard,
+            checkpoint.global_step,
+            version,
+            checkpoint.values,
+            checkpoint.ema,
+            checkpoint.optimizer,
+        )
         segments = self.update_log.find(crc)
         if not segments:
             log.warning(

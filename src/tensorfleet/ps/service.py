@@ -323,7 +323,7 @@ class ParameterService(
         self.discipline = discipline
         self.owns_global_step = request.body.get("owns_global_step") is True
         if checkpoint is not None:
-            self._take_progress(request.body.get("global_step"), checkpoint, request.buffers[0])
+            self._take_progress(request.body.get("global_step"), checkpoint)
         elif request.body.get("global_step") is not None:
             self._resume_step_of_recreated_shard(request.body.get("global_step"))
         log.info(

@@ -11,9 +11,11 @@ gradients *as applied* (float32 after a bf16
 wire's upcast, the ``sync`` mean after clipping), the part of the variables it covers,
 whether it ended a worker's step (``version`` + 1), and the global step, version and data
 position it left. A ``save`` starts a new *segment* whose first record names the checkpoint
-it follows (the CRC-32 of the shard document the save answered with, and that document's
-version and global step). A ``restore`` (or a ``create`` from a checkpoint) finds the
-segment of the document it was given (by that CRC-32), and replays its complete records
+it follows (its id: a hash of the shard's dense state in it,
+:func:`~tensorfleet.ps.update_log_segment.checkpoint_id`, which a delta checkpoint's chain
+merged for a restore holds too; and its version and global step). A ``restore`` (or a
+``create`` from a checkpoint) finds the segment of the checkpoint it was given (by that
+id), and replays its complete records
 through the same ``VariableStore.apply`` in the same order.
 
 Invariant. The shard after a restore and a replay holds, bit for bit, the values, optimizer
@@ -33,7 +35,7 @@ hold :func:`snapshot_after_bytes` (by default four times the shard's dense state
 64 MiB; ``ServiceSettings.update_log_snapshot_bytes``), the shard writes a *snapshot*: a new
 segment whose first record holds its dense state as a shard document (values, moving
 average, optimizer state, version, global step, the workers' data positions; no tables or
-buffers: those come back at the checkpoint, as the records' updates do) and the CRC-32s of
+buffers: those come back at the checkpoint, as the records' updates do) and the ids of
 the two newest checkpoints (its *roots*). A restore of either starts at the newest segment
 that starts for it (its own, or a snapshot naming it), takes the snapshot's state and
 replays the records after it; every segment older than a snapshot is deleted once the
@@ -181,7 +183,7 @@ class UpdateLog:
         self.snapshots = 0
         """Snapshots written by this process (for stats)."""
         self._checkpoints: list[int] = []
-        """The document CRC-32s of the two newest checkpoints, newest first: a restore may
+        """The ids of the two newest checkpoints, newest first: a restore may
         name either (the newest may never have been written), so the log keeps what both
         need, and a snapshot lists both as its roots."""
         self._latest_start: Path | None = None
@@ -283,7 +285,7 @@ class UpdateLog:
         self._since_start = last.valid_bytes
 
     def find(self, crc: int) -> list[Segment]:
-        """The segments to replay onto the shard document with CRC-32 ``crc``: the newest
+        """The segments to replay onto the checkpoint with id ``crc``: the newest
         segment a restore of it may start at (its own, or a snapshot taken after it), then
         each segment after it (a segment starts exactly where the one before it ends: at a
         ``save`` or a snapshot, between two updates), so that a restore of the checkpoint

@@ -29,7 +29,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,7 +102,8 @@ RECORD = XXH3_FORMAT.prefix
 
 @dataclass(frozen=True)
 class Base:
-    """The checkpoint a segment follows: its shard document's CRC-32, version, global step."""
+    """The checkpoint a segment follows: its id (:func:`checkpoint_id`, in the field named
+    ``document_crc`` since the first format), version, global step."""
 
     document_crc: int
     version: int
@@ -126,9 +127,35 @@ class Update:
     were logged: the rule's own)."""
 
 
-def document_crc(document: bytes | memoryview) -> int:
-    """The CRC-32 that names a shard document (a checkpoint's shard file)."""
-    return zlib.crc32(document)
+def checkpoint_id(
+    shard: int,
+    global_step: int,
+    version: int,
+    values: Mapping[str, torch.Tensor],
+    ema: Mapping[str, torch.Tensor] | None,
+    optimizer: Mapping[str, Mapping[str, torch.Tensor]],
+) -> int:
+    """What names the checkpoint a segment follows (its ``Base``): the XXH3-64 of the
+    shard's dense state in it, the state a replay continues from. Not the document's bytes:
+    the document a restore is given may hold the tables whole where the save answered with
+    their delta (a delta checkpoint's chain, merged), or buffers and rows the log does not
+    replay, around the same dense state. Computed alike from the live store at a save and
+    from the decoded document at a restore."""
+    pieces: list[bytes | memoryview] = [f"{shard}:{global_step}:{version}".encode()]
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        pieces.append(name.encode())
+        flat = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+        pieces.append(memoryview(flat.numpy()))
+
+    for name in sorted(values):
+        add(f"value/{name}", values[name])
+    for name in sorted(ema or {}):
+        add(f"ema/{name}", (ema or {})[name])
+    for name in sorted(optimizer):
+        for key in sorted(optimizer[name]):
+            add(f"optimizer/{name}/{key}", optimizer[name][key])
+    return _xxh3_64(pieces)
 
 
 def encode_record(
