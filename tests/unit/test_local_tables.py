@@ -252,3 +252,16 @@ def test_the_documented_one_process_examples_run(capsys, heading: str, printed: 
     example = section.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "docs/sparse.md", "exec"), {})  # noqa: S102 - our own document
     assert printed in capsys.readouterr().out
+
+
+def test_an_export_holds_each_tables_rows_beside_the_parameters(tmp_path: Path) -> None:
+    """``tfl.export_checkpoint`` writes the parameters and, for each embedding table, its
+    created rows' ids and values (they were left out, without a word)."""
+    from safetensors.torch import load_file
+
+    _session_run(6, checkpoint_dir=tmp_path / "ckpt")
+    exported = load_file(str(tfl.export_checkpoint(tmp_path / "ckpt", tmp_path / "m.safetensors")))
+    ids, rows = tfl.load_table_rows(tmp_path / "ckpt", "embedding")
+    assert sorted(exported) == ["embedding.ids", "embedding.rows", "out.bias", "out.weight"]
+    assert torch.equal(exported["embedding.ids"], ids) and ids.numel() > 0
+    assert torch.equal(exported["embedding.rows"], rows) and rows.shape == (ids.numel(), DIM)

@@ -215,3 +215,14 @@ def test_shard_tables_create_pull_apply_save_restore() -> None:
     assert torch.equal(after, table.initializer.rows(torch.tensor([6]), 8, torch.float32) - 1)
     with pytest.raises(UnknownTable, match="holds no table 'nope'.*user_emb"):
         tables.pull("nope", torch.tensor([0]))
+
+
+def test_a_raw_id_table_over_the_limit_is_told_to_hold_fewer_ids_not_to_hash_them() -> None:
+    """A table of raw ids cannot be hashed into fewer buckets (hash_ids is refused there):
+    its fix is a smaller capacity."""
+    table = TableSpec("users", 2_000_000, 64, raw_ids=True, admit_after=2)
+    tables = ShardTables(0, 2, max_memory=parse_memory_size("64MiB"))
+    with pytest.raises(TableDoesNotFit) as info:
+        tables.create(table, RowPartition(table.num_rows, 2), SparseRowRule("adagrad"))
+    message = str(info.value)
+    assert "a smaller capacity (num_rows" in message and "hash ids" not in message

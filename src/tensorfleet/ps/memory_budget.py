@@ -74,18 +74,26 @@ def check_fits(
     used_bytes: int,
     max_bytes: int | None,
     num_shards: int,
+    raw_ids: bool = False,
 ) -> None:
     """Refuse (TableDoesNotFit) a table part of ``needed_bytes`` on shard ``shard`` that
-    already holds ``used_bytes`` of other tables, when the sum exceeds ``max_bytes``."""
+    already holds ``used_bytes`` of other tables, when the sum exceeds ``max_bytes``
+    (``raw_ids``: a table of raw ids, whose size is its capacity, not a number of buckets)."""
     if max_bytes is None or used_bytes + needed_bytes <= max_bytes:
         return
+    fewer_rows = (
+        "a smaller capacity (num_rows: the most ids it holds at once; expiry and eviction "
+        "keep it full of the recent ones)"
+        if raw_ids
+        else "fewer rows: hash ids into fewer buckets"
+    )
     raise TableDoesNotFit(
         f"table {table!r} needs up to {_human(needed_bytes)} on ps:{shard} (values, optimizer "
         f"slots and 16 B per row, 24 B for a table of given rows, 40 B for a table of raw ids), which already holds {_human(used_bytes)} of other tables, "
         f"and its --max-memory is {_human(max_bytes)}; fix: run more ps tasks (now "
-        f"{num_shards}), raise --max-memory, or make the table smaller (fewer rows: hash ids "
-        f"into fewer buckets; or a smaller dim; or an update rule with fewer slots: sgd keeps "
-        f"none, adagrad one, sparse_adam two)"
+        f"{num_shards}), raise --max-memory, or make the table smaller ({fewer_rows}; or a "
+        f"smaller dim; or an update rule with fewer slots: sgd keeps none, adagrad one, "
+        f"sparse_adam two)"
     )
 
 

@@ -61,6 +61,7 @@ class ShardTables:
             used_bytes=sum(self.full_bytes(s.table, s.partition, s.rule) for s in self),
             max_bytes=self.max_memory,
             num_shards=self.num_shards,
+            raw_ids=table.raw_ids,
         )
         self._stores[table.name] = new_store(table, partition, self.shard, rule)
         return True

@@ -269,6 +269,17 @@ def read_chain(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(newest.path, newest.global_step, newest.manifest, documents)
 
 
+def _table_names(path: str | os.PathLike[str]) -> list[str]:
+    """The embedding tables a checkpoint holds (in any shard's document), sorted."""
+    names: set[str] = set()
+    for document in _find(path).documents:
+        try:
+            names.update(decode_shard(document).tables)
+        except ProtocolError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    return sorted(names)
+
+
 def _find(path: str | os.PathLike[str]) -> Checkpoint:
     """A checkpoint directory (a delta's chain read whole), or the newest valid one under a
     ``checkpoint_dir``."""
@@ -444,8 +455,22 @@ def export_checkpoint(
     path: str | os.PathLike[str], output: str | os.PathLike[str], *, moving_average: bool = False
 ) -> Path:
     """Write the parameters of a checkpoint to one safetensors file (parameter names as in
-    the model's ``state_dict``), for serving or sharing without tensorfleet."""
+    the model's ``state_dict``), for serving or sharing without tensorfleet, and the rows of
+    each embedding table (``tfl.EmbeddingTable``) as two tensors, ``<table>.ids`` (int64,
+    ascending) and ``<table>.rows`` (their values), as :func:`load_table_rows` returns them;
+    rows never created are not in it (their value is the table initializer's)."""
     state = load_checkpoint(path, moving_average=moving_average)
+    for table in _table_names(path):
+        if table in state:  # a sparse=True weight held as rows: in the state, whole
+            continue
+        ids, rows = load_table_rows(path, table)
+        for name, tensor in ((f"{table}.ids", ids), (f"{table}.rows", rows)):
+            if name in state:
+                raise CheckpointError(
+                    f"cannot export table {table!r}: its {name!r} is also a parameter's name; "
+                    f"rename the table (EmbeddingTable(..., name=...))"
+                )
+            state[name] = tensor
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}")
