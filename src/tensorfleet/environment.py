@@ -105,6 +105,18 @@ def ps_update_log_snapshot(environ_: Mapping[str, str] | None = None) -> str | N
     return value.strip() or None
 
 
+#: A size (``8GB``, ``512MiB``, bytes): the most memory a ps's embedding tables may take
+#: (``tensorfleet server --max-memory`` takes its default from it; ``tensorfleet launch
+#: --ps-max-memory`` sets it).
+PS_MAX_MEMORY_VAR = "TENSORFLEET_PS_MAX_MEMORY"
+
+
+def ps_max_memory(environ_: Mapping[str, str] | None = None) -> str | None:
+    """The size ``TENSORFLEET_PS_MAX_MEMORY`` gives (None: unset or empty)."""
+    value = (environ() if environ_ is None else environ_).get(PS_MAX_MEMORY_VAR, "")
+    return value.strip() or None
+
+
 #: ``tuned`` (or unset): a ps process keeps its update's temporaries on the heap
 #: (``tensorfleet.ps.heap_settings``); ``default``: glibc's own malloc settings.
 PS_HEAP_VAR = "TENSORFLEET_PS_HEAP"

@@ -218,3 +218,26 @@ def test_a_lookup_after_the_cluster_session_ended_is_a_usage_error_naming_the_fi
         with torch.no_grad():
             model(torch.tensor([1, 2]))
     assert "'embedding'" in str(refused.value) and "inside the `with` block" in str(refused.value)
+
+
+def test_the_memory_limit_goes_from_the_launcher_to_every_ps(monkeypatch: pytest.MonkeyPatch):
+    """``tensorfleet launch --ps-max-memory`` (a ps command of the launcher's own cannot be
+    given --max-memory otherwise) sets the variable that ``tensorfleet server`` defaults to."""
+    from tensorfleet import environment
+    from tensorfleet.errors import ConfigError
+    from tensorfleet.launch.cli import build_parser, server_config_fields
+    from tensorfleet.launch.launch_command import launch_env
+
+    parser = build_parser()
+    launch = ["launch", "--ps-update-log", "off", "--ps-max-memory"]
+    env = launch_env(parser.parse_args([*launch, "512MiB", "--", "python", "t.py"]))
+    assert env[environment.PS_MAX_MEMORY_VAR] == "512MiB"
+    with pytest.raises(ConfigError, match="--ps-max-memory '1Q' is not a size"):
+        launch_env(parser.parse_args([*launch, "1Q", "--", "python", "t.py"]))
+    monkeypatch.setenv(environment.PS_MAX_MEMORY_VAR, "512MiB")
+    assert server_config_fields(parser.parse_args(["server"]))["max_memory"] == 512 << 20
+    fields = server_config_fields(parser.parse_args(["server", "--max-memory", "1GiB"]))
+    assert fields["max_memory"] == 1 << 30  # the option wins
+    monkeypatch.setenv(environment.PS_MAX_MEMORY_VAR, "1Q")  # named as the variable
+    with pytest.raises(ConfigError, match="TENSORFLEET_PS_MAX_MEMORY '1Q' is not a size"):
+        server_config_fields(parser.parse_args(["server"]))

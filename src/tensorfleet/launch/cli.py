@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="most memory this ps's embedding tables may take, counted at their full size "
         "(e.g. 8GB, 512MiB, or bytes); a table that would not fit is refused when created "
-        "(default: no limit)",
+        "(default: $TENSORFLEET_PS_MAX_MEMORY, which tensorfleet launch --ps-max-memory sets, "
+        "else no limit)",
     )
     server.add_argument(
         "--preempt-grace",
@@ -288,7 +289,7 @@ def server_config_fields(args: argparse.Namespace) -> dict[str, Any]:
         ("liveness_timeout_s", args.liveness_timeout),
         ("end_grace_s", args.end_grace),
         ("preempt_grace_s", args.preempt_grace),
-        ("max_memory", _memory_size(args.max_memory)),
+        ("max_memory", _max_memory(args.max_memory)),
         ("timeline", args.timeline),
         ("update_log_dir", update_log_dir),
         ("update_log_snapshot_bytes", _memory_size(snapshot, snapshot_source)),
@@ -389,6 +390,13 @@ def _export(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     print(path)
     return 0
+
+
+def _max_memory(flag: str | None) -> int | None:
+    """``--max-memory``, else the launcher's ``TENSORFLEET_PS_MAX_MEMORY``."""
+    if flag is not None:
+        return _memory_size(flag)
+    return _memory_size(environment.ps_max_memory(), environment.PS_MAX_MEMORY_VAR)
 
 
 def _memory_size(text: str | None, flag: str = "--max-memory") -> int | None:

@@ -255,6 +255,15 @@ def add_launch_command(commands: Any) -> argparse.ArgumentParser:
         "least 64 MiB)",
     )
     launch.add_argument(
+        "--ps-max-memory",
+        default=None,
+        metavar="SIZE",
+        help="most memory each ps's embedding tables may take (e.g. 8GB, 512MiB); a table "
+        "that would not fit is refused when created, naming the fixes (sets "
+        "TENSORFLEET_PS_MAX_MEMORY, tensorfleet server --max-memory's default) (default: no "
+        "limit)",
+    )
+    launch.add_argument(
         "--no-live",
         action="store_true",
         help="plain prefixed lines only, even on a terminal (no live task view)",
@@ -339,6 +348,9 @@ def launch_env(
                 "update log (it is off here): unset it, or give --ps-update-log DIR"
             )
         parse_memory_size(inherited, environment.PS_UPDATE_LOG_SNAPSHOT_VAR)
+    if args.ps_max_memory is not None:
+        parse_memory_size(args.ps_max_memory, "--ps-max-memory")  # checked now
+        env[environment.PS_MAX_MEMORY_VAR] = args.ps_max_memory
     return env or None
 
 
