@@ -52,7 +52,8 @@ from tensorfleet.launch.output import Output  # noqa: E402
 from tensorfleet.launch.ports import free_port  # noqa: E402
 from tensorfleet.ps.placement import VariableSpec, plan_placement  # noqa: E402
 from tensorfleet.ps.service import ParameterService, ServiceConfig  # noqa: E402
-from tensorfleet.ps.update_log_segment import document_crc  # noqa: E402
+from tensorfleet.ps.shard_checkpoint import decode_shard  # noqa: E402
+from tensorfleet.ps.update_log_segment import checkpoint_id  # noqa: E402
 from tensorfleet.ps.update_rules import Adam  # noqa: E402
 from tensorfleet.session.checkpoints import CheckpointDirectory  # noqa: E402
 from tensorfleet.wire.service_socket import ServiceSocket  # noqa: E402
@@ -174,7 +175,13 @@ def update_log_costs(pushes: int, log_root: str | None, blocks: int = 4) -> dict
             )
             snapshots = log.snapshots
             step, documents = checkpoint["with"]
-            chain = log.find(document_crc(documents[0]))
+            state = decode_shard(documents[0])
+            chain = log.find(
+                checkpoint_id(
+                    state.shard, state.global_step, state.version, state.values, state.ema,
+                    state.optimizer,
+                )
+            )  # fmt: skip
             replayed = sum(1 for segment in chain for _ in segment.updates())
             started = time.perf_counter()
             clients["with"].restore(documents, step)  # the snapshot, then the pushes after it
