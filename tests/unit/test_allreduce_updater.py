@@ -316,3 +316,30 @@ def test_a_model_with_an_embedding_table_is_refused_naming_the_table() -> None:
     model.add_module("user", tfl.EmbeddingTable(100, 4))
     with pytest.raises(ConfigError, match=r"EmbeddingTable modules \('user'\).*'allreduce'"):
         AllReduceUpdater("127.0.0.1:1", 0, 1).wrap(model)
+
+
+def test_a_loop_that_does_not_ask_should_stop_after_a_sigterm_is_told_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In allreduce a preemption's checkpoint is agreed at should_stop(): a loop that does not
+    ask it trains on after the SIGTERM, and is told so (once); asking then leaves."""
+    import os
+    import signal
+
+    from tensorfleet.errors import Preempted
+
+    fallback = signal.signal(signal.SIGTERM, lambda *_: None)  # should the session not take it
+    try:
+        with pytest.raises(Preempted):
+            with _allreduce_session(_model()) as sess:
+                os.kill(os.getpid(), signal.SIGTERM)
+                for step in range(4):
+                    sess.step(lambda step=step: _loss(sess.model, step))
+                told = [
+                    r for r in caplog.records if "has not asked sess.should_stop()" in r.message
+                ]
+                assert len(told) == 1, caplog.text
+                sess.should_stop()  # the agreement, then the preempted worker leaves
+    finally:
+        signal.signal(signal.SIGTERM, fallback)
+    assert not dist.is_initialized()

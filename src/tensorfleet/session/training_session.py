@@ -277,6 +277,7 @@ class TrainingSession:
         """The directory of the newest checkpoint this session saved or restored."""
         self._checkpoint_requested = False
         self._rule_optimizer: RuleOptimizer | None = None
+        self._steps_unasked = 0  # steps since should_stop() last ran (the warning below)
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
             raise ConfigError("the model has no trainable parameters")
@@ -399,6 +400,7 @@ class TrainingSession:
         """Whether training should end: a hook asked, or the chief declared it over. In
         ``allreduce`` mode every worker gets the same answer (they must leave together):
         call it once per step on every worker."""
+        self._steps_unasked = 0
         if not self._closed:
             # In allreduce mode a preempted worker's checkpoint is collective: asked for here.
             preempted = self._preemption.received.is_set() and self._updater.collective
@@ -462,8 +464,18 @@ class TrainingSession:
         self._timeline.add("step", started_ns, time.perf_counter_ns(), step=result.global_step)
         for hook in self.hooks:
             hook.after_step(self, result)
-        if self._preemption.received.is_set() and not self._updater.collective:
-            self._leave_preempted()
+        if self._preemption.received.is_set():
+            if not self._updater.collective:
+                self._leave_preempted()
+            self._steps_unasked += 1
+            if self._steps_unasked == 2:  # a preemption's checkpoint waits for should_stop()
+                log.warning(
+                    "%s: SIGTERM received, and the loop has not asked sess.should_stop() for 2 "
+                    "steps: in mode %r the checkpoint of a preemption is agreed there, by every "
+                    "worker at the same step; call it once per step",
+                    self.task_name,
+                    self.mode,
+                )
         return result
 
     def _leave_preempted(self, saved_in: Path | None = None) -> None:
