@@ -39,7 +39,10 @@ def leave_preempted(session: TrainingSession, saved_in: Path | None = None) -> N
     and :class:`Preempted` ends the process with status 143 so that it is restarted."""
     collective = session._updater.collective
     if not collective and session.is_chief and session.checkpoints is not None:
-        saved_in = session._save()
+        if session._saved_step == session.global_step:  # e.g. the one a preempted ps asked
+            saved_in = session.last_checkpoint  # for: that ps may have ended after it
+        else:
+            saved_in = session._save()
     saved = "" if saved_in is None else f"; checkpoint saved in {saved_in}"
     log.warning(
         "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 (a preemption)",

@@ -38,11 +38,11 @@ torchrun and ``tensorfleet launch`` signal a task's group): a ``DataLoader``'s w
 at once (torch makes them exit on a SIGTERM from anyone but their parent), and torch's
 SIGCHLD handler in the training process raises ``RuntimeError: DataLoader worker ... is
 killed by signal: Terminated`` wherever the main thread is, e.g. inside the step whose push
-is in flight. After the notice that handler's errors are logged instead
-(:func:`keep_child_deaths_out_of_the_step`), so the step in progress completes; the
-``DataLoader`` reports its dead workers again at its next batch, in the training loop, and
-the session takes an error that ends its ``with`` block after the notice for the preemption
-it follows (the chief's checkpoint, status 143), not for a failure that ends training.
+is in flight. After the notice that handler's errors are logged during a step and raised at
+its end, once its exchange is complete, and raised at once outside a step (the loop waiting
+for its next batch) (:func:`keep_child_deaths_out_of_the_step`); the session takes an error
+that ends its ``with`` block after the notice for the preemption it follows (the chief's
+checkpoint, status 143), not for a failure that ends training.
 
 The handler is only installed from the main thread (Python delivers signals there); a
 session or server driven from another thread keeps the process's own SIGTERM handling.
@@ -68,9 +68,18 @@ class PreemptionNotice:
     a second SIGTERM ends it with the default action. The previous handler is restored on
     exit. Outside the main thread it installs nothing (:attr:`installed` False)."""
 
-    def __init__(self, on_notice: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_notice: Callable[[], None] | None = None,
+        busy: Callable[[], bool] | None = None,
+    ) -> None:
         self.received = threading.Event()
         """Set by the first SIGTERM."""
+        self.busy = busy
+        """Whether the session is inside a step (or its should_stop()) now: a child's death
+        is raised at once outside, logged and kept for the step's end inside."""
+        self.deferred: list[Exception] = []
+        """Errors of the SIGCHLD handler logged during a step since the notice."""
         self._on_notice = on_notice
         self._previous: Any = None
         self._previous_sigchld: Any = None
@@ -103,29 +112,40 @@ class PreemptionNotice:
             return
         self.received.set()
         mark_preempted()  # the waits below the session stop waiting (the client's recovery)
-        self._previous_sigchld = keep_child_deaths_out_of_the_step()
+        self._previous_sigchld = keep_child_deaths_out_of_the_step(self.busy, self.deferred)
         if self._on_notice is not None:
             self._on_notice()
 
 
-def keep_child_deaths_out_of_the_step() -> Any:
+def keep_child_deaths_out_of_the_step(
+    busy: Callable[[], bool] | None = None, deferred: list[Exception] | None = None
+) -> Any:
     """Wrap the process's SIGCHLD handler, when it is a Python one (torch's ``DataLoader``
-    installs one that raises when a worker dies), so that its errors are logged instead of
-    raised wherever the main thread is (see the module). Returns the handler it wrapped
-    (None: none was), for :class:`PreemptionNotice` to put back."""
+    installs one that raises when a worker dies), so that its errors are not raised inside a
+    step (``busy()`` true: None counts as always): there they are logged and kept in
+    ``deferred`` for the step's end; outside, as in the loop's wait for its next batch, they
+    are raised at once, as before (a DataLoader would notice its dead workers only at its
+    next poll, 5 s later: a ps waiting for the chief's checkpoint may have given up by
+    then). Returns the handler it wrapped (None: none was), for :class:`PreemptionNotice`
+    to put back."""
     previous = signal.getsignal(signal.SIGCHLD)
     if not callable(previous):
         return None
 
     def logged(signum: int, frame: FrameType | None) -> None:
+        if busy is not None and not busy():
+            previous(signum, frame)
+            return
         try:
             previous(signum, frame)
-        except Exception as exc:  # noqa: BLE001 - logged; the DataLoader raises it again
+        except Exception as exc:  # noqa: BLE001 - logged, kept, raised at the step's end
             log.warning(
                 "after the SIGTERM: %s (a child process ended by the same signal); the step "
                 "in progress completes first",
                 exc,
             )
+            if deferred is not None:
+                deferred.append(exc)
 
     signal.signal(signal.SIGCHLD, logged)
     return previous

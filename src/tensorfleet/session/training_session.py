@@ -278,6 +278,7 @@ class TrainingSession:
         self._checkpoint_requested = False
         self._rule_optimizer: RuleOptimizer | None = None
         self._steps_unasked = 0  # steps since should_stop() last ran (the warning below)
+        self._saved_step: int | None = None  # the global step of the last checkpoint saved
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
             raise ConfigError("the model has no trainable parameters")
@@ -308,7 +309,8 @@ class TrainingSession:
         self._started = False
         self._closed = False
         self._released = False
-        self._preemption = PreemptionNotice()
+        self._busy = False  # inside step() or should_stop(): see session/preemption.py
+        self._preemption = PreemptionNotice(busy=lambda: self._busy)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -402,15 +404,23 @@ class TrainingSession:
         call it once per step on every worker."""
         self._steps_unasked = 0
         if not self._closed:
-            # In allreduce mode a preempted worker's checkpoint is collective: asked for here.
-            preempted = self._preemption.received.is_set() and self._updater.collective
-            self._stop_requested, checkpoint = self._updater.agree(
-                self._stop_requested, self._checkpoint_requested or preempted
-            )
-            saved = self._save() if checkpoint else None
-            if preempted:
-                self._leave_preempted(saved)
+            self._busy = True
+            try:
+                self._agree_whether_to_stop()
+            finally:
+                self._busy = False
         return self._stop_requested
+
+    def _agree_whether_to_stop(self) -> None:
+        """should_stop()'s agreement (collective in allreduce), and a preemption's exit."""
+        # In allreduce mode a preempted worker's checkpoint is collective: asked for here.
+        preempted = self._preemption.received.is_set() and self._updater.collective
+        self._stop_requested, checkpoint = self._updater.agree(
+            self._stop_requested, self._checkpoint_requested or preempted
+        )
+        saved = self._save() if checkpoint else None
+        if preempted:
+            self._leave_preempted(saved)
 
     def request_stop(self) -> None:
         """Ask the loop to end after the current step."""
@@ -420,6 +430,16 @@ class TrainingSession:
         """One training step: ``closure()`` computes the loss (or ``(loss, aux)``) on the
         current parameters, then the gradients are exchanged and the update applied as the
         mode says, and the updated parameters are in the model."""
+        self._busy = True
+        try:
+            result = self._step(closure)
+        finally:
+            self._busy = False
+        if self._preemption.deferred:  # a child died of the SIGTERM during it: raised now
+            raise self._preemption.deferred.pop(0)
+        return result
+
+    def _step(self, closure: StepClosure) -> StepResult:
         require_open("step()", started=self._started, closed=self._closed)
         started_ns = time.perf_counter_ns()
         for hook in self.hooks:
@@ -538,6 +558,7 @@ class TrainingSession:
         # The shards' global step as saved: newer than this worker's last reply in async
         # mode, when other workers pushed since (a preempted chief's line names this one).
         self._global_step = max(self._global_step, saved.global_step)
+        self._saved_step = saved.global_step
         log.info(
             "%s: checkpoint of global step %d saved in %s", self.task_name, saved.global_step, path
         )
