@@ -21,7 +21,7 @@ _EXPORTS = {
     "ClusterSpec": "tensorfleet.cluster.spec",
     "TaskId": "tensorfleet.cluster.spec",
     "DeviceSpec": "tensorfleet.cluster.device",
-    "ResolvedTask": "tensorfleet.cluster.resolver",
+    "ResolvedTask": "tensorfleet.cluster.resolved_task",
     "resolve_task": "tensorfleet.cluster.resolver",
     "AuthenticationError": "tensorfleet.errors",
     "ConfigError": "tensorfleet.errors",
@@ -107,7 +107,8 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 if TYPE_CHECKING:
     from tensorfleet import optim
     from tensorfleet.cluster.device import DeviceSpec
-    from tensorfleet.cluster.resolver import ResolvedTask, resolve_task
+    from tensorfleet.cluster.resolved_task import ResolvedTask
+    from tensorfleet.cluster.resolver import resolve_task
     from tensorfleet.cluster.resources import TaskResources, plan_resources
     from tensorfleet.cluster.spec import ClusterSpec, TaskId
     from tensorfleet.errors import (

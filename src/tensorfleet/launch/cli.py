@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tensorfleet import environment
-from tensorfleet.cluster.resolver import ResolvedTask
+from tensorfleet.cluster.resolved_task import ResolvedTask
 from tensorfleet.errors import ConfigError, Preempted, TensorfleetError
 from tensorfleet.launch.launch_command import add_launch_command
 from tensorfleet.launch.renderers import kubernetes, slurm
