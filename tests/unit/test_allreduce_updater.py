@@ -153,8 +153,9 @@ def test_agreement_in_a_world_of_one_is_the_local_wish(wish: bool) -> None:
     updater = _updater()
     try:
         updater.connect()
-        assert updater.agree(wish) == (wish, False)
-        assert updater.agree(wish, checkpoint=True) == (wish, True)
+        assert updater.agree(wish) == (wish, False, False)
+        assert updater.agree(wish, checkpoint=True) == (wish, True, False)
+        assert updater.agree(wish, preempted=True) == (wish, False, True)
     finally:
         updater.close()
 

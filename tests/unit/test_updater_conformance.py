@@ -222,8 +222,8 @@ def test_every_updater_lives_the_same_life(kind: str) -> None:
             assert skipped.global_step == 1
             assert all(torch.equal(v, after_one[n]) for n, v in _values(model).items())
 
-            assert updater.agree(False, False) == (False, False)
-            assert updater.agree(True, True) == (True, True)  # a world of one agrees with itself
+            assert updater.agree(False, False) == (False, False, False)
+            assert updater.agree(True, True, True) == (True, True, True)  # a world of one agrees
 
             saved = updater.save(DATA)
             assert saved is not None and saved.global_step == 1 and len(saved.documents) == 1

@@ -29,6 +29,7 @@ from tensorfleet.parallel.errors import ParallelConfigError
 from tensorfleet.parallel.local_pipeline import LocalPipeline, PipelinedModule
 from tensorfleet.parallel.replicas import InGraphReplicas, ReplicatedModule
 from tensorfleet.parallel.stages import split_stages
+from tensorfleet.worker.progress import Agreement
 from tensorfleet.worker.timeline import NO_TIMELINE, Timeline
 
 
@@ -61,8 +62,8 @@ class _Decorator:
     def skip(self, step: int) -> Any:
         return self.inner.skip(step)
 
-    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
-        return self.inner.agree(stop, checkpoint)
+    def agree(self, stop: bool, checkpoint: bool = False, preempted: bool = False) -> Agreement:
+        return self.inner.agree(stop, checkpoint, preempted)
 
     def save(self, data: Any = None, tables_since: Any = None) -> Any:
         return self.inner.save(data, tables_since)

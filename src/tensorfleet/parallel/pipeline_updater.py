@@ -35,6 +35,7 @@ from tensorfleet.parallel.remote_pipeline import (
 )
 from tensorfleet.parallel.stage_exchange import StageControl
 from tensorfleet.parallel.stages import stage_boundaries
+from tensorfleet.worker.progress import Agreement
 
 WORKER_JOB = "worker"
 
@@ -167,8 +168,8 @@ class PipelineLeaderUpdater:
         self._require().send_values(_control(progress))
         return progress
 
-    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
-        return self.inner.agree(stop, checkpoint)
+    def agree(self, stop: bool, checkpoint: bool = False, preempted: bool = False) -> Agreement:
+        return self.inner.agree(stop, checkpoint, preempted)
 
     def save(self, data: Any = None, tables_since: Any = None) -> Any:
         return self.inner.save(data, tables_since)

@@ -33,10 +33,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("tensorfleet.session")
 
 
-def leave_preempted(session: TrainingSession, saved_in: Path | None = None) -> NoReturn:
+def leave_preempted(
+    session: TrainingSession, saved_in: Path | None = None, by_another_worker: bool = False
+) -> NoReturn:
     """The chief saves a checkpoint (in a collective mode every worker took part in it
     already: the chief's directory is ``saved_in``), the shards are told this worker left,
-    and :class:`Preempted` ends the process with status 143 so that it is restarted."""
+    and :class:`Preempted` ends the process with status 143 so that it is restarted.
+    ``by_another_worker``: in a collective mode this worker got no SIGTERM (before the
+    agreement) and leaves because another did: the group restarts together."""
     collective = session._updater.collective
     if not collective and session.is_chief and session.checkpoints is not None:
         if session._saved_step == session.global_step:  # e.g. the one a preempted ps asked
@@ -44,12 +48,21 @@ def leave_preempted(session: TrainingSession, saved_in: Path | None = None) -> N
         else:
             saved_in = session._save()
     saved = "" if saved_in is None else f"; checkpoint saved in {saved_in}"
-    log.warning(
-        "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 (a preemption)",
-        session.task_name,
-        session.global_step,
-        saved,
-    )
+    if not by_another_worker:
+        log.warning(
+            "%s: preempted (SIGTERM) at global step %d%s; exiting with status 143 (a preemption)",
+            session.task_name,
+            session.global_step,
+            saved,
+        )
+    else:  # allreduce: another worker was preempted, and the group restarts together
+        log.warning(
+            "%s: another worker was preempted (SIGTERM): leaving with the group at global "
+            "step %d%s; exiting with status 143 so that the group restarts from there",
+            session.task_name,
+            session.global_step,
+            saved,
+        )
     session._closed = True
     try:
         session._updater.leave()
@@ -80,7 +93,7 @@ def leave_after_the_error(session: TrainingSession) -> NoReturn:
     """:func:`leave_preempted`, after the collective checkpoint where the mode has one."""
     saved_in = None
     if session._updater.collective:
-        session._stop_requested, _ = session._updater.agree(True, True)
+        session._updater.agree(True, True, preempted=True)  # the others leave with it
         saved_in = session._save()
     leave_preempted(session, saved_in)
 

@@ -13,7 +13,8 @@ restart will come:
 
 * a **worker** finishes the step it is in (its push is applied, nothing is half sent); the
   **chief** then writes a checkpoint (in ``allreduce`` mode a collective one, at the next
-  ``should_stop()``, with every worker); the worker tells the ps shards it *left* (it counts as
+  ``should_stop()``, with every worker, and every worker leaves after it: the group restarts
+  together); the worker tells the ps shards it *left* (it counts as
   lost at once: sync steps stop waiting for it, and its restarted process takes over its
   identity at once), leaves the marker ``task_markers.LEFT`` for a launcher that supervises it
   (the launcher then hands its identity to the restart, a warm spare, without waiting for this

@@ -413,14 +413,14 @@ class TrainingSession:
 
     def _agree_whether_to_stop(self) -> None:
         """should_stop()'s agreement (collective in allreduce), and a preemption's exit."""
-        # In allreduce mode a preempted worker's checkpoint is collective: asked for here.
+        # In allreduce mode a preempted worker's checkpoint is collective: asked for here,
+        # and every worker leaves after it (the group restarts together).
         preempted = self._preemption.received.is_set() and self._updater.collective
-        self._stop_requested, checkpoint = self._updater.agree(
-            self._stop_requested, self._checkpoint_requested or preempted
-        )
-        saved = self._save() if checkpoint else None
-        if preempted:
-            self._leave_preempted(saved)
+        agreed = self._updater.agree(self._stop_requested, self._checkpoint_requested, preempted)
+        self._stop_requested = agreed.stop
+        saved = self._save() if agreed.checkpoint or agreed.preempted else None
+        if agreed.preempted:
+            leave_preempted(self, saved, by_another_worker=not preempted)
 
     def request_stop(self) -> None:
         """Ask the loop to end after the current step."""
@@ -486,7 +486,7 @@ class TrainingSession:
             hook.after_step(self, result)
         if self._preemption.received.is_set():
             if not self._updater.collective:
-                self._leave_preempted()
+                leave_preempted(self)
             self._steps_unasked += 1
             if self._steps_unasked == 2:  # a preemption's checkpoint waits for should_stop()
                 log.warning(
@@ -497,10 +497,6 @@ class TrainingSession:
                     self.mode,
                 )
         return result
-
-    def _leave_preempted(self, saved_in: Path | None = None) -> None:
-        """After a SIGTERM: see :mod:`~tensorfleet.session.preempted_exit`."""
-        leave_preempted(self, saved_in)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ from tensorfleet.worker.host_allreduce import (
     encode_host,
 )
 from tensorfleet.worker.moving_average import MovingAverage
-from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.progress import Agreement, Progress
 from tensorfleet.worker.replica_state import (
     check_buffers,
     decode_replica,
@@ -316,13 +316,14 @@ class AllReduceUpdater:
         zero_gradients(self._named_params)
         return self.pull()
 
-    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
-        """Whether any worker wants to stop, and whether any wants a checkpoint now: every
-        worker must leave the loop (and take part in a checkpoint) at the same step, or the
-        others would wait in the next collective. One all-reduce of two flags per step."""
-        flags = torch.tensor([int(stop), int(checkpoint)], dtype=torch.int32)
+    def agree(self, stop: bool, checkpoint: bool = False, preempted: bool = False) -> Agreement:
+        """Whether any worker wants to stop, whether any wants a checkpoint now, and whether
+        any was preempted: every worker must leave the loop (and take part in a checkpoint)
+        at the same step, or the others would wait in the next collective. One all-reduce of
+        three flags per step."""
+        flags = torch.tensor([int(stop), int(checkpoint), int(preempted)], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
+        return Agreement(bool(flags[0]), bool(flags[1]), bool(flags[2]))
 
     # -- checkpoints (collective: every worker calls these at the same step) -------------------
 

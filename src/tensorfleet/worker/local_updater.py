@@ -30,7 +30,7 @@ from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
 from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.moving_average import MovingAverage
-from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.progress import Agreement, Progress
 from tensorfleet.worker.replica_state import (
     check_buffers,
     decode_replica,
@@ -214,8 +214,8 @@ class LocalUpdater:
             self.tables.discard()
         return Progress(self._global_step, stop=False, made_step=False, dropped=True)
 
-    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
-        return stop, checkpoint
+    def agree(self, stop: bool, checkpoint: bool = False, preempted: bool = False) -> Agreement:
+        return Agreement(stop, checkpoint, preempted)
 
     def save(
         self, data: DataPosition | None = None, tables_since: Sequence[dict] | None = None

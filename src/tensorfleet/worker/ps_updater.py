@@ -43,7 +43,7 @@ from tensorfleet.worker.mirrored_embeddings import (
     find_sparse_embeddings,
     mirror_weight,
 )
-from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.progress import Agreement, Progress
 from tensorfleet.worker.ps_row_source import PsRowSource
 from tensorfleet.worker.push_overlap import Overlap, automatic_overlap, kept_prefetch
 from tensorfleet.worker.sparse_gradient import densify_sparse_gradients
@@ -436,8 +436,8 @@ class PsUpdater:
         self._send_held_lookups_ahead()
         return progress
 
-    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
-        return stop, checkpoint
+    def agree(self, stop: bool, checkpoint: bool = False, preempted: bool = False) -> Agreement:
+        return Agreement(stop, checkpoint, preempted)
 
     def save(
         self, data: DataPosition | None = None, tables_since: Sequence[dict] | None = None

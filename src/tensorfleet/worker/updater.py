@@ -34,7 +34,7 @@ from torch import nn
 from tensorfleet.errors import UsageError
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
-from tensorfleet.worker.progress import Progress
+from tensorfleet.worker.progress import Agreement, Progress
 
 NamedParams = Sequence[tuple[str, torch.Tensor]]
 """The model's trainable parameters, by name (``model.named_parameters()`` order)."""
@@ -177,9 +177,10 @@ class Updater(Protocol):
         part in each step still takes part (with zero gradients)."""
         ...
 
-    def agree(self, stop: bool, checkpoint: bool = False) -> tuple[bool, bool]:
-        """*Collective* where :attr:`collective`: whether any worker wants to stop and
-        whether any wants a checkpoint now. Elsewhere returns its arguments."""
+    def agree(self, stop: bool, checkpoint: bool = False, preempted: bool = False) -> Agreement:
+        """*Collective* where :attr:`collective`: whether any worker wants to stop, whether
+        any wants a checkpoint now, and whether any was preempted. Elsewhere returns its
+        arguments."""
         ...
 
     def save(
