@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -109,6 +110,36 @@ def test_a_payload_nobody_waits_for_is_skipped_and_the_next_one_read(service: Se
         assert bytes(receiver.receive(4, [10], deadline)[0]) == wanted[0]
     finally:
         sender.close()
+        receiver.close()
+
+
+def test_a_lingering_close_lets_the_queued_payloads_leave_whole(service: Service) -> None:
+    # A ps that ends right after its reply to the chief's save: the reply's payload, larger
+    # than the socket buffers, is still leaving when the close begins.
+    sender, receiver = connected(service)
+    try:
+        payload = [os.urandom(16 * 1024 * 1024)]
+        done = sent(sender, 5, payload)
+        closing = threading.Thread(target=sender.close, args=(TIMEOUT_S,))
+        closing.start()
+        got = receiver.receive(5, [len(payload[0])], time.monotonic() + TIMEOUT_S)
+        closing.join(TIMEOUT_S)
+        assert not closing.is_alive()
+        assert bytes(got[0]) == payload[0] and done.get(timeout=TIMEOUT_S) is True
+    finally:
+        sender.close(0)
+        receiver.close()
+
+
+def test_a_close_without_linger_cuts_a_payload_nobody_reads(service: Service) -> None:
+    sender, receiver = connected(service)
+    try:
+        done = sent(sender, 5, [os.urandom(16 * 1024 * 1024)])
+        started = time.monotonic()
+        sender.close(0)
+        assert done.get(timeout=TIMEOUT_S) is False  # told it did not leave
+        assert time.monotonic() - started < TIMEOUT_S
+    finally:
         receiver.close()
 
 

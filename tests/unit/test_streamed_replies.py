@@ -178,3 +178,40 @@ def test_a_stream_cut_mid_payload_fails_that_request_and_the_next_hello_reopens_
     assert channel.stream.open
     large = os.urandom(LARGE)
     assert bytes(channel.call("echo", {}, [large], timeout_s=TIMEOUT_S).buffers[0]) == large
+
+
+class EndingService(EchoService):
+    """Answers one request, then ends at once, as a preempted ps does after its reply to the
+    chief's ``save``: the reply's payload is still leaving on the stream."""
+
+    def _serve(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.socket.poll(0.05) and (request := self.socket.receive()) is not None:
+                    self.socket.reply(request, {"op": request.op}, list(request.buffers))
+                    if request.op == "last":
+                        self.socket.close(linger_s=TIMEOUT_S)
+                        return
+        except BaseException as exc:  # surfaced by close()
+            self.failure = exc
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(TIMEOUT_S)
+        assert self.failure is None, self.failure
+
+
+def test_a_service_that_ends_right_after_its_reply_lets_the_payload_leave_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TENSORFLEET_PAYLOAD_STREAM", "1")
+    service = EndingService(payload_stream=True)
+    channel = Channel(service.address, SECRET, "ps:0", shared_memory=False)
+    try:
+        channel.call("hello", {}, timeout_s=TIMEOUT_S)
+        large = os.urandom(64 * 1024 * 1024)  # far more than the sockets' buffers hold
+        reply = channel.call("last", {}, [large], timeout_s=TIMEOUT_S)
+        assert bytes(reply.buffers[0]) == large and channel.stream.payloads == 1
+    finally:
+        channel.close()
+        service.close()

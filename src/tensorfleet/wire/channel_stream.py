@@ -156,7 +156,7 @@ class ChannelStream:
 
     def close(self) -> None:
         if self._sender is not None:
-            self._sender.close(wait=False)
+            self._sender.close(linger_s=0)
             self._sender = None
         if self._receiver is not None:
             self._receiver.close()

@@ -358,20 +358,28 @@ class PayloadSender:
             self._conn.sendall(header, socket.MSG_MORE)
             self._conn.sendall(chunk)
 
-    def close(self, wait: bool = True) -> None:
-        """Stop after the payloads queued so far (each still told whether it was sent);
-        ``wait`` False: without waiting for them (the connection is shut down at once, so
-        the thread ends within a chunk, telling the rest they were not sent)."""
-        self._closed = True
-        self._queue.put(None)
-        if not wait:
+    def stop_after_queued(self) -> None:
+        """Take no more payloads; the thread ends once those queued so far have left (each
+        still told whether it was sent). Returns at once: :meth:`close` waits."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+
+    def close(self, linger_s: float = SEND_TIMEOUT_S + 5) -> None:
+        """Stop after the payloads queued so far, giving them up to ``linger_s`` to leave;
+        past it (at once with 0) the connection is shut down, so the thread ends within a
+        chunk, telling the rest they were not sent."""
+        self.stop_after_queued()
+        if self._thread.ident is None:  # never started: nothing was sent
+            self._conn.close()
+            return
+        if linger_s > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=linger_s)
+        if self._thread.is_alive():
             try:
                 self._conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed or reset: the thread sees that too
-            return
-        self._thread.join(timeout=SEND_TIMEOUT_S + 5)
-        self._conn.close()
 
 
 def _shut_down(conn: socket.socket) -> None:

@@ -568,11 +568,15 @@ class ServiceSocket:
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket and its context, first giving queued replies up to ``linger_s``
-        to leave (the last ``done`` must reach the last worker)."""
+        to leave (the last ``done`` must reach the last worker), their streamed payloads
+        too (a preempted ps ends right after its reply to the chief's ``save``)."""
+        deadline = time.monotonic() + linger_s
+        if self.streams is not None:
+            self.streams.stop_after_queued()  # they leave meanwhile, on their own threads
         self._socket.close(linger=int(linger_s * 1000))
         self._context.term()
         if self._peer_segments is not None:
             self._peer_segments.close()
         if self.streams is not None:
-            self.streams.close()
+            self.streams.close(max(0.0, deadline - time.monotonic()))
         self._held.close()

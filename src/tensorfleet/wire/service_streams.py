@@ -138,8 +138,10 @@ class ClientStream:
     sender: PayloadSender
     collector: PayloadCollector
 
-    def close(self) -> None:
-        self.sender.close(wait=False)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close both directions, the replies' payloads queued so far given up to
+        ``linger_s`` to leave."""
+        self.sender.close(linger_s)
         self.collector.close()
 
 
@@ -251,9 +253,22 @@ class ServiceStreams:
         deadline = time.monotonic() + min(seconds, READ_TIMEOUT_S)
         raise PayloadPending(collector.expect(counter, sizes, deadline))
 
-    def close(self) -> None:
+    def stop_after_queued(self) -> None:
+        """Every stream takes no more reply payloads and sends those queued (on their own
+        threads, in parallel): the first half of a :meth:`close` that lingers."""
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.sender.stop_after_queued()
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the listener and every stream, giving the reply payloads queued so far up
+        to ``linger_s`` in all to leave (the last reply of a ps that ends, a preempted
+        one's answer to the chief's ``save``, must reach its client whole)."""
         self.listener.close()
+        self.stop_after_queued()
         with self._lock:
             streams, self._streams = list(self._streams.values()), OrderedDict()
+        deadline = time.monotonic() + linger_s
         for stream in streams:
-            stream.close()
+            stream.close(max(0.0, deadline - time.monotonic()))
