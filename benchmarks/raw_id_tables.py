@@ -16,7 +16,13 @@ over ``--repeats`` rounds (medians; ratios within a round):
 * ``raw_expiry``: the same with ``expire_after_steps`` (every update scans the map's
   ``last_seen`` for ids to evict; none is old enough: the scan's cost alone);
 * ``raw_new_ids``: every step's ids are new (``admit_after=0``): each lookup merges
-  ``batch`` ids into the map and creates their rows (the admission path's cost).
+  ``batch`` ids into the map and creates their rows (the admission path's cost);
+* ``raw_long_tail`` and ``raw_long_tail_filter``: ``admit_after=2``, the ``known`` ids
+  admitted; every step's batch is half known ids and half new ids seen once (a click log's
+  long tail), counted toward admission exactly (each update merges them into the map, which
+  grows by ``batch / 2`` a step) or in an admission filter sized for ``2 * known`` ids at
+  1 % (``tfl.AdmissionFilter``: the map holds only ids with rows). The results also give
+  both stores' bytes after the steps.
 
     .venv/bin/python benchmarks/raw_id_tables.py [--known 1000000] [--batch 4096]
 
@@ -39,6 +45,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 import torch  # noqa: E402
 from results_writer import add_out_dir_option, write_results  # noqa: E402
 
+from tensorfleet.ps.admission_filter import AdmissionFilter  # noqa: E402
 from tensorfleet.ps.id_hashing import hash_int_ids  # noqa: E402
 from tensorfleet.ps.raw_id_rows import RawIdRowStore  # noqa: E402
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec  # noqa: E402
@@ -51,11 +58,26 @@ RULE = SparseRowRule("adagrad", {"lr": 0.1})
 CHUNK = 65_536
 
 
-def _spec(name: str, rows: int, raw: bool, expire: int | None = None) -> TableSpec:
+def _spec(
+    name: str,
+    rows: int,
+    raw: bool,
+    expire: int | None = None,
+    admit_after: int = 0,
+    admission_filter: AdmissionFilter | None = None,
+) -> TableSpec:
     from tensorfleet.ps.row_initializer import RowInitializer
 
     return TableSpec(
-        name, rows, DIM, "float32", RowInitializer("zeros"), raw_ids=raw, expire_after_steps=expire
+        name,
+        rows,
+        DIM,
+        "float32",
+        RowInitializer("zeros"),
+        raw_ids=raw,
+        expire_after_steps=expire,
+        admit_after=admit_after,
+        admission_filter=admission_filter,
     )
 
 
@@ -73,6 +95,21 @@ def _filled_raw(ids: torch.Tensor, expire: int | None) -> RawIdRowStore:
     )
     for start in range(0, known, CHUNK):
         store.pull(ids[start : start + CHUNK])
+    return store
+
+
+def _admitted_after_two(
+    ids: torch.Tensor, admission_filter: AdmissionFilter | None
+) -> RawIdRowStore:
+    """A store of ``admit_after=2`` holding a row for each of ``ids`` (two updates each)."""
+    known = ids.numel()
+    spec = _spec("tail", 2 * known, True, admit_after=2, admission_filter=admission_filter)
+    store = RawIdRowStore(spec, RowPartition(2 * known, 1, HASH), 0, RULE)
+    for start in range(0, known, CHUNK):
+        chunk = torch.sort(ids[start : start + CHUNK]).values
+        zeros = torch.zeros((chunk.numel(), DIM))
+        for _ in range(2):
+            store.apply(SparseRows(chunk, zeros))
     return store
 
 
@@ -127,6 +164,23 @@ def one_round(known: int, batch: int, steps: int, seed: int) -> dict[str, float]
         fresh.apply(SparseRows(ids, grad[: ids.numel()]))
 
     results["raw_new_ids"] = _timed(steps, new_ids_step)
+    tail_ids = torch.randint(-(2**63), 2**63 - 1, ((steps + 3) * batch,), generator=generator)
+    half = batch // 2
+
+    def long_tail_step_of(store: RawIdRowStore) -> Callable[[int], None]:
+        def step(k: int) -> None:
+            seen = raw_ids[batches[k][:half]]
+            ids = torch.unique(torch.cat([seen, tail_ids[k * half : (k + 1) * half]]))
+            store.pull(ids)
+            store.apply(SparseRows(ids, grad[: ids.numel()]))
+
+        return step
+
+    sized = AdmissionFilter(2 * known, 0.01)
+    for name, given in (("raw_long_tail", None), ("raw_long_tail_filter", sized)):
+        store = _admitted_after_two(raw_ids, given)
+        results[name] = _timed(steps, long_tail_step_of(store))
+        results[f"{name}_bytes"] = float(store.nbytes)
     return results
 
 
@@ -142,7 +196,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rounds = [one_round(args.known, args.batch, args.steps, seed) for seed in range(args.repeats)]
-    runs = list(rounds[0])
+    runs = [name for name in rounds[0] if not name.endswith("_bytes")]
+    held = {
+        name: statistics.median(r[name] for r in rounds)
+        for name in rounds[0]
+        if name.endswith("_bytes")
+    }
     medians = {name: statistics.median(r[name] for r in rounds) for name in runs}
     ratios = {
         f"{name}_vs_hashed_step_time": statistics.median(r[name] / r["hashed"] for r in rounds)
@@ -157,6 +216,7 @@ def main() -> int:
         "steps": args.steps,
         "repeats": args.repeats,
         "step_ms_median": medians,
+        "store_bytes_after": held,
         "rounds": rounds,
         **ratios,
     }
@@ -171,6 +231,12 @@ def main() -> int:
         f"One ps shard holding {args.known:,} ids x {DIM} float32, Adagrad, {args.batch:,} "
         f"unique ids per step (lookup + update), {args.repeats} interleaved rounds, 1 thread"
     )
+    table += [
+        "",
+        "| long-tail store | bytes after the steps |",
+        "|---|---|",
+        *(f"| {name.removesuffix('_bytes')} | {value:,.0f} |" for name, value in held.items()),
+    ]
     write_results("raw_id_tables", result, heading, table)
     return 0
 

@@ -75,6 +75,7 @@ _EXPORTS = {
     "EmbeddingTable": "tensorfleet.worker.embedding_table",
     "LocalRowSource": "tensorfleet.worker.local_row_source",
     "RowInitializer": "tensorfleet.ps.row_initializer",
+    "AdmissionFilter": "tensorfleet.ps.admission_filter",
     "CpuSyncBatchNorm": "tensorfleet.worker.sync_batch_norm",
     "convert_sync_batchnorm": "tensorfleet.worker.sync_batch_norm",
     "UnsynchronizedBatchNormWarning": "tensorfleet.worker.sync_batch_norm",
@@ -146,6 +147,7 @@ if TYPE_CHECKING:
     from tensorfleet.parallel.remote_pipeline import RemotePipelineStage, join_process_group
     from tensorfleet.parallel.replicas import InGraphReplicas
     from tensorfleet.parallel.stages import split_stages
+    from tensorfleet.ps.admission_filter import AdmissionFilter
     from tensorfleet.ps.placement import PlacementPlan, plan_placement
     from tensorfleet.ps.row_initializer import RowInitializer
     from tensorfleet.ps.sparse_rows import SparseGradientError

@@ -243,6 +243,10 @@ def test_one_process_log_placement_shows_local_rows(capsys) -> None:
         ("### In one process", "embedding SparseRowRule(name='sgd', hyperparameters={'lr': 0.1})"),
         ("### Reading a table's rows from a checkpoint", "[5, 9] [2, 8]"),
         ("#### Creating every row ahead: `EmbeddingTable.create_all_rows()`", "1000 rows created"),
+        (
+            "#### Admission in a fixed amount of memory: `admission_filter=tfl.AdmissionFilter(...)`",
+            "2 0\n(4792530, 7)",
+        ),
     ],
 )
 def test_the_documented_one_process_examples_run(capsys, heading: str, printed: str) -> None:

@@ -65,7 +65,9 @@ def _batch(step: int, worker: int) -> torch.Tensor:
     return torch.cat([frequent, rare, once])
 
 
-def _table(name: str = "users") -> EmbeddingTable:
+def _table(
+    name: str = "users", admission_filter: tfl.AdmissionFilter | None = None
+) -> EmbeddingTable:
     return EmbeddingTable(
         CAPACITY,
         DIM,
@@ -75,13 +77,18 @@ def _table(name: str = "users") -> EmbeddingTable:
         expire_after_steps=EXPIRE,
         initializer=tfl.RowInitializer("normal", 1.0, seed=4),
         rule=RULE,
+        admission_filter=admission_filter,
     )
 
 
+#: A filter small enough that ids share counters (some are admitted early).
+SMALL_FILTER = tfl.AdmissionFilter(expected_ids=8, false_positive_rate=0.2)
+
+
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, admission_filter: tfl.AdmissionFilter | None = None) -> None:
         super().__init__()
-        self.users = _table()
+        self.users = _table(admission_filter=admission_filter)
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -306,9 +313,10 @@ def _in_threads(calls: list[Callable[[], object]]) -> None:
         raise errors[0]
 
 
+@pytest.mark.parametrize("admission_filter", [None, SMALL_FILTER], ids=["exact", "filter"])
 @pytest.mark.parametrize("mode", ["sync", "async", "max_staleness"])
 def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
-    shards, mode, tmp_path, caplog
+    shards, mode, admission_filter, tmp_path, caplog
 ):
     """Two workers over two shards, ids over the whole int64 range, admit_after=2,
     expire_after_steps=3. The reference is the same table in one process (a LocalRowSource
@@ -318,13 +326,14 @@ def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
     alternating workers at once), each worker's rows in the order they were pushed. After
     every step the shards' state (ids, rows, slots, counts, last_seen, counters) equals the
     reference's bit for bit, and no two ids share a row. The final checkpoint's documents
-    restore the same state, and tfl.load_table_rows reads the rows back."""
+    restore the same state, and tfl.load_table_rows reads the rows back. The same with the
+    counts toward admission in a small admission filter (its counters compared too)."""
     workers = ("worker:0", "worker:1")
     services = shards(2, workers)
     torch.manual_seed(2)
-    models = [Net(), None]
+    models = [Net(admission_filter), None]
     models[1] = copy.deepcopy(models[0])
-    reference = _table()
+    reference = _table(admission_filter=admission_filter)
     local = LocalRowSource([reference], num_shards=2)
     updaters = [_updater(services, m, w, mode) for m, w in zip(models, workers, strict=True)]
     try:
@@ -361,12 +370,21 @@ def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
                 _assert_no_shared_rows(ps_stores[shard])
         totals = {key: sum(s.counters[key] for s in ps_stores) for key in ("admitted", "evicted")}
         assert totals["admitted"] > 6 and totals["evicted"] > 0, totals
-        assert sum(s.counters["forgotten"] for s in ps_stores) > 0  # the ids seen once
-        assert sum(s.stats()["pending"] for s in ps_stores) > 0  # rare ids still counting
+        if admission_filter is None:
+            assert sum(s.counters["forgotten"] for s in ps_stores) > 0  # the ids seen once
+            assert sum(s.stats()["pending"] for s in ps_stores) > 0  # rare ids still counting
+        else:  # the map holds only ids with rows; the counts are in the filters
+            assert all(s.stats()["pending"] == 0 for s in ps_stores)
+            assert all(int(s.filter.counters.sum()) > 0 for s in ps_stores)
         created = [r.getMessage() for r in caplog.records if "created table" in r.getMessage()]
+        counted = (
+            ""
+            if admission_filter is None
+            else ", counted in a filter sized for 8 ids at a 0.2 false positive rate"
+        )
         assert any(
-            "table 'users' of raw ids (admit after 2 updates, expire after 3 steps unseen): up "
-            "to 32 of its 64 rows live here" in line
+            f"table 'users' of raw ids (admit after 2 updates{counted}, expire after 3 steps "
+            f"unseen): up to 32 of its 64 rows live here" in line
             for line in created
         ), created
         with caplog.at_level(logging.INFO, logger="tensorfleet.ps"):

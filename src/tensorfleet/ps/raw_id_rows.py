@@ -30,6 +30,12 @@ initial value), and the next lookup reads it. Counting updates, not lookups, mak
 step of several workers (one update with the union of their rows) count an id once, as one
 process on the whole batch does: so sync training equals one process bit for bit.
 
+**Admission in a fixed amount of memory** (``admission_filter=tfl.AdmissionFilter(...)``):
+the counts toward admission live in a counting Bloom filter instead of the map
+(:mod:`tensorfleet.ps.admission_filter`), which then holds only ids with rows; an id is
+admitted by its N-th update at the latest (earlier only on a filter's false positive), and
+keeps its count when its row expires.
+
 **Expiry** (``expire_after_steps=T``). After each update, every id whose ``last_seen`` is T
 or more updates old is evicted: its row, its optimizer slots and its count, all at once (its
 next appearance starts from zero). Eviction runs inside the update, which the ps applies in
@@ -46,7 +52,8 @@ each), forgotten by expiry like rows.
 
 **Checkpoints** (:meth:`RawIdRowStore.encode`): the rows as a row store's document holds
 them (``ids`` ascending, ``values``, ``slot/<name>``) plus ``keys``, ``count`` and
-``last_seen`` (every known id, ascending) and the counters in the metadata; :meth:`decode`
+``last_seen`` (every known id, ascending), ``admission_filter`` (its counters, when the
+table has one) and the counters in the metadata; :meth:`decode`
 rebuilds exactly that state (the storage order is the ids' order, which nothing reads).
 Each id of the map is also marked with the store's ``save_clock`` when it changes, so that
 a delta checkpoint holds only the ids changed since an earlier one
@@ -63,6 +70,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from tensorfleet.errors import CheckpointError, ConfigError
+from tensorfleet.ps.admission_filter import CountingFilter
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT, RowStore, _read_metadata
 from tensorfleet.ps.save_clock import SaveClock
@@ -113,6 +121,12 @@ class RawIdRowStore(SaveClock):
         self._slots = {name: self._values.clone() for name in rule.slot_names}
         self.size = 0
         """Rows live (admitted, not evicted)."""
+        self.filter = (
+            None
+            if table.admission_filter is None
+            else CountingFilter.sized(table.admission_filter, partition.num_shards)
+        )
+        """Counts toward admission, when the table has a filter (else exact, in the map)."""
         self.counters = dict.fromkeys(_COUNTERS, 0)
         """``admitted`` and ``evicted`` rows, ``forgotten`` counts (ids evicted before their
         admission), ``dropped_rows`` (gradient rows of ids without a row), ``deferred``
@@ -175,13 +189,16 @@ class RawIdRowStore(SaveClock):
         }
         for name, slot in self._slots.items():
             state[f"slot/{name}"] = slot[: self.size][order]
+        if self.filter is not None:
+            state["admission_filter"] = self.filter.counters.clone()
         return state
 
     @property
     def nbytes(self) -> int:
         """Bytes held now: the rows' storage (capacity), slots, ids, and the map."""
         row = self.table.row_bytes * (1 + len(self._slots))
-        return self._values.shape[0] * (row + 8) + self._keys.numel() * MAP_ENTRY_BYTES
+        held = self._values.shape[0] * (row + 8) + self._keys.numel() * MAP_ENTRY_BYTES
+        return held + (0 if self.filter is None else self.filter.nbytes)
 
     @property
     def complete(self) -> bool:
@@ -232,17 +249,35 @@ class RawIdRowStore(SaveClock):
         without = ids[~has_row]
         if without.numel():
             self.counters["dropped_rows"] += int(without.numel())
-            self._insert(without[~found[~has_row]])
-            where, _ = self._find(without)
-            self._count[where] += 1
-            due = without[self._count[where] >= self.table.admit_after]
-            if due.numel():
-                self._admit(due)
-            index, _ = self._find(ids)  # the map changed
+            if self.filter is not None:
+                self._count_in_the_filter(without)
+            else:
+                self._insert(without[~found[~has_row]])
+                where, _ = self._find(without)
+                self._count[where] += 1
+                due = without[self._count[where] >= self.table.admit_after]
+                if due.numel():
+                    self._admit(due)
+            index, found = self._find(ids)  # the map changed
         if ids.numel():
+            index = index[found]  # all of them, but with a filter: those with rows
             self._seen[index] = self.step
             self._marks[index] = self._change_clock()
         self._expire()
+
+    def _count_in_the_filter(self, without: torch.Tensor) -> None:
+        """``without`` (ids without rows, none in the map) counted in the filter; those whose
+        count reached ``admit_after`` get rows, while the shard has room (the others keep
+        their count: ``deferred``)."""
+        assert self.filter is not None
+        due = without[self.filter.count(without, self.table.admit_after) >= self.table.admit_after]
+        room = self.local_rows - self.size
+        if due.numel() > room:
+            self.counters["deferred"] += int(due.numel()) - room
+            due = torch.sort(due).values[:room]
+        if due.numel():
+            self._insert(due)
+            self._admit(due)
 
     def check(self, gradient: SparseRows, *, trusted: bool = False) -> None:
         """Refuse (SparseGradientError) a gradient that does not fit: shape, dtype, ids
@@ -291,6 +326,8 @@ class RawIdRowStore(SaveClock):
         }
         for name, slot in self._slots.items():
             state[f"slot/{name}"] = slot.index_select(0, rows)
+        if self.filter is not None:  # fixed in size, changed by most updates: whole
+            state["admission_filter"] = self.filter.counters.clone()
         return state
 
     def metadata(self) -> dict:
@@ -338,6 +375,7 @@ class RawIdRowStore(SaveClock):
             )
         want = {"ids", "values", "keys", "count", "last_seen"}
         want |= {f"slot/{s}" for s in rule.slot_names}
+        want |= set() if store.filter is None else {"admission_filter"}
         if set(tensors) != want:
             raise CheckpointError(
                 f"table {name!r} shard {shard}: the document holds {sorted(tensors)}, expected "
@@ -351,7 +389,7 @@ class RawIdRowStore(SaveClock):
         rows, known = ids.numel(), keys.numel()
         if tensors["count"].numel() != known or tensors["last_seen"].numel() != known:
             raise CheckpointError(f"table {name!r}: count and last_seen must match keys")
-        for key in want - {"ids", "keys", "count", "last_seen"}:
+        for key in want - {"ids", "keys", "count", "last_seen", "admission_filter"}:
             t = tensors[key]
             if t.dtype != table.torch_dtype or tuple(t.shape) != (rows, table.dim):
                 raise CheckpointError(
@@ -384,6 +422,14 @@ class RawIdRowStore(SaveClock):
             store._slots[slot][:rows] = tensors[f"slot/{slot}"]
         store.size, store.step = rows, step
         store.counters = {k: int(counters[k]) for k in _COUNTERS}
+        if store.filter is not None:
+            counts = tensors["admission_filter"]
+            if counts.dtype != torch.uint8 or counts.shape != store.filter.counters.shape:
+                raise CheckpointError(
+                    f"table {name!r} shard {shard}: admission_filter is {counts.dtype} "
+                    f"{list(counts.shape)}, expected uint8 {list(store.filter.counters.shape)}"
+                )
+            store.filter.counters = counts.clone()
         return store
 
     # -- internals ---------------------------------------------------------------------------

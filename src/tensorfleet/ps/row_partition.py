@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tensorfleet.errors import ConfigError
+from tensorfleet.ps.admission_filter import MAX_COUNT, AdmissionFilter
 from tensorfleet.ps.id_hashing import hash_int_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 
@@ -55,6 +56,9 @@ class TableSpec:
     expire_after_steps: int | None = None
     """Raw ids: a row (or an id's count) not looked up nor updated in this many updates of
     the table is evicted (None: never)."""
+    admission_filter: AdmissionFilter | None = None
+    """Raw ids, ``admit_after`` >= 1: count toward admission in a counting Bloom filter of a
+    fixed size (:mod:`tensorfleet.ps.admission_filter`) instead of exactly, per id."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -83,11 +87,28 @@ class TableSpec:
                 f"table {self.name!r}: expire_after_steps must be an int >= 1 or None (never), "
                 f"got {expire!r}"
             )
+        if self.admission_filter is not None:
+            self._check_admission_filter()
         if not self.raw_ids and (admit != 0 or expire is not None):
             raise ConfigError(
                 f"table {self.name!r}: admit_after and expire_after_steps apply to tables of "
                 f"raw ids; fix: EmbeddingTable(..., ids='raw', admit_after={admit}, "
                 f"expire_after_steps={expire})"
+            )
+
+    def _check_admission_filter(self) -> None:
+        given, admit = self.admission_filter, self.admit_after
+        if not isinstance(given, AdmissionFilter):
+            raise ConfigError(
+                f"table {self.name!r}: admission_filter must be a tfl.AdmissionFilter or None, "
+                f"got {type(given).__name__}"
+            )
+        if not self.raw_ids or not 1 <= admit <= MAX_COUNT:
+            raise ConfigError(
+                f"table {self.name!r}: an admission filter counts raw ids toward admit_after "
+                f"1..{MAX_COUNT}; got ids={'raw' if self.raw_ids else 'rows'!r}, admit_after="
+                f"{admit}; fix: EmbeddingTable(..., ids='raw', admit_after=2, "
+                f"admission_filter=...), or leave admission_filter out"
             )
 
     @property
@@ -111,6 +132,8 @@ class TableSpec:
                 "admit_after": self.admit_after,
                 "expire_after_steps": self.expire_after_steps,
             }
+            if self.admission_filter is not None:  # only then: documents as before
+                wire["raw_ids"]["admission_filter"] = self.admission_filter.to_wire()
         return wire
 
     @classmethod
@@ -131,6 +154,9 @@ class TableSpec:
                 raw_ids=raw is not None,
                 admit_after=0 if raw is None else raw.get("admit_after", 0),
                 expire_after_steps=None if raw is None else raw.get("expire_after_steps"),
+                admission_filter=None
+                if raw is None or raw.get("admission_filter") is None
+                else AdmissionFilter.from_wire(raw["admission_filter"]),
             )
         except KeyError as exc:
             raise ConfigError(f"a table spec lacks {exc}") from None

@@ -68,10 +68,13 @@ class ShardTables:
 
     def full_bytes(self, table: TableSpec, partition: RowPartition, rule: SparseRowRule) -> int:
         """The most this shard's part of ``table`` can take (every row created; raw ids:
-        its share of the capacity, each row with its id and its entry in the id map)."""
+        its share of the capacity, each row with its id and its entry in the id map, and
+        its admission filter; ids counting toward admission exactly are not bounded)."""
         if table.raw_ids:
             per_row = table.row_bytes * (1 + len(rule.slot_names)) + 8 + MAP_ENTRY_BYTES
-            return partition.rows_on(self.shard) * per_row
+            held = table.admission_filter
+            counters = 0 if held is None else held.shape(partition.num_shards)[0]
+            return partition.rows_on(self.shard) * per_row + counters
         return table_shard_bytes(
             partition.rows_on(self.shard),
             table.row_bytes,
@@ -109,8 +112,9 @@ class ShardTables:
         spec = store.table
         if spec.raw_ids:
             return (
-                f"table {name!r} of raw ids (admit after {spec.admit_after} updates, expire "
-                f"after {spec.expire_after_steps or 'no'} steps unseen): up to "
+                f"table {name!r} of raw ids (admit after {spec.admit_after} updates"
+                f"{_counted_in(spec)}, expire after {spec.expire_after_steps or 'no'} steps "
+                f"unseen): up to "
                 f"{store.local_rows:,d} of its {spec.num_rows:,d} rows live here, up to "
                 f"{full:,d} B ({store.nbytes:,d} B held now), rule {store.rule.name}"
             )
@@ -157,3 +161,14 @@ class ShardTables:
 
     def __len__(self) -> int:
         return len(self._stores)
+
+
+def _counted_in(spec: TableSpec) -> str:
+    """Where a table of raw ids counts toward admission, for the log (empty: exactly)."""
+    if spec.admission_filter is None:
+        return ""
+    given = spec.admission_filter
+    return (
+        f", counted in a filter sized for {given.expected_ids:,d} ids at a "
+        f"{given.false_positive_rate:g} false positive rate"
+    )

@@ -20,7 +20,8 @@ changed after the document of that tag:
   things that change its count or its row): the delta holds the map entries marked after
   the tag and their rows, plus ``live_keys``, every id in the map now (8 B per id), which
   records the ids evicted or forgotten since: the ones the base holds and ``live_keys``
-  does not.
+  does not; and the counters of its admission filter, when it has one, whole (fixed in
+  size, changed by most updates).
 
 Nothing is kept on the ps for the chief, so a save that the chief failed to write costs
 nothing: the next delta is asked since the last checkpoint written.
@@ -146,6 +147,8 @@ def merge(base: bytes, delta: bytes, where: str) -> bytes:
     rows = [name for name in old if name == "values" or name.startswith("slot/")]
     raw = "live_keys" in new
     want = {"ids", *rows, *((*_MAP, "live_keys") if raw else ())}
+    if "admission_filter" in old:  # whole in every document: the delta's replaces it
+        want.add("admission_filter")
     if set(new) != want or "ids" not in old:
         raise CheckpointError(
             f"{where}: the delta holds {sorted(new)}, its base {sorted(old)}: they do not fit"
@@ -163,6 +166,8 @@ def merge(base: bytes, delta: bytes, where: str) -> bytes:
         if raw:
             keep = ~torch.isin(old["keys"], new["keys"]) & torch.isin(old["keys"], new["live_keys"])
             merged.update(_union(old, new, list(_MAP), keep))
+        if "admission_filter" in new:
+            merged["admission_filter"] = new["admission_filter"]
     except RuntimeError as exc:  # shapes or dtypes that do not fit (cat, isin)
         raise CheckpointError(f"{where}: the delta does not fit its base: {exc}") from None
     metadata = {key: value for key, value in delta_meta.items() if key != "since"}

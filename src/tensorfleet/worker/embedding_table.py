@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorfleet.errors import ConfigError, ProtocolError, TensorfleetError, UsageError
+from tensorfleet.ps.admission_filter import AdmissionFilter
 from tensorfleet.ps.id_hashing import hash_int_ids, hash_string_ids
 from tensorfleet.ps.row_initializer import RowInitializer
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
@@ -84,8 +85,12 @@ class EmbeddingTable(nn.Module):
     picks; ``num_rows`` is then the table's capacity (rows live at once). ``admit_after=N``:
     an id gets its row once N updates carried it (lookups return zeros and its gradients are
     dropped before; 0: at its first lookup); ``expire_after_steps=T``: an id not seen for T
-    updates loses its row, slots and count (None: never). See
-    :mod:`tensorfleet.ps.raw_id_rows` and docs/sparse.md.
+    updates loses its row, slots and count (None: never). ``admission_filter=
+    tfl.AdmissionFilter(expected_ids, false_positive_rate=0.01)``: the counts toward
+    ``admit_after`` kept in a counting Bloom filter of a fixed size instead of per id (an id
+    is then admitted by its N-th update at the latest, and keeps its count when its row
+    expires). See :mod:`tensorfleet.ps.raw_id_rows`, :mod:`tensorfleet.ps.admission_filter`
+    and docs/sparse.md.
 
     >>> table = tfl.EmbeddingTable(1000, 8, name="user")
     >>> source = tfl.LocalRowSource([table], num_shards=2, rule=tfl.optim.SparseRowRule("sgd", {"lr": 0.1}))
@@ -108,6 +113,7 @@ class EmbeddingTable(nn.Module):
         ids: str = "rows",
         admit_after: int = 0,
         expire_after_steps: int | None = None,
+        admission_filter: AdmissionFilter | None = None,
     ) -> None:
         super().__init__()
         self.num_rows, self.dim, self.hash_ids, self.hash_seed = num_rows, dim, hash_ids, hash_seed
@@ -129,6 +135,7 @@ class EmbeddingTable(nn.Module):
                 f"apply; fix: leave {'it' if len(given) == 1 else 'them'} out"
             )
         self.admit_after, self.expire_after_steps = admit_after, expire_after_steps
+        self.admission_filter = admission_filter
         if dtype not in _TORCH_DTYPES:
             raise ConfigError(
                 f"{self._label()}: dtype must be torch.float32 or torch.float64, got {dtype}; "
@@ -191,6 +198,7 @@ class EmbeddingTable(nn.Module):
             raw_ids=self.raw_ids,
             admit_after=self.admit_after,
             expire_after_steps=self.expire_after_steps,
+            admission_filter=self.admission_filter,
         )
 
     def attach(self, source: RowSource, num_shards: int, name: str | None = None) -> None:
@@ -510,6 +518,8 @@ class EmbeddingTable(nn.Module):
                 f", ids='raw', admit_after={self.admit_after}, "
                 f"expire_after_steps={self.expire_after_steps}"
             )
+            if self.admission_filter is not None:
+                hashing += f", admission_filter={self.admission_filter}"
         return f"{self.num_rows}, {self.dim}, name={self.table_name!r}{hashing}"
 
     def _label(self) -> str:
