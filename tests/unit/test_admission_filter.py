@@ -96,6 +96,8 @@ def test_a_small_filter_admits_no_id_later_and_its_memory_does_not_grow() -> Non
         assert bool(torch.isin(exact.created_rows(), small.created_rows()).all())  # never late
     assert small.size > exact.size  # and some early (the filter is far too small)
     assert exact.stats()["pending"] > 1000 and small.stats()["pending"] == 0
+    assert exact.stats()["admission_bytes"] == exact.stats()["pending"] * 32
+    assert small.stats()["admission_bytes"] == filter_bytes
 
 
 def test_an_expired_id_keeps_its_count_and_returns_at_its_next_update() -> None:

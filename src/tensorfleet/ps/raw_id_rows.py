@@ -206,15 +206,25 @@ class RawIdRowStore(SaveClock):
         return True
 
     def stats(self) -> dict[str, object]:
-        """Rows live, bytes, rule, step, ids counting toward admission, and the counters."""
+        """Rows live, bytes, rule, step, ids counting toward admission and the bytes they
+        hold (:attr:`admission_bytes`), and the counters."""
         return {
             "rows_live": self.size,
             "bytes": self.nbytes,
             "rule": self.rule.name,
             "step": self.step,
             "pending": int(self._keys.numel()) - self.size,
+            "admission_bytes": self.admission_bytes,
             **self.counters,
         }
+
+    @property
+    def admission_bytes(self) -> int:
+        """What counting toward admission holds now: the map's entries of ids without rows
+        (exact counts), or the filter's counters."""
+        if self.filter is not None:
+            return self.filter.nbytes
+        return (int(self._keys.numel()) - self.size) * MAP_ENTRY_BYTES
 
     def changed_since(self, *args: object, **kwargs: object) -> None:
         raise SparseGradientError(
