@@ -137,7 +137,7 @@ def test_admission_after_n_updates_zeros_before_and_dropped_gradients_counted() 
     assert store.size == 3 and store.counters["admitted"] == 3
     with torch.no_grad():
         rows = table(ids)
-    want = table.initializer.rows(torch.sort(ids).values, DIM, torch.float32)
+    want = table.initializer.rows(torch.sort(ids).values, DIM, torch.float32, raw_ids=True)
     assert torch.equal(rows[torch.argsort(ids)], want)  # the initializer's rows, untrained
     _assert_no_shared_rows(store)
 
@@ -226,7 +226,7 @@ def test_raw_ids_of_another_dtype_are_refused_with_the_fix_for_that_dtype() -> N
     with pytest.raises(SparseGradientError) as refused:
         table.rows_of(torch.tensor([1.0, 2.0]))
     message = str(refused.value)
-    assert "ids must be an int64 or int32 tensor, got torch.float32" in message
+    assert "ids must be an int64, uint64 or int32 tensor, got torch.float32" in message
     assert "ids.long()" in message
     with pytest.raises(SparseGradientError, match="got list; fix: map strings to int64"):
         table.rows_of(["a", "b"])
@@ -446,3 +446,34 @@ def test_a_one_process_session_trains_a_raw_table_checkpoints_and_restores_it(tm
     run(6, directory)
     resumed = run(12, directory)
     _assert_same_state(resumed, whole, "resumed")
+
+
+def test_uint64_ids_get_rows_of_their_own_as_the_int64_of_the_same_bits() -> None:
+    """A uint64 id space (e.g. 64-bit fingerprints from numpy) maps one to one onto int64:
+    ids above 2**63 - 1 get rows of their own, and a checkpoint's ids read back as uint64
+    with ``.view(torch.uint64)``."""
+    import numpy as np
+
+    table = EmbeddingTable(16, DIM, name="users", ids="raw", rule=RULE)
+    LocalRowSource([table], num_shards=2)
+    unsigned = torch.from_numpy(np.array([2**64 - 1, 2**63, 2**63 - 1, 0], dtype=np.uint64))
+    assert unsigned.dtype == torch.uint64
+    rows = table(unsigned)
+    assert rows.shape == (4, DIM)
+    assert torch.equal(table(unsigned.view(torch.int64)), rows)  # the same rows
+    assert len({tuple(r.tolist()) for r in rows}) == 4  # none shared
+    assert table.rows_of(unsigned).view(torch.uint64).tolist() == [2**64 - 1, 2**63, 2**63 - 1, 0]
+
+
+def test_ids_that_differ_only_in_their_top_bits_start_from_values_of_their_own() -> None:
+    """Slot-tagged feature ids (a slot number in the top bits) and ``x`` against
+    ``x + 2**63``: a row number's counter ``id * 2 dim + column`` would wrap onto the same
+    values; a raw id is mixed over all 64 bits first."""
+    initializer = tfl.RowInitializer("normal", 1.0, seed=4)
+    base = 12345
+    ids = torch.tensor([base, base - 2**63, base + (1 << 57), base + (5 << 58)], dtype=torch.int64)
+    rows = initializer.rows(ids, 64, torch.float32, raw_ids=True)
+    assert len({tuple(r.tolist()) for r in rows}) == 4
+    wrapped = initializer.rows(ids, 64, torch.float32)  # as row numbers: all the same
+    assert len({tuple(r.tolist()) for r in wrapped}) == 1
+    assert abs(float(rows.std()) - 1.0) < 0.2  # still N(0, 1)

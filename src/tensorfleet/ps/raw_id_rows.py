@@ -502,7 +502,7 @@ class RawIdRowStore(SaveClock):
         self._grow(stop)
         self._ids[start:stop] = due
         self._values[start:stop] = self.table.initializer.rows(
-            due, self.table.dim, self.table.torch_dtype
+            due, self.table.dim, self.table.torch_dtype, raw_ids=True
         )
         for name, slot in self._slots.items():
             slot[start:stop] = self.rule.slot_initial_value(name)

@@ -6,7 +6,13 @@ on the order rows are first touched, or on the process: then a table split over 
 holds exactly the values the same table held whole would, and a restarted ps that creates a
 row again creates the same row. So the initializer is counter-based, not a stateful
 generator: value ``(r, c)`` is computed from ``splitmix64`` (see
-:mod:`tensorfleet.ps.id_hashing`) of ``(seed, r, c)``.
+:mod:`tensorfleet.ps.id_hashing`) of ``(seed, r, c)``: of the counter ``r * 2 dim + c``
+(with the seed's bits), which is one to one for row numbers. A table of raw ids
+(``raw_ids=True``) keys rows by any 64-bit id, where that counter would wrap: ids that
+differ only in their top bits (``x`` and ``x + 2**63``; with ``dim`` 64, any two ids equal
+modulo ``2**57``, as slot-tagged feature ids are) would start from the same values. There
+the counter is ``splitmix64(id)`` (a bijection on 64 bits) plus ``c`` times the golden
+ratio constant, mixed twice as above: every id's values drawn independently.
 
 Kinds (the default is ``normal`` with ``std=0.01``, a common start for recommendation
 embeddings: small enough that dot products begin near zero):
@@ -35,6 +41,7 @@ from tensorfleet.ps.id_hashing import splitmix64, splitmix64_
 from tensorfleet.ps.sparse_rows import SparseGradientError
 
 KINDS = ("normal", "uniform", "zeros", "given")
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _TWO_53 = float(1 << 53)
 
 
@@ -61,9 +68,12 @@ class RowInitializer:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"row initializer seed must be an int, got {self.seed!r}")
 
-    def rows(self, ids: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
-        """The initial values of rows ``ids`` (1-D int64): ``[len(ids), dim]`` of ``dtype``.
-        A ``given`` table has none (SparseGradientError naming the first row)."""
+    def rows(
+        self, ids: torch.Tensor, dim: int, dtype: torch.dtype, raw_ids: bool = False
+    ) -> torch.Tensor:
+        """The initial values of rows ``ids`` (1-D int64): ``[len(ids), dim]`` of ``dtype``;
+        ``raw_ids``: the ids are a table of raw ids' keys (module docstring). A ``given``
+        table has none (SparseGradientError naming the first row)."""
         if self.kind == "given" and ids.numel():
             raise SparseGradientError(
                 f"row {int(ids[0])} has no value yet: its table is created from values the "
@@ -72,8 +82,12 @@ class RowInitializer:
             )
         if self.kind == "zeros" or ids.numel() == 0:
             return torch.zeros((ids.numel(), dim), dtype=dtype)
-        counters = ids.cpu().numpy().astype(np.uint64)[:, None] * np.uint64(2 * dim)
-        counters = counters + _columns(2 * dim)  # a new [n, 2 dim] array
+        keys = ids.cpu().numpy().astype(np.uint64)[:, None]
+        with np.errstate(over="ignore"):
+            if raw_ids:  # one to one over all 64 bits, then a stride per column
+                counters = splitmix64(keys) + _columns(2 * dim) * _GOLDEN
+            else:
+                counters = keys * np.uint64(2 * dim) + _columns(2 * dim)  # a new [n, 2 dim]
         counters ^= _seed_bits(self.seed)
         bits = splitmix64_(splitmix64_(counters))
         # 53 random bits -> a uniform in (0, 1): never 0, so log() below is finite.

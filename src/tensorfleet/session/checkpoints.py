@@ -371,7 +371,7 @@ def load_table_rows(path: str | os.PathLike[str], table: str) -> tuple[torch.Ten
     :func:`load_checkpoint` does). The rows are gathered from every shard's document (a
     one-process run has one). Rows that were never looked up were never created and are not
     in the checkpoint: their value is the table's initializer's
-    (``table.initializer.rows(ids, dim, dtype)``). ``table`` is the table's name, by default
+    (``table.initializer.rows(ids, dim, dtype)``; a table of raw ids: ``..., raw_ids=True``). ``table`` is the table's name, by default
     its place in the model (``embedding``, ``towers.user``); a ``sparse=True`` embedding
     weight held as rows is a table too, named after its parameter (``embedding.weight``).
     CheckpointError names the tables the checkpoint holds when ``table`` is not one of them,

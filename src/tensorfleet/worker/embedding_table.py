@@ -238,8 +238,10 @@ class EmbeddingTable(nn.Module):
 
     def rows_of(self, ids: torch.Tensor | Sequence[str | bytes]) -> torch.Tensor:
         """The table rows of ``ids`` (hashed, or checked to be in range; raw ids: the ids
-        themselves): int64, same shape."""
+        themselves, uint64 ids as the int64 of the same bits): int64, same shape."""
         if self.raw_ids:
+            if isinstance(ids, torch.Tensor) and ids.dtype == torch.uint64:
+                return ids.view(torch.int64)  # one to one: the same bits, read as int64
             if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
                 fix = (
                     "ids.long(), if they hold whole numbers"
@@ -248,8 +250,8 @@ class EmbeddingTable(nn.Module):
                     "hash_string_ids(ids, 2**63 - 1))"
                 )
                 raise SparseGradientError(
-                    f"table {self.table_name!r} (ids='raw'): ids must be an int64 or int32 "
-                    f"tensor, got "
+                    f"table {self.table_name!r} (ids='raw'): ids must be an int64, uint64 or "
+                    f"int32 tensor, got "
                     f"{type(ids).__name__ if not isinstance(ids, torch.Tensor) else ids.dtype}"
                     f"; fix: {fix}"
                 )
