@@ -117,6 +117,8 @@ def test_hashed_ids_strings_and_unbounded_ints() -> None:
     big = table(torch.tensor([2**40, -7, 2**40]))
     assert torch.equal(big[0], big[2])
     assert table.rows_of(torch.tensor([2**40])).item() < 64
+    unsigned = torch.tensor([2**63 + 5], dtype=torch.uint64)  # hashed as the same bits
+    assert torch.equal(table.rows_of(unsigned), table.rows_of(unsigned.view(torch.int64)))
 
 
 def test_bad_ids_and_missing_attachment_are_explained() -> None:

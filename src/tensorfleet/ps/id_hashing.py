@@ -62,9 +62,12 @@ def _seed_mix(seed: int) -> np.uint64:
 
 
 def hash_int_ids(ids: torch.Tensor, num_rows: int, seed: int = 0) -> torch.Tensor:
-    """Rows in ``[0, num_rows)`` of int64 ``ids`` (any shape; the result has the same shape)."""
+    """Rows in ``[0, num_rows)`` of int64 ``ids`` (any shape; the result has the same shape;
+    uint64 ids hash as the int64 of the same bits: the hash reads them unsigned anyway)."""
+    if ids.dtype == torch.uint64:
+        ids = ids.view(torch.int64)
     if ids.dtype not in (torch.int64, torch.int32):
-        raise ConfigTypeError(f"ids to hash must be int64 or int32, got {ids.dtype}")
+        raise ConfigTypeError(f"ids to hash must be int64, uint64 or int32, got {ids.dtype}")
     _check_rows(num_rows)
     raw = ids.detach().to(torch.int64).cpu().numpy().view(np.uint64)
     hashed = splitmix64(raw ^ _seed_mix(seed)) % np.uint64(num_rows)
