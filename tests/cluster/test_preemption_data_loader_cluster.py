@@ -30,13 +30,18 @@ STEPS = 100_000  # far past where the SIGTERM comes
 
 
 def _run(
-    tmp_path: Path, mode: str, num_ps: int, stop_after: int | None, only: str | None = None
+    tmp_path: Path,
+    mode: str,
+    num_ps: int,
+    stop_after: int | None,
+    only: str | None = None,
+    asks: bool = True,
 ) -> tuple[int, RecordingOutput]:
     """Run the program; after ``stop_after`` steps stop the whole job as the launcher does
     on its own SIGTERM, or (``only``) send SIGTERM to that one task's process group."""
     output = RecordingOutput()
     command = [sys.executable, str(PROGRAMS / "loader_worker.py"), str(tmp_path / "ckpt"), mode,
-               str(STEPS if stop_after is not None else 1)]  # fmt: skip
+               str(STEPS if stop_after is not None else 1), *([] if asks else ["never-ask"])]  # fmt: skip
     cluster = LocalCluster(
         num_ps, 2, command, output=output, grace_period=10.0, max_restarts=0,
         env={"PYTHONPATH": os.pathsep.join(sys.path)},
@@ -77,8 +82,11 @@ def test_a_stopped_job_reading_a_data_loader_saves_and_resumes(tmp_path, mode, n
     assert started == [step], again.transcript()
 
 
-def test_one_preempted_all_reduce_worker_takes_the_group_along_to_its_checkpoint(tmp_path):
-    code, output = _run(tmp_path, "allreduce", 0, stop_after=20, only="worker:1")
+@pytest.mark.parametrize("asks", [True, False], ids=["asks-should-stop", "never-asks"])
+def test_one_preempted_all_reduce_worker_takes_the_group_along_to_its_checkpoint(tmp_path, asks):
+    """Also when the loop never asks ``should_stop()``: the session agrees at the start of
+    each step that no ``should_stop()`` preceded."""
+    code, output = _run(tmp_path, "allreduce", 0, stop_after=20, only="worker:1", asks=asks)
     transcript = output.transcript()
     assert code == 143, transcript
     assert "worker:1: preempted (SIGTERM) at global step" in transcript, transcript

@@ -277,7 +277,7 @@ class TrainingSession:
         """The directory of the newest checkpoint this session saved or restored."""
         self._checkpoint_requested = False
         self._rule_optimizer: RuleOptimizer | None = None
-        self._steps_unasked = 0  # steps since should_stop() last ran (the warning below)
+        self._agreed = False  # collective: should_stop() agreed since the last step ended
         self._saved_step: int | None = None  # the global step of the last checkpoint saved
         self._named_params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self._named_params:
@@ -401,8 +401,8 @@ class TrainingSession:
     def should_stop(self) -> bool:
         """Whether training should end: a hook asked, or the chief declared it over. In
         ``allreduce`` mode every worker gets the same answer (they must leave together):
-        call it once per step on every worker."""
-        self._steps_unasked = 0
+        ask it once per step on every worker, or never (a step that no ``should_stop()``
+        preceded agrees at its start, so a preemption still takes every worker along)."""
         if not self._closed:
             self._busy = True
             try:
@@ -412,7 +412,10 @@ class TrainingSession:
         return self._stop_requested
 
     def _agree_whether_to_stop(self) -> None:
-        """should_stop()'s agreement (collective in allreduce), and a preemption's exit."""
+        """should_stop()'s agreement (collective in allreduce), and a preemption's exit; in
+        a collective mode also made at the start of a step that no should_stop() preceded,
+        so that a loop that never asks still leaves with the others after a SIGTERM."""
+        self._agreed = True
         # In allreduce mode a preempted worker's checkpoint is collective: asked for here,
         # and every worker leaves after it (the group restarts together).
         preempted = self._preemption.received.is_set() and self._updater.collective
@@ -441,6 +444,8 @@ class TrainingSession:
 
     def _step(self, closure: StepClosure) -> StepResult:
         require_open("step()", started=self._started, closed=self._closed)
+        if self._updater.collective and not self._agreed:  # no should_stop() since the last
+            self._agree_whether_to_stop()  # step: agreed here, at the same point everywhere
         started_ns = time.perf_counter_ns()
         for hook in self.hooks:
             hook.before_step(self)
@@ -484,18 +489,9 @@ class TrainingSession:
         self._timeline.add("step", started_ns, time.perf_counter_ns(), step=result.global_step)
         for hook in self.hooks:
             hook.after_step(self, result)
-        if self._preemption.received.is_set():
-            if not self._updater.collective:
-                leave_preempted(self)
-            self._steps_unasked += 1
-            if self._steps_unasked == 2:  # a preemption's checkpoint waits for should_stop()
-                log.warning(
-                    "%s: SIGTERM received, and the loop has not asked sess.should_stop() for 2 "
-                    "steps: in mode %r the checkpoint of a preemption is agreed there, by every "
-                    "worker at the same step; call it once per step",
-                    self.task_name,
-                    self.mode,
-                )
+        self._agreed = False
+        if self._preemption.received.is_set() and not self._updater.collective:
+            leave_preempted(self)  # collective: at the next agreement, with every worker
         return result
 
     # -- checkpoints ----------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 script: it takes the next batch, then asks ``should_stop()``, then steps, so a SIGTERM to the
 whole task (which ends the loader's workers) is found by the loader first.
 
-    loader_worker.py CHECKPOINT_DIR MODE STEPS
+    loader_worker.py CHECKPOINT_DIR MODE STEPS [never-ask]
+
+``never-ask``: the loop never calls ``should_stop()`` (it ends at STEPS by the global step),
+as many ported scripts do.
 
 It prints ``progress worker=I global_step=S`` after each step and ``started worker=I
 global_step=S`` once its session has started."""
@@ -20,6 +23,7 @@ import tensorfleet as tfl
 
 def main() -> int:
     checkpoint_dir, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    asks = sys.argv[4:] != ["never-ask"]
     torch.set_num_threads(1)
     task = tfl.resolve_task()
     server = tfl.Server(task.cluster, task.job, task.index)
@@ -33,7 +37,7 @@ def main() -> int:
     ) as sess:  # fmt: skip
         print(f"started worker={task.index} global_step={sess.global_step}", flush=True)
         for x, y in loader:
-            if sess.should_stop():
+            if sess.should_stop() if asks else sess.global_step >= steps:
                 break
             sess.step(lambda x=x, y=y: nn.functional.mse_loss(sess.model(x), y))
             print(f"progress worker={task.index} global_step={sess.global_step}", flush=True)
