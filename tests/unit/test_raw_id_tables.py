@@ -171,16 +171,14 @@ def test_ids_over_the_whole_int64_range_never_share_a_row_and_the_capacity_holds
     source = LocalRowSource([table], num_shards=2)
     ids = torch.randint(I64.min, I64.max, (3000,), generator=torch.Generator().manual_seed(0))
     ids = torch.cat([ids, torch.tensor([I64.min, I64.max, 0, -1])]).unique()
-    with torch.no_grad():
-        table(ids[:800])  # admit_after=0: a row at the first lookup
+    table(ids[:800])  # admit_after=0: a row at the first training lookup
     stores = [shard.store("wide") for shard in source.shards]
     assert sum(s.size for s in stores) == 800
     for store in stores:
         _assert_no_shared_rows(store)
     held = torch.sort(torch.cat([s.created_rows() for s in stores])).values
     assert torch.equal(held, torch.sort(ids[:800]).values)
-    with torch.no_grad():
-        table(ids)  # more ids than the capacity: each shard stops at its 500 rows
+    table(ids)  # more ids than the capacity: each shard stops at its 500 rows
     assert [s.size for s in stores] == [500, 500]
     assert sum(s.counters["deferred"] for s in stores) == ids.numel() - 1000
 
@@ -257,8 +255,10 @@ class _Recording:
     def __init__(self, inner: object) -> None:
         self.inner, self.pushed = inner, []
 
-    def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.pull_rows(table, shard, ids)
+    def pull_rows(
+        self, table: str, shard: int, ids: torch.Tensor, read_only: bool = False
+    ) -> torch.Tensor:
+        return self.inner.pull_rows(table, shard, ids, read_only)
 
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None:
         self.pushed.append([SparseRows(p.indices.clone(), p.values.clone()) for p in parts])
@@ -368,6 +368,11 @@ def test_two_shards_equal_one_process_with_the_same_rules_bit_for_bit(
             for shard in range(2):
                 _assert_same_state(ps_stores[shard], local.shards[shard].store("users"), step)
                 _assert_no_shared_rows(ps_stores[shard])
+        before = [s.state() for s in ps_stores]  # an evaluation on the shards changes nothing
+        with torch.no_grad():
+            models[0](torch.cat([VOCAB, torch.tensor([123456789])]))
+        for shard, state in enumerate(before):
+            assert all(torch.equal(v, ps_stores[shard].state()[k]) for k, v in state.items())
         totals = {key: sum(s.counters[key] for s in ps_stores) for key in ("admitted", "evicted")}
         assert totals["admitted"] > 6 and totals["evicted"] > 0, totals
         if admission_filter is None:
@@ -477,3 +482,50 @@ def test_ids_that_differ_only_in_their_top_bits_start_from_values_of_their_own()
     wrapped = initializer.rows(ids, 64, torch.float32)  # as row numbers: all the same
     assert len({tuple(r.tolist()) for r in wrapped}) == 1
     assert abs(float(rows.std()) - 1.0) < 0.2  # still N(0, 1)
+
+
+def test_an_evaluation_neither_creates_rows_nor_keeps_them_from_expiring() -> None:
+    """Lookups under ``no_grad`` (or in ``eval()``) read only: a row looked up only by an
+    evaluation expires as if nobody had looked, an id only evaluated gets no row (it reads
+    the values its row would start from, with ``admit_after=0``), and nothing is marked for
+    the next delta. The same lookups while training keep the row and create the new one."""
+    for evaluated in (True, False):
+        table = EmbeddingTable(64, DIM, name="users", ids="raw", expire_after_steps=2, rule=RULE)
+        source = LocalRowSource([table], num_shards=1)
+        store = source.shards[0].store("users")
+        old, new, other = torch.tensor([I64.max]), torch.tensor([I64.min]), torch.tensor([7])
+        table(old).sum().backward()
+        table.push_gradient()  # old has a row now
+        for _ in range(2):
+            if evaluated:
+                with torch.no_grad():
+                    looked = table(torch.cat([old, new]))
+                assert torch.equal(
+                    looked[1], table.initializer.rows(new, DIM, torch.float32, raw_ids=True)[0]
+                )
+                table.eval()
+                table(torch.cat([old, new]))  # eval() reads only as well, with grad enabled
+                table.train()
+            else:
+                table(torch.cat([old, new])).sum().backward()
+                table.push_gradient()
+            table(other).sum().backward()
+            table.push_gradient()
+        rows = store.created_rows().tolist()
+        if evaluated:
+            assert rows == [7] and store.counters["evicted"] == 1, rows  # old expired
+        else:
+            assert rows == sorted([I64.min, 7, I64.max]), rows
+
+
+def test_an_evaluation_marks_nothing_for_the_next_delta() -> None:
+    table = EmbeddingTable(64, DIM, name="users", ids="raw", rule=RULE)
+    source = LocalRowSource([table], num_shards=1)
+    store = source.shards[0].store("users")
+    table(torch.tensor([3, 4])).sum().backward()
+    table.push_gradient()
+    store.encode()  # a checkpoint: a delta since it holds what changed after
+    since = store.save_clock
+    with torch.no_grad():
+        table(torch.tensor([3, 4, 5]))
+    assert store.changed_state(since)["keys"].numel() == 0

@@ -67,10 +67,10 @@ import secrets
 
 import torch
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.admission_filter import CountingFilter
+from tensorfleet.ps.raw_id_documents import COUNTERS, RawIdDocuments
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT, RowStore, _read_metadata
 from tensorfleet.ps.save_clock import SaveClock
@@ -85,10 +85,9 @@ from tensorfleet.ps.sparse_update_rules import SparseRowRule
 #: Bytes per id in the map: its key, count, last_seen and position (int64 each).
 MAP_ENTRY_BYTES = 32
 _INITIAL_CAPACITY = 1024
-_COUNTERS = ("admitted", "evicted", "forgotten", "dropped_rows", "deferred")
 
 
-class RawIdRowStore(SaveClock):
+class RawIdRowStore(RawIdDocuments, SaveClock):
     """Shard ``shard`` of a table of raw ids ``table`` (``table.raw_ids``), updated by
     ``rule``; the same methods as :class:`~tensorfleet.ps.row_store.RowStore`."""
 
@@ -127,19 +126,25 @@ class RawIdRowStore(SaveClock):
             else CountingFilter.sized(table.admission_filter, partition.num_shards)
         )
         """Counts toward admission, when the table has a filter (else exact, in the map)."""
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
         """``admitted`` and ``evicted`` rows, ``forgotten`` counts (ids evicted before their
         admission), ``dropped_rows`` (gradient rows of ids without a row), ``deferred``
         (admissions put off because the shard was full), since the table was created."""
 
     # -- reads -------------------------------------------------------------------------------
 
-    def pull(self, ids: torch.Tensor, *, trusted: bool = False) -> torch.Tensor:
+    def pull(
+        self, ids: torch.Tensor, *, trusted: bool = False, read_only: bool = False
+    ) -> torch.Tensor:
         """The rows of ``ids`` (raw ids of this shard, 1-D int64), zeros for an id without a
         row (``admit_after`` 0: created now, while the shard has room); marks them seen.
-        ``trusted``: the table in this process split the ids by shard: not scanned again."""
+        ``trusted``: the table in this process split the ids by shard: not scanned again.
+        ``read_only``: a lookup nothing will be trained on (an evaluation's, under
+        ``no_grad`` or ``eval()``): it changes nothing (:meth:`_read_only`)."""
         if not trusted:
             self._check_ids(ids)
+        if read_only:
+            return self._read_only(ids)
         index, found = self._find(ids)
         if self.table.admit_after == 0 and ids.numel():
             has_row = found.clone()
@@ -166,6 +171,25 @@ class RawIdRowStore(SaveClock):
             out[rows] = self._values.index_select(0, positions[has_row])
         return out
 
+    def _read_only(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``ids`` as a lookup would give them, creating none and marking none
+        seen: an evaluation does not keep rows from expiring, nor add to a delta. An id
+        without a row reads zeros, or with ``admit_after`` 0 the initializer's values (what
+        its row would start from)."""
+        index, found = self._find(ids)
+        positions = torch.full_like(ids, -1)
+        positions[found] = self._pos[index[found]]
+        has_row = positions >= 0
+        if bool(has_row.all()):
+            return self._values.index_select(0, positions)
+        out = torch.zeros((ids.numel(), self.table.dim), dtype=self.table.torch_dtype)
+        out[has_row] = self._values.index_select(0, positions[has_row])
+        if self.table.admit_after == 0:
+            out[~has_row] = self.table.initializer.rows(
+                ids[~has_row], self.table.dim, self.table.torch_dtype, raw_ids=True
+            )
+        return out
+
     def created_rows(self) -> torch.Tensor:
         """The ids that have a row now, ascending."""
         return torch.sort(self._ids[: self.size]).values
@@ -174,24 +198,6 @@ class RawIdRowStore(SaveClock):
         """``(ids, values)`` of every row, ids ascending (no lookup: nothing marked seen)."""
         order = torch.argsort(self._ids[: self.size])
         return self._ids[: self.size][order], self._values[: self.size][order]
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The whole state in id order (what a checkpoint holds): for comparisons."""
-        ids, values = self.rows()
-        order = torch.argsort(self._ids[: self.size])
-        state = {
-            "ids": ids,
-            "values": values,
-            "keys": self._keys.clone(),
-            "count": self._count.clone(),
-            "last_seen": self._seen.clone(),
-            "step": torch.tensor([self.step]),
-        }
-        for name, slot in self._slots.items():
-            state[f"slot/{name}"] = slot[: self.size][order]
-        if self.filter is not None:
-            state["admission_filter"] = self.filter.counters.clone()
-        return state
 
     @property
     def nbytes(self) -> int:
@@ -306,141 +312,6 @@ class RawIdRowStore(SaveClock):
             raw_ids=True,
         )
         self._check_ids(gradient.indices)
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def encode(self) -> bytes:
-        """This shard's part as a safetensors document (module docstring)."""
-        tensors = {k: v.contiguous() for k, v in self.state().items() if k != "step"}
-        document = safetensors_save(tensors, {METADATA_KEY: json.dumps(self.metadata())})
-        self.note_saved()
-        return document
-
-    def changed_state(self, since: int) -> dict[str, torch.Tensor]:
-        """What a delta since the document of clock ``since`` holds: the map entries
-        changed after it (looked up, updated, counted, admitted; ``keys``, ``count``,
-        ``last_seen``, ascending), the rows of those that have one (``ids``, ``values``,
-        ``slot/<name>``), and ``live_keys``, every id in the map now."""
-        changed = self._marks > since
-        keys = self._keys[changed]
-        positions = self._pos[changed]
-        has_row = positions >= 0
-        rows = positions[has_row]
-        state = {
-            "keys": keys,
-            "count": self._count[changed],
-            "last_seen": self._seen[changed],
-            "live_keys": self._keys.clone(),
-            "ids": keys[has_row],
-            "values": self._values.index_select(0, rows),
-        }
-        for name, slot in self._slots.items():
-            state[f"slot/{name}"] = slot.index_select(0, rows)
-        if self.filter is not None:  # fixed in size, changed by most updates: whole
-            state["admission_filter"] = self.filter.counters.clone()
-        return state
-
-    def metadata(self) -> dict:
-        """The metadata of this store's documents: format, table, partition, shard, rule,
-        step, counters, and ``tag`` (``[incarnation, save_clock]``: what a delta is made
-        since)."""
-        return {
-            "format": TABLE_FORMAT,
-            "table": self.table.to_wire(),
-            "partition": {
-                "scheme": self.partition.scheme,
-                "num_rows": self.partition.num_rows,
-                "num_shards": self.partition.num_shards,
-            },
-            "shard": self.shard,
-            "rule": self.rule.to_wire(),
-            "step": self.step,
-            "counters": dict(self.counters),
-            "tag": [self.incarnation, self.save_clock],
-        }
-
-    @classmethod
-    def decode_checked(
-        cls, tensors: dict[str, torch.Tensor], meta: dict, expect: TableSpec | None
-    ) -> RawIdRowStore:
-        """A store from a document's parsed tensors and metadata (CheckpointError)."""
-        try:
-            table = TableSpec.from_wire(meta["table"])
-            partition = RowPartition.from_manifest(meta["partition"])
-            rule = SparseRowRule.from_wire(meta["rule"])
-            shard, step, counters = meta["shard"], meta["step"], meta["counters"]
-            if not isinstance(shard, int) or not isinstance(step, int) or step < 0:
-                raise ConfigError(f"shard {shard!r} and step {step!r} must be ints >= 0")
-            if not isinstance(counters, dict) or set(counters) != set(_COUNTERS):
-                raise ConfigError(f"counters {counters!r} must name {_COUNTERS}")
-            store = cls(table, partition, shard, rule)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"a table document cannot be read: {exc}") from None
-        name = table.name
-        if expect is not None and expect != table:
-            raise CheckpointError(
-                f"the checkpoint holds table {table.to_wire()}, the model has "
-                f"{expect.to_wire()}; fix: build the table as it was trained, or start without "
-                f"this checkpoint"
-            )
-        want = {"ids", "values", "keys", "count", "last_seen"}
-        want |= {f"slot/{s}" for s in rule.slot_names}
-        want |= set() if store.filter is None else {"admission_filter"}
-        if set(tensors) != want:
-            raise CheckpointError(
-                f"table {name!r} shard {shard}: the document holds {sorted(tensors)}, expected "
-                f"{sorted(want)}"
-            )
-        ids, keys = tensors["ids"], tensors["keys"]
-        for key in ("ids", "keys", "count", "last_seen"):
-            t = tensors[key]
-            if t.dtype != torch.int64 or t.dim() != 1:
-                raise CheckpointError(f"table {name!r}: {key} must be int64 [n], got {t.dtype}")
-        rows, known = ids.numel(), keys.numel()
-        if tensors["count"].numel() != known or tensors["last_seen"].numel() != known:
-            raise CheckpointError(f"table {name!r}: count and last_seen must match keys")
-        for key in want - {"ids", "keys", "count", "last_seen", "admission_filter"}:
-            t = tensors[key]
-            if t.dtype != table.torch_dtype or tuple(t.shape) != (rows, table.dim):
-                raise CheckpointError(
-                    f"table {name!r}: {key} is {t.dtype} {list(t.shape)}, expected "
-                    f"{table.torch_dtype} {[rows, table.dim]}"
-                )
-        if known and not bool((keys[1:] > keys[:-1]).all()):
-            raise CheckpointError(f"table {name!r} shard {shard}: keys are not ascending")
-        if rows and not bool((ids[1:] > ids[:-1]).all()):
-            raise CheckpointError(f"table {name!r} shard {shard}: row ids are not ascending")
-        if rows > store.local_rows:
-            raise CheckpointError(
-                f"table {name!r} shard {shard}: {rows} rows, more than its {store.local_rows}"
-            )
-        if bool((partition.shard_of(keys) != shard).any()):
-            raise CheckpointError(
-                f"table {name!r}: the document of shard {shard} holds ids of another shard"
-            )
-        store._keys, store._count = keys.clone(), tensors["count"].clone()
-        store._seen, store._pos = tensors["last_seen"].clone(), torch.full_like(keys, -1)
-        store._marks = torch.zeros_like(keys)
-        index, found = store._find(ids)
-        if not bool(found.all()):
-            raise CheckpointError(f"table {name!r} shard {shard}: a row's id is not in keys")
-        store._grow(rows)
-        store._pos[index] = torch.arange(rows, dtype=torch.int64)
-        store._ids[:rows] = ids
-        store._values[:rows] = tensors["values"]
-        for slot in rule.slot_names:
-            store._slots[slot][:rows] = tensors[f"slot/{slot}"]
-        store.size, store.step = rows, step
-        store.counters = {k: int(counters[k]) for k in _COUNTERS}
-        if store.filter is not None:
-            counts = tensors["admission_filter"]
-            if counts.dtype != torch.uint8 or counts.shape != store.filter.counters.shape:
-                raise CheckpointError(
-                    f"table {name!r} shard {shard}: admission_filter is {counts.dtype} "
-                    f"{list(counts.shape)}, expected uint8 {list(store.filter.counters.shape)}"
-                )
-            store.filter.counters = counts.clone()
-        return store
 
     # -- internals ---------------------------------------------------------------------------
 

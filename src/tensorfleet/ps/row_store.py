@@ -99,10 +99,14 @@ class RowStore(SaveClock):
 
     # -- reads -------------------------------------------------------------------------------
 
-    def pull(self, ids: torch.Tensor, *, trusted: bool = False) -> torch.Tensor:
+    def pull(
+        self, ids: torch.Tensor, *, trusted: bool = False, read_only: bool = False
+    ) -> torch.Tensor:
         """The current values of rows ``ids`` (global ids of this shard, 1-D int64), created
         on first use: a new ``[len(ids), dim]`` tensor. ``trusted``: the ids were checked
-        by the table in this process (range, shard), so they are not scanned again."""
+        by the table in this process (range, shard), so they are not scanned again.
+        ``read_only`` changes nothing here: a row's values do not depend on when it was
+        created, and a table of rows keeps no clock of use (a table of raw ids does)."""
         if not trusted:
             self._check_ids(ids)
         positions = self._positions(ids, create=not self.given)

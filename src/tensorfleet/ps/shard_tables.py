@@ -82,8 +82,10 @@ class ShardTables:
             versioned=table.initializer.kind == "given",
         )
 
-    def pull(self, name: str, ids: torch.Tensor) -> torch.Tensor:
-        return self.store(name).pull(ids)
+    def pull(self, name: str, ids: torch.Tensor, read_only: bool = False) -> torch.Tensor:
+        """Rows ``ids`` of table ``name``; ``read_only``: an evaluation's lookup, which
+        changes nothing (:meth:`RawIdRowStore.pull`)."""
+        return self.store(name).pull(ids, read_only=read_only)
 
     def apply(self, name: str, gradient: SparseRows, *, trusted: bool = False) -> None:
         """Update table ``name`` with this shard's rows of a step's gradient; ``trusted``:

@@ -9,7 +9,8 @@
                        local indices ``[start, stop)`` not created yet, created now as their
                        first lookup would (:meth:`RowStore.create_rows`; a worker's
                        ``EmbeddingTable.create_all_rows()`` sends one range per request)
-``pull_rows``          table name + int64 row ids (one buffer) -> the rows (one buffer)
+``pull_rows``          table name + int64 row ids (one buffer) -> the rows (one buffer);
+                       ``read_only: true``: an evaluation's lookup, which changes nothing
 ``push_rows``          table name + a :class:`~tensorfleet.ps.sparse_rows.SparseRows` (two
                        buffers) -> applied at once with the table's row-sparse rule (async);
                        in sync training (with the ``step`` of the rows) and with
@@ -207,7 +208,10 @@ class TableRequests:
         ids = from_buffer(request.buffers[0], torch.int64)
         if ids.numel() > MAX_ROWS:
             raise ProtocolError(f"pull_rows: {ids.numel()} ids, at most {MAX_ROWS}")
-        rows = self._tables().pull(name, ids)
+        read_only = request.body.get("read_only", False)
+        if not isinstance(read_only, bool):
+            raise ProtocolError(f"pull_rows: read_only must be a bool, got {read_only!r:.40}")
+        rows = self._tables().pull(name, ids, read_only)
         self.socket.reply(request, {"rows": int(rows.shape[0])}, [as_buffer(rows.contiguous())])
 
     def _push_rows(self, request: Request) -> None:

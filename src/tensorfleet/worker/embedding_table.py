@@ -60,9 +60,13 @@ class TableNotAttached(TensorfleetError, RuntimeError):
 
 
 class RowSource(Protocol):
-    """Where a table's rows live: ``pull_rows`` of one shard, ``push_rows`` of every shard."""
+    """Where a table's rows live: ``pull_rows`` of one shard, ``push_rows`` of every shard.
+    ``read_only=True`` is passed (only then) for a lookup nothing is trained on: a source
+    that keeps a clock of use (a table of raw ids' expiry) does not count it."""
 
-    def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor: ...
+    def pull_rows(
+        self, table: str, shard: int, ids: torch.Tensor, read_only: bool = False
+    ) -> torch.Tensor: ...
 
     def push_rows(self, table: str, parts: Sequence[SparseRows]) -> None: ...
 
@@ -395,6 +399,7 @@ class EmbeddingTable(nn.Module):
         # looked up on the CPU, and the batch's rows come to the ids' device for the lookup
         # (their gradient leaves it again in take_gradient).
         device, flat = rows.device, rows.reshape(-1).cpu()
+        trained = torch.is_grad_enabled() and self.training  # else read only: changes nothing
         arrived = self._arrived_ahead(flat) if self._ahead.sent or self._ahead.next else None
         if arrived is not None:  # asked with the step before's exchange: here meanwhile
             taken, pulled = arrived
@@ -402,9 +407,9 @@ class EmbeddingTable(nn.Module):
             gathered = self._gathered(taken.places, pulled, unique.numel())
         else:
             unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-            gathered = self._looked_up(unique)
+            gathered = self._looked_up(unique, read_only=not trained)
         gathered, inverse = gathered.to(device), inverse.to(device)
-        if torch.is_grad_enabled() and self.training:
+        if trained:
             gathered.requires_grad_(True)
             self._pending.append((unique, gathered))
         if gathered.device.type == "cpu":
@@ -416,20 +421,23 @@ class EmbeddingTable(nn.Module):
             looked_up = F.embedding(inverse, gathered)
         return looked_up.view(*rows.shape, self.dim)
 
-    def _looked_up(self, unique: torch.Tensor) -> torch.Tensor:
-        """The rows of ``unique`` (ascending), asked from the source now."""
+    def _looked_up(self, unique: torch.Tensor, read_only: bool = False) -> torch.Tensor:
+        """The rows of ``unique`` (ascending), asked from the source now; ``read_only``: a
+        lookup nothing is trained on (under ``no_grad`` or ``eval()``), which a table of raw
+        ids does not count as a use (it neither creates rows nor keeps them from expiring)."""
         name, partition = self.spec().name, self.partition
+        asked = {"read_only": True} if read_only else {}  # a source may not know the word
         if partition.num_shards == 1:  # the shard's rows are the batch's rows, in order
             pull_own_rows = getattr(self._source, "pull_own_rows", None)
             if pull_own_rows is not None:  # a source in this process: ids checked above
-                return pull_own_rows(name, 0, unique)
-            return self._source.pull_rows(name, 0, unique)
+                return pull_own_rows(name, 0, unique, **asked)
+            return self._source.pull_rows(name, 0, unique, **asked)
         places, parts = self._split(unique)
         pull_rows_of = getattr(self._source, "pull_rows_of", None)
         if pull_rows_of is not None:  # every shard asked at once: one round trip
-            pulled = pull_rows_of(name, parts)
+            pulled = pull_rows_of(name, parts, **asked)
         else:
-            pulled = {k: self._source.pull_rows(name, k, ids) for k, ids in parts.items()}
+            pulled = {k: self._source.pull_rows(name, k, ids, **asked) for k, ids in parts.items()}
         return self._gathered(places, pulled, unique.numel())
 
     def take_gradient(self) -> SparseRows:

@@ -64,15 +64,20 @@ class LocalRowSource:
         for shard in self.shards:
             shard.create(table, partition, rule)
 
-    def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of ``table`` on ``shard``, the ids checked as a ps checks a pull."""
-        return self.shards[shard].pull(table, ids)
+    def pull_rows(
+        self, table: str, shard: int, ids: torch.Tensor, read_only: bool = False
+    ) -> torch.Tensor:
+        """Rows ``ids`` of ``table`` on ``shard``, the ids checked as a ps checks a pull;
+        ``read_only``: an evaluation's lookup, which changes nothing."""
+        return self.shards[shard].pull(table, ids, read_only)
 
-    def pull_own_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
+    def pull_own_rows(
+        self, table: str, shard: int, ids: torch.Tensor, read_only: bool = False
+    ) -> torch.Tensor:
         """Rows ``ids`` that :meth:`EmbeddingTable.forward` looks up: their range was
         checked by :meth:`EmbeddingTable.rows_of` (or hashing put them in range) and the
         partition put them on ``shard``, so they are not scanned again."""
-        return self.shards[shard].store(table).pull(ids, trusted=True)
+        return self.shards[shard].store(table).pull(ids, trusted=True, read_only=read_only)
 
     def create_all_rows(
         self, table: str, partition: RowPartition | None = None, dim: int | None = None

@@ -257,9 +257,11 @@ class PsRowSource:
                 self._recover(exc)
                 log.warning("%s: %s again from the start", self.task_name, what)
 
-    def pull_rows(self, table: str, shard: int, ids: torch.Tensor) -> torch.Tensor:
+    def pull_rows(
+        self, table: str, shard: int, ids: torch.Tensor, read_only: bool = False
+    ) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
-        body = {"task": self.task_name, "table": table}
+        body = _pull_body(self.task_name, table, read_only)
         (reply,) = self._call(
             lambda: self._fanout().call(
                 "pull_rows", body, self.timeout_s, buffers=[[as_buffer(ids)]], shards=[shard]
@@ -269,13 +271,16 @@ class PsRowSource:
             shard, reply, self._dtypes.get(table, torch.float32), ids.numel()
         )
 
-    def pull_rows_of(self, table: str, parts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def pull_rows_of(
+        self, table: str, parts: dict[int, torch.Tensor], read_only: bool = False
+    ) -> dict[int, torch.Tensor]:
         """The rows of ids ``parts[k]`` from shard ``k``, for every ``k`` at once: one round
         trip to all of them (:meth:`pull_rows` asks one). Every reply is checked (one buffer
-        of exactly the ids' rows) before it is used."""
+        of exactly the ids' rows) before it is used. ``read_only``: an evaluation's lookup,
+        which changes nothing on the shards."""
         shards = sorted(parts)
         wanted = {k: parts[k].to(torch.int64).contiguous() for k in shards}
-        body = {"task": self.task_name, "table": table}
+        body = _pull_body(self.task_name, table, read_only)
         replies = self._call(
             lambda: self._fanout().call(
                 "pull_rows",
@@ -393,3 +398,11 @@ def _version(shard: int, body: dict[str, Any]) -> tuple[int, int]:
                 f"ps:{shard} answered with incarnation {incarnation!r}, version {version!r}"
             )
     return incarnation, version
+
+
+def _pull_body(task: str, table: str, read_only: bool) -> dict[str, object]:
+    """A ``pull_rows`` request's body (``read_only`` only when set: as before otherwise)."""
+    body: dict[str, object] = {"task": task, "table": table}
+    if read_only:
+        body["read_only"] = True
+    return body
