@@ -19,7 +19,8 @@ import pytest
 
 import tensorfleet as tfl
 from tensorfleet.launch.local_cluster import LocalCluster
-from tensorfleet.session.checkpoints import CheckpointDirectory, read_chain
+from tensorfleet.ps.shard_checkpoint import decode_shard
+from tensorfleet.session.checkpoints import CheckpointDirectory, read_chain, read_checkpoint
 from tests.cluster.conftest import PROGRAMS, RecordingOutput
 from tests.processes import process_alive
 
@@ -118,7 +119,13 @@ def test_a_ps_killed_between_two_delta_checkpoints_restores_from_the_chain_and_t
     result = json.loads(result_path.read_text())
     assert result["global_step"] >= LAST_STEP, result
     assert result["loss_after"] < result["loss_before"], result
+    sparse_filters = 0
     for _, path in CheckpointDirectory(checkpoint_dir).step_directories():
         read_chain(path)  # every chain left is complete
+        if _kind(path) == "delta":  # the admission filter: only its changed counters
+            for document in read_checkpoint(path).documents:
+                users = decode_shard(document).tables.get("users")
+                sparse_filters += users is not None and b"admission_filter_at" in users[:4096]
+    assert sparse_filters > 0, transcript
     ids, values = tfl.load_table_rows(checkpoint_dir, "users")
     assert ids.numel() == values.shape[0] > 0

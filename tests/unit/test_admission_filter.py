@@ -2,15 +2,18 @@
 module says; with room to spare it admits exactly as exact counting does, bit for bit; when
 small it admits no id later than its N-th update, in memory that does not grow with the
 ids seen; an expired id keeps its count; its counters are part of a checkpoint and of every
-delta, and a chain of deltas folds back into the full document byte for byte; the
-arguments are checked."""
+delta (only those changed since the document written last when they are few), and a chain
+of deltas folds back into the full document byte for byte; the arguments are checked."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 import tensorfleet as tfl
 from tensorfleet.errors import CheckpointError, ConfigError
@@ -19,7 +22,7 @@ from tensorfleet.ps.raw_id_rows import RawIdRowStore, decode_store
 from tensorfleet.ps.row_partition import HASH, RowPartition, TableSpec
 from tensorfleet.ps.sparse_rows import SparseRows
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
-from tensorfleet.ps.table_deltas import encode_delta, merge
+from tensorfleet.ps.table_deltas import DELTA_KEY, encode_delta, merge
 
 DIM, CAPACITY = 3, 4096
 RULE = SparseRowRule("adagrad", {"lr": 0.1})
@@ -171,3 +174,53 @@ def test_the_arguments_are_checked() -> None:
     )
     assert TableSpec.from_wire(spec.to_wire()) == spec
     assert "admission_filter" not in str(TableSpec("t", 10, 2, raw_ids=True).to_wire())
+
+
+def test_a_delta_holds_only_the_counters_changed_since_the_document_written_last() -> None:
+    store = _store(admission_filter=tfl.AdmissionFilter(1_000_000, 0.01), capacity=1 << 16)
+    batches = _updates(12, seed=4)
+    for ids in batches[:4]:
+        _step(store, ids)
+    document = store.encode()
+    first = store.metadata()["tag"]
+    for ids in batches[4:8]:
+        _step(store, ids)
+    delta = encode_delta(store, first[1])
+    held = safetensors_load(delta)
+    assert "admission_filter" not in held and held["admission_filter_at"].numel() > 0
+    assert len(delta) < store.filter.nbytes // 10  # not the filter's 9.6 MB
+    document = merge(document, delta, "a test's chain")
+    assert document == store.encode()  # byte for byte the full document
+    # a delta since an older document (the chief failed to write the one above) is whole
+    second = store.metadata()["tag"]
+    for ids in batches[8:]:
+        _step(store, ids)
+    assert "admission_filter" in safetensors_load(encode_delta(store, first[1]))
+    # and past an eighth of the counters changed, the whole filter too
+    small = _store(admission_filter=tfl.AdmissionFilter(100, 0.05))
+    small.encode()
+    since = small.metadata()["tag"][1]
+    for ids in batches:
+        _step(small, ids)
+    assert "admission_filter" in safetensors_load(encode_delta(small, since))
+    assert second != first
+
+
+def test_a_delta_whose_filter_changes_do_not_fit_is_refused() -> None:
+    store = _store(admission_filter=tfl.AdmissionFilter(100_000, 0.01))
+    _step(store, torch.tensor([1, 2, 3]))
+    base = store.encode()
+    since = store.metadata()["tag"][1]
+    _step(store, torch.tensor([4, 5]))
+    delta = encode_delta(store, since)
+    tensors = safetensors_load(delta)
+    tensors["admission_filter_at"] = tensors["admission_filter_at"] + store.filter.nbytes
+    metadata = {DELTA_KEY: header_of(delta)}
+    with pytest.raises(CheckpointError, match="admission filter changes .* do not fit"):
+        merge(base, safetensors_save(tensors, metadata), "a test's chain")
+
+
+def header_of(document: bytes) -> str:
+    """A delta document's own metadata entry, as written."""
+    length = int.from_bytes(document[:8], "little")
+    return json.loads(document[8 : 8 + length])["__metadata__"][DELTA_KEY]

@@ -36,7 +36,11 @@ distinct ids than it was sized for admits early more often, never late.
 
 Deterministic: the same updates in the same order give the same counters in every process,
 so sync training still equals one process bit for bit. The counters are part of the shard's
-checkpoint (and of every delta, whole: they are fixed in size).
+checkpoint. A delta checkpoint holds only the counters changed since the document written
+last (their positions and values: 9 B each), as long as they are fewer than an eighth of
+the filter (else, or for a delta since an older document, the whole filter): the filter
+keeps the positions it changed since then (:meth:`CountingFilter.changes`), at most the
+filter's own size in memory.
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ class CountingFilter:
 
     def __init__(self, counters: torch.Tensor, positions: int) -> None:
         self.counters, self.positions = counters, positions
+        self._changed: list[torch.Tensor] | None = []
+        """Positions changed since :meth:`forget_changes` (None: too many to keep)."""
+        self._changed_count = 0
 
     @classmethod
     def sized(cls, spec: AdmissionFilter, num_shards: int) -> CountingFilter:
@@ -146,4 +153,31 @@ class CountingFilter:
             where, times = torch.unique(counted, return_counts=True)
             raised = self.counters[where].to(torch.int64) + times
             self.counters[where] = raised.clamp_max_(MAX_COUNT).to(torch.uint8)
+            self._note_changed(where)
         return self.counters[spots].min(dim=1).values.to(torch.int64)
+
+    def _note_changed(self, where: torch.Tensor) -> None:
+        if self._changed is None:
+            return
+        self._changed_count += where.numel()
+        if self._changed_count * 8 > self.counters.numel():  # more than the filter's bytes
+            self._changed = None  # a delta then holds the whole filter
+        else:
+            self._changed.append(where)
+
+    def changes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(positions ascending, their counters)`` changed since :meth:`forget_changes`,
+        when fewer than an eighth of the counters; None: send the whole filter."""
+        if self._changed is None:
+            return None
+        if not self._changed:
+            where = torch.zeros(0, dtype=torch.int64)
+        else:
+            where = torch.unique(torch.cat(self._changed))
+        self._changed, self._changed_count = [where], where.numel()
+        return where, self.counters[where]
+
+    def forget_changes(self) -> None:
+        """A document holding the counters as they are now was written: changes count
+        from here."""
+        self._changed, self._changed_count = [], 0

@@ -43,6 +43,8 @@ class RawIdDocuments:
     save_clock: int
     counters: dict[str, int]
     filter: CountingFilter | None
+    _filter_clock: int | None = None
+    """The clock of the document written last, which the filter's changes are since."""
     _keys: torch.Tensor
     _count: torch.Tensor
     _seen: torch.Tensor
@@ -97,9 +99,27 @@ class RawIdDocuments:
         }
         for name, slot in self._slots.items():
             state[f"slot/{name}"] = slot.index_select(0, rows)
-        if self.filter is not None:  # fixed in size, changed by most updates: whole
-            state["admission_filter"] = self.filter.counters.clone()
+        if self.filter is not None:
+            state.update(self._filter_changes(since))
         return state
+
+    def _filter_changes(self, since: int) -> dict[str, torch.Tensor]:
+        """The admission filter's part of a delta since clock ``since``: the counters changed
+        since the document written last when it is that one and they are few
+        (``admission_filter_at``, ``admission_filter_counts``), else the whole filter."""
+        assert self.filter is not None
+        changes = self.filter.changes() if since == self._filter_clock else None
+        if changes is None:
+            return {"admission_filter": self.filter.counters.clone()}
+        return {"admission_filter_at": changes[0], "admission_filter_counts": changes[1]}
+
+    def note_saved(self) -> None:
+        """A document was written (:class:`~tensorfleet.ps.save_clock.SaveClock`): the
+        filter's changes count from it."""
+        super().note_saved()  # type: ignore[misc]
+        if self.filter is not None:
+            self.filter.forget_changes()
+            self._filter_clock = self.save_clock
 
     def metadata(self) -> dict:
         """The metadata of this store's documents: format, table, partition, shard, rule,

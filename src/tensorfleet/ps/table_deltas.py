@@ -20,8 +20,9 @@ changed after the document of that tag:
   things that change its count or its row): the delta holds the map entries marked after
   the tag and their rows, plus ``live_keys``, every id in the map now (8 B per id), which
   records the ids evicted or forgotten since: the ones the base holds and ``live_keys``
-  does not; and the counters of its admission filter, when it has one, whole (fixed in
-  size, changed by most updates).
+  does not; and its admission filter's counters, when it has one: those changed since the
+  base (``admission_filter_at``, ``admission_filter_counts``) when the base is the document
+  written last and they are few, else the whole filter.
 
 Nothing is kept on the ps for the chief, so a save that the chief failed to write costs
 nothing: the next delta is asked since the last checkpoint written.
@@ -147,8 +148,9 @@ def merge(base: bytes, delta: bytes, where: str) -> bytes:
     rows = [name for name in old if name == "values" or name.startswith("slot/")]
     raw = "live_keys" in new
     want = {"ids", *rows, *((*_MAP, "live_keys") if raw else ())}
-    if "admission_filter" in old:  # whole in every document: the delta's replaces it
-        want.add("admission_filter")
+    if "admission_filter" in old:  # whole, or the counters changed since the base
+        changed = {"admission_filter_at", "admission_filter_counts"}
+        want |= changed if changed <= set(new) else {"admission_filter"}
     if set(new) != want or "ids" not in old:
         raise CheckpointError(
             f"{where}: the delta holds {sorted(new)}, its base {sorted(old)}: they do not fit"
@@ -166,12 +168,41 @@ def merge(base: bytes, delta: bytes, where: str) -> bytes:
         if raw:
             keep = ~torch.isin(old["keys"], new["keys"]) & torch.isin(old["keys"], new["live_keys"])
             merged.update(_union(old, new, list(_MAP), keep))
-        if "admission_filter" in new:
-            merged["admission_filter"] = new["admission_filter"]
+        if "admission_filter" in old:
+            merged["admission_filter"] = _filter_merged(old, new, where)
     except RuntimeError as exc:  # shapes or dtypes that do not fit (cat, isin)
         raise CheckpointError(f"{where}: the delta does not fit its base: {exc}") from None
     metadata = {key: value for key, value in delta_meta.items() if key != "since"}
     return safetensors_save(merged, {METADATA_KEY: json.dumps(metadata)})
+
+
+def _filter_merged(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], where: str
+) -> torch.Tensor:
+    """The admission filter's counters after a delta: the delta's whole filter, or the
+    base's with the changed counters set (CheckpointError when they do not fit)."""
+    if "admission_filter" in new:
+        return new["admission_filter"]
+    counters, at, values = (
+        old["admission_filter"],
+        new["admission_filter_at"],
+        new["admission_filter_counts"],
+    )
+    if (
+        at.dtype != torch.int64
+        or values.dtype != torch.uint8
+        or at.dim() != 1
+        or values.shape != at.shape
+        or (at.numel() and (int(at.min()) < 0 or int(at.max()) >= counters.numel()))
+    ):
+        raise CheckpointError(
+            f"{where}: the delta's admission filter changes ({at.dtype} {list(at.shape)}, "
+            f"{values.dtype} {list(values.shape)}) do not fit its base's "
+            f"{counters.numel()} counters"
+        )
+    merged = counters.clone()
+    merged[at] = values
+    return merged
 
 
 def _union(

@@ -34,6 +34,7 @@ class Net(nn.Module):
         self.users = tfl.EmbeddingTable(
             4 * VOCAB, DIM, ids="raw", admit_after=1, expire_after_steps=60,
             initializer=tfl.RowInitializer("normal", 0.5, seed=2),
+            admission_filter=tfl.AdmissionFilter(10_000),  # its deltas: the counters changed
         )  # fmt: skip
         self.items = tfl.EmbeddingTable(VOCAB, DIM, initializer=tfl.RowInitializer("normal", 0.5))
         self.head = nn.Linear(2 * DIM, 3)
