@@ -269,3 +269,17 @@ def test_an_export_holds_each_tables_rows_beside_the_parameters(tmp_path: Path) 
     assert sorted(exported) == ["embedding.ids", "embedding.rows", "out.bias", "out.weight"]
     assert torch.equal(exported["embedding.ids"], ids) and ids.numel() > 0
     assert torch.equal(exported["embedding.rows"], rows) and rows.shape == (ids.numel(), DIM)
+
+
+def test_cluster_stats_in_one_process_gives_the_tables_numbers_as_a_shard_does() -> None:
+    """A new user's code read ``cluster_stats()[k]["tables"]`` on a cluster and got ``[]``
+    in one process: now one record of the rows held here, in the same shape."""
+    torch.manual_seed(3)
+    model = Model()
+    ids, labels = _data(3)
+    with tfl.TrainingSession(None, model, optimizer=tfl.optim.SGD(lr=2.0)) as sess:
+        sess.step(lambda: F.cross_entropy(sess.model(ids[:BATCH]), labels[:BATCH]))
+        (record,) = sess.cluster_stats()
+    numbers = record["tables"]["embedding"]
+    assert record["mode"] == "local" and record["peak_rss_bytes"] > 0
+    assert numbers["rows_live"] == ids[:BATCH].unique().numel() and numbers["bytes"] > 0

@@ -580,7 +580,9 @@ class TrainingSession:
         """Each ps shard's own record, a dict per shard: ``pushes``, ``buckets``, ``refused``,
         ``rejected``, ``dropped`` (sync), ``max_staleness_seen``, ``gradient_age``, ``tables``,
         ``shared_memory``, ``streamed_replies`` / ``streamed_requests`` (payloads on the payload
-        stream), ``copies_on_write``, ``peak_rss_bytes``, among others. Empty in modes without parameter servers."""
+        stream), ``copies_on_write``, ``peak_rss_bytes``, among others. In one process with
+        embedding tables, one record of the rows held here (``mode`` ``local``, ``tables``,
+        ``peak_rss_bytes``); otherwise empty in modes without parameter servers."""
         require_open("cluster_stats()", started=self._started, closed=self._released)
         return self._updater.stats()
 

@@ -28,6 +28,7 @@ from tensorfleet.ps.shard_checkpoint import ShardState
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 from tensorfleet.ps.update_discipline import UpdateDiscipline
 from tensorfleet.ps.update_rules import UpdateRule
+from tensorfleet.task_memory import peak_rss_bytes
 from tensorfleet.worker.local_row_source import LocalRowSource
 from tensorfleet.worker.moving_average import MovingAverage
 from tensorfleet.worker.progress import Agreement, Progress
@@ -254,7 +255,15 @@ class LocalUpdater:
         """Nothing to close."""
 
     def stats(self) -> list[dict[str, Any]]:
-        return []
+        """With embedding tables, one record for the rows this process holds (as a ps
+        shard's: ``tables`` by name, ``peak_rss_bytes``, ``mode`` ``local``), so that code
+        reading a cluster's table numbers reads these the same way; else none."""
+        if self.tables is None:
+            return []
+        return [
+            {"mode": "local", "tables": shard.stats(), "peak_rss_bytes": peak_rss_bytes()}
+            for shard in self.row_source.shards
+        ]
 
     def moving_average(self) -> dict[str, torch.Tensor]:
         if self._moving_average is None:
