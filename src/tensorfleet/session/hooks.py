@@ -83,7 +83,10 @@ def can_veto(hook: Hook) -> bool:
 
 class StopAtStep(Hook):
     """Stop when the global step reaches ``last_step`` (or after ``num_steps`` more steps
-    from where the session started). Runs on every worker, so all of them stop."""
+    from where the session started). Runs on every worker, so all of them stop. In ``async``
+    mode the workers' pushes in flight when the first of them sees ``last_step`` still
+    count: the run ends a step or a few past it (``last_step=600`` with 2 workers may end,
+    and write its final checkpoint, at 601); ``sync`` and ``allreduce`` end at it."""
 
     def __init__(self, last_step: int | None = None, num_steps: int | None = None) -> None:
         if (last_step is None) == (num_steps is None):
