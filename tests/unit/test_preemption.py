@@ -211,6 +211,9 @@ def test_a_preempted_ps_asks_the_chief_and_ends_right_after_its_checkpoint() -> 
         global_step, documents = client.save()
         thread.join(10.0)
         assert not thread.is_alive(), "the ps must end right after the checkpoint"
+        started = time.monotonic()
+        client.leave()  # the ps said it ends: no 'leave' that would wait for its silence
+        assert time.monotonic() - started < 1.0
     finally:
         client.close()
     assert global_step == pushes and len(documents) == 1

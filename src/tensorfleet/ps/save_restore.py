@@ -240,11 +240,10 @@ class SaveRestoreHandling:
                     self.global_step,
                 )
             )
-        self.socket.reply(
-            request,
-            {"global_step": self.global_step, "version": self.store.version},
-            [document],
-        )
+        answer: dict[str, object] = {"global_step": self.global_step, "version": self.store.version}
+        if self.checkpoint_wanted:  # preempted: this is the checkpoint it waits for, then ends
+            answer["ending"] = True  # (the chief's 'leave' need not wait for it)
+        self.socket.reply(request, answer, [document])
         self.last_save_at = time.monotonic()
 
     def chief_saved_since(self, when: float) -> bool | None:

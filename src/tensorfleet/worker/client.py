@@ -155,6 +155,9 @@ class ParameterClient(ClientRecovery):
         self._create_bodies: list[dict[str, Any]] = []
         self._wait_bodies: list[dict[str, Any]] = []
         self._initialized: list[bool] = []
+        self._ending: set[int] = set()
+        """Shards whose answer to ``save`` said they end now (preempted: the checkpoint
+        they waited for is written), which :meth:`leave` does not wait for."""
 
     @property
     def num_shards(self) -> int:
@@ -318,6 +321,8 @@ class ParameterClient(ClientRecovery):
         replies = self._recovering(lambda: self._shards.call("save", body, self.timeouts.step_s))
         documents = []
         for shard, reply in enumerate(replies):
+            if reply.body.get("ending") is True:
+                self._ending.add(shard)
             if len(reply.buffers) != 1:
                 raise ProtocolError(
                     f"ps:{shard} answered 'save' with {len(reply.buffers)} buffers, expected 1"
@@ -507,8 +512,13 @@ class ParameterClient(ClientRecovery):
         preemption's grace period is short) is logged, not raised: it will find the worker
         silent."""
         self._heartbeat.stop()
+        shards = [k for k in range(self.num_shards) if k not in self._ending]
+        if not shards:  # every shard ends after the checkpoint it asked for: none to tell
+            return
         try:
-            self._shards.call("leave", self._task, min(LEAVE_TIMEOUT_S, self.timeouts.connect_s))
+            self._shards.call(
+                "leave", self._task, min(LEAVE_TIMEOUT_S, self.timeouts.connect_s), shards=shards
+            )
         except TensorfleetError as exc:
             log.warning("%s: could not tell every ps that it left: %s", self.task_name, exc)
 
