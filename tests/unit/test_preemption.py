@@ -419,3 +419,30 @@ def test_a_chief_lost_by_silence_is_waited_for_and_one_that_left_or_finished_is_
     assert ask(service, 100.0) is None
     roster.left, roster.done = set(), {"worker:0"}
     assert ask(service, 100.0) is None
+
+
+def test_a_draining_shard_is_known_by_its_process_and_a_restart_is_not() -> None:
+    """A worker's ``leave`` skips the shards whose current process asked for a checkpoint
+    (preempted: it ends once the chief wrote one), not a restarted process in its place."""
+    from tensorfleet.wire.channel import Reply
+    from tensorfleet.worker.shard_fanout import ShardFanout
+
+    class Answering:
+        def __init__(self, body: dict) -> None:
+            self.body, self.server_session = body, b"first"
+
+        def send(self, *args: object) -> int:
+            return 1
+
+        def pending_op(self, request_id: int) -> str:
+            return "push"
+
+        def wait(self, request_id: int, timeout_s: float, abort: object = None) -> Reply:
+            return Reply(dict(self.body))
+
+    draining, serving = Answering({"checkpoint": True}), Answering({})
+    fanout = ShardFanout([draining, serving], heartbeat=None)  # type: ignore[list-item, arg-type]
+    fanout.call("push", {}, 1.0, abort_when_silent=False)
+    assert fanout.draining() == {0}
+    draining.server_session = b"restarted"  # the client recovered to a new process there
+    assert fanout.draining() == set()

@@ -155,9 +155,6 @@ class ParameterClient(ClientRecovery):
         self._create_bodies: list[dict[str, Any]] = []
         self._wait_bodies: list[dict[str, Any]] = []
         self._initialized: list[bool] = []
-        self._ending: set[int] = set()
-        """Shards whose answer to ``save`` said they end now (preempted: the checkpoint
-        they waited for is written), which :meth:`leave` does not wait for."""
 
     @property
     def num_shards(self) -> int:
@@ -321,8 +318,6 @@ class ParameterClient(ClientRecovery):
         replies = self._recovering(lambda: self._shards.call("save", body, self.timeouts.step_s))
         documents = []
         for shard, reply in enumerate(replies):
-            if reply.body.get("ending") is True:
-                self._ending.add(shard)
             if len(reply.buffers) != 1:
                 raise ProtocolError(
                     f"ps:{shard} answered 'save' with {len(reply.buffers)} buffers, expected 1"
@@ -512,7 +507,8 @@ class ParameterClient(ClientRecovery):
         preemption's grace period is short) is logged, not raised: it will find the worker
         silent."""
         self._heartbeat.stop()
-        shards = [k for k in range(self.num_shards) if k not in self._ending]
+        ending = self._shards.draining()  # preempted shards: they end now
+        shards = [k for k in range(self.num_shards) if k not in ending]
         if not shards:  # every shard ends after the checkpoint it asked for: none to tell
             return
         try:

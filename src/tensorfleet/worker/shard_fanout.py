@@ -65,6 +65,9 @@ class ShardFanout:
     ) -> None:
         self.channels = list(channels)
         self._heartbeat = heartbeat
+        self._draining: dict[int, object] = {}
+        """Shard -> the server session whose replies asked for a checkpoint: preempted, that
+        process ends once the chief has written one."""
         self.request_fields = dict(request_fields or {})
         """Added to every request's body: the model's namespace (``{"model": name}``), or
         nothing for the default model."""
@@ -118,6 +121,15 @@ class ShardFanout:
             ]
         with self.timeline.span("wait"):
             return self._wait_all(targets, ids, timeout_s, abort_when_silent, interruptible, op)
+
+    def draining(self) -> set[int]:
+        """The shards whose current process asked for a checkpoint (preempted: it ends once
+        the chief has written one; a restarted process at the same place is not)."""
+        return {
+            shard
+            for shard, session in self._draining.items()
+            if session is not None and session == self.channels[shard].server_session
+        }
 
     def send(
         self,
@@ -176,11 +188,12 @@ class ShardFanout:
             channel = self.channels[shard]
             name = channel.pending_op(request_id)
             checks = abort_when_silent or interruptible or name in STEP_EXCHANGE_OPS
-            replies.append(
-                channel.wait(
-                    request_id,
-                    timeout_s + ANSWER_MARGIN_S,
-                    abort=(lambda shard=shard, name=name: abort(shard, name)) if checks else None,
-                )
+            reply = channel.wait(
+                request_id,
+                timeout_s + ANSWER_MARGIN_S,
+                abort=(lambda shard=shard, name=name: abort(shard, name)) if checks else None,
             )
+            if reply.body.get("checkpoint") is True or reply.body.get("ending") is True:
+                self._draining[shard] = channel.server_session  # ("ending": its save's answer)
+            replies.append(reply)
         return replies
