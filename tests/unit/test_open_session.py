@@ -5,6 +5,7 @@ non-socket"). The one-process twin is in ``test_training_session_modes.py``."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from torch import nn
 from tensorfleet.errors import UsageError
 from tensorfleet.ps.service import ServiceConfig
 from tensorfleet.ps.update_rules import SGD
+from tensorfleet.session.hooks import StopAtStep
 from tensorfleet.session.server import Server
 from tensorfleet.session.training_session import TrainingSession
 from tensorfleet.wire.secret import load_secret
@@ -99,3 +101,34 @@ def test_a_session_preempted_while_its_ps_is_gone_ends_without_waiting_for_it(
         signal.signal(signal.SIGTERM, fallback)
     said = caplog.text
     assert "'done'" not in said and said.count("recovering") == 1, said
+
+
+def test_a_final_checkpoint_of_the_step_saved_last_is_not_written_again(tmp_path, caplog) -> None:
+    """The last periodic checkpoint is of the step training ends at (no push since): the
+    chief's final save is skipped, where it wrote the same checkpoint a second time (a new
+    user saw its line twice; a big model's checkpoint written twice)."""
+    service = serve_in_thread(
+        ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)
+    )
+    try:
+        server = Server(
+            {"ps": [service.address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
+        )
+        torch.manual_seed(0)
+        with caplog.at_level(logging.INFO, logger="tensorfleet.session"):
+            with TrainingSession(
+                server, nn.Linear(3, 2), SGD(lr=0.1), hooks=[StopAtStep(last_step=4)],
+                checkpoint_dir=tmp_path, save_checkpoint_steps=2, progress_secs=None,
+            ) as sess:  # fmt: skip
+                while not sess.should_stop():
+                    sess.step(lambda: sess.model(torch.ones(2, 3)).sum())
+    finally:
+        stop_services([service])
+    saved = [
+        r.getMessage() for r in caplog.records if "checkpoint of global step 4" in r.getMessage()
+    ]
+    assert len(saved) == 1, saved
+    assert any(
+        "the final checkpoint is the one of global step 4, saved already" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]

@@ -175,7 +175,10 @@ class TrainingEndHandling:
             running = [t for t in self.roster.running(exclude=chief) if t not in never]
             if not running or expired and request.deadline <= now:
                 self._waiting_for_done.remove(request)
-                self.socket.reply(request, {"running": running, "never_joined": never})
+                self.socket.reply(
+                    request,
+                    {"running": running, "never_joined": never, "global_step": self.global_step},
+                )
 
     def _end(self, request: Request) -> None:
         if self.end_declared_at is None:

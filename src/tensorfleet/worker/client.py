@@ -155,6 +155,8 @@ class ParameterClient(ClientRecovery):
         self._create_bodies: list[dict[str, Any]] = []
         self._wait_bodies: list[dict[str, Any]] = []
         self._initialized: list[bool] = []
+        self.global_step_at_end: int | None = None
+        """The global step when every worker was done (the chief's :meth:`finish`)."""
 
     @property
     def num_shards(self) -> int:
@@ -475,6 +477,8 @@ class ParameterClient(ClientRecovery):
 
             replies = self._recovering(wait_done)
             running = sorted({t for r in replies for t in r.body.get("running", [])})
+            step = replies[0].body.get("global_step")  # shard 0 counts the global step
+            self.global_step_at_end = step if isinstance(step, int) else None
             never = sorted({t for r in replies for t in r.body.get("never_joined", [])})
             if running:
                 log.warning(

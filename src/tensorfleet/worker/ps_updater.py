@@ -20,6 +20,8 @@ the exchange complete.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +61,8 @@ from tensorfleet.worker.updater import (
     SavedState,
     zero_gradients,
 )
+
+log = logging.getLogger("tensorfleet.session")
 
 
 class PsUpdater:
@@ -109,6 +113,7 @@ class PsUpdater:
         )
         self.is_chief = is_chief
         self._serving = False
+        self._saved_step: int | None = None  # the global step of the newest save()
         self.plan = plan
         self.discipline: UpdateDiscipline | None = discipline
         self._initialized: list[bool] = []
@@ -446,6 +451,7 @@ class PsUpdater:
         pushes), and where each stored tensor belongs in the model."""
         self._settle()
         global_step, documents = self.client.save(tables_since)
+        self._saved_step = global_step
         placement = {
             piece.stored_name: {
                 "param": piece.variable.name,
@@ -468,7 +474,23 @@ class PsUpdater:
         self._settle(failed)
         if self.client.values_dtype is not None and not failed:
             self.client.pull()  # the model ends with the ps's exact values, not their rounding
-        self.client.finish(declare_end=self.is_chief, before_done=None if failed else before_done)
+        final = None if failed else before_done
+        if final is not None:
+            final = functools.partial(self._final_checkpoint, final)
+        self.client.finish(declare_end=self.is_chief, before_done=final)
+
+    def _final_checkpoint(self, before_done: Callable[[], object]) -> None:
+        """``before_done`` (the chief's final checkpoint), unless the newest one saved is of
+        the global step training ended at already (the last periodic one, no push since)."""
+        step = self.client.global_step_at_end
+        if step is not None and step == self._saved_step:
+            log.info(
+                "%s: the final checkpoint is the one of global step %d, saved already",
+                self.client.task_name,
+                step,
+            )
+            return
+        before_done()
 
     def leave(self) -> None:
         """Tell every shard this worker left (preempted; not done): it counts as lost at
