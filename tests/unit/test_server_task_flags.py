@@ -135,3 +135,16 @@ def test_security_options_read_the_secret_file_and_encrypt(tmp_path, monkeypatch
     assert task_security(parser.parse_args(["--secret-file", str(secret)])).encrypt is None
     with pytest.raises(AuthenticationError, match="no cluster secret"):
         task_security(parser.parse_args([]))
+
+
+def test_the_idle_timeout_is_a_flag_of_the_command() -> None:
+    """A ps no worker ever reached waited its 30 minutes with no way to say less from the
+    command line (a new user's trial); ``--idle-timeout`` sets it."""
+    from tensorfleet.launch.cli import server_config_fields
+    from tensorfleet.ps.service_settings import ServiceSettings
+
+    parser = build_parser()
+    fields = server_config_fields(parser.parse_args(["server", "--idle-timeout", "90"]))
+    assert fields["idle_timeout_s"] == 90.0
+    default = server_config_fields(parser.parse_args(["server"]))["idle_timeout_s"]
+    assert default == ServiceSettings.idle_timeout_s == 1800.0

@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)g)",
     )
     server.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=ServiceSettings.idle_timeout_s,
+        metavar="S",
+        help="end after S seconds without a valid request from anyone (no worker ever came, "
+        "or all went away without a word) (default: %(default)g)",
+    )
+    server.add_argument(
         "--max-memory",
         default=None,
         metavar="SIZE",
@@ -288,6 +296,7 @@ def server_config_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields = (
         ("liveness_timeout_s", args.liveness_timeout),
         ("end_grace_s", args.end_grace),
+        ("idle_timeout_s", args.idle_timeout),
         ("preempt_grace_s", args.preempt_grace),
         ("max_memory", _max_memory(args.max_memory)),
         ("timeline", args.timeline),
