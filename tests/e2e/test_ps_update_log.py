@@ -105,6 +105,12 @@ def test_a_ps_killed_with_sigkill_comes_back_at_its_last_acknowledged_step(
     assert cluster.restarts["ps:0"] == 1, text
     assert seen["checkpoint_step"] < seen["acknowledged"], text  # steps to bring back
     assert seen["replayed_step"] >= seen["acknowledged"], (seen, text)
+    # the chief says so too, not only that it restored the checkpoint (a trial read its
+    # "restoring checkpoint ... (global step N)" as N being where training went on from)
+    assert (
+        f"restored from the checkpoint of global step {seen['checkpoint_step']}, then replayed "
+        f"its update log to global step {seen['replayed_step']}" in text
+    ), text
     assert re.search(r"^\[worker:0\] Test accuracy: \d\.\d+", text, re.M), text
     assert list(run.log_dir.glob("ps-0.*.updatelog")), text
     pids = [pid for t in cluster.tasks for pid in [t.pid, *t.previous_pids] if pid is not None]

@@ -352,7 +352,9 @@ class ParameterClient(ClientRecovery):
 
     def _restore_now(
         self, documents: Sequence[bytes], global_step: int, fresh: Sequence[int]
-    ) -> None:
+    ) -> int:
+        """Restore every shard (``fresh`` ones created from their document); the global step
+        they answer with (past ``global_step`` when a shard's update log replayed since)."""
         ops = ["create" if shard in fresh else "restore" for shard in range(self.num_shards)]
         bodies = [
             {**self._create_bodies[shard], "restore": True, "global_step": global_step}
@@ -360,13 +362,15 @@ class ParameterClient(ClientRecovery):
             else {"task": self.task_name, "global_step": global_step}
             for shard, op in enumerate(ops)
         ]
-        self._shards.call(
+        replies = self._shards.call(
             ops,
             bodies,
             self.timeouts.step_s,
             buffers=[[document] for document in documents],
             abort_when_silent=False,  # a shard restoring its state answers nothing else
         )
+        step = replies[0].body.get("global_step")  # shard 0 counts the global step
+        return step if isinstance(step, int) else global_step
 
     # -- training -------------------------------------------------------------------------------
 

@@ -123,7 +123,16 @@ class ClientRecovery:
             return
         checkpoint = self.restore_shards() if self.restore_shards is not None else None
         if checkpoint is not None:
-            self._restore_now(checkpoint[1], checkpoint[0], fresh)
+            now = self._restore_now(checkpoint[1], checkpoint[0], fresh)
+            if now > checkpoint[0]:  # the chief's line named the checkpoint's step only
+                log.warning(
+                    "%s: ps %s restored from the checkpoint of global step %d, then replayed "
+                    "its update log to global step %d",
+                    self.task_name,
+                    fresh,
+                    checkpoint[0],
+                    now,
+                )
         else:
             self._recreate(fresh)
         if self.recreate_buffers is not None:  # the others' buffer requests wait for it
