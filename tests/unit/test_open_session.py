@@ -35,14 +35,17 @@ _CALLS: dict[str, Callable[[TrainingSession], object]] = {
 }
 
 
+def _worker_server(ps_address: str) -> Server:
+    """worker:0 (the chief) of a cluster whose one ps is the service in a thread."""
+    return Server({"ps": [ps_address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET)
+
+
 def test_after_the_with_block_the_session_methods_raise_a_usage_error() -> None:
     service = serve_in_thread(
         ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)
     )
     try:
-        server = Server(
-            {"ps": [service.address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
-        )
+        server = _worker_server(service.address)
         torch.manual_seed(0)
         with TrainingSession(
             server, nn.Linear(3, 2), SGD(lr=0.1), ema_decay=0.5, progress_secs=None
@@ -111,9 +114,7 @@ def test_a_final_checkpoint_of_the_step_saved_last_is_not_written_again(tmp_path
         ServiceConfig(shard_index=0, worker_tasks=("worker:0",)), load_secret(SECRET)
     )
     try:
-        server = Server(
-            {"ps": [service.address], "worker": ["127.0.0.1:1"]}, "worker", 0, secret=SECRET
-        )
+        server = _worker_server(service.address)
         torch.manual_seed(0)
         with caplog.at_level(logging.INFO, logger="tensorfleet.session"):
             with TrainingSession(

@@ -15,7 +15,7 @@ from safetensors.torch import save as safetensors_save
 
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
-from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT
+from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT, check_table_matches
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
 if TYPE_CHECKING:
@@ -158,12 +158,7 @@ class RawIdDocuments:
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"a table document cannot be read: {exc}") from None
         name = table.name
-        if expect is not None and expect != table:
-            raise CheckpointError(
-                f"the checkpoint holds table {table.to_wire()}, the model has "
-                f"{expect.to_wire()}; fix: build the table as it was trained, or start without "
-                f"this checkpoint"
-            )
+        check_table_matches(table, expect)
         want = {"ids", "values", "keys", "count", "last_seen"}
         want |= {f"slot/{s}" for s in rule.slot_names}
         want |= set() if store.filter is None else {"admission_filter"}

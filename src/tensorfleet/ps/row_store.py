@@ -337,12 +337,7 @@ class RowStore(SaveClock):
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"a table document cannot be read: {exc}") from None
         name = table.name
-        if expect is not None and expect != table:
-            raise CheckpointError(
-                f"the checkpoint holds table {table.to_wire()}, the model has "
-                f"{expect.to_wire()}; fix: build the table as it was trained, or start without "
-                f"this checkpoint"
-            )
+        check_table_matches(table, expect)
         want = {"ids", "values", *(f"slot/{s}" for s in rule.slot_names)}
         if set(tensors) != want:
             raise CheckpointError(
@@ -526,3 +521,14 @@ def _read_metadata(document: bytes) -> dict[str, Any]:
     if not isinstance(metadata, dict) or METADATA_KEY not in metadata:
         raise ConfigError(f"no {METADATA_KEY!r} metadata")
     return metadata
+
+
+def check_table_matches(table: TableSpec, expect: TableSpec | None) -> None:
+    """CheckpointError unless a document's ``table`` is the one the model has (``expect``;
+    None: any)."""
+    if expect is not None and expect != table:
+        raise CheckpointError(
+            f"the checkpoint holds table {table.to_wire()}, the model has "
+            f"{expect.to_wire()}; fix: build the table as it was trained, or start without "
+            f"this checkpoint"
+        )
