@@ -481,9 +481,12 @@ class PsUpdater:
 
     def _final_checkpoint(self, before_done: Callable[[], object]) -> None:
         """``before_done`` (the chief's final checkpoint), unless the newest one saved is of
-        the global step training ended at already (the last periodic one, no push since)."""
+        the global step training ended at already (the last periodic one, no push since).
+        Not for a model with table rows or buffers: their pushes follow a step's dense push
+        as requests of their own, so they may have changed without the global step."""
         step = self.client.global_step_at_end
-        if step is not None and step == self._saved_step:
+        only_dense = self.tables is None and self.mirrored is None and self.buffers is None
+        if only_dense and step is not None and step == self._saved_step:
             log.info(
                 "%s: the final checkpoint is the one of global step %d, saved already",
                 self.client.task_name,
