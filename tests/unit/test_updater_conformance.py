@@ -229,6 +229,9 @@ def test_every_updater_lives_the_same_life(kind: str) -> None:
             assert saved is not None and saved.global_step == 1 and len(saved.documents) == 1
             assert {p["param"] for p in saved.placement.values()} == {n for n, _ in named}
             assert isinstance(updater.stats(), list)
+
+            _backward(wrapped, 3)  # a step after the save: the final checkpoint is due (a ps
+            assert updater.exchange(1, DATA).global_step == 2  # skips it at the saved step)
         finally:
             updater.finish(lambda: final_checkpoints.append("final"))
             updater.close()
