@@ -446,3 +446,28 @@ def test_a_draining_shard_is_known_by_its_process_and_a_restart_is_not() -> None
     assert fanout.draining() == {0}
     draining.server_session = b"restarted"  # the client recovered to a new process there
     assert fanout.draining() == set()
+
+
+def test_a_childs_death_is_never_raised_into_a_preemptions_exit() -> None:
+    """torch's SIGCHLD handler raises when a loader's worker died: after the notice, once
+    the session is leaving (its exit, a preempted worker's leave: what the suite saw cut
+    short, the chief's checkpoint never written) and after the notice's own exit (the
+    marker, the teardown), it is logged, not raised."""
+
+    def torch_like(signum: int, frame: object) -> None:
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+
+    before = signal.signal(signal.SIGCHLD, torch_like)
+    try:
+        notice = PreemptionNotice(busy=lambda: False)
+        with notice:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert notice.received.wait(5.0)
+            with pytest.raises(RuntimeError, match="DataLoader worker"):  # a loop's wait
+                signal.raise_signal(signal.SIGCHLD)
+            notice.leaving()
+            signal.raise_signal(signal.SIGCHLD)  # logged, kept
+        signal.raise_signal(signal.SIGCHLD)  # after the exit too
+        assert len(notice.deferred) == 2
+    finally:
+        signal.signal(signal.SIGCHLD, before)

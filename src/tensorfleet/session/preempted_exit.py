@@ -41,6 +41,7 @@ def leave_preempted(
     and :class:`Preempted` ends the process with status 143 so that it is restarted.
     ``by_another_worker``: in a collective mode this worker got no SIGTERM (before the
     agreement) and leaves because another did: the group restarts together."""
+    session._preemption.leaving()  # a loader's worker dying now is logged, not raised
     collective = session._updater.collective
     if not collective and session.is_chief and session.checkpoints is not None:
         if session._saved_step == session.global_step:  # e.g. the one a preempted ps asked

@@ -41,7 +41,9 @@ SIGCHLD handler in the training process raises ``RuntimeError: DataLoader worker
 killed by signal: Terminated`` wherever the main thread is, e.g. inside the step whose push
 is in flight. After the notice that handler's errors are logged during a step and raised at
 its end, once its exchange is complete, and raised at once outside a step (the loop waiting
-for its next batch) (:func:`keep_child_deaths_out_of_the_step`); the session takes an error
+for its next batch) (:func:`keep_child_deaths_out_of_the_step`), but never once the session
+is leaving (its exit, a preempted worker's leave, and after: a raise there cut the chief's
+checkpoint short); the session takes an error
 that ends its ``with`` block after the notice for the preemption it follows (the chief's
 checkpoint, status 143), not for a failure that ends training.
 
@@ -82,6 +84,9 @@ class PreemptionNotice:
         self.deferred: list[Exception] = []
         """Errors of the SIGCHLD handler logged during a step since the notice."""
         self._on_notice = on_notice
+        self._leaving = False
+        """The session is ending (its exit, a preempted worker's leave): a child's death is
+        logged from then on, never raised into that work."""
         self._previous: Any = None
         self._previous_sigchld: Any = None
         self.installed = False
@@ -100,11 +105,23 @@ class PreemptionNotice:
     ) -> None:
         if self.installed:
             signal.signal(signal.SIGTERM, self._previous)
-            if self._previous_sigchld is not None:
+            if self._previous_sigchld is not None and not self.received.is_set():
                 signal.signal(signal.SIGCHLD, self._previous_sigchld)
                 self._previous_sigchld = None
+            # After a notice the wrapper stays: the process is on its way out (Preempted),
+            # and a loader's last workers may die while it writes its marker or tears down.
+            self._leaving = True
             self.installed = False
             clear_preempted()
+
+    def leaving(self) -> None:
+        """The session is ending: from now on a child's death after the notice is logged,
+        not raised (a raise would cut short the checkpoint and the exit of a preemption)."""
+        self._leaving = True
+
+    def _inside(self) -> bool:
+        """Whether a child's death is to be logged (and kept) rather than raised now."""
+        return self._leaving or self.busy is None or self.busy()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received.is_set():  # the second one: end now, as SIGTERM does by default
@@ -113,7 +130,7 @@ class PreemptionNotice:
             return
         self.received.set()
         mark_preempted()  # the waits below the session stop waiting (the client's recovery)
-        self._previous_sigchld = keep_child_deaths_out_of_the_step(self.busy, self.deferred)
+        self._previous_sigchld = keep_child_deaths_out_of_the_step(self._inside, self.deferred)
         if self._on_notice is not None:
             self._on_notice()
 

@@ -319,6 +319,7 @@ class TrainingSession:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._preemption.leaving()  # a child's death is not raised into the exit's own work
         if isinstance(exc, Preempted) and not self._closed:  # the ps unreachable: see the module
             end_without_the_ps(self)
             return
