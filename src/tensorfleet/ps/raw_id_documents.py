@@ -15,7 +15,12 @@ from safetensors.torch import save as safetensors_save
 
 from tensorfleet.errors import CheckpointError, ConfigError
 from tensorfleet.ps.row_partition import RowPartition, TableSpec
-from tensorfleet.ps.row_store import METADATA_KEY, TABLE_FORMAT, check_table_matches
+from tensorfleet.ps.row_store import (
+    METADATA_KEY,
+    TABLE_FORMAT,
+    check_table_matches,
+    table_document_fields,
+)
 from tensorfleet.ps.sparse_update_rules import SparseRowRule
 
 if TYPE_CHECKING:
@@ -100,17 +105,16 @@ class RawIdDocuments:
         for name, slot in self._slots.items():
             state[f"slot/{name}"] = slot.index_select(0, rows)
         if self.filter is not None:
-            state.update(self._filter_changes(since))
+            state.update(self._filter_changes(self.filter, since))
         return state
 
-    def _filter_changes(self, since: int) -> dict[str, torch.Tensor]:
+    def _filter_changes(self, counting: CountingFilter, since: int) -> dict[str, torch.Tensor]:
         """The admission filter's part of a delta since clock ``since``: the counters changed
         since the document written last when it is that one and they are few
         (``admission_filter_at``, ``admission_filter_counts``), else the whole filter."""
-        assert self.filter is not None
-        changes = self.filter.changes() if since == self._filter_clock else None
+        changes = counting.changes() if since == self._filter_clock else None
         if changes is None:
-            return {"admission_filter": self.filter.counters.clone()}
+            return {"admission_filter": counting.counters.clone()}
         return {"admission_filter_at": changes[0], "admission_filter_counts": changes[1]}
 
     def note_saved(self) -> None:
@@ -146,12 +150,8 @@ class RawIdDocuments:
     ) -> Self:
         """A store from a document's parsed tensors and metadata (CheckpointError)."""
         try:
-            table = TableSpec.from_wire(meta["table"])
-            partition = RowPartition.from_manifest(meta["partition"])
-            rule = SparseRowRule.from_wire(meta["rule"])
-            shard, step, counters = meta["shard"], meta["step"], meta["counters"]
-            if not isinstance(shard, int) or not isinstance(step, int) or step < 0:
-                raise ConfigError(f"shard {shard!r} and step {step!r} must be ints >= 0")
+            table, partition, rule, shard, step = table_document_fields(meta)
+            counters = meta["counters"]
             if not isinstance(counters, dict) or set(counters) != set(COUNTERS):
                 raise ConfigError(f"counters {counters!r} must name {COUNTERS}")
             store = cls(table, partition, shard, rule)

@@ -176,9 +176,7 @@ class RawIdRowStore(RawIdDocuments, SaveClock):
         seen: an evaluation does not keep rows from expiring, nor add to a delta. An id
         without a row reads zeros, or with ``admit_after`` 0 the initializer's values (what
         its row would start from)."""
-        index, found = self._find(ids)
-        positions = torch.full_like(ids, -1)
-        positions[found] = self._pos[index[found]]
+        positions = self._positions(*self._find(ids))
         has_row = positions >= 0
         if bool(has_row.all()):
             return self._values.index_select(0, positions)
@@ -255,9 +253,7 @@ class RawIdRowStore(RawIdDocuments, SaveClock):
         self.step += 1
         ids = gradient.indices
         index, found = self._find(ids)
-        positions = torch.full_like(ids, -1)
-        if bool(found.any()):
-            positions[found] = self._pos[index[found]]
+        positions = self._positions(index, found)
         has_row = positions >= 0
         self.rule.apply(
             self._values, self._slots, positions[has_row], gradient.values[has_row], self.step
@@ -266,7 +262,7 @@ class RawIdRowStore(RawIdDocuments, SaveClock):
         if without.numel():
             self.counters["dropped_rows"] += int(without.numel())
             if self.filter is not None:
-                self._count_in_the_filter(without)
+                self._count_in_the_filter(self.filter, without)
             else:
                 self._insert(without[~found[~has_row]])
                 where, _ = self._find(without)
@@ -275,18 +271,19 @@ class RawIdRowStore(RawIdDocuments, SaveClock):
                 if due.numel():
                     self._admit(due)
             index, found = self._find(ids)  # the map changed
+            if self.filter is not None:  # ids still counting are in the filter, not the map
+                index = index[found]
         if ids.numel():
-            index = index[found]  # all of them, but with a filter: those with rows
             self._seen[index] = self.step
             self._marks[index] = self._change_clock()
         self._expire()
 
-    def _count_in_the_filter(self, without: torch.Tensor) -> None:
-        """``without`` (ids without rows, none in the map) counted in the filter; those whose
-        count reached ``admit_after`` get rows, while the shard has room (the others keep
-        their count: ``deferred``)."""
-        assert self.filter is not None
-        due = without[self.filter.count(without, self.table.admit_after) >= self.table.admit_after]
+    def _count_in_the_filter(self, counting: CountingFilter, without: torch.Tensor) -> None:
+        """``without`` (ids without rows, none in the map) counted in ``counting``; those
+        whose count reached ``admit_after`` get rows, while the shard has room (the others
+        keep their count: ``deferred``)."""
+        admit_after = self.table.admit_after
+        due = without[counting.count(without, admit_after) >= admit_after]
         room = self.local_rows - self.size
         if due.numel() > room:
             self.counters["deferred"] += int(due.numel()) - room
@@ -338,6 +335,13 @@ class RawIdRowStore(RawIdDocuments, SaveClock):
             return torch.zeros_like(ids), torch.zeros(ids.shape, dtype=torch.bool)
         index = torch.searchsorted(self._keys, ids).clamp_max_(self._keys.numel() - 1)
         return index, self._keys[index] == ids
+
+    def _positions(self, index: torch.Tensor, found: torch.Tensor) -> torch.Tensor:
+        """Each id's row in the storage (from :meth:`_find`), -1 where it has none."""
+        positions = torch.full_like(index, -1)
+        if bool(found.any()):
+            positions[found] = self._pos[index[found]]
+        return positions
 
     def _insert(self, new: torch.Tensor) -> None:
         """Merge ids not in the map (unique) into it, count 0, unseen, without a row."""

@@ -327,12 +327,7 @@ class RowStore(SaveClock):
                 raise ConfigError(
                     f"format {meta.get('format')!r}, this version reads {TABLE_FORMAT}"
                 )
-            table = TableSpec.from_wire(meta["table"])
-            partition = RowPartition.from_manifest(meta["partition"])
-            rule = SparseRowRule.from_wire(meta["rule"])
-            shard, step = meta["shard"], meta["step"]
-            if not isinstance(shard, int) or not isinstance(step, int) or step < 0:
-                raise ConfigError(f"shard {shard!r} and step {step!r} must be ints >= 0")
+            table, partition, rule, shard, step = table_document_fields(meta)
             store = cls(table, partition, shard, rule)
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"a table document cannot be read: {exc}") from None
@@ -521,6 +516,20 @@ def _read_metadata(document: bytes) -> dict[str, Any]:
     if not isinstance(metadata, dict) or METADATA_KEY not in metadata:
         raise ConfigError(f"no {METADATA_KEY!r} metadata")
     return metadata
+
+
+def table_document_fields(
+    meta: dict,
+) -> tuple[TableSpec, RowPartition, SparseRowRule, int, int]:
+    """A table document's table, partition, rule, shard and step, from its metadata
+    (ValueError, KeyError or TypeError when one is missing or malformed)."""
+    table = TableSpec.from_wire(meta["table"])
+    partition = RowPartition.from_manifest(meta["partition"])
+    rule = SparseRowRule.from_wire(meta["rule"])
+    shard, step = meta["shard"], meta["step"]
+    if not isinstance(shard, int) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"shard {shard!r} and step {step!r} must be ints >= 0")
+    return table, partition, rule, shard, step
 
 
 def check_table_matches(table: TableSpec, expect: TableSpec | None) -> None:

@@ -135,12 +135,10 @@ class PreemptionNotice:
             self._on_notice()
 
 
-def keep_child_deaths_out_of_the_step(
-    busy: Callable[[], bool] | None = None, deferred: list[Exception] | None = None
-) -> Any:
+def keep_child_deaths_out_of_the_step(busy: Callable[[], bool], deferred: list[Exception]) -> Any:
     """Wrap the process's SIGCHLD handler, when it is a Python one (torch's ``DataLoader``
     installs one that raises when a worker dies), so that its errors are not raised inside a
-    step (``busy()`` true: None counts as always): there they are logged and kept in
+    step (``busy()`` true): there they are logged and kept in
     ``deferred`` for the step's end; outside, as in the loop's wait for its next batch, they
     are raised at once, as before (a DataLoader would notice its dead workers only at its
     next poll, 5 s later: a ps waiting for the chief's checkpoint may have given up by
@@ -151,7 +149,7 @@ def keep_child_deaths_out_of_the_step(
         return None
 
     def logged(signum: int, frame: FrameType | None) -> None:
-        if busy is not None and not busy():
+        if not busy():
             previous(signum, frame)
             return
         try:
@@ -162,8 +160,7 @@ def keep_child_deaths_out_of_the_step(
                 "in progress completes first",
                 exc,
             )
-            if deferred is not None:
-                deferred.append(exc)
+            deferred.append(exc)
 
     signal.signal(signal.SIGCHLD, logged)
     return previous
